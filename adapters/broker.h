@@ -1,0 +1,120 @@
+/*
+ * broker: the AMQP transport (librabbitmq-c). One struct broker is one
+ * connection with one channel, used by one thread only (librabbitmq-c has
+ * no locking). It owns: connecting (URL list, failover, capabilities),
+ * declaring an input's topology, consuming into struct job, acks, and
+ * publishing with publisher confirms and the mandatory flag.
+ *
+ * API: broker_open -> broker_declare_input / broker_consume ->
+ *      broker_next ... broker_ack -> broker_close.
+ *      Publishing: broker_publish ... broker_wait_confirms.
+ * Every call services heartbeats; keep the time between calls well under
+ * the heartbeat interval.
+ */
+#ifndef IDEMQ_BROKER_H
+#define IDEMQ_BROKER_H
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "conf.h"
+#include "idemq_err.h"
+#include "job.h"
+
+struct broker;
+
+/*
+ * Connects to the first URL of c->urls that answers (then the next ones, in
+ * order), logs in advertising connection.blocked, consumer_cancel_notify and
+ * publisher confirms, opens channel 1 and, if confirms, puts it in confirm
+ * mode. conn_name shows in the management UI. Returns IDEMQ_OK and *out
+ * (free with broker_close), or IDEMQ_ERR_BROKER with errbuf set and *out
+ * NULL. The caller thread then owns the connection.
+ */
+idemq_err_t broker_open(const struct conf *c, const char *conn_name, bool confirms,
+                        struct broker **out, char *errbuf, size_t errlen) IDEMQ_MUSTCHECK;
+
+/* Closes the channel and connection (gracefully if still healthy) and
+ * frees b, including deliveries not yet handed out. NULL is fine. */
+void broker_close(struct broker *b);
+
+/* Declares the input's exchange (durable), queue (durable, with its
+ * x-queue-type) and binding. Idempotent; fails with the broker's reason if
+ * an existing queue has other arguments. */
+idemq_err_t broker_declare_input(struct broker *b, const struct conf_input *in) IDEMQ_MUSTCHECK;
+
+/* Sets basic.qos prefetch for the channel. */
+idemq_err_t broker_qos(struct broker *b, int prefetch) IDEMQ_MUSTCHECK;
+
+/* Starts consuming in->queue; its deliveries get job->input = input_idx.
+ * consumer_id becomes part of the consumer tag. */
+idemq_err_t broker_consume(struct broker *b, int input_idx, const struct conf_input *in,
+                           const char *consumer_id) IDEMQ_MUSTCHECK;
+
+/*
+ * Waits up to timeout_ms for the next delivery and fills j (job_reset
+ * first). Returns IDEMQ_OK, IDEMQ_ERR_TIMEOUT when none arrived (other
+ * frames such as confirms may have been handled), or IDEMQ_ERR_BROKER when
+ * the connection or channel is gone (see broker_error). j->decode is not
+ * run here.
+ */
+idemq_err_t broker_next(struct broker *b, struct job *j, int timeout_ms) IDEMQ_MUSTCHECK;
+
+/* basic.ack of tag (and every earlier unacked tag when multiple). */
+idemq_err_t broker_ack(struct broker *b, uint64_t tag, bool multiple) IDEMQ_MUSTCHECK;
+
+/* basic.nack of one tag, requeued or not. */
+idemq_err_t broker_nack(struct broker *b, uint64_t tag, bool requeue) IDEMQ_MUSTCHECK;
+
+/* Message properties for broker_publish; all optional. headers: a JSON
+ * object whose strings, integers, booleans, reals and nested objects become
+ * AMQP table fields. */
+struct broker_props {
+    const char *message_id;
+    const char *content_type;
+    json_t *headers;
+    bool persistent;
+    const char *expiration; /* per-message TTL in ms, as text */
+};
+
+/*
+ * Publishes one message with the mandatory flag. Requires a connection
+ * opened with confirms; the confirm is collected by broker_wait_confirms.
+ * Deliveries that arrive meanwhile are kept for broker_next.
+ */
+idemq_err_t broker_publish(struct broker *b, const char *exchange, const char *routing_key,
+                           const void *body, size_t len,
+                           const struct broker_props *props) IDEMQ_MUSTCHECK;
+
+/*
+ * Waits until every message published so far is confirmed. IDEMQ_OK only if
+ * all were acked and none was returned as unroutable; IDEMQ_ERR_BROKER if
+ * any was nacked or returned (see broker_error) or the connection failed;
+ * IDEMQ_ERR_TIMEOUT after timeout_ms. The outcome covers everything since
+ * the previous wait.
+ */
+idemq_err_t broker_wait_confirms(struct broker *b, int timeout_ms) IDEMQ_MUSTCHECK;
+
+/* Passive queue.declare: message and consumer counts. IDEMQ_ERR_BROKER if
+ * the queue does not exist (the channel is reopened). */
+idemq_err_t broker_queue_counts(struct broker *b, const char *queue, uint32_t *messages,
+                                uint32_t *consumers) IDEMQ_MUSTCHECK;
+
+/* basic.get of one message into j (auto-ack when ack is true).
+ * IDEMQ_ERR_TIMEOUT if the queue is empty. For tests and tools. */
+idemq_err_t broker_get(struct broker *b, const char *queue, struct job *j,
+                       bool ack) IDEMQ_MUSTCHECK;
+
+/* Purges a queue; for tests and tools. */
+idemq_err_t broker_purge(struct broker *b, const char *queue) IDEMQ_MUSTCHECK;
+
+/* Deletes a queue / an exchange (if present); for tests and tools. */
+idemq_err_t broker_delete_queue(struct broker *b, const char *queue) IDEMQ_MUSTCHECK;
+idemq_err_t broker_delete_exchange(struct broker *b, const char *exchange) IDEMQ_MUSTCHECK;
+
+/* Text of the last failure on b (never NULL). */
+const char *broker_error(const struct broker *b);
+
+#endif

@@ -1,0 +1,712 @@
+/*
+ * conf: loads idemq's libconfig file through one settings table. Each row
+ * names a path, a type, bounds, a default, flags and a description; loading,
+ * defaults, unknown-key checks and check-config output all read that table.
+ */
+#include "conf.h"
+
+#include <errno.h>
+#include <libconfig.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "log.h"
+
+enum conf_type { CT_INT, CT_STR, CT_STRLIST };
+
+#define CF_SENSITIVE 0x1 /* never printed or logged as is */
+#define CF_REQUIRED 0x2  /* no default: must be set */
+
+struct conf_key {
+    const char *path; /* relative to the root, or to one input */
+    enum conf_type type;
+    size_t offset;
+    long min, max; /* ints: value range; strings: length range */
+    const char *def_str;
+    long def_int;
+    unsigned flags;
+    const char *desc;
+};
+
+#define G(f) offsetof(struct conf, f)
+#define I(f) offsetof(struct conf_input, f)
+
+static const struct conf_key global_keys[] = {
+    {"broker.url", CT_STRLIST, G(urls), 1, 8, "amqp://guest:guest@127.0.0.1:5672/", 0,
+     CF_SENSITIVE, "AMQP URL, or a list tried in order on (re)connect; IDEMQ_AMQP_URL overrides"},
+    {"broker.vhost", CT_STR, G(vhost), 0, 255, "", 0, 0,
+     "virtual host; empty takes it from the URL"},
+    {"broker.heartbeat", CT_INT, G(heartbeat), 0, 600, NULL, 30, 0,
+     "AMQP heartbeat in seconds (0 disables); database work stays well inside it"},
+    {"broker.prefetch", CT_INT, G(prefetch), 1, 65535, NULL, 256, 0,
+     "unacknowledged deliveries per worker (basic.qos)"},
+    {"broker.connect_timeout_ms", CT_INT, G(connect_timeout_ms), 100, 600000, NULL, 5000, 0,
+     "TCP connect timeout per URL"},
+    {"database.dsn", CT_STR, G(dsn), 1, 4096, "dbname=idemq", 0, CF_SENSITIVE,
+     "libpq connection string; IDEMQ_PG_DSN overrides"},
+    {"database.statement_timeout_ms", CT_INT, G(statement_timeout_ms), 0, 3600000, NULL, 10000, 0,
+     "statement_timeout of each worker session (0 = none)"},
+    {"consumer.workers", CT_INT, G(workers), 1, 64, NULL, 1, 0,
+     "worker threads, each with its own AMQP and PostgreSQL connection"},
+    {"consumer.batch_max", CT_INT, G(batch_max), 1, 10000, NULL, 100, 0,
+     "deliveries claimed and committed in one transaction at most"},
+    {"consumer.batch_wait_ms", CT_INT, G(batch_wait_ms), 0, 10000, NULL, 5, 0,
+     "how long a worker waits to fill a batch after its first delivery"},
+    {"consumer.id", CT_STR, G(consumer_id), 0, 200, "", 0, 0,
+     "consumer id recorded on attempts; empty = hostname:pid"},
+    {"retry.max_attempts", CT_INT, G(max_attempts), 1, 1000, NULL, 5, 0,
+     "attempts of a job that keeps failing transiently before it is parked"},
+    {"log.level", CT_STR, G(log_level), 1, 10, "info", 0, 0, "error, warn, info or debug"},
+};
+
+static const struct conf_key input_keys[] = {
+    {"name", CT_STR, I(name), 1, 64, NULL, 0, CF_REQUIRED, "input name, used in logs"},
+    {"exchange", CT_STR, I(exchange), 0, 255, "", 0, 0,
+     "exchange that `idemq declare` creates and binds the queue to; empty = none"},
+    {"exchange_type", CT_STR, I(exchange_type), 1, 32, "direct", 0, 0,
+     "type of that exchange: direct, topic or fanout"},
+    {"queue", CT_STR, I(queue), 1, 255, NULL, 0, CF_REQUIRED, "queue to consume"},
+    {"routing_key", CT_STR, I(routing_key), 0, 255, "", 0, 0, "binding key of the queue"},
+    {"queue_type", CT_STR, I(queue_type), 1, 16, "classic", 0, 0, "classic or quorum"},
+    {"key_source", CT_STR, I(key_source), 1, 300, "json:job_id", 0, 0,
+     "idempotency key: json:<field>, header:<name> or message_id"},
+    {"max_body_bytes", CT_INT, I(max_body_bytes), 2, 64 * 1024 * 1024, NULL, 256 * 1024, 0,
+     "larger bodies are parked as body_too_large"},
+    {"effect_function", CT_STR, I(effect_function), 1, 127, NULL, 0, CF_REQUIRED,
+     "SQL function fn(key text, payload jsonb, meta jsonb) RETURNS jsonb"},
+};
+
+#define N_GLOBAL ((int)(sizeof global_keys / sizeof global_keys[0]))
+#define N_INPUT ((int)(sizeof input_keys / sizeof input_keys[0]))
+
+int conf_key_count(void) { return N_GLOBAL + N_INPUT; }
+
+const char *conf_key_path(int i)
+{
+    static char paths[N_INPUT][64];
+    if (i < 0 || i >= N_GLOBAL + N_INPUT)
+        return NULL;
+    if (i < N_GLOBAL)
+        return global_keys[i].path;
+    i -= N_GLOBAL;
+    if (!paths[i][0])
+        snprintf(paths[i], sizeof paths[i], "inputs.[].%s", input_keys[i].path);
+    return paths[i];
+}
+
+static void errf(char *errbuf, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void errf(char *errbuf, size_t errlen, const char *fmt, ...)
+{
+    va_list ap;
+    if (!errbuf || !errlen)
+        return;
+    va_start(ap, fmt);
+    vsnprintf(errbuf, errlen, fmt, ap);
+    va_end(ap);
+}
+
+static const char *type_name(int t)
+{
+    switch (t) {
+    case CONFIG_TYPE_GROUP: return "a group";
+    case CONFIG_TYPE_INT: case CONFIG_TYPE_INT64: return "an integer";
+    case CONFIG_TYPE_FLOAT: return "a float";
+    case CONFIG_TYPE_STRING: return "a string";
+    case CONFIG_TYPE_BOOL: return "a boolean";
+    case CONFIG_TYPE_ARRAY: return "an array";
+    case CONFIG_TYPE_LIST: return "a list";
+    default: return "a value";
+    }
+}
+
+/* Full dotted path of a setting ("inputs.[0].queue") for messages. */
+static void setting_path(const config_setting_t *s, char *buf, size_t len)
+{
+    char part[128];
+    if (!s || config_setting_is_root(s)) {
+        buf[0] = '\0';
+        return;
+    }
+    setting_path(config_setting_parent(s), buf, len);
+    if (config_setting_name(s))
+        snprintf(part, sizeof part, "%s%s", buf[0] ? "." : "", config_setting_name(s));
+    else
+        snprintf(part, sizeof part, "[%d]", config_setting_index(s));
+    strncat(buf, part, len - strlen(buf) - 1);
+}
+
+static char **strlist_slot(void *base, size_t off) { return (char **)((char *)base + off); }
+
+static idemq_err_t set_string(char **slot, const char *v)
+{
+    char *dup = strdup(v);
+    if (!dup)
+        return IDEMQ_ERR_NOMEM;
+    free(*slot);
+    *slot = dup;
+    return IDEMQ_OK;
+}
+
+static void strlist_clear(struct conf_strlist *l)
+{
+    for (int i = 0; i < l->n; i++)
+        free(l->v[i]);
+    free(l->v);
+    l->v = NULL;
+    l->n = 0;
+}
+
+static idemq_err_t strlist_push(struct conf_strlist *l, const char *v)
+{
+    char **nv = realloc(l->v, sizeof(char *) * (size_t)(l->n + 1));
+    if (!nv)
+        return IDEMQ_ERR_NOMEM;
+    l->v = nv;
+    if (!(l->v[l->n] = strdup(v)))
+        return IDEMQ_ERR_NOMEM;
+    l->n++;
+    return IDEMQ_OK;
+}
+
+/* Applies a table's defaults to base. */
+static idemq_err_t apply_defaults(const struct conf_key *keys, int n, void *base)
+{
+    for (int i = 0; i < n; i++) {
+        const struct conf_key *k = &keys[i];
+        void *slot = (char *)base + k->offset;
+        if (k->flags & CF_REQUIRED)
+            continue;
+        switch (k->type) {
+        case CT_INT: *(int *)slot = (int)k->def_int; break;
+        case CT_STR:
+            if (set_string(strlist_slot(base, k->offset), k->def_str) != IDEMQ_OK)
+                return IDEMQ_ERR_NOMEM;
+            break;
+        case CT_STRLIST:
+            if (strlist_push((struct conf_strlist *)slot, k->def_str) != IDEMQ_OK)
+                return IDEMQ_ERR_NOMEM;
+            break;
+        }
+    }
+    return IDEMQ_OK;
+}
+
+static const struct conf_key *find_key(const struct conf_key *keys, int n, const char *path)
+{
+    for (int i = 0; i < n; i++)
+        if (strcmp(keys[i].path, path) == 0)
+            return &keys[i];
+    return NULL;
+}
+
+/* Reads one setting s into base per table row k. */
+static idemq_err_t read_value(const struct conf_key *k, const config_setting_t *s, void *base,
+                              const char *file, char *errbuf, size_t errlen)
+{
+    char path[256];
+    int line = config_setting_source_line(s);
+    int t = config_setting_type(s);
+    void *slot = (char *)base + k->offset;
+
+    setting_path(s, path, sizeof path);
+    switch (k->type) {
+    case CT_INT: {
+        long long v;
+        if (t != CONFIG_TYPE_INT && t != CONFIG_TYPE_INT64) {
+            errf(errbuf, errlen, "%s:%d: %s must be an integer, not %s", file, line, path,
+                 type_name(t));
+            return IDEMQ_ERR_CONFIG;
+        }
+        v = config_setting_get_int64(s);
+        if (v < k->min || v > k->max) {
+            errf(errbuf, errlen, "%s:%d: %s = %lld is out of range [%ld, %ld]", file, line, path,
+                 v, k->min, k->max);
+            return IDEMQ_ERR_CONFIG;
+        }
+        *(int *)slot = (int)v;
+        return IDEMQ_OK;
+    }
+    case CT_STR: {
+        const char *v;
+        size_t len;
+        if (t != CONFIG_TYPE_STRING) {
+            errf(errbuf, errlen, "%s:%d: %s must be a string, not %s", file, line, path,
+                 type_name(t));
+            return IDEMQ_ERR_CONFIG;
+        }
+        v = config_setting_get_string(s);
+        len = strlen(v);
+        if ((long)len < k->min || (long)len > k->max) {
+            errf(errbuf, errlen, "%s:%d: %s must be %ld to %ld characters long", file, line,
+                 path, k->min, k->max);
+            return IDEMQ_ERR_CONFIG;
+        }
+        return set_string(strlist_slot(base, k->offset), v);
+    }
+    case CT_STRLIST: {
+        struct conf_strlist *l = slot;
+        strlist_clear(l);
+        if (t == CONFIG_TYPE_STRING)
+            return strlist_push(l, config_setting_get_string(s));
+        if (t != CONFIG_TYPE_ARRAY && t != CONFIG_TYPE_LIST) {
+            errf(errbuf, errlen, "%s:%d: %s must be a string or a list of strings", file, line,
+                 path);
+            return IDEMQ_ERR_CONFIG;
+        }
+        int n = config_setting_length(s);
+        if (n < k->min || n > k->max) {
+            errf(errbuf, errlen, "%s:%d: %s must have %ld to %ld entries", file, line, path,
+                 k->min, k->max);
+            return IDEMQ_ERR_CONFIG;
+        }
+        for (int i = 0; i < n; i++) {
+            const config_setting_t *e = config_setting_get_elem(s, (unsigned)i);
+            if (config_setting_type(e) != CONFIG_TYPE_STRING) {
+                errf(errbuf, errlen, "%s:%d: %s[%d] must be a string", file, line, path, i);
+                return IDEMQ_ERR_CONFIG;
+            }
+            if (strlist_push(l, config_setting_get_string(e)) != IDEMQ_OK)
+                return IDEMQ_ERR_NOMEM;
+        }
+        return IDEMQ_OK;
+    }
+    }
+    return IDEMQ_ERR_INTERNAL;
+}
+
+/*
+ * Walks the scalar leaves under group g (prefix = path so far) and reads each
+ * into base, refusing any path the table does not have.
+ */
+static idemq_err_t read_group(const config_setting_t *g, const char *prefix,
+                              const struct conf_key *keys, int nkeys, void *base,
+                              const char *file, char *errbuf, size_t errlen)
+{
+    int n = config_setting_length(g);
+    for (int i = 0; i < n; i++) {
+        const config_setting_t *s = config_setting_get_elem(g, (unsigned)i);
+        char rel[256], full[256];
+        const struct conf_key *k;
+        idemq_err_t err;
+
+        snprintf(rel, sizeof rel, "%s%s%s", prefix, prefix[0] ? "." : "",
+                 config_setting_name(s));
+        k = find_key(keys, nkeys, rel);
+        if (!k && config_setting_type(s) == CONFIG_TYPE_GROUP) {
+            err = read_group(s, rel, keys, nkeys, base, file, errbuf, errlen);
+            if (err)
+                return err;
+            continue;
+        }
+        if (!k) {
+            setting_path(s, full, sizeof full);
+            errf(errbuf, errlen, "%s:%d: unknown setting %s", file,
+                 config_setting_source_line(s), full);
+            return IDEMQ_ERR_CONFIG;
+        }
+        if ((err = read_value(k, s, base, file, errbuf, errlen)) != IDEMQ_OK)
+            return err;
+    }
+    return IDEMQ_OK;
+}
+
+static bool is_lower_ident(const char *s, size_t len)
+{
+    if (len == 0 || len > 63 || !((s[0] >= 'a' && s[0] <= 'z') || s[0] == '_'))
+        return false;
+    for (size_t i = 1; i < len; i++)
+        if (!((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= '0' && s[i] <= '9') || s[i] == '_'))
+            return false;
+    return true;
+}
+
+/* Checks one input's values against each other and derives its fields. */
+static idemq_err_t validate_input(struct conf_input *in, int line, const char *file,
+                                  char *errbuf, size_t errlen)
+{
+    const char *ks = in->key_source;
+    const char *fn = in->effect_function;
+    const char *dot = strchr(fn, '.');
+    char sig[256];
+
+    if (strcmp(in->queue_type, "classic") && strcmp(in->queue_type, "quorum")) {
+        errf(errbuf, errlen, "%s:%d: input %s: queue_type must be \"classic\" or \"quorum\", not \"%s\"",
+             file, line, in->name, in->queue_type);
+        return IDEMQ_ERR_CONFIG;
+    }
+    if (strcmp(in->exchange_type, "direct") && strcmp(in->exchange_type, "topic") &&
+        strcmp(in->exchange_type, "fanout")) {
+        errf(errbuf, errlen, "%s:%d: input %s: exchange_type must be direct, topic or fanout",
+             file, line, in->name);
+        return IDEMQ_ERR_CONFIG;
+    }
+    if (strncmp(ks, "json:", 5) == 0 && ks[5]) {
+        in->key_kind = CONF_KEY_JSON;
+        in->key_name = strdup(ks + 5);
+    } else if (strncmp(ks, "header:", 7) == 0 && ks[7]) {
+        in->key_kind = CONF_KEY_HEADER;
+        in->key_name = strdup(ks + 7);
+    } else if (strcmp(ks, "message_id") == 0) {
+        in->key_kind = CONF_KEY_MESSAGE_ID;
+    } else {
+        errf(errbuf, errlen,
+             "%s:%d: input %s: key_source must be json:<field>, header:<name> or message_id, not \"%s\"",
+             file, line, in->name, ks);
+        return IDEMQ_ERR_CONFIG;
+    }
+    if (in->key_kind != CONF_KEY_MESSAGE_ID && !in->key_name)
+        return IDEMQ_ERR_NOMEM;
+    if (dot ? !(is_lower_ident(fn, (size_t)(dot - fn)) && is_lower_ident(dot + 1, strlen(dot + 1)))
+            : !is_lower_ident(fn, strlen(fn))) {
+        errf(errbuf, errlen,
+             "%s:%d: input %s: effect_function \"%s\" must be a lowercase SQL identifier, "
+             "optionally schema-qualified (e.g. public.apply_payout)",
+             file, line, in->name, fn);
+        return IDEMQ_ERR_CONFIG;
+    }
+    snprintf(sig, sizeof sig, "%s(text,jsonb,jsonb)", fn);
+    if (!(in->effect_signature = strdup(sig)))
+        return IDEMQ_ERR_NOMEM;
+    return IDEMQ_OK;
+}
+
+static idemq_err_t read_inputs(const config_t *cfg, struct conf *c, const char *file,
+                               char *errbuf, size_t errlen)
+{
+    const config_setting_t *list = config_lookup(cfg, "inputs");
+    int n;
+
+    if (!list) {
+        errf(errbuf, errlen, "%s: inputs is required: a list of at least one input group", file);
+        return IDEMQ_ERR_CONFIG;
+    }
+    if (config_setting_type(list) != CONFIG_TYPE_LIST) {
+        errf(errbuf, errlen, "%s:%d: inputs must be a list ( {...}, ... ), not %s", file,
+             config_setting_source_line(list), type_name(config_setting_type(list)));
+        return IDEMQ_ERR_CONFIG;
+    }
+    n = config_setting_length(list);
+    if (n < 1 || n > 64) {
+        errf(errbuf, errlen, "%s:%d: inputs must hold 1 to 64 inputs", file,
+             config_setting_source_line(list));
+        return IDEMQ_ERR_CONFIG;
+    }
+    if (!(c->inputs = calloc((size_t)n, sizeof *c->inputs)))
+        return IDEMQ_ERR_NOMEM;
+    c->n_inputs = n;
+    for (int i = 0; i < n; i++) {
+        const config_setting_t *g = config_setting_get_elem(list, (unsigned)i);
+        struct conf_input *in = &c->inputs[i];
+        int line = config_setting_source_line(g);
+        idemq_err_t err;
+
+        if (config_setting_type(g) != CONFIG_TYPE_GROUP) {
+            errf(errbuf, errlen, "%s:%d: inputs.[%d] must be a group { ... }", file, line, i);
+            return IDEMQ_ERR_CONFIG;
+        }
+        if ((err = apply_defaults(input_keys, N_INPUT, in)) != IDEMQ_OK)
+            return err;
+        if ((err = read_group(g, "", input_keys, N_INPUT, in, file, errbuf, errlen)) != IDEMQ_OK)
+            return err;
+        for (int k = 0; k < N_INPUT; k++) {
+            if ((input_keys[k].flags & CF_REQUIRED) && !*strlist_slot(in, input_keys[k].offset)) {
+                errf(errbuf, errlen, "%s:%d: inputs.[%d].%s is required (%s)", file, line, i,
+                     input_keys[k].path, input_keys[k].desc);
+                return IDEMQ_ERR_CONFIG;
+            }
+        }
+        if ((err = validate_input(in, line, file, errbuf, errlen)) != IDEMQ_OK)
+            return err;
+        for (int j = 0; j < i; j++) {
+            if (strcmp(c->inputs[j].name, in->name) == 0 ||
+                strcmp(c->inputs[j].queue, in->queue) == 0) {
+                errf(errbuf, errlen, "%s:%d: inputs.[%d] repeats the name or queue of inputs.[%d]",
+                     file, line, i, j);
+                return IDEMQ_ERR_CONFIG;
+            }
+        }
+    }
+    return IDEMQ_OK;
+}
+
+static idemq_err_t check_url(const char *url, const char *file, char *errbuf, size_t errlen)
+{
+    char red[512];
+    if (strncmp(url, "amqp://", 7) && strncmp(url, "amqps://", 8)) {
+        errf(errbuf, errlen, "%s: broker.url \"%s\" must start with amqp:// or amqps://", file,
+             conf_redact(url, red, sizeof red));
+        return IDEMQ_ERR_CONFIG;
+    }
+    return IDEMQ_OK;
+}
+
+static idemq_err_t apply_env(struct conf *c, char *errbuf, size_t errlen)
+{
+    const char *url = getenv("IDEMQ_AMQP_URL");
+    const char *dsn = getenv("IDEMQ_PG_DSN");
+
+    if (url && *url) {
+        char *copy = strdup(url), *save = NULL;
+        idemq_err_t err = IDEMQ_OK;
+        if (!copy)
+            return IDEMQ_ERR_NOMEM;
+        strlist_clear(&c->urls);
+        for (char *tok = strtok_r(copy, ",", &save); tok && !err; tok = strtok_r(NULL, ",", &save)) {
+            while (*tok == ' ')
+                tok++;
+            if ((err = check_url(tok, "IDEMQ_AMQP_URL", errbuf, errlen)) == IDEMQ_OK)
+                err = strlist_push(&c->urls, tok);
+        }
+        free(copy);
+        if (!err && c->urls.n == 0) {
+            errf(errbuf, errlen, "IDEMQ_AMQP_URL holds no URL");
+            err = IDEMQ_ERR_CONFIG;
+        }
+        if (err)
+            return err;
+    }
+    if (dsn && *dsn && set_string(&c->dsn, dsn) != IDEMQ_OK)
+        return IDEMQ_ERR_NOMEM;
+    return IDEMQ_OK;
+}
+
+static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char *errbuf,
+                        size_t errlen)
+{
+    struct conf *c = calloc(1, sizeof *c);
+    const config_setting_t *root = config_root_setting(cfg);
+    idemq_err_t err = IDEMQ_ERR_NOMEM;
+    int n;
+
+    *out = NULL;
+    if (!c || !(c->path = strdup(file)))
+        goto fail;
+    if ((err = apply_defaults(global_keys, N_GLOBAL, c)) != IDEMQ_OK)
+        goto fail;
+    /* Top level: known groups and the inputs list only. */
+    n = config_setting_length(root);
+    for (int i = 0; i < n; i++) {
+        const config_setting_t *s = config_setting_get_elem(root, (unsigned)i);
+        const char *name = config_setting_name(s);
+        if (strcmp(name, "inputs") == 0)
+            continue;
+        if (config_setting_type(s) != CONFIG_TYPE_GROUP ||
+            (strcmp(name, "broker") && strcmp(name, "database") && strcmp(name, "consumer") &&
+             strcmp(name, "retry") && strcmp(name, "log"))) {
+            errf(errbuf, errlen, "%s:%d: unknown setting %s (top level holds broker, database, "
+                 "consumer, retry, log and inputs)", file, config_setting_source_line(s), name);
+            err = IDEMQ_ERR_CONFIG;
+            goto fail;
+        }
+        err = read_group(s, name, global_keys, N_GLOBAL, c, file, errbuf, errlen);
+        if (err)
+            goto fail;
+    }
+    for (int i = 0; i < c->urls.n; i++)
+        if ((err = check_url(c->urls.v[i], file, errbuf, errlen)) != IDEMQ_OK)
+            goto fail;
+    if (log_level_parse(c->log_level) < 0) {
+        errf(errbuf, errlen, "%s: log.level must be error, warn, info or debug, not \"%s\"", file,
+             c->log_level);
+        err = IDEMQ_ERR_CONFIG;
+        goto fail;
+    }
+    if ((err = read_inputs(cfg, c, file, errbuf, errlen)) != IDEMQ_OK)
+        goto fail;
+    if ((err = apply_env(c, errbuf, errlen)) != IDEMQ_OK)
+        goto fail;
+    if (!c->consumer_id[0]) {
+        char host[128] = "host", id[200];
+        gethostname(host, sizeof host - 1);
+        snprintf(id, sizeof id, "%s:%ld", host, (long)getpid());
+        if ((err = set_string(&c->consumer_id, id)) != IDEMQ_OK)
+            goto fail;
+    }
+    *out = c;
+    return IDEMQ_OK;
+fail:
+    if (err == IDEMQ_ERR_NOMEM)
+        errf(errbuf, errlen, "%s: out of memory while loading", file);
+    conf_free(c);
+    return err;
+}
+
+idemq_err_t conf_load(const char *path, struct conf **out, char *errbuf, size_t errlen)
+{
+    config_t cfg;
+    idemq_err_t err;
+
+    *out = NULL;
+    config_init(&cfg);
+    if (!config_read_file(&cfg, path)) {
+        if (config_error_type(&cfg) == CONFIG_ERR_FILE_IO)
+            errf(errbuf, errlen, "%s: cannot read: %s", path, strerror(errno));
+        else
+            errf(errbuf, errlen, "%s:%d: syntax error: %s", path, config_error_line(&cfg),
+                 config_error_text(&cfg));
+        config_destroy(&cfg);
+        return IDEMQ_ERR_CONFIG;
+    }
+    err = load(&cfg, path, out, errbuf, errlen);
+    config_destroy(&cfg);
+    return err;
+}
+
+idemq_err_t conf_load_string(const char *text, struct conf **out, char *errbuf, size_t errlen)
+{
+    config_t cfg;
+    idemq_err_t err;
+
+    *out = NULL;
+    config_init(&cfg);
+    if (!config_read_string(&cfg, text)) {
+        errf(errbuf, errlen, "<string>:%d: syntax error: %s", config_error_line(&cfg),
+             config_error_text(&cfg));
+        config_destroy(&cfg);
+        return IDEMQ_ERR_CONFIG;
+    }
+    err = load(&cfg, "<string>", out, errbuf, errlen);
+    config_destroy(&cfg);
+    return err;
+}
+
+static void free_strings(const struct conf_key *keys, int n, void *base)
+{
+    for (int i = 0; i < n; i++) {
+        if (keys[i].type == CT_STR)
+            free(*strlist_slot(base, keys[i].offset));
+        else if (keys[i].type == CT_STRLIST)
+            strlist_clear((struct conf_strlist *)((char *)base + keys[i].offset));
+    }
+}
+
+void conf_free(struct conf *c)
+{
+    if (!c)
+        return;
+    for (int i = 0; i < c->n_inputs; i++) {
+        free_strings(input_keys, N_INPUT, &c->inputs[i]);
+        free(c->inputs[i].key_name);
+        free(c->inputs[i].effect_signature);
+    }
+    free(c->inputs);
+    free_strings(global_keys, N_GLOBAL, c);
+    free(c->path);
+    free(c);
+}
+
+static void put(char *buf, size_t buflen, size_t *o, const char *s, size_t n)
+{
+    while (n-- && *o + 1 < buflen)
+        buf[(*o)++] = *s++;
+}
+
+char *conf_redact(const char *s, char *buf, size_t buflen)
+{
+    const char *scheme = strstr(s, "://");
+    const char *p = s;
+    size_t o = 0;
+
+    if (!buflen)
+        return buf;
+    if (scheme) { /* URL: drop the password of user:password@ */
+        const char *auth = scheme + 3;
+        const char *at = strchr(auth, '@');
+        const char *slash = strchr(auth, '/');
+        const char *colon = strchr(auth, ':');
+        if (at && (!slash || at < slash) && colon && colon < at) {
+            put(buf, buflen, &o, s, (size_t)(colon - s));
+            put(buf, buflen, &o, ":***", 4);
+            p = at;
+        }
+        put(buf, buflen, &o, p, strlen(p));
+        buf[o] = '\0';
+        return buf;
+    }
+    while (*p) { /* key=value DSN: replace the value of password= */
+        if ((p == s || p[-1] == ' ') && strncmp(p, "password", 8) == 0) {
+            const char *q = p + 8;
+            while (*q == ' ')
+                q++;
+            if (*q == '=') {
+                q++;
+                while (*q == ' ')
+                    q++;
+                if (*q == '\'') {
+                    q++;
+                    while (*q && *q != '\'')
+                        q += (*q == '\\' && q[1]) ? 2 : 1;
+                    if (*q)
+                        q++;
+                } else {
+                    while (*q && *q != ' ')
+                        q++;
+                }
+                put(buf, buflen, &o, "password=***", 12);
+                p = q;
+                continue;
+            }
+        }
+        put(buf, buflen, &o, p++, 1);
+    }
+    buf[o] = '\0';
+    return buf;
+}
+
+static void print_key(FILE *out, const struct conf_key *k, const void *base, const char *name,
+                      const char *indent)
+{
+    const void *slot = (const char *)base + k->offset;
+    char red[4096];
+    switch (k->type) {
+    case CT_INT:
+        fprintf(out, "%s%s = %d;\n", indent, name, *(const int *)slot);
+        break;
+    case CT_STR: {
+        const char *v = *(char *const *)slot;
+        fprintf(out, "%s%s = \"%s\";\n", indent, name,
+                (k->flags & CF_SENSITIVE) ? conf_redact(v, red, sizeof red) : v);
+        break;
+    }
+    case CT_STRLIST: {
+        const struct conf_strlist *l = slot;
+        fprintf(out, "%s%s = [", indent, name);
+        for (int i = 0; i < l->n; i++)
+            fprintf(out, "%s\"%s\"", i ? ", " : " ",
+                    (k->flags & CF_SENSITIVE) ? conf_redact(l->v[i], red, sizeof red) : l->v[i]);
+        fprintf(out, " ];\n");
+        break;
+    }
+    }
+}
+
+void conf_print(const struct conf *c, FILE *out)
+{
+    const char *group = NULL;
+    size_t group_len = 0;
+    for (int i = 0; i < N_GLOBAL; i++) {
+        const struct conf_key *k = &global_keys[i];
+        const char *dot = strchr(k->path, '.');
+        size_t glen = (size_t)(dot - k->path);
+        if (!group || group_len != glen || strncmp(group, k->path, glen)) {
+            if (group)
+                fprintf(out, "};\n");
+            fprintf(out, "%.*s: {\n", (int)glen, k->path);
+            group = k->path;
+            group_len = glen;
+        }
+        print_key(out, k, c, dot + 1, "  ");
+    }
+    fprintf(out, "};\ninputs = (\n");
+    for (int j = 0; j < c->n_inputs; j++) {
+        fprintf(out, "  {\n");
+        for (int i = 0; i < N_INPUT; i++)
+            print_key(out, &input_keys[i], &c->inputs[j], input_keys[i].path, "    ");
+        fprintf(out, "  }%s\n", j + 1 < c->n_inputs ? "," : "");
+    }
+    fprintf(out, ");\n");
+}

@@ -1,0 +1,107 @@
+/*
+ * conf: idemq's configuration: one settings table drives loading (libconfig),
+ * defaults, validation with line numbers, unknown-key rejection, environment
+ * overrides and the redacted effective-config print of `check-config`.
+ *
+ * API: conf_load / conf_load_string -> use struct conf -> conf_free;
+ *      conf_print for `check-config`; conf_redact for secrets in logs.
+ */
+#ifndef IDEMQ_CONF_H
+#define IDEMQ_CONF_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdio.h>
+
+#include "idemq_err.h"
+
+#define CONF_KEY_MAX_BYTES 256
+
+struct conf_strlist {
+    char **v;
+    int n;
+};
+
+/* Where the business idempotency key of a message comes from. */
+enum conf_key_kind {
+    CONF_KEY_JSON = 0,   /* json:<field>: a top-level field of the body */
+    CONF_KEY_HEADER,     /* header:<name>: an AMQP header */
+    CONF_KEY_MESSAGE_ID, /* message_id: the producer-set AMQP property */
+};
+
+/* One configured input: a queue and how its messages become effects. */
+struct conf_input {
+    char *name;
+    char *exchange;
+    char *exchange_type;
+    char *queue;
+    char *routing_key;
+    char *queue_type; /* "classic" or "quorum" */
+    char *key_source;
+    int max_body_bytes;
+    char *effect_function;
+    /* derived by validation */
+    enum conf_key_kind key_kind;
+    char *key_name;        /* field or header name; NULL for message_id */
+    char *effect_signature; /* "schema.fn(text,jsonb,jsonb)" */
+};
+
+struct conf {
+    char *path; /* file it came from, or "<string>" */
+    /* broker */
+    struct conf_strlist urls;
+    char *vhost; /* "" = take it from the URL */
+    int heartbeat;
+    int prefetch;
+    int connect_timeout_ms;
+    /* database */
+    char *dsn;
+    int statement_timeout_ms;
+    /* consumer */
+    int workers;
+    int batch_max;
+    int batch_wait_ms;
+    char *consumer_id;
+    /* retry */
+    int max_attempts;
+    /* log */
+    char *log_level;
+    /* inputs */
+    struct conf_input *inputs;
+    int n_inputs;
+};
+
+/*
+ * Loads and validates a configuration file, then applies the environment
+ * overrides IDEMQ_AMQP_URL (comma-separated list allowed) and IDEMQ_PG_DSN.
+ * Returns IDEMQ_OK and a new conf in *out (free with conf_free), or
+ * IDEMQ_ERR_CONFIG with a message naming the file, the setting and its line
+ * in errbuf; *out is NULL then. Any thread; touches no global state.
+ */
+idemq_err_t conf_load(const char *path, struct conf **out, char *errbuf,
+                      size_t errlen) IDEMQ_MUSTCHECK;
+
+/* As conf_load, from text in memory (tests, defaults). */
+idemq_err_t conf_load_string(const char *text, struct conf **out, char *errbuf,
+                             size_t errlen) IDEMQ_MUSTCHECK;
+
+/* Frees a conf and everything it owns. NULL is fine. */
+void conf_free(struct conf *c);
+
+/* Writes the effective configuration in libconfig syntax, with every
+ * sensitive value redacted. */
+void conf_print(const struct conf *c, FILE *out);
+
+/*
+ * Copies s into buf with any password removed: the userinfo password of an
+ * amqp(s):// or postgres(ql):// URL and `password=` in a libpq key/value DSN.
+ * Returns buf. Truncates to buflen.
+ */
+char *conf_redact(const char *s, char *buf, size_t buflen);
+
+/* The settings table, for tests and docs: number of rows and each path
+ * ("broker.heartbeat", "inputs.[].queue"). */
+int conf_key_count(void);
+const char *conf_key_path(int i);
+
+#endif

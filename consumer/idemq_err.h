@@ -1,0 +1,38 @@
+/*
+ * idemq_err: the one error enum of idemq and its names and texts.
+ * 0 is success; codes are appended, never renumbered (they are stored in
+ * the ledger by name, see idemq_err_name()).
+ */
+#ifndef IDEMQ_ERR_H
+#define IDEMQ_ERR_H
+
+#define IDEMQ_MUSTCHECK __attribute__((warn_unused_result))
+
+typedef enum {
+    IDEMQ_OK = 0,
+    IDEMQ_ERR_NOMEM,          /* allocation failed */
+    IDEMQ_ERR_CONFIG,         /* invalid configuration */
+    IDEMQ_ERR_USAGE,          /* bad command line */
+    IDEMQ_ERR_TIMEOUT,        /* nothing happened within the wait */
+    IDEMQ_ERR_BODY_TOO_LARGE, /* message body over max_body_bytes */
+    IDEMQ_ERR_BAD_JSON,       /* body is not valid JSON (or not UTF-8) */
+    IDEMQ_ERR_NOT_OBJECT,     /* body is JSON but not an object */
+    IDEMQ_ERR_KEY_MISSING,    /* key source absent */
+    IDEMQ_ERR_KEY_EMPTY,      /* key present but empty */
+    IDEMQ_ERR_KEY_TOO_LONG,   /* key over 256 bytes */
+    IDEMQ_ERR_KEY_INVALID,    /* key of the wrong type, not UTF-8, or NUL */
+    IDEMQ_ERR_BROKER,         /* AMQP connection or channel failure */
+    IDEMQ_ERR_DB_CONN,        /* PostgreSQL connection failure */
+    IDEMQ_ERR_SQL,            /* a statement failed; see its SQLSTATE */
+    IDEMQ_ERR_EFFECT,         /* the effect function raised an error */
+    IDEMQ_ERR_SHUTDOWN,       /* stopping on request */
+    IDEMQ_ERR_INTERNAL,       /* an invariant failed */
+} idemq_err_t;
+
+/* Stable snake_case name ("bad_json"), stored in the ledger. Never NULL. */
+const char *idemq_err_name(idemq_err_t err);
+
+/* One-sentence human text. Never NULL. */
+const char *idemq_err_str(idemq_err_t err);
+
+#endif

@@ -1,0 +1,209 @@
+/*
+ * job: decoding of one delivery into a job: body limits, JSON object check,
+ * idempotency key extraction. Every bad input becomes a named decode error
+ * with a reason; nothing here crashes on hostile bytes.
+ */
+#include "job.h"
+
+#include <inttypes.h>
+#include <openssl/evp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+void job_init(struct job *j)
+{
+    memset(j, 0, sizeof *j);
+    j->delivery_count = -1;
+    j->headers = json_object();
+    j->props = json_object();
+}
+
+void job_reset(struct job *j)
+{
+    unsigned char *body = j->body;
+    size_t cap = j->body_cap;
+    json_t *h = j->headers, *p = j->props;
+
+    json_object_clear(h);
+    json_object_clear(p);
+    memset(j, 0, sizeof *j);
+    j->delivery_count = -1;
+    j->body = body;
+    j->body_cap = cap;
+    j->headers = h;
+    j->props = p;
+}
+
+void job_destroy(struct job *j)
+{
+    free(j->body);
+    json_decref(j->headers);
+    json_decref(j->props);
+    memset(j, 0, sizeof *j);
+}
+
+idemq_err_t job_set_body(struct job *j, const void *data, size_t len)
+{
+    if (len + 1 > j->body_cap) {
+        size_t cap = j->body_cap ? j->body_cap : 512;
+        unsigned char *nb;
+        while (cap < len + 1)
+            cap *= 2;
+        if (!(nb = realloc(j->body, cap)))
+            return IDEMQ_ERR_NOMEM;
+        j->body = nb;
+        j->body_cap = cap;
+    }
+    if (len)
+        memcpy(j->body, data, len);
+    j->body[len] = '\0';
+    j->body_len = len;
+    return IDEMQ_OK;
+}
+
+bool job_utf8_valid(const unsigned char *s, size_t n)
+{
+    size_t i = 0;
+    while (i < n) {
+        unsigned char c = s[i];
+        size_t extra;
+        uint32_t cp;
+        if (c == 0)
+            return false;
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        if ((c & 0xE0) == 0xC0)
+            extra = 1, cp = c & 0x1F;
+        else if ((c & 0xF0) == 0xE0)
+            extra = 2, cp = c & 0x0F;
+        else if ((c & 0xF8) == 0xF0)
+            extra = 3, cp = c & 0x07;
+        else
+            return false;
+        if (i + extra >= n)
+            return false;
+        for (size_t k = 1; k <= extra; k++) {
+            if ((s[i + k] & 0xC0) != 0x80)
+                return false;
+            cp = (cp << 6) | (s[i + k] & 0x3F);
+        }
+        if ((extra == 1 && cp < 0x80) || (extra == 2 && cp < 0x800) ||
+            (extra == 3 && cp < 0x10000) || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+            return false;
+        i += extra + 1;
+    }
+    return true;
+}
+
+/* Stores a key candidate, or returns the decode error that it is. */
+static idemq_err_t take_key(struct job *j, const json_t *v, const char *what)
+{
+    const char *s;
+    size_t n;
+    char num[32];
+
+    if (!v || json_is_null(v)) {
+        snprintf(j->reason, sizeof j->reason, "%s is missing", what);
+        return IDEMQ_ERR_KEY_MISSING;
+    }
+    if (json_is_integer(v)) {
+        snprintf(num, sizeof num, "%" JSON_INTEGER_FORMAT, json_integer_value(v));
+        s = num;
+        n = strlen(num);
+    } else if (json_is_string(v)) {
+        s = json_string_value(v);
+        n = json_string_length(v);
+    } else {
+        snprintf(j->reason, sizeof j->reason, "%s must be a string or an integer", what);
+        return IDEMQ_ERR_KEY_INVALID;
+    }
+    if (n == 0) {
+        snprintf(j->reason, sizeof j->reason, "%s is empty", what);
+        return IDEMQ_ERR_KEY_EMPTY;
+    }
+    if (n > CONF_KEY_MAX_BYTES) {
+        snprintf(j->reason, sizeof j->reason, "%s is %zu bytes long (at most %d)", what, n,
+                 CONF_KEY_MAX_BYTES);
+        return IDEMQ_ERR_KEY_TOO_LONG;
+    }
+    if (!job_utf8_valid((const unsigned char *)s, n)) {
+        snprintf(j->reason, sizeof j->reason, "%s is not valid UTF-8 text", what);
+        return IDEMQ_ERR_KEY_INVALID;
+    }
+    memcpy(j->key, s, n);
+    j->key[n] = '\0';
+    j->has_key = true;
+    return IDEMQ_OK;
+}
+
+/* Key from a header or the message_id property: the body is not needed. */
+static idemq_err_t key_from_envelope(struct job *j, const struct conf_input *in)
+{
+    char what[300];
+    if (in->key_kind == CONF_KEY_HEADER) {
+        snprintf(what, sizeof what, "header %s", in->key_name);
+        return take_key(j, json_object_get(j->headers, in->key_name), what);
+    }
+    if (!j->has_message_id)
+        return take_key(j, NULL, "message_id property");
+    if (!job_utf8_valid((const unsigned char *)j->message_id, strlen(j->message_id))) {
+        snprintf(j->reason, sizeof j->reason, "message_id property is not valid UTF-8 text");
+        return IDEMQ_ERR_KEY_INVALID;
+    }
+    json_t *v = json_string(j->message_id);
+    idemq_err_t err = take_key(j, v, "message_id property");
+    json_decref(v);
+    return err;
+}
+
+idemq_err_t job_decode(struct job *j, const struct conf_input *in)
+{
+    json_error_t jerr;
+    json_t *root = NULL;
+    idemq_err_t body_err = IDEMQ_OK, key_err = IDEMQ_OK;
+    char body_reason[sizeof j->reason] = "";
+
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int mdlen = 0;
+
+    j->has_key = false;
+    j->key[0] = '\0';
+    j->sha256_hex[0] = '\0';
+    if (EVP_Digest(j->body, j->body_len, md, &mdlen, EVP_sha256(), NULL) == 1)
+        for (unsigned int i = 0; i < mdlen && i < 32; i++)
+            snprintf(j->sha256_hex + 2 * i, 3, "%02x", md[i]);
+    if (j->body_len > (size_t)in->max_body_bytes) {
+        body_err = IDEMQ_ERR_BODY_TOO_LARGE;
+        snprintf(body_reason, sizeof body_reason, "body is %zu bytes, max_body_bytes is %d",
+                 j->body_len, in->max_body_bytes);
+    } else if (!(root = json_loadb((const char *)j->body, j->body_len, 0, &jerr))) {
+        body_err = IDEMQ_ERR_BAD_JSON;
+        snprintf(body_reason, sizeof body_reason, "invalid JSON at byte %d: %s", jerr.position,
+                 jerr.text);
+    } else if (!json_is_object(root)) {
+        body_err = IDEMQ_ERR_NOT_OBJECT;
+        snprintf(body_reason, sizeof body_reason, "body is JSON but not an object");
+    }
+
+    if (in->key_kind == CONF_KEY_JSON) {
+        if (!body_err) {
+            char what[300];
+            snprintf(what, sizeof what, "field %s", in->key_name);
+            key_err = take_key(j, json_object_get(root, in->key_name), what);
+        }
+    } else {
+        key_err = key_from_envelope(j, in);
+    }
+    json_decref(root);
+
+    if (body_err) {
+        snprintf(j->reason, sizeof j->reason, "%s", body_reason);
+        j->decode_err = body_err;
+    } else {
+        j->decode_err = key_err;
+    }
+    return j->decode_err;
+}

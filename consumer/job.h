@@ -1,0 +1,70 @@
+/*
+ * job: one delivery as idemq sees it (delivery facts, body, headers) and its
+ * decoding: body size, JSON object check and idempotency-key extraction per
+ * the input's key_source. Pure and broker-neutral, so it is unit tested
+ * without a broker.
+ *
+ * API: job_init -> (job_set_body, fill facts) -> job_decode -> job_reset ...
+ *      -> job_destroy.
+ */
+#ifndef IDEMQ_JOB_H
+#define IDEMQ_JOB_H
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "conf.h"
+#include "idemq_err.h"
+
+#define JOB_SHORTSTR 256 /* AMQP short strings hold at most 255 bytes */
+
+struct job {
+    /* delivery facts, filled by the transport */
+    uint64_t tag;
+    bool redelivered;
+    int delivery_count; /* x-delivery-count of quorum queues; -1 if absent */
+    int input;          /* index into conf->inputs */
+    char exchange[JOB_SHORTSTR];
+    char routing_key[JOB_SHORTSTR];
+    char message_id[JOB_SHORTSTR];
+    bool has_message_id;
+    json_t *headers; /* object, owned; never NULL after job_init */
+    json_t *props;   /* other AMQP properties as an object, owned */
+    unsigned char *body;
+    size_t body_len;
+    size_t body_cap;
+    /* decoding results */
+    char sha256_hex[65]; /* of the raw body, always set by job_decode */
+    idemq_err_t decode_err;
+    bool has_key;
+    char key[CONF_KEY_MAX_BYTES + 1];
+    char reason[256];
+};
+
+/* Prepares an empty job. Cannot fail: buffers are allocated on demand. */
+void job_init(struct job *j);
+
+/* Clears per-delivery data, keeping the body buffer for reuse. */
+void job_reset(struct job *j);
+
+/* Releases everything the job owns. */
+void job_destroy(struct job *j);
+
+/* Copies the body in, growing the reusable buffer if needed.
+ * Returns IDEMQ_ERR_NOMEM (job unchanged) or IDEMQ_OK. */
+idemq_err_t job_set_body(struct job *j, const void *data, size_t len) IDEMQ_MUSTCHECK;
+
+/*
+ * Checks the body and extracts the key per input. Sets j->decode_err (and
+ * returns it): IDEMQ_OK, or a permanent decode error with j->reason
+ * explaining it. The key is extracted whenever it can be (even when the body
+ * is bad), so a parked message keeps its key if it has one. Pure.
+ */
+idemq_err_t job_decode(struct job *j, const struct conf_input *in);
+
+/* True if s[0..n) is valid UTF-8 without NUL bytes. */
+bool job_utf8_valid(const unsigned char *s, size_t n);
+
+#endif

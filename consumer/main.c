@@ -1,0 +1,333 @@
+/*
+ * main: the idemq command line: run, migrate, declare, check-config,
+ * publish. Owns start-up checks and exit codes; the work itself is in
+ * worker.c (consuming), ledger/ (the database) and adapters/ (transports).
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "broker.h"
+#include "conf.h"
+#include "ledger_db.h"
+#include "ledger_migrate.h"
+#include "log.h"
+#include "sig.h"
+#include "worker.h"
+
+/* Exit codes (documented in the README and --help). */
+enum {
+    EXIT_OK = 0,
+    EXIT_RUNTIME = 1,   /* a worker or command failed while running */
+    EXIT_USAGE = 2,     /* bad command line */
+    EXIT_CONFIG = 3,    /* invalid configuration file */
+    EXIT_CONNECT = 4,   /* broker or database unreachable at start-up */
+    EXIT_SCHEMA = 5,    /* ledger schema missing or of another version */
+    EXIT_TOPOLOGY = 6,  /* queue missing or declared differently */
+};
+
+static void usage(FILE *out)
+{
+    fprintf(out,
+            "usage: idemq COMMAND -c FILE [options]\n"
+            "\n"
+            "commands:\n"
+            "  run [--until-idle SECONDS]  consume and apply jobs (until stopped, or until no\n"
+            "                              delivery arrived for SECONDS)\n"
+            "  migrate                     apply the ledger schema migrations (idempotent)\n"
+            "  declare                     declare the exchanges, queues and bindings of the inputs\n"
+            "  check-config                validate FILE and print the effective configuration\n"
+            "                              (secrets redacted)\n"
+            "  publish [--input NAME] [--routing-key KEY]\n"
+            "                              publish stdin lines as messages (confirmed) to the\n"
+            "                              input's exchange; for demos and tests\n"
+            "\n"
+            "options: -c, --config FILE; -h, --help; -V, --version\n"
+            "environment: IDEMQ_AMQP_URL and IDEMQ_PG_DSN override broker.url and database.dsn\n"
+            "\n"
+            "exit codes: 0 ok, 1 runtime failure, 2 usage, 3 invalid config, 4 broker or\n"
+            "database unreachable at start-up, 5 ledger schema not migrated, 6 topology missing\n"
+            "or different\n");
+}
+
+struct opts {
+    const char *cmd;
+    const char *config;
+    long until_idle_s;
+    const char *input;
+    const char *routing_key;
+};
+
+static int parse_args(int argc, char **argv, struct opts *o)
+{
+    static const struct option longopts[] = {
+        {"config", required_argument, NULL, 'c'},  {"help", no_argument, NULL, 'h'},
+        {"version", no_argument, NULL, 'V'},       {"until-idle", required_argument, NULL, 'i'},
+        {"input", required_argument, NULL, 'n'},   {"routing-key", required_argument, NULL, 'r'},
+        {NULL, 0, NULL, 0}};
+    int c;
+    char *end;
+
+    memset(o, 0, sizeof o[0]);
+    while ((c = getopt_long(argc, argv, "c:hV", longopts, NULL)) != -1) {
+        switch (c) {
+        case 'c': o->config = optarg; break;
+        case 'h': usage(stdout); exit(EXIT_OK);
+        case 'V': printf("idemq %s\n", IDEMQ_VERSION); exit(EXIT_OK);
+        case 'i':
+            errno = 0;
+            o->until_idle_s = strtol(optarg, &end, 10);
+            if (errno || *end || o->until_idle_s < 1 || o->until_idle_s > 86400) {
+                fprintf(stderr, "idemq: --until-idle takes whole seconds from 1 to 86400\n");
+                return -1;
+            }
+            break;
+        case 'n': o->input = optarg; break;
+        case 'r': o->routing_key = optarg; break;
+        default: return -1;
+        }
+    }
+    if (optind >= argc) {
+        fprintf(stderr, "idemq: missing command\n");
+        return -1;
+    }
+    o->cmd = argv[optind++];
+    if (optind < argc) {
+        fprintf(stderr, "idemq: unexpected argument '%s'\n", argv[optind]);
+        return -1;
+    }
+    if (!o->config) {
+        fprintf(stderr, "idemq: %s needs -c FILE\n", o->cmd);
+        return -1;
+    }
+    if (o->until_idle_s && strcmp(o->cmd, "run") != 0) {
+        fprintf(stderr, "idemq: --until-idle goes with run\n");
+        return -1;
+    }
+    return 0;
+}
+
+static PGconn *connect_db(const struct conf *c)
+{
+    char err[512];
+    PGconn *db = ledger_db_connect(c->dsn, "idemq", c->statement_timeout_ms, err, sizeof err);
+    if (!db)
+        log_error("%s", err);
+    return db;
+}
+
+static int cmd_migrate(const struct conf *c)
+{
+    char err[512];
+    int applied;
+    PGconn *db = connect_db(c);
+    if (!db)
+        return EXIT_CONNECT;
+    if (ledger_migrate_run(db, &applied, err, sizeof err)) {
+        log_error("%s", err);
+        PQfinish(db);
+        return EXIT_SCHEMA;
+    }
+    printf("ledger schema at version %d (%d migration%s applied)\n", ledger_migrate_latest(),
+           applied, applied == 1 ? "" : "s");
+    PQfinish(db);
+    return EXIT_OK;
+}
+
+static int cmd_declare(const struct conf *c)
+{
+    char err[512];
+    struct broker *b;
+    int rc = EXIT_OK;
+
+    if (broker_open(c, "idemq declare", false, &b, err, sizeof err)) {
+        log_error("%s", err);
+        return EXIT_CONNECT;
+    }
+    for (int i = 0; i < c->n_inputs && rc == EXIT_OK; i++) {
+        if (broker_declare_input(b, &c->inputs[i])) {
+            log_error("input %s: %s", c->inputs[i].name, broker_error(b));
+            rc = EXIT_TOPOLOGY;
+        } else {
+            printf("input %s: queue %s (%s)%s%s%s%s\n", c->inputs[i].name, c->inputs[i].queue,
+                   c->inputs[i].queue_type, c->inputs[i].exchange[0] ? " bound to " : "",
+                   c->inputs[i].exchange, c->inputs[i].exchange[0] ? " with key " : "",
+                   c->inputs[i].exchange[0] ? c->inputs[i].routing_key : "");
+        }
+    }
+    broker_close(b);
+    return rc;
+}
+
+/* Start-up checks of `run`: reachable services, migrated schema, queues. */
+static int preflight(const struct conf *c)
+{
+    char err[512];
+    struct broker *b;
+    PGconn *db = connect_db(c);
+    int rc = EXIT_OK;
+
+    if (!db)
+        return EXIT_CONNECT;
+    if (ledger_migrate_check(db, err, sizeof err)) {
+        log_error("%s", err);
+        rc = PQstatus(db) == CONNECTION_OK ? EXIT_SCHEMA : EXIT_CONNECT;
+    }
+    PQfinish(db);
+    if (rc)
+        return rc;
+    if (broker_open(c, "idemq preflight", false, &b, err, sizeof err)) {
+        log_error("%s", err);
+        return EXIT_CONNECT;
+    }
+    for (int i = 0; i < c->n_inputs && rc == EXIT_OK; i++) {
+        if (broker_queue_counts(b, c->inputs[i].queue, NULL, NULL)) {
+            log_error("input %s: queue %s is not usable (%s); run `idemq declare`",
+                      c->inputs[i].name, c->inputs[i].queue, broker_error(b));
+            rc = EXIT_TOPOLOGY;
+        }
+    }
+    broker_close(b);
+    return rc;
+}
+
+static int cmd_run(const struct conf *c, long until_idle_s)
+{
+    struct worker *ws;
+    long applied = 0, dups = 0, parked = 0, retried = 0, received = 0;
+    int rc = preflight(c);
+
+    if (rc)
+        return rc;
+    if (!(ws = calloc((size_t)c->workers, sizeof *ws))) {
+        log_error("out of memory");
+        return EXIT_RUNTIME;
+    }
+    log_info("idemq %s: %d worker(s), %d input(s), batch_max %d, consumer %s", IDEMQ_VERSION,
+             c->workers, c->n_inputs, c->batch_max, c->consumer_id);
+    for (int i = 0; i < c->workers; i++) {
+        worker_init(&ws[i], i, c, (int)(until_idle_s * 1000));
+        if (pthread_create(&ws[i].thread, NULL, worker_thread, &ws[i]) != 0) {
+            log_error("cannot start worker thread %d", i);
+            sig_request_stop();
+            for (int k = 0; k < i; k++)
+                pthread_join(ws[k].thread, NULL);
+            free(ws);
+            return EXIT_RUNTIME;
+        }
+    }
+    for (int i = 0; i < c->workers; i++) {
+        pthread_join(ws[i].thread, NULL);
+        if (ws[i].result) {
+            log_error("worker %d failed: %s", i, ws[i].error);
+            rc = EXIT_RUNTIME;
+        }
+        received += atomic_load(&ws[i].stats.received);
+        applied += atomic_load(&ws[i].stats.applied);
+        dups += atomic_load(&ws[i].stats.duplicates);
+        parked += atomic_load(&ws[i].stats.parked);
+        retried += atomic_load(&ws[i].stats.retried);
+    }
+    log_info("stopped: received %ld, applied %ld, duplicates %ld, retried %ld, parked %ld",
+             received, applied, dups, retried, parked);
+    free(ws);
+    return rc;
+}
+
+static int cmd_publish(const struct conf *c, const char *input, const char *routing_key)
+{
+    const struct conf_input *in = NULL;
+    struct broker *b;
+    char err[512];
+    char *line = NULL;
+    size_t cap = 0;
+    ssize_t len;
+    long sent = 0, window = 0;
+    int rc = EXIT_OK;
+
+    for (int i = 0; i < c->n_inputs; i++)
+        if (!input || strcmp(c->inputs[i].name, input) == 0) {
+            in = &c->inputs[i];
+            break;
+        }
+    if (!in) {
+        fprintf(stderr, "idemq: no input named %s\n", input);
+        return EXIT_USAGE;
+    }
+    if (broker_open(c, "idemq publish", true, &b, err, sizeof err)) {
+        log_error("%s", err);
+        return EXIT_CONNECT;
+    }
+    while ((len = getline(&line, &cap, stdin)) > 0) {
+        if (line[len - 1] == '\n')
+            line[--len] = '\0';
+        if (len == 0)
+            continue;
+        if (broker_publish(b, in->exchange, routing_key ? routing_key : in->routing_key, line,
+                           (size_t)len, NULL)) {
+            rc = EXIT_RUNTIME;
+            break;
+        }
+        sent++;
+        if (++window == 500) {
+            if (broker_wait_confirms(b, 30000)) {
+                rc = EXIT_RUNTIME;
+                break;
+            }
+            window = 0;
+        }
+    }
+    if (rc == EXIT_OK && broker_wait_confirms(b, 30000))
+        rc = EXIT_RUNTIME;
+    if (rc)
+        log_error("publish failed after %ld messages: %s", sent, broker_error(b));
+    else
+        printf("published %ld messages to exchange '%s' (confirmed)\n", sent, in->exchange);
+    free(line);
+    broker_close(b);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    struct opts o;
+    struct conf *c = NULL;
+    char err[1024];
+    int rc;
+
+    if (parse_args(argc, argv, &o) != 0) {
+        usage(stderr);
+        return EXIT_USAGE;
+    }
+    if (strcmp(o.cmd, "run") && strcmp(o.cmd, "migrate") && strcmp(o.cmd, "declare") &&
+        strcmp(o.cmd, "check-config") && strcmp(o.cmd, "publish")) {
+        fprintf(stderr, "idemq: unknown command '%s'\n", o.cmd);
+        usage(stderr);
+        return EXIT_USAGE;
+    }
+    if (conf_load(o.config, &c, err, sizeof err)) {
+        fprintf(stderr, "idemq: %s\n", err);
+        return EXIT_CONFIG;
+    }
+    log_current_level = log_level_parse(c->log_level);
+    sig_install();
+    if (strcmp(o.cmd, "check-config") == 0) {
+        printf("# %s is valid; effective configuration:\n", o.config);
+        conf_print(c, stdout);
+        rc = EXIT_OK;
+    } else if (strcmp(o.cmd, "migrate") == 0) {
+        rc = cmd_migrate(c);
+    } else if (strcmp(o.cmd, "declare") == 0) {
+        rc = cmd_declare(c);
+    } else if (strcmp(o.cmd, "publish") == 0) {
+        rc = cmd_publish(c, o.input, o.routing_key);
+    } else {
+        rc = cmd_run(c, o.until_idle_s);
+    }
+    conf_free(c);
+    return rc;
+}

@@ -1,0 +1,56 @@
+/*
+ * worker: one consumer thread and its loop. A worker owns one AMQP
+ * connection and one PostgreSQL connection and runs
+ *   receive up to batch_max deliveries -> decode -> one transaction
+ *   (claim + effect per job, failures recorded, bad input parked) ->
+ *   commit -> settle (ack/nack) on the broker.
+ * A batch of one is just the smallest batch. Nothing is acknowledged before
+ * its transaction committed; on a database or broker failure nothing is
+ * acknowledged and the broker redelivers.
+ *
+ * API: worker_init -> worker_run (in its own thread, or the caller's) ->
+ *      read the counters -> worker_destroy.
+ */
+#ifndef IDEMQ_WORKER_H
+#define IDEMQ_WORKER_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "conf.h"
+#include "idemq_err.h"
+
+struct worker_stats {
+    atomic_long received;
+    atomic_long applied;
+    atomic_long duplicates;
+    atomic_long retried;
+    atomic_long parked;
+    atomic_long batches;
+};
+
+struct worker {
+    int id;
+    const struct conf *conf;
+    int until_idle_ms; /* > 0: return once no delivery came for this long */
+    struct worker_stats stats;
+    idemq_err_t result; /* set when worker_run returns */
+    char error[512];
+    pthread_t thread;
+};
+
+/* Prepares w; conf must outlive the worker. Cannot fail. */
+void worker_init(struct worker *w, int id, const struct conf *conf, int until_idle_ms);
+
+/*
+ * Runs the loop until a stop is requested (sig), the idle limit passes, or
+ * a fatal error occurs. Returns (and stores in w->result) IDEMQ_OK, or the
+ * error with w->error set. Database and broker outages are waited out with
+ * backoff, not returned. Call from the thread that owns w.
+ */
+idemq_err_t worker_run(struct worker *w);
+
+/* pthread entry point wrapping worker_run. arg is a struct worker *. */
+void *worker_thread(void *arg);
+
+#endif

@@ -1,0 +1,128 @@
+/*
+ * ledger_migrate: applies the embedded migrations in version order.
+ */
+#include "ledger_migrate.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "ledger_db.h"
+#include "log.h"
+
+/* Arbitrary constant: the advisory lock that serialises migrators. */
+#define MIGRATE_LOCK "SELECT pg_advisory_xact_lock(7164372135)"
+
+int ledger_migrate_latest(void)
+{
+    int v = 0;
+    for (int i = 0; i < ledger_migrations_count; i++)
+        if (ledger_migrations[i].version > v)
+            v = ledger_migrations[i].version;
+    return v;
+}
+
+static int current_version(PGconn *db, struct ledger_db_error *e)
+{
+    PGresult *res = ledger_db_query(
+        db,
+        "SELECT CASE WHEN to_regclass('idemq.schema_migrations') IS NULL THEN 0 "
+        "ELSE (SELECT coalesce(max(version), 0) FROM idemq.schema_migrations) END",
+        0, NULL, e);
+    int v;
+    if (!res)
+        return -1;
+    v = atoi(PQgetvalue(res, 0, 0));
+    PQclear(res);
+    return v;
+}
+
+idemq_err_t ledger_migrate_run(PGconn *db, int *applied, char *errbuf, size_t errlen)
+{
+    struct ledger_db_error e;
+    idemq_err_t err;
+
+    *applied = 0;
+    if ((err = ledger_db_exec(db,
+                              "BEGIN; " MIGRATE_LOCK "; "
+                              "CREATE SCHEMA IF NOT EXISTS idemq; "
+                              "CREATE TABLE IF NOT EXISTS idemq.schema_migrations ("
+                              " version integer PRIMARY KEY, name text NOT NULL,"
+                              " applied_at timestamptz NOT NULL DEFAULT now()); COMMIT",
+                              &e)) != IDEMQ_OK)
+        goto fail;
+    for (int i = 0; i < ledger_migrations_count; i++) {
+        const struct ledger_migration *m = &ledger_migrations[i];
+        char ver[16];
+        const char *params[2] = {ver, m->name};
+        PGresult *res;
+        int have;
+
+        snprintf(ver, sizeof ver, "%d", m->version);
+        if ((err = ledger_db_exec(db, "BEGIN; " MIGRATE_LOCK, &e)) != IDEMQ_OK)
+            goto fail;
+        res = ledger_db_query(db, "SELECT 1 FROM idemq.schema_migrations WHERE version = $1", 1,
+                              params, &e);
+        if (!res) {
+            err = ledger_db_err(&e);
+            goto rollback;
+        }
+        have = PQntuples(res);
+        PQclear(res);
+        if (have) {
+            if ((err = ledger_db_exec(db, "COMMIT", &e)) != IDEMQ_OK)
+                goto fail;
+            continue;
+        }
+        if ((err = ledger_db_exec(db, m->sql, &e)) != IDEMQ_OK) {
+            snprintf(errbuf, errlen, "migration %s failed: %s%s%s", m->name, e.sqlstate,
+                     e.sqlstate[0] ? " " : "", e.message);
+            goto rollback_kept;
+        }
+        res = ledger_db_query(db, "INSERT INTO idemq.schema_migrations (version, name) "
+                                  "VALUES ($1, $2)", 2, params, &e);
+        if (!res) {
+            err = ledger_db_err(&e);
+            goto rollback;
+        }
+        PQclear(res);
+        if ((err = ledger_db_exec(db, "COMMIT", &e)) != IDEMQ_OK)
+            goto fail;
+        log_info("ledger: applied migration %s", m->name);
+        (*applied)++;
+    }
+    return IDEMQ_OK;
+rollback:
+    snprintf(errbuf, errlen, "migration failed: %s %s", e.sqlstate, e.message);
+rollback_kept:
+    PQclear(PQexec(db, "ROLLBACK"));
+    return err;
+fail:
+    snprintf(errbuf, errlen, "migration failed: %s %s", e.sqlstate, e.message);
+    PQclear(PQexec(db, "ROLLBACK"));
+    return err;
+}
+
+idemq_err_t ledger_migrate_check(PGconn *db, char *errbuf, size_t errlen)
+{
+    struct ledger_db_error e;
+    int v = current_version(db, &e);
+    int want = ledger_migrate_latest();
+
+    if (v < 0) {
+        snprintf(errbuf, errlen, "cannot read the ledger schema version: %s", e.message);
+        return ledger_db_err(&e) == IDEMQ_ERR_DB_CONN ? IDEMQ_ERR_DB_CONN : IDEMQ_ERR_CONFIG;
+    }
+    if (v < want) {
+        snprintf(errbuf, errlen,
+                 "ledger schema is at version %d, this idemq needs %d: run `idemq migrate`", v,
+                 want);
+        return IDEMQ_ERR_CONFIG;
+    }
+    if (v > want) {
+        snprintf(errbuf, errlen,
+                 "ledger schema is at version %d, newer than this idemq (%d): upgrade idemq", v,
+                 want);
+        return IDEMQ_ERR_CONFIG;
+    }
+    return IDEMQ_OK;
+}

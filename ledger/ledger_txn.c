@@ -1,0 +1,330 @@
+/*
+ * ledger_txn: builds the batch document for idemq.apply_batch and calls the
+ * ledger's SQL functions with parameters only (no SQL text is ever built
+ * from message or config content).
+ */
+#include "ledger_txn.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "classify.h"
+#include "log.h"
+
+struct ledger_txn {
+    PGconn *db;
+    const struct conf *conf;
+    char *effects; /* text[] literal of effect signatures, by input */
+    /* reusable batch document buffer */
+    char *buf;
+    size_t len, cap;
+};
+
+#define APPLY_SQL                                                                           \
+    "SELECT idx, outcome, attempt, sqlstate, message, started_at, finished_at "             \
+    "FROM idemq.apply_batch($1::text[], $2::jsonb, $3)"
+
+static bool buf_reserve(struct ledger_txn *lt, size_t more)
+{
+    if (lt->len + more + 1 > lt->cap) {
+        size_t cap = lt->cap ? lt->cap : 4096;
+        char *nb;
+        while (cap < lt->len + more + 1)
+            cap *= 2;
+        if (!(nb = realloc(lt->buf, cap)))
+            return false;
+        lt->buf = nb;
+        lt->cap = cap;
+    }
+    return true;
+}
+
+static bool buf_add(struct ledger_txn *lt, const char *s, size_t n)
+{
+    if (!buf_reserve(lt, n))
+        return false;
+    memcpy(lt->buf + lt->len, s, n);
+    lt->len += n;
+    lt->buf[lt->len] = '\0';
+    return true;
+}
+
+static bool buf_adds(struct ledger_txn *lt, const char *s) { return buf_add(lt, s, strlen(s)); }
+
+/* Appends v as compact JSON. */
+static bool buf_json(struct ledger_txn *lt, json_t *v)
+{
+    size_t n = json_dumpb(v, NULL, 0, JSON_COMPACT | JSON_ENCODE_ANY);
+    if (!n || !buf_reserve(lt, n))
+        return false;
+    json_dumpb(v, lt->buf + lt->len, n, JSON_COMPACT | JSON_ENCODE_ANY);
+    lt->len += n;
+    lt->buf[lt->len] = '\0';
+    return true;
+}
+
+static bool buf_jstr(struct ledger_txn *lt, const char *s)
+{
+    json_t *v = json_string(s);
+    bool ok = v && buf_json(lt, v);
+    json_decref(v);
+    return ok;
+}
+
+struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf, size_t errlen)
+{
+    struct ledger_txn *lt = calloc(1, sizeof *lt);
+    PGresult *res;
+    size_t need = 3;
+
+    if (!lt)
+        goto nomem;
+    lt->db = db;
+    lt->conf = c;
+    for (int i = 0; i < c->n_inputs; i++)
+        need += strlen(c->inputs[i].effect_signature) + 3;
+    if (!(lt->effects = malloc(need)))
+        goto nomem;
+    strcpy(lt->effects, "{");
+    for (int i = 0; i < c->n_inputs; i++) {
+        strcat(lt->effects, i ? ",\"" : "\"");
+        strcat(lt->effects, c->inputs[i].effect_signature);
+        strcat(lt->effects, "\"");
+    }
+    strcat(lt->effects, "}");
+    res = PQprepare(db, "idemq_apply", APPLY_SQL, 3, NULL);
+    if (PQresultStatus(res) != PGRES_COMMAND_OK) {
+        snprintf(errbuf, errlen, "cannot prepare the apply statement: %s", PQerrorMessage(db));
+        PQclear(res);
+        ledger_txn_free(lt);
+        return NULL;
+    }
+    PQclear(res);
+    return lt;
+nomem:
+    snprintf(errbuf, errlen, "out of memory");
+    ledger_txn_free(lt);
+    return NULL;
+}
+
+void ledger_txn_free(struct ledger_txn *lt)
+{
+    if (!lt)
+        return;
+    free(lt->effects);
+    free(lt->buf);
+    free(lt);
+}
+
+idemq_err_t ledger_txn_begin(struct ledger_txn *lt, struct ledger_db_error *e)
+{
+    return ledger_db_exec(lt->db, "BEGIN", e);
+}
+
+idemq_err_t ledger_txn_commit(struct ledger_txn *lt, struct ledger_db_error *e)
+{
+    PGresult *res = PQexec(lt->db, "COMMIT");
+    idemq_err_t err = IDEMQ_OK;
+    /* A COMMIT of an aborted transaction answers ROLLBACK without error. */
+    if (PQresultStatus(res) != PGRES_COMMAND_OK || strcmp(PQcmdStatus(res), "COMMIT") != 0) {
+        ledger_db_error_from(lt->db, res, e);
+        if (!e->conn_lost && !e->sqlstate[0]) {
+            snprintf(e->sqlstate, sizeof e->sqlstate, "25P02");
+            snprintf(e->message, sizeof e->message, "transaction was rolled back at commit");
+        }
+        err = ledger_db_err(e);
+    }
+    PQclear(res);
+    return err;
+}
+
+void ledger_txn_rollback(struct ledger_txn *lt)
+{
+    if (PQstatus(lt->db) == CONNECTION_OK)
+        PQclear(PQexec(lt->db, "ROLLBACK"));
+}
+
+static bool add_meta(struct ledger_txn *lt, const struct job *j)
+{
+    const struct conf_input *in = &lt->conf->inputs[j->input];
+    json_t *m = json_pack("{s:s,s:s,s:s,s:b,s:O}", "queue", in->queue, "exchange", j->exchange,
+                          "routing_key", j->routing_key, "redelivered", j->redelivered,
+                          "headers", j->headers);
+    bool ok;
+    if (!m)
+        return false;
+    if (j->delivery_count >= 0)
+        json_object_set_new(m, "delivery_count", json_integer(j->delivery_count));
+    if (j->has_message_id)
+        json_object_set_new(m, "message_id", json_string(j->message_id));
+    ok = buf_json(lt, m);
+    json_decref(m);
+    return ok;
+}
+
+static void copy_field(char *dst, size_t n, const PGresult *res, int row, int col)
+{
+    snprintf(dst, n, "%s", PQgetisnull(res, row, col) ? "" : PQgetvalue(res, row, col));
+}
+
+idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int n,
+                             struct ledger_result *res, struct ledger_db_error *e)
+{
+    const char *params[3];
+    PGresult *r;
+    char num[16];
+
+    lt->len = 0;
+    if (!buf_adds(lt, "["))
+        goto nomem;
+    for (int i = 0; i < n; i++) {
+        const struct job *j = jobs[i];
+        IDEMQ_ASSERT(j->decode_err == IDEMQ_OK && j->has_key);
+        snprintf(num, sizeof num, "%d", j->input + 1);
+        if (!buf_adds(lt, i ? ",{\"k\":" : "{\"k\":") || !buf_jstr(lt, j->key) ||
+            !buf_adds(lt, ",\"i\":") || !buf_adds(lt, num) || !buf_adds(lt, ",\"q\":") ||
+            !buf_jstr(lt, lt->conf->inputs[j->input].queue) || !buf_adds(lt, ",\"h\":\"") ||
+            !buf_adds(lt, j->sha256_hex) || !buf_adds(lt, "\",\"m\":") || !add_meta(lt, j) ||
+            !buf_adds(lt, ",\"p\":") || !buf_add(lt, (const char *)j->body, j->body_len) ||
+            !buf_adds(lt, "}"))
+            goto nomem;
+    }
+    if (!buf_adds(lt, "]"))
+        goto nomem;
+    params[0] = lt->effects;
+    params[1] = lt->buf;
+    params[2] = lt->conf->consumer_id;
+    r = PQexecPrepared(lt->db, "idemq_apply", 3, params, NULL, NULL, 0);
+    if (PQresultStatus(r) != PGRES_TUPLES_OK) {
+        ledger_db_error_from(lt->db, r, e);
+        PQclear(r);
+        return ledger_db_err(e);
+    }
+    if (PQntuples(r) != n) {
+        snprintf(e->message, sizeof e->message, "apply_batch returned %d rows for %d jobs",
+                 PQntuples(r), n);
+        snprintf(e->sqlstate, sizeof e->sqlstate, "XX000");
+        e->conn_lost = false;
+        PQclear(r);
+        return IDEMQ_ERR_SQL;
+    }
+    for (int row = 0; row < n; row++) {
+        int idx = atoi(PQgetvalue(r, row, 0)) - 1;
+        const char *outcome = PQgetvalue(r, row, 1);
+        struct ledger_result *x;
+        if (idx < 0 || idx >= n)
+            IDEMQ_PANIC("apply_batch returned index %d of %d", idx + 1, n);
+        x = &res[idx];
+        memset(x, 0, sizeof *x);
+        x->outcome = strcmp(outcome, "applied") == 0     ? LEDGER_APPLIED
+                     : strcmp(outcome, "duplicate") == 0 ? LEDGER_DUPLICATE
+                                                         : LEDGER_ERROR;
+        x->attempt = atoi(PQgetvalue(r, row, 2));
+        copy_field(x->sqlstate, sizeof x->sqlstate, r, row, 3);
+        if (x->outcome == LEDGER_DUPLICATE)
+            copy_field(x->prior_state, sizeof x->prior_state, r, row, 4);
+        else
+            copy_field(x->message, sizeof x->message, r, row, 4);
+        copy_field(x->started_at, sizeof x->started_at, r, row, 5);
+        copy_field(x->finished_at, sizeof x->finished_at, r, row, 6);
+    }
+    PQclear(r);
+    return IDEMQ_OK;
+nomem:
+    snprintf(e->message, sizeof e->message, "out of memory building the batch");
+    e->sqlstate[0] = '\0';
+    e->conn_lost = false;
+    return IDEMQ_ERR_NOMEM;
+}
+
+/* Runs a statement whose parameters are text except those in binary[]. */
+static idemq_err_t exec_params(struct ledger_txn *lt, const char *sql, int n,
+                               const char *const *vals, const int *lens, const int *fmts,
+                               struct ledger_db_error *e)
+{
+    PGresult *r = PQexecParams(lt->db, sql, n, NULL, vals, lens, fmts, 0);
+    idemq_err_t err = IDEMQ_OK;
+    if (PQresultStatus(r) != PGRES_TUPLES_OK && PQresultStatus(r) != PGRES_COMMAND_OK) {
+        ledger_db_error_from(lt->db, r, e);
+        err = ledger_db_err(e);
+    }
+    PQclear(r);
+    return err;
+}
+
+static char *dump(json_t *v) { return json_dumps(v, JSON_COMPACT); }
+
+idemq_err_t ledger_txn_record_failure(struct ledger_txn *lt, const struct job *j,
+                                      const struct ledger_result *r, const char *error_class,
+                                      const char *error_code, bool park,
+                                      struct ledger_db_error *e)
+{
+    const struct conf_input *in = &lt->conf->inputs[j->input];
+    char attempt[16], dc[16];
+    char *headers = dump(j->headers), *props = dump(j->props);
+    const char *vals[18];
+    int lens[18] = {0}, fmts[18] = {0};
+    idemq_err_t err;
+
+    snprintf(attempt, sizeof attempt, "%d", r->attempt);
+    snprintf(dc, sizeof dc, "%d", j->delivery_count);
+    vals[0] = j->key;
+    vals[1] = attempt;
+    vals[2] = error_class;
+    vals[3] = error_code;
+    vals[4] = r->sqlstate[0] ? r->sqlstate : NULL;
+    vals[5] = r->message;
+    vals[6] = park ? "true" : "false";
+    vals[7] = r->started_at[0] ? r->started_at : NULL;
+    vals[8] = r->finished_at[0] ? r->finished_at : NULL;
+    vals[9] = in->queue;
+    vals[10] = j->exchange;
+    vals[11] = j->routing_key;
+    vals[12] = j->redelivered ? "true" : "false";
+    vals[13] = j->delivery_count >= 0 ? dc : NULL;
+    vals[14] = lt->conf->consumer_id;
+    vals[15] = (const char *)j->body;
+    lens[15] = (int)j->body_len;
+    fmts[15] = 1;
+    vals[16] = headers;
+    vals[17] = props;
+    err = exec_params(lt,
+                      "SELECT idemq.record_failure($1, $2, $3, $4, $5, $6, $7, "
+                      "coalesce($8::timestamptz, clock_timestamp()), "
+                      "coalesce($9::timestamptz, clock_timestamp()), $10, $11, $12, $13, $14, "
+                      "$15, $16, $17, $18)",
+                      18, vals, lens, fmts, e);
+    free(headers);
+    free(props);
+    return err;
+}
+
+idemq_err_t ledger_txn_park_message(struct ledger_txn *lt, const struct job *j,
+                                    struct ledger_db_error *e)
+{
+    const struct conf_input *in = &lt->conf->inputs[j->input];
+    char *headers = dump(j->headers), *props = dump(j->props);
+    const char *vals[10];
+    int lens[10] = {0}, fmts[10] = {0};
+    idemq_err_t err;
+
+    vals[0] = j->has_key ? j->key : NULL;
+    vals[1] = in->queue;
+    vals[2] = j->exchange;
+    vals[3] = j->routing_key;
+    vals[4] = (const char *)j->body;
+    lens[4] = (int)j->body_len;
+    fmts[4] = 1;
+    vals[5] = headers;
+    vals[6] = props;
+    vals[7] = idemq_err_name(j->decode_err);
+    vals[8] = j->reason;
+    vals[9] = lt->conf->consumer_id;
+    err = exec_params(lt,
+                      "SELECT idemq.park_message($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)", 10,
+                      vals, lens, fmts, e);
+    free(headers);
+    free(props);
+    return err;
+}

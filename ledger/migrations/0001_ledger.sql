@@ -1,0 +1,227 @@
+-- idemq ledger, version 1: jobs (one row per business key), attempts (one
+-- row per processing attempt), parked (messages idemq gave up on), and the
+-- claim/apply/record functions the daemon calls.
+CREATE SCHEMA IF NOT EXISTS idemq;
+
+CREATE TABLE idemq.jobs (
+    key             text PRIMARY KEY CHECK (octet_length(key) BETWEEN 1 AND 256),
+    state           text NOT NULL CHECK (state IN ('pending', 'retrying', 'applied', 'parked')),
+    source_queue    text NOT NULL,
+    payload_sha256  text NOT NULL,
+    attempts        integer NOT NULL DEFAULT 0,
+    first_seen_at   timestamptz NOT NULL DEFAULT clock_timestamp(),
+    last_attempt_at timestamptz,
+    applied_at      timestamptz,
+    result          jsonb,
+    last_error_class text,
+    last_sqlstate   text,
+    last_error      text
+);
+COMMENT ON TABLE idemq.jobs IS
+  'One row per business idempotency key. applied rows never change again.';
+
+CREATE TABLE idemq.attempts (
+    id              bigserial PRIMARY KEY,
+    key             text NOT NULL,
+    attempt         integer NOT NULL,
+    outcome         text NOT NULL CHECK (outcome IN
+                      ('applied', 'duplicate', 'transient_error', 'permanent_error')),
+    started_at      timestamptz NOT NULL,
+    finished_at     timestamptz NOT NULL,
+    error_class     text,
+    error_code      text,
+    sqlstate        text,
+    message         text,
+    queue           text,
+    routing_key     text,
+    redelivered     boolean,
+    delivery_count  integer,
+    consumer_id     text
+);
+CREATE INDEX attempts_key_idx ON idemq.attempts (key, id);
+COMMENT ON TABLE idemq.attempts IS
+  'Every processing attempt of every key, including duplicates; never updated.';
+
+CREATE TABLE idemq.parked (
+    id              bigserial PRIMARY KEY,
+    key             text,
+    source_queue    text NOT NULL,
+    exchange        text,
+    routing_key     text,
+    body            bytea NOT NULL,
+    headers         jsonb,
+    properties      jsonb,
+    payload_sha256  text NOT NULL,
+    error_class     text NOT NULL,
+    error_code      text NOT NULL,
+    sqlstate        text,
+    reason          text NOT NULL,
+    attempts        integer NOT NULL DEFAULT 0,
+    first_attempt_at timestamptz,
+    last_attempt_at timestamptz,
+    parked_at       timestamptz NOT NULL DEFAULT clock_timestamp(),
+    consumer_id     text
+);
+CREATE INDEX parked_key_idx ON idemq.parked (key);
+COMMENT ON TABLE idemq.parked IS
+  'Messages idemq gave up on, with raw body and reason. idemq never deletes them.';
+
+-- Applies a batch in one call. p_effects[i] is the signature of input i's
+-- effect, e.g. 'public.apply_payout(text,jsonb,jsonb)'; it is resolved via
+-- regprocedure, so only an existing function can ever be called.
+-- p_jobs is a JSON array of {"k": key, "i": input (1-based), "q": queue,
+-- "h": SHA-256 of the raw body (hex), "m": meta object, "p": payload object}. For each job, in order:
+--   claim the key (INSERT ... ON CONFLICT on the primary key, which waits for
+--   a concurrent claimer to finish); a key already applied or parked is a
+--   duplicate (attempt row 'duplicate', no effect); otherwise the effect runs
+--   in a subtransaction; success settles the job and records the attempt,
+--   an error is returned (job row left claimed) for the caller to classify
+--   and record with idemq.record_failure in the same transaction.
+CREATE FUNCTION idemq.apply_batch(p_effects text[], p_jobs jsonb, p_consumer text)
+RETURNS TABLE (idx integer, outcome text, attempt integer, sqlstate text, message text,
+               started_at timestamptz, finished_at timestamptz)
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    calls    text[] := '{}';
+    j        jsonb;
+    v_key    text;
+    v_meta   jsonb;
+    v_state  text;
+    v_att    integer;
+    v_sha    text;
+    v_result jsonb;
+    v_start  timestamptz;
+    v_fin    timestamptz;
+    v_code   text;
+    v_msg    text;
+    v_ins    boolean;
+    v_failed text[] := '{}';
+BEGIN
+    FOR n IN 1 .. coalesce(array_length(p_effects, 1), 0) LOOP
+        calls[n] := (SELECT format('SELECT %I.%I($1, $2, $3)', ns.nspname, pr.proname)
+                       FROM pg_proc pr JOIN pg_namespace ns ON ns.oid = pr.pronamespace
+                      WHERE pr.oid = p_effects[n]::regprocedure);
+    END LOOP;
+
+    idx := 0;
+    FOR j IN SELECT e FROM jsonb_array_elements(p_jobs) AS e LOOP
+        idx := idx + 1;
+        v_key := j->>'k';
+        v_meta := j->'m';
+        v_start := clock_timestamp();
+        v_sha := j->>'h';
+
+        INSERT INTO idemq.jobs AS t (key, state, source_queue, payload_sha256, first_seen_at)
+        VALUES (v_key, 'pending', j->>'q', v_sha, v_start)
+        ON CONFLICT (key) DO NOTHING
+        RETURNING true INTO v_ins;
+
+        IF v_ins IS NULL THEN
+            SELECT t.state, t.attempts INTO v_state, v_att FROM idemq.jobs t WHERE t.key = v_key;
+            IF v_state IN ('pending', 'retrying') THEN
+                -- Not settled: take the row lock, then look again.
+                SELECT t.state, t.attempts INTO v_state, v_att
+                  FROM idemq.jobs t WHERE t.key = v_key FOR UPDATE;
+            END IF;
+            IF v_state IN ('applied', 'parked') THEN
+                v_fin := clock_timestamp();
+                INSERT INTO idemq.attempts (key, attempt, outcome, started_at, finished_at,
+                    queue, routing_key, redelivered, delivery_count, consumer_id)
+                VALUES (v_key, v_att, 'duplicate', v_start, v_fin, j->>'q',
+                    v_meta->>'routing_key', (v_meta->>'redelivered')::boolean,
+                    (v_meta->>'delivery_count')::integer, p_consumer);
+                outcome := 'duplicate'; attempt := v_att; sqlstate := NULL; message := v_state;
+                started_at := v_start; finished_at := v_fin;
+                RETURN NEXT;
+                CONTINUE;
+            END IF;
+        ELSE
+            v_att := 0;
+        END IF;
+
+        v_att := v_att + 1;
+        BEGIN
+            EXECUTE calls[(j->>'i')::integer] INTO v_result
+              USING v_key, j->'p', v_meta || jsonb_build_object('attempt', v_att);
+            v_fin := clock_timestamp();
+            UPDATE idemq.jobs t SET state = 'applied', attempts = v_att, applied_at = v_fin,
+                   last_attempt_at = v_start, result = v_result, payload_sha256 = v_sha
+             WHERE t.key = v_key;
+            INSERT INTO idemq.attempts (key, attempt, outcome, started_at, finished_at,
+                queue, routing_key, redelivered, delivery_count, consumer_id)
+            VALUES (v_key, v_att, 'applied', v_start, v_fin, j->>'q',
+                v_meta->>'routing_key', (v_meta->>'redelivered')::boolean,
+                (v_meta->>'delivery_count')::integer, p_consumer);
+            outcome := 'applied'; attempt := v_att; sqlstate := NULL; message := NULL;
+        EXCEPTION WHEN OTHERS THEN
+            GET STACKED DIAGNOSTICS v_code = RETURNED_SQLSTATE, v_msg = MESSAGE_TEXT;
+            v_fin := clock_timestamp();
+            outcome := 'error'; attempt := v_att; sqlstate := v_code; message := v_msg;
+            v_failed := v_failed || v_key;
+        END;
+        started_at := v_start; finished_at := v_fin;
+        RETURN NEXT;
+    END LOOP;
+END
+$fn$;
+
+-- Records a failed attempt of a claimed key (inside the batch transaction):
+-- the attempt row, the job's last error and state ('retrying', or 'parked'
+-- with a park row holding the raw message). Returns the park row id or NULL.
+CREATE FUNCTION idemq.record_failure(
+    p_key text, p_attempt integer, p_class text, p_code text, p_sqlstate text,
+    p_message text, p_park boolean, p_started timestamptz, p_finished timestamptz,
+    p_queue text, p_exchange text, p_routing_key text, p_redelivered boolean,
+    p_delivery_count integer, p_consumer text, p_body bytea, p_headers jsonb,
+    p_properties jsonb)
+RETURNS bigint
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_first timestamptz;
+    v_id    bigint;
+BEGIN
+    INSERT INTO idemq.attempts (key, attempt, outcome, started_at, finished_at, error_class,
+        error_code, sqlstate, message, queue, routing_key, redelivered, delivery_count,
+        consumer_id)
+    VALUES (p_key, p_attempt,
+        CASE WHEN p_class = 'transient' THEN 'transient_error' ELSE 'permanent_error' END,
+        p_started, p_finished, p_class, p_code, p_sqlstate, p_message, p_queue, p_routing_key,
+        p_redelivered, p_delivery_count, p_consumer);
+    UPDATE idemq.jobs SET
+        state = CASE WHEN p_park THEN 'parked' ELSE 'retrying' END,
+        attempts = p_attempt, last_attempt_at = p_started, last_error_class = p_class,
+        last_sqlstate = p_sqlstate, last_error = p_message
+     WHERE key = p_key AND state IN ('pending', 'retrying');
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'idemq: key % is not claimed', p_key USING ERRCODE = 'XX000';
+    END IF;
+    IF p_park THEN
+        SELECT min(a.started_at) INTO v_first FROM idemq.attempts a
+         WHERE a.key = p_key AND a.outcome <> 'duplicate';
+        INSERT INTO idemq.parked (key, source_queue, exchange, routing_key, body, headers,
+            properties, payload_sha256, error_class, error_code, sqlstate, reason, attempts,
+            first_attempt_at, last_attempt_at, consumer_id)
+        VALUES (p_key, p_queue, p_exchange, p_routing_key, p_body, p_headers, p_properties,
+            encode(sha256(p_body), 'hex'), p_class, p_code, p_sqlstate, p_message, p_attempt,
+            v_first, p_started, p_consumer)
+        RETURNING id INTO v_id;
+    END IF;
+    RETURN v_id;
+END
+$fn$;
+
+-- Parks a message that could not be decoded into a job (bad JSON, no key,
+-- too large): no job row is claimed, the raw message is kept.
+CREATE FUNCTION idemq.park_message(
+    p_key text, p_queue text, p_exchange text, p_routing_key text, p_body bytea,
+    p_headers jsonb, p_properties jsonb, p_code text, p_reason text, p_consumer text)
+RETURNS bigint
+LANGUAGE sql AS $fn$
+    INSERT INTO idemq.parked (key, source_queue, exchange, routing_key, body, headers,
+        properties, payload_sha256, error_class, error_code, reason, attempts,
+        first_attempt_at, last_attempt_at, consumer_id)
+    VALUES (p_key, p_queue, p_exchange, p_routing_key, p_body, p_headers, p_properties,
+        encode(sha256(p_body), 'hex'), 'permanent', p_code, p_reason, 1,
+        clock_timestamp(), clock_timestamp(), p_consumer)
+    RETURNING id;
+$fn$;

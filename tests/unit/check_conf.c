@@ -1,0 +1,209 @@
+/* Unit tests of config/conf: data-driven good/bad files, defaults,
+ * environment overrides, redaction, the sample config. */
+#include <check.h>
+#include <dirent.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "conf.h"
+
+#define CASES IDEMQ_SOURCE_DIR "/tests/unit/conf"
+
+static char *read_all(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    char *buf;
+    long n;
+    if (!f)
+        return NULL;
+    fseek(f, 0, SEEK_END);
+    n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    buf = calloc(1, (size_t)n + 1);
+    if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) {
+        free(buf);
+        buf = NULL;
+    }
+    fclose(f);
+    return buf;
+}
+
+START_TEST(test_case_files)
+{
+    DIR *d = opendir(CASES);
+    struct dirent *de;
+    int n = 0;
+
+    unsetenv("IDEMQ_AMQP_URL");
+    unsetenv("IDEMQ_PG_DSN");
+    ck_assert_ptr_nonnull(d);
+    while ((de = readdir(d))) {
+        char path[1024], err[1024] = "", expect[512];
+        char *text, *nl;
+        struct conf *c = NULL;
+        idemq_err_t rc;
+
+        if (!strstr(de->d_name, ".cfg"))
+            continue;
+        snprintf(path, sizeof path, "%s/%s", CASES, de->d_name);
+        text = read_all(path);
+        ck_assert_ptr_nonnull(text);
+        ck_assert_msg(strncmp(text, "# expect: ", 10) == 0, "%s lacks '# expect:'", path);
+        snprintf(expect, sizeof expect, "%s", text + 10);
+        if ((nl = strchr(expect, '\n')))
+            *nl = '\0';
+        free(text);
+        rc = conf_load(path, &c, err, sizeof err);
+        if (strcmp(expect, "ok") == 0) {
+            ck_assert_msg(rc == IDEMQ_OK, "%s: expected ok, got: %s", de->d_name, err);
+            ck_assert_ptr_nonnull(c);
+        } else {
+            ck_assert_msg(rc == IDEMQ_ERR_CONFIG, "%s: expected an error", de->d_name);
+            ck_assert_ptr_null(c);
+            ck_assert_msg(strstr(err, expect) != NULL, "%s: error '%s' lacks '%s'", de->d_name,
+                          err, expect);
+        }
+        conf_free(c);
+        n++;
+    }
+    closedir(d);
+    ck_assert_int_ge(n, 10);
+}
+END_TEST
+
+START_TEST(test_defaults_and_derived)
+{
+    struct conf *c;
+    char err[512];
+    unsetenv("IDEMQ_AMQP_URL");
+    unsetenv("IDEMQ_PG_DSN");
+    ck_assert_int_eq(conf_load(CASES "/good_minimal.cfg", &c, err, sizeof err), IDEMQ_OK);
+    ck_assert_int_eq(c->heartbeat, 30);
+    ck_assert_int_eq(c->prefetch, 256);
+    ck_assert_int_eq(c->workers, 1);
+    ck_assert_int_eq(c->urls.n, 1);
+    ck_assert_int_eq(c->inputs[0].max_body_bytes, 262144);
+    ck_assert_int_eq(c->inputs[0].key_kind, CONF_KEY_JSON);
+    ck_assert_str_eq(c->inputs[0].key_name, "job_id");
+    ck_assert_str_eq(c->inputs[0].queue_type, "classic");
+    ck_assert_str_eq(c->inputs[0].effect_signature, "public.apply_payout(text,jsonb,jsonb)");
+    ck_assert_ptr_nonnull(strchr(c->consumer_id, ':'));
+    conf_free(c);
+
+    ck_assert_int_eq(conf_load(CASES "/good_full.cfg", &c, err, sizeof err), IDEMQ_OK);
+    ck_assert_int_eq(c->urls.n, 2);
+    ck_assert_int_eq(c->n_inputs, 2);
+    ck_assert_int_eq(c->inputs[0].key_kind, CONF_KEY_HEADER);
+    ck_assert_str_eq(c->inputs[0].key_name, "idempotency-key");
+    ck_assert_int_eq(c->inputs[1].key_kind, CONF_KEY_MESSAGE_ID);
+    ck_assert_str_eq(c->consumer_id, "replica-a");
+    ck_assert_int_eq(c->max_attempts, 3);
+    conf_free(c);
+}
+END_TEST
+
+START_TEST(test_env_overrides)
+{
+    struct conf *c;
+    char err[512];
+    setenv("IDEMQ_AMQP_URL", "amqp://a:b@127.0.0.1:1/, amqp://a:b@127.0.0.1:2/", 1);
+    setenv("IDEMQ_PG_DSN", "host=127.0.0.1 port=9 dbname=x", 1);
+    ck_assert_int_eq(conf_load(CASES "/good_full.cfg", &c, err, sizeof err), IDEMQ_OK);
+    ck_assert_int_eq(c->urls.n, 2);
+    ck_assert_str_eq(c->urls.v[1], "amqp://a:b@127.0.0.1:2/");
+    ck_assert_str_eq(c->dsn, "host=127.0.0.1 port=9 dbname=x");
+    conf_free(c);
+    setenv("IDEMQ_AMQP_URL", "tcp://nope", 1);
+    ck_assert_int_eq(conf_load(CASES "/good_full.cfg", &c, err, sizeof err), IDEMQ_ERR_CONFIG);
+    ck_assert_ptr_nonnull(strstr(err, "IDEMQ_AMQP_URL"));
+    unsetenv("IDEMQ_AMQP_URL");
+    unsetenv("IDEMQ_PG_DSN");
+}
+END_TEST
+
+START_TEST(test_redact)
+{
+    char buf[256];
+    ck_assert_str_eq(conf_redact("amqp://guest:secret@h:5672/v", buf, sizeof buf),
+                     "amqp://guest:***@h:5672/v");
+    ck_assert_str_eq(conf_redact("amqp://h:5672/v", buf, sizeof buf), "amqp://h:5672/v");
+    ck_assert_str_eq(conf_redact("postgresql://u:pw@h/db", buf, sizeof buf),
+                     "postgresql://u:***@h/db");
+    ck_assert_str_eq(conf_redact("host=h password=abc dbname=d", buf, sizeof buf),
+                     "host=h password=*** dbname=d");
+    ck_assert_str_eq(conf_redact("password = 'a b\\' c' host=h", buf, sizeof buf),
+                     "password=*** host=h");
+    ck_assert_str_eq(conf_redact("host=h mypassword=x", buf, sizeof buf), "host=h mypassword=x");
+}
+END_TEST
+
+/* check-config output hides secrets and is itself a valid config. */
+START_TEST(test_print_roundtrip)
+{
+    struct conf *c, *c2;
+    char err[512];
+    char *out = NULL;
+    size_t len = 0;
+    FILE *f;
+    unsetenv("IDEMQ_AMQP_URL");
+    unsetenv("IDEMQ_PG_DSN");
+    ck_assert_int_eq(conf_load(CASES "/good_full.cfg", &c, err, sizeof err), IDEMQ_OK);
+    f = open_memstream(&out, &len);
+    conf_print(c, f);
+    fclose(f);
+    ck_assert_ptr_null(strstr(out, "secret"));
+    ck_assert_ptr_null(strstr(out, "hunter2"));
+    ck_assert_ptr_nonnull(strstr(out, "password=***"));
+    ck_assert_int_eq(conf_load_string(out, &c2, err, sizeof err), IDEMQ_OK);
+    ck_assert_int_eq(c2->heartbeat, c->heartbeat);
+    ck_assert_int_eq(c2->n_inputs, 2);
+    ck_assert_str_eq(c2->inputs[1].effect_function, "ledger.post");
+    conf_free(c2);
+    conf_free(c);
+    free(out);
+}
+END_TEST
+
+/* The shipped sample loads and documents every setting of the table. */
+START_TEST(test_sample_documents_every_key)
+{
+    struct conf *c;
+    char err[512];
+    char *text = read_all(IDEMQ_SOURCE_DIR "/config/idemq.cfg");
+    unsetenv("IDEMQ_AMQP_URL");
+    unsetenv("IDEMQ_PG_DSN");
+    ck_assert_ptr_nonnull(text);
+    ck_assert_msg(conf_load(IDEMQ_SOURCE_DIR "/config/idemq.cfg", &c, err, sizeof err) == IDEMQ_OK,
+                  "%s", err);
+    conf_free(c);
+    for (int i = 0; i < conf_key_count(); i++) {
+        const char *path = conf_key_path(i);
+        const char *leaf = strrchr(path, '.') + 1;
+        char needle[128];
+        snprintf(needle, sizeof needle, "%s =", leaf);
+        ck_assert_msg(strstr(text, needle) != NULL, "sample config does not show %s", path);
+    }
+    free(text);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("conf");
+    TCase *tc = tcase_create("conf");
+    SRunner *sr;
+    int failed;
+    tcase_add_test(tc, test_case_files);
+    tcase_add_test(tc, test_defaults_and_derived);
+    tcase_add_test(tc, test_env_overrides);
+    tcase_add_test(tc, test_redact);
+    tcase_add_test(tc, test_print_roundtrip);
+    tcase_add_test(tc, test_sample_documents_every_key);
+    suite_add_tcase(s, tc);
+    sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? 1 : 0;
+}

@@ -1,0 +1,188 @@
+/* Unit tests of consumer/job: decoding and key extraction, every bad-input
+ * case of the message contract. */
+#include <check.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "conf.h"
+#include "job.h"
+
+static struct conf_input input(enum conf_key_kind kind, const char *name, int max_body)
+{
+    struct conf_input in;
+    memset(&in, 0, sizeof in);
+    in.name = "t";
+    in.queue = "q";
+    in.key_kind = kind;
+    in.key_name = (char *)name;
+    in.max_body_bytes = max_body;
+    return in;
+}
+
+static idemq_err_t decode(struct job *j, const struct conf_input *in, const char *body)
+{
+    ck_assert_int_eq(job_set_body(j, body, strlen(body)), IDEMQ_OK);
+    return job_decode(j, in);
+}
+
+START_TEST(test_json_key)
+{
+    struct job j;
+    struct conf_input in = input(CONF_KEY_JSON, "job_id", 1024);
+    job_init(&j);
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"payout:inv-123\",\"amount\":10.25}"), IDEMQ_OK);
+    ck_assert(j.has_key);
+    ck_assert_str_eq(j.key, "payout:inv-123");
+    ck_assert_int_eq(strlen(j.sha256_hex), 64);
+    job_reset(&j);
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":12345}"), IDEMQ_OK);
+    ck_assert_str_eq(j.key, "12345");
+    job_destroy(&j);
+}
+END_TEST
+
+START_TEST(test_sha256_of_raw_body)
+{
+    struct job j;
+    struct conf_input in = input(CONF_KEY_JSON, "job_id", 1024);
+    job_init(&j);
+    decode(&j, &in, "abc");
+    /* SHA-256("abc"), FIPS 180-2 test vector */
+    ck_assert_str_eq(j.sha256_hex,
+                     "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    job_destroy(&j);
+}
+END_TEST
+
+START_TEST(test_bad_bodies)
+{
+    struct job j;
+    struct conf_input in = input(CONF_KEY_JSON, "job_id", 64);
+    char big[200];
+    job_init(&j);
+    ck_assert_int_eq(decode(&j, &in, "{not json"), IDEMQ_ERR_BAD_JSON);
+    ck_assert_ptr_nonnull(strstr(j.reason, "invalid JSON"));
+    ck_assert_int_eq(decode(&j, &in, ""), IDEMQ_ERR_BAD_JSON);
+    ck_assert_int_eq(decode(&j, &in, "[1,2]"), IDEMQ_ERR_NOT_OBJECT);
+    ck_assert_int_eq(decode(&j, &in, "\"str\""), IDEMQ_ERR_BAD_JSON); /* jansson: no bare values */
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"a\"} trailing"), IDEMQ_ERR_BAD_JSON);
+    memset(big, 'x', sizeof big - 1);
+    big[sizeof big - 1] = '\0';
+    ck_assert_int_eq(decode(&j, &in, big), IDEMQ_ERR_BODY_TOO_LARGE);
+    ck_assert_ptr_nonnull(strstr(j.reason, "max_body_bytes is 64"));
+    /* invalid UTF-8 inside a JSON string */
+    ck_assert_int_eq(job_set_body(&j, "{\"job_id\":\"\xff\"}", 15), IDEMQ_OK);
+    ck_assert_int_eq(job_decode(&j, &in), IDEMQ_ERR_BAD_JSON);
+    /* NUL escapes are refused: PostgreSQL text cannot hold them */
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"a\\u0000b\"}"), IDEMQ_ERR_BAD_JSON);
+    job_destroy(&j);
+}
+END_TEST
+
+START_TEST(test_bad_keys)
+{
+    struct job j;
+    struct conf_input in = input(CONF_KEY_JSON, "job_id", 4096);
+    char body[600];
+    job_init(&j);
+    ck_assert_int_eq(decode(&j, &in, "{\"other\":1}"), IDEMQ_ERR_KEY_MISSING);
+    ck_assert_ptr_nonnull(strstr(j.reason, "field job_id is missing"));
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":null}"), IDEMQ_ERR_KEY_MISSING);
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"\"}"), IDEMQ_ERR_KEY_EMPTY);
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":{\"a\":1}}"), IDEMQ_ERR_KEY_INVALID);
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":1.5}"), IDEMQ_ERR_KEY_INVALID);
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":true}"), IDEMQ_ERR_KEY_INVALID);
+    strcpy(body, "{\"job_id\":\"");
+    memset(body + strlen(body), 'k', 257);
+    strcpy(body + 11 + 257, "\"}");
+    ck_assert_int_eq(decode(&j, &in, body), IDEMQ_ERR_KEY_TOO_LONG);
+    body[11 + 256] = '"';
+    body[11 + 257] = '}';
+    body[11 + 258] = '\0';
+    ck_assert_int_eq(decode(&j, &in, body), IDEMQ_OK); /* exactly 256 bytes is fine */
+    ck_assert_int_eq(strlen(j.key), 256);
+    ck_assert(!j.has_key == 0);
+    job_destroy(&j);
+}
+END_TEST
+
+START_TEST(test_header_and_message_id_keys)
+{
+    struct job j;
+    struct conf_input hin = input(CONF_KEY_HEADER, "idempotency-key", 64);
+    struct conf_input min = input(CONF_KEY_MESSAGE_ID, NULL, 64);
+    job_init(&j);
+    json_object_set_new(j.headers, "idempotency-key", json_string("acct:9"));
+    ck_assert_int_eq(decode(&j, &hin, "{}"), IDEMQ_OK);
+    ck_assert_str_eq(j.key, "acct:9");
+    /* body errors still keep the key for the park row */
+    ck_assert_int_eq(decode(&j, &hin, "nope"), IDEMQ_ERR_BAD_JSON);
+    ck_assert(j.has_key);
+    ck_assert_str_eq(j.key, "acct:9");
+    json_object_clear(j.headers);
+    ck_assert_int_eq(decode(&j, &hin, "{}"), IDEMQ_ERR_KEY_MISSING);
+    ck_assert_ptr_nonnull(strstr(j.reason, "header idempotency-key"));
+    json_object_set_new(j.headers, "idempotency-key", json_pack("{s:s}", "$bytes_hex", "ff"));
+    ck_assert_int_eq(decode(&j, &hin, "{}"), IDEMQ_ERR_KEY_INVALID);
+
+    job_reset(&j);
+    ck_assert_int_eq(decode(&j, &min, "{}"), IDEMQ_ERR_KEY_MISSING);
+    strcpy(j.message_id, "m-1");
+    j.has_message_id = true;
+    ck_assert_int_eq(decode(&j, &min, "{}"), IDEMQ_OK);
+    ck_assert_str_eq(j.key, "m-1");
+    strcpy(j.message_id, "\xc3\x28");
+    ck_assert_int_eq(decode(&j, &min, "{}"), IDEMQ_ERR_KEY_INVALID);
+    j.message_id[0] = '\0';
+    ck_assert_int_eq(decode(&j, &min, "{}"), IDEMQ_ERR_KEY_EMPTY);
+    job_destroy(&j);
+}
+END_TEST
+
+START_TEST(test_utf8)
+{
+    ck_assert(job_utf8_valid((const unsigned char *)"h\xc3\xa9llo", 6));
+    ck_assert(job_utf8_valid((const unsigned char *)"\xf0\x9f\x98\x80", 4));
+    ck_assert(!job_utf8_valid((const unsigned char *)"\xc3", 1));
+    ck_assert(!job_utf8_valid((const unsigned char *)"\xc0\xaf", 2));       /* overlong */
+    ck_assert(!job_utf8_valid((const unsigned char *)"\xed\xa0\x80", 3));   /* surrogate */
+    ck_assert(!job_utf8_valid((const unsigned char *)"a\0b", 3));
+}
+END_TEST
+
+START_TEST(test_body_buffer_reuse)
+{
+    struct job j;
+    unsigned char *first;
+    job_init(&j);
+    ck_assert_int_eq(job_set_body(&j, "0123456789", 10), IDEMQ_OK);
+    first = j.body;
+    job_reset(&j);
+    ck_assert_int_eq(job_set_body(&j, "abc", 3), IDEMQ_OK);
+    ck_assert_ptr_eq(j.body, first); /* no per-message allocation once warm */
+    ck_assert_int_eq(j.body_len, 3);
+    ck_assert_int_eq(j.delivery_count, -1);
+    job_destroy(&j);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("job");
+    TCase *tc = tcase_create("job");
+    SRunner *sr;
+    int failed;
+    tcase_add_test(tc, test_json_key);
+    tcase_add_test(tc, test_sha256_of_raw_body);
+    tcase_add_test(tc, test_bad_bodies);
+    tcase_add_test(tc, test_bad_keys);
+    tcase_add_test(tc, test_header_and_message_id_keys);
+    tcase_add_test(tc, test_utf8);
+    tcase_add_test(tc, test_body_buffer_reuse);
+    suite_add_tcase(s, tc);
+    sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? 1 : 0;
+}
