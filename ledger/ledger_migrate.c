@@ -43,7 +43,7 @@ idemq_err_t ledger_migrate_run(PGconn *db, int *applied, char *errbuf, size_t er
 
     *applied = 0;
     if ((err = ledger_db_exec(db,
-                              "BEGIN; " MIGRATE_LOCK "; "
+                              "SET client_min_messages = warning; BEGIN; " MIGRATE_LOCK "; "
                               "CREATE SCHEMA IF NOT EXISTS idemq; "
                               "CREATE TABLE IF NOT EXISTS idemq.schema_migrations ("
                               " version integer PRIMARY KEY, name text NOT NULL,"

@@ -78,8 +78,8 @@ COMMENT ON TABLE idemq.parked IS
 --   an error is returned (job row left claimed) for the caller to classify
 --   and record with idemq.record_failure in the same transaction.
 CREATE FUNCTION idemq.apply_batch(p_effects text[], p_jobs jsonb, p_consumer text)
-RETURNS TABLE (idx integer, outcome text, attempt integer, sqlstate text, message text,
-               started_at timestamptz, finished_at timestamptz)
+RETURNS TABLE (r_idx integer, r_outcome text, r_attempt integer, r_sqlstate text,
+               r_message text, r_started timestamptz, r_finished timestamptz)
 LANGUAGE plpgsql AS $fn$
 DECLARE
     calls    text[] := '{}';
@@ -103,9 +103,9 @@ BEGIN
                       WHERE pr.oid = p_effects[n]::regprocedure);
     END LOOP;
 
-    idx := 0;
+    r_idx := 0;
     FOR j IN SELECT e FROM jsonb_array_elements(p_jobs) AS e LOOP
-        idx := idx + 1;
+        r_idx := r_idx + 1;
         v_key := j->>'k';
         v_meta := j->'m';
         v_start := clock_timestamp();
@@ -130,8 +130,8 @@ BEGIN
                 VALUES (v_key, v_att, 'duplicate', v_start, v_fin, j->>'q',
                     v_meta->>'routing_key', (v_meta->>'redelivered')::boolean,
                     (v_meta->>'delivery_count')::integer, p_consumer);
-                outcome := 'duplicate'; attempt := v_att; sqlstate := NULL; message := v_state;
-                started_at := v_start; finished_at := v_fin;
+                r_outcome := 'duplicate'; r_attempt := v_att; r_sqlstate := NULL; r_message := v_state;
+                r_started := v_start; r_finished := v_fin;
                 RETURN NEXT;
                 CONTINUE;
             END IF;
@@ -152,14 +152,14 @@ BEGIN
             VALUES (v_key, v_att, 'applied', v_start, v_fin, j->>'q',
                 v_meta->>'routing_key', (v_meta->>'redelivered')::boolean,
                 (v_meta->>'delivery_count')::integer, p_consumer);
-            outcome := 'applied'; attempt := v_att; sqlstate := NULL; message := NULL;
+            r_outcome := 'applied'; r_attempt := v_att; r_sqlstate := NULL; r_message := NULL;
         EXCEPTION WHEN OTHERS THEN
             GET STACKED DIAGNOSTICS v_code = RETURNED_SQLSTATE, v_msg = MESSAGE_TEXT;
             v_fin := clock_timestamp();
-            outcome := 'error'; attempt := v_att; sqlstate := v_code; message := v_msg;
+            r_outcome := 'error'; r_attempt := v_att; r_sqlstate := v_code; r_message := v_msg;
             v_failed := v_failed || v_key;
         END;
-        started_at := v_start; finished_at := v_fin;
+        r_started := v_start; r_finished := v_fin;
         RETURN NEXT;
     END LOOP;
 END
