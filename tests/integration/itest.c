@@ -1,0 +1,234 @@
+/*
+ * itest: integration-test fixtures (see itest.h). No mocks: everything goes
+ * to the real servers and the real idemq binary.
+ */
+#include "itest.h"
+
+#include <check.h>
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ledger_db.h"
+#include "ledger_migrate.h"
+
+extern char **environ;
+
+int itest_ms(int ms)
+{
+    const char *m = getenv("IDEMQ_TEST_TIMEOUT_MULT");
+    int mult = m ? atoi(m) : 1;
+    return ms * (mult > 0 ? mult : 1);
+}
+
+static char *slurp(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    char *buf;
+    long n;
+    ck_assert_msg(f != NULL, "cannot open %s", path);
+    fseek(f, 0, SEEK_END);
+    n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    buf = calloc(1, (size_t)n + 1);
+    ck_assert_ptr_nonnull(buf);
+    ck_assert_int_eq(fread(buf, 1, (size_t)n, f), n);
+    fclose(f);
+    return buf;
+}
+
+void itest_sql(struct itest *t, const char *sql)
+{
+    PGresult *r = PQexec(t->db, sql);
+    ck_assert_msg(PQresultStatus(r) == PGRES_COMMAND_OK || PQresultStatus(r) == PGRES_TUPLES_OK,
+                  "SQL failed: %s\n%s", PQerrorMessage(t->db), sql);
+    PQclear(r);
+}
+
+void itest_write_config(struct itest *t, const char *path, const char *queue,
+                        const char *effect, const char *extra_consumer, const char *extra_input)
+{
+    FILE *f = fopen(path, "w");
+    ck_assert_ptr_nonnull(f);
+    fprintf(f,
+            "broker: { heartbeat = 10; };\n"
+            "consumer: { id = \"%s\"; %s };\n"
+            "log: { level = \"info\"; };\n"
+            "inputs = ( { name = \"%s\"; exchange = \"%s\"; queue = \"%s\"; routing_key = \"%s\";\n"
+            "  effect_function = \"%s\"; %s } );\n",
+            t->name, extra_consumer ? extra_consumer : "", queue, t->name, queue, queue, effect,
+            extra_input ? extra_input : "");
+    fclose(f);
+}
+
+static void load_sql_file(struct itest *t, const char *path)
+{
+    char *sql = slurp(path);
+    itest_sql(t, sql);
+    free(sql);
+}
+
+void itest_setup(struct itest *t, const char *tag, const char *effect, const char *extra_consumer,
+                 const char *extra_input)
+{
+    static int seq;
+    char err[1024];
+    int applied;
+    struct broker *b;
+    struct timespec ts;
+
+    memset(t, 0, sizeof *t);
+    ck_assert_msg(getenv("IDEMQ_AMQP_URL") && getenv("IDEMQ_PG_DSN"),
+                  "IDEMQ_AMQP_URL and IDEMQ_PG_DSN must point at real servers "
+                  "(run scripts/test, or source the env file of scripts/services start)");
+    clock_gettime(CLOCK_REALTIME, &ts);
+    snprintf(t->name, sizeof t->name, "it_%s_%d_%ld_%d", tag, (int)getpid(),
+             (long)(ts.tv_nsec / 1000) % 100000, seq++);
+    snprintf(t->cfg_path, sizeof t->cfg_path, "/tmp/%s.cfg", t->name);
+    t->db = ledger_db_connect(getenv("IDEMQ_PG_DSN"), "itest", 0, err, sizeof err);
+    ck_assert_msg(t->db != NULL, "%s", err);
+    itest_sql(t, "SET client_min_messages = warning");
+    ck_assert_msg(ledger_migrate_run(t->db, &applied, err, sizeof err) == IDEMQ_OK, "%s", err);
+    /* Effects are created under an advisory lock: tests may run in parallel. */
+    itest_sql(t, "SELECT pg_advisory_lock(4242)");
+    load_sql_file(t, IDEMQ_SOURCE_DIR "/ledger/examples/payouts.sql");
+    load_sql_file(t, IDEMQ_SOURCE_DIR "/tests/integration/effects.sql");
+    itest_sql(t, "SELECT pg_advisory_unlock(4242)");
+    itest_write_config(t, t->cfg_path, t->name, effect, extra_consumer, extra_input);
+    ck_assert_msg(conf_load(t->cfg_path, &t->conf, err, sizeof err) == IDEMQ_OK, "%s", err);
+    ck_assert_msg(broker_open(t->conf, "itest setup", false, &b, err, sizeof err) == IDEMQ_OK,
+                  "%s", err);
+    ck_assert_msg(broker_declare_input(b, &t->conf->inputs[0]) == IDEMQ_OK, "%s",
+                  broker_error(b));
+    ck_assert(broker_purge(b, t->conf->inputs[0].queue) == IDEMQ_OK);
+    broker_close(b);
+}
+
+void itest_teardown(struct itest *t)
+{
+    struct broker *b;
+    char err[512];
+    if (t->conf && broker_open(t->conf, "itest teardown", false, &b, err, sizeof err) == 0) {
+        if (broker_delete_queue(b, t->conf->inputs[0].queue) != IDEMQ_OK)
+            fprintf(stderr, "teardown: %s\n", broker_error(b));
+        if (broker_delete_exchange(b, t->conf->inputs[0].exchange) != IDEMQ_OK)
+            fprintf(stderr, "teardown: %s\n", broker_error(b));
+        broker_close(b);
+    }
+    unlink(t->cfg_path);
+    conf_free(t->conf);
+    if (t->db)
+        PQfinish(t->db);
+    memset(t, 0, sizeof *t);
+}
+
+void itest_publish_to(struct itest *t, const char *exchange, const char *rk, const char *body,
+                      json_t *headers, const char *message_id)
+{
+    struct broker *b;
+    char err[512];
+    struct broker_props p = {message_id, NULL, headers, true, NULL};
+    ck_assert_msg(broker_open(t->conf, "itest publish", true, &b, err, sizeof err) == 0, "%s",
+                  err);
+    ck_assert_msg(broker_publish(b, exchange, rk, body, strlen(body), &p) == IDEMQ_OK, "%s",
+                  broker_error(b));
+    ck_assert_msg(broker_wait_confirms(b, itest_ms(10000)) == IDEMQ_OK, "%s", broker_error(b));
+    broker_close(b);
+}
+
+void itest_publish(struct itest *t, const char *const *bodies, int n)
+{
+    struct broker *b;
+    char err[512];
+    const struct conf_input *in = &t->conf->inputs[0];
+    ck_assert_msg(broker_open(t->conf, "itest publish", true, &b, err, sizeof err) == 0, "%s",
+                  err);
+    for (int i = 0; i < n; i++)
+        ck_assert_msg(broker_publish(b, in->exchange, in->routing_key, bodies[i],
+                                     strlen(bodies[i]), NULL) == IDEMQ_OK,
+                      "%s", broker_error(b));
+    ck_assert_msg(broker_wait_confirms(b, itest_ms(10000)) == IDEMQ_OK, "%s", broker_error(b));
+    broker_close(b);
+}
+
+pid_t itest_spawn(struct itest *t, const char *cfg_path, int idle_s, const char *const *env)
+{
+    pid_t pid;
+    char idle[16];
+    (void)t;
+    snprintf(idle, sizeof idle, "%d", idle_s);
+    fflush(NULL);
+    pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        for (int i = 0; env && env[i]; i++)
+            putenv((char *)env[i]);
+        execl(IDEMQ_BINARY, IDEMQ_BINARY, "run", "-c", cfg_path, "--until-idle", idle,
+              (char *)NULL);
+        fprintf(stderr, "exec %s: %s\n", IDEMQ_BINARY, strerror(errno));
+        _exit(127);
+    }
+    return pid;
+}
+
+int itest_wait(pid_t pid, int ms)
+{
+    int status;
+    for (int waited = 0; waited < ms; waited += 20) {
+        pid_t r = waitpid(pid, &status, WNOHANG);
+        if (r == pid)
+            return status;
+        usleep(20000);
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+    return -1;
+}
+
+void itest_run_until_idle(struct itest *t, int idle_s)
+{
+    pid_t pid = itest_spawn(t, t->cfg_path, idle_s, NULL);
+    int st = itest_wait(pid, itest_ms(60000));
+    ck_assert_msg(st != -1, "idemq did not finish in time");
+    ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "idemq exited with status 0x%x", st);
+}
+
+long itest_long(struct itest *t, const char *sql, const char *p1)
+{
+    const char *params[1] = {p1};
+    PGresult *r = PQexecParams(t->db, sql, p1 ? 1 : 0, NULL, params, NULL, NULL, 0);
+    long v;
+    ck_assert_msg(PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1,
+                  "query failed: %s\n%s", PQerrorMessage(t->db), sql);
+    v = PQgetisnull(r, 0, 0) ? -1 : atol(PQgetvalue(r, 0, 0));
+    PQclear(r);
+    return v;
+}
+
+char *itest_text(struct itest *t, const char *sql, const char *p1, char *buf, size_t len)
+{
+    const char *params[1] = {p1};
+    PGresult *r = PQexecParams(t->db, sql, p1 ? 1 : 0, NULL, params, NULL, NULL, 0);
+    ck_assert_msg(PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1,
+                  "query failed: %s\n%s", PQerrorMessage(t->db), sql);
+    snprintf(buf, len, "%s", PQgetisnull(r, 0, 0) ? "" : PQgetvalue(r, 0, 0));
+    PQclear(r);
+    return buf;
+}
+
+long itest_queue_ready(struct itest *t, const char *queue)
+{
+    struct broker *b;
+    char err[512];
+    uint32_t n = 0;
+    ck_assert_msg(broker_open(t->conf, "itest counts", false, &b, err, sizeof err) == 0, "%s",
+                  err);
+    ck_assert_msg(broker_queue_counts(b, queue, &n, NULL) == IDEMQ_OK, "%s", broker_error(b));
+    broker_close(b);
+    return (long)n;
+}

@@ -1,0 +1,72 @@
+/*
+ * itest: fixtures for integration tests against the real RabbitMQ and
+ * PostgreSQL that scripts/services started (IDEMQ_AMQP_URL, IDEMQ_PG_DSN).
+ * Each test gets unique queue, exchange and key names, writes its own
+ * config file and runs the real idemq binary as a child process.
+ */
+#ifndef IDEMQ_ITEST_H
+#define IDEMQ_ITEST_H
+
+#include <libpq-fe.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "broker.h"
+#include "conf.h"
+
+struct itest {
+    char name[64];   /* unique per test: queue/exchange/key prefix */
+    char cfg_path[256];
+    struct conf *conf;
+    PGconn *db;
+};
+
+/* Timeout multiplier from IDEMQ_TEST_TIMEOUT_MULT (sanitizer builds). */
+int itest_ms(int ms);
+
+/*
+ * Prepares a test: unique names, migrated ledger, the demo and test effect
+ * functions loaded, a config file whose single input uses queue <name> and
+ * effect_function `effect` (extra_global/extra_input are libconfig lines
+ * added to the consumer group and the input, may be ""), queue declared and
+ * empty. Fails the test (ck_abort) on any setup problem.
+ */
+void itest_setup(struct itest *t, const char *tag, const char *effect, const char *extra_consumer,
+                 const char *extra_input);
+void itest_teardown(struct itest *t);
+
+/* Publishes bodies to the test input's exchange (confirmed). */
+void itest_publish(struct itest *t, const char *const *bodies, int n);
+/* Publishes one body to an exchange with a routing key and optional headers
+ * (JSON object or NULL) and message_id (or NULL). */
+void itest_publish_to(struct itest *t, const char *exchange, const char *rk, const char *body,
+                      json_t *headers, const char *message_id);
+
+/* Starts `idemq run -c cfg --until-idle idle_s` with extra environment
+ * (NULL-terminated "K=V" list or NULL). Returns the pid. */
+pid_t itest_spawn(struct itest *t, const char *cfg_path, int idle_s, const char *const *env);
+
+/* Waits for pid up to ms; returns the raw wait status, or -1 on timeout
+ * (the child is then killed). */
+int itest_wait(pid_t pid, int ms);
+
+/* Runs idemq to idleness and asserts exit code 0. */
+void itest_run_until_idle(struct itest *t, int idle_s);
+
+/* First column of the first row of a query as a long (params: text). */
+long itest_long(struct itest *t, const char *sql, const char *p1);
+/* Same, as text copied into buf. */
+char *itest_text(struct itest *t, const char *sql, const char *p1, char *buf, size_t len);
+
+/* Ready messages in a queue (passive declare). */
+long itest_queue_ready(struct itest *t, const char *queue);
+
+/* Writes a config file at path like the test's own, with another queue. */
+void itest_write_config(struct itest *t, const char *path, const char *queue,
+                        const char *effect, const char *extra_consumer, const char *extra_input);
+
+/* Runs SQL (no result) on the test database; aborts the test on error. */
+void itest_sql(struct itest *t, const char *sql);
+
+#endif
