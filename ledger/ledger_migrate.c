@@ -3,8 +3,10 @@
  */
 #include "ledger_migrate.h"
 
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "ledger_db.h"
 #include "log.h"
@@ -36,6 +38,52 @@ static int current_version(PGconn *db, struct ledger_db_error *e)
     return v;
 }
 
+#define FUNCTIONS_CURRENT                                                                   \
+    "SELECT EXISTS (SELECT 1 FROM idemq.schema_functions "                                  \
+    "WHERE sha256 = encode(sha256(convert_to($1, 'UTF8')), 'hex'))"
+
+/* (Re)creates the ledger functions when the database has another text. */
+static idemq_err_t apply_functions(PGconn *db, char *errbuf, size_t errlen)
+{
+    struct ledger_db_error e;
+    const char *params[1] = {ledger_functions_sql};
+    PGresult *res;
+    idemq_err_t err;
+    bool current;
+
+    if ((err = ledger_db_exec(db, "BEGIN; " MIGRATE_LOCK, &e)) != IDEMQ_OK)
+        goto fail;
+    if (!(res = ledger_db_query(db, FUNCTIONS_CURRENT, 1, params, &e))) {
+        err = ledger_db_err(&e);
+        goto fail;
+    }
+    current = strcmp(PQgetvalue(res, 0, 0), "t") == 0;
+    PQclear(res);
+    if (!current) {
+        if ((err = ledger_db_exec(db, ledger_functions_sql, &e)) != IDEMQ_OK)
+            goto fail;
+        res = ledger_db_query(db,
+                              "INSERT INTO idemq.schema_functions (id, sha256) VALUES "
+                              "(1, encode(sha256(convert_to($1, 'UTF8')), 'hex')) "
+                              "ON CONFLICT (id) DO UPDATE SET sha256 = excluded.sha256, "
+                              "applied_at = now()",
+                              1, params, &e);
+        if (!res) {
+            err = ledger_db_err(&e);
+            goto fail;
+        }
+        PQclear(res);
+        log_info("ledger: (re)created the ledger functions");
+    }
+    if ((err = ledger_db_exec(db, "COMMIT", &e)) != IDEMQ_OK)
+        goto fail;
+    return IDEMQ_OK;
+fail:
+    snprintf(errbuf, errlen, "ledger functions failed: %s %s", e.sqlstate, e.message);
+    PQclear(PQexec(db, "ROLLBACK"));
+    return err;
+}
+
 idemq_err_t ledger_migrate_run(PGconn *db, int *applied, char *errbuf, size_t errlen)
 {
     struct ledger_db_error e;
@@ -47,6 +95,9 @@ idemq_err_t ledger_migrate_run(PGconn *db, int *applied, char *errbuf, size_t er
                               "CREATE SCHEMA IF NOT EXISTS idemq; "
                               "CREATE TABLE IF NOT EXISTS idemq.schema_migrations ("
                               " version integer PRIMARY KEY, name text NOT NULL,"
+                              " applied_at timestamptz NOT NULL DEFAULT now()); "
+                              "CREATE TABLE IF NOT EXISTS idemq.schema_functions ("
+                              " id integer PRIMARY KEY CHECK (id = 1), sha256 text NOT NULL,"
                               " applied_at timestamptz NOT NULL DEFAULT now()); COMMIT",
                               &e)) != IDEMQ_OK)
         goto fail;
@@ -90,7 +141,7 @@ idemq_err_t ledger_migrate_run(PGconn *db, int *applied, char *errbuf, size_t er
         log_info("ledger: applied migration %s", m->name);
         (*applied)++;
     }
-    return IDEMQ_OK;
+    return apply_functions(db, errbuf, errlen);
 rollback:
     snprintf(errbuf, errlen, "migration failed: %s %s", e.sqlstate, e.message);
 rollback_kept:
@@ -123,6 +174,23 @@ idemq_err_t ledger_migrate_check(PGconn *db, char *errbuf, size_t errlen)
                  "ledger schema is at version %d, newer than this idemq (%d): upgrade idemq", v,
                  want);
         return IDEMQ_ERR_CONFIG;
+    }
+    {
+        const char *params[1] = {ledger_functions_sql};
+        PGresult *res = ledger_db_query(db, FUNCTIONS_CURRENT, 1, params, &e);
+        bool current;
+        if (!res) {
+            snprintf(errbuf, errlen, "cannot read the ledger functions' version: %s", e.message);
+            return e.conn_lost ? IDEMQ_ERR_DB_CONN : IDEMQ_ERR_CONFIG;
+        }
+        current = strcmp(PQgetvalue(res, 0, 0), "t") == 0;
+        PQclear(res);
+        if (!current) {
+            snprintf(errbuf, errlen,
+                     "the ledger functions in the database differ from this idemq's: "
+                     "run `idemq migrate`");
+            return IDEMQ_ERR_CONFIG;
+        }
     }
     return IDEMQ_OK;
 }
