@@ -573,35 +573,95 @@ idemq_err_t broker_qos(struct broker *b, int prefetch)
     return reply_ok(b, amqp_get_rpc_reply(b->conn), "basic.qos") ? IDEMQ_OK : IDEMQ_ERR_BROKER;
 }
 
-idemq_err_t broker_declare_input(struct broker *b, const struct conf_input *in)
-{
-    amqp_table_entry_t qargs[1];
-    amqp_table_t args = {0, qargs};
-    char what[300];
+/* After a channel-level error (e.g. 404 on a passive declare) reopen. */
+static idemq_err_t recover_channel(struct broker *b);
 
-    if (in->exchange[0]) {
-        amqp_exchange_declare(b->conn, CHANNEL, bytes(in->exchange), bytes(in->exchange_type), 0,
-                              1, 0, 0, amqp_empty_table);
-        snprintf(what, sizeof what, "declare exchange %s", in->exchange);
-        if (!reply_ok(b, amqp_get_rpc_reply(b->conn), what))
-            return IDEMQ_ERR_BROKER;
+/* Keeps the failure text while the channel is reopened. */
+static idemq_err_t fail_keep(struct broker *b)
+{
+    char keep[sizeof b->err];
+    memcpy(keep, b->err, sizeof keep);
+    if (recover_channel(b) == IDEMQ_OK)
+        memcpy(b->err, keep, sizeof keep);
+    return IDEMQ_ERR_BROKER;
+}
+
+static int json_to_field(json_t *v, amqp_field_value_t *f, amqp_pool_t *pool);
+
+/* JSON object -> AMQP table allocated in pool (strings point into v). */
+static int json_to_table(json_t *v, amqp_table_t *t, amqp_pool_t *pool)
+{
+    amqp_field_value_t f;
+    t->num_entries = 0;
+    t->entries = NULL;
+    if (!v || !json_object_size(v))
+        return 0;
+    if (json_to_field(v, &f, pool))
+        return -1;
+    *t = f.value.table;
+    return 0;
+}
+
+idemq_err_t broker_declare_exchange(struct broker *b, const char *name, const char *type,
+                                    bool passive, json_t *args)
+{
+    char what[300];
+    amqp_pool_t pool;
+    amqp_table_t t;
+    bool ok;
+
+    init_amqp_pool(&pool, 1024);
+    if (json_to_table(args, &t, &pool)) {
+        empty_amqp_pool(&pool);
+        set_err(b, "out of memory");
+        return IDEMQ_ERR_NOMEM;
     }
-    qargs[0].key = amqp_cstring_bytes("x-queue-type");
-    qargs[0].value.kind = AMQP_FIELD_KIND_UTF8;
-    qargs[0].value.value.bytes = bytes(in->queue_type);
-    args.num_entries = 1;
-    amqp_queue_declare(b->conn, CHANNEL, bytes(in->queue), 0, 1, 0, 0, args);
-    snprintf(what, sizeof what, "declare queue %s", in->queue);
-    if (!reply_ok(b, amqp_get_rpc_reply(b->conn), what))
-        return IDEMQ_ERR_BROKER;
-    if (in->exchange[0]) {
-        amqp_queue_bind(b->conn, CHANNEL, bytes(in->queue), bytes(in->exchange),
-                        bytes(in->routing_key), amqp_empty_table);
-        snprintf(what, sizeof what, "bind queue %s to %s", in->queue, in->exchange);
-        if (!reply_ok(b, amqp_get_rpc_reply(b->conn), what))
-            return IDEMQ_ERR_BROKER;
+    amqp_exchange_declare(b->conn, CHANNEL, bytes(name), bytes(type), passive, 1, 0, 0, t);
+    snprintf(what, sizeof what, "%s exchange %s", passive ? "check" : "declare", name);
+    ok = reply_ok(b, amqp_get_rpc_reply(b->conn), what);
+    empty_amqp_pool(&pool);
+    return ok ? IDEMQ_OK : fail_keep(b);
+}
+
+idemq_err_t broker_declare_queue(struct broker *b, const char *name, json_t *args, bool passive)
+{
+    char what[300];
+    amqp_pool_t pool;
+    amqp_table_t t;
+    bool ok;
+
+    init_amqp_pool(&pool, 1024);
+    if (json_to_table(args, &t, &pool)) {
+        empty_amqp_pool(&pool);
+        set_err(b, "out of memory");
+        return IDEMQ_ERR_NOMEM;
     }
-    return IDEMQ_OK;
+    amqp_queue_declare(b->conn, CHANNEL, bytes(name), passive, 1, 0, 0, t);
+    snprintf(what, sizeof what, "%s queue %s", passive ? "check" : "declare", name);
+    ok = reply_ok(b, amqp_get_rpc_reply(b->conn), what);
+    empty_amqp_pool(&pool);
+    return ok ? IDEMQ_OK : fail_keep(b);
+}
+
+idemq_err_t broker_bind(struct broker *b, const char *queue, const char *exchange,
+                        const char *key, json_t *args)
+{
+    char what[600];
+    amqp_pool_t pool;
+    amqp_table_t t;
+    bool ok;
+
+    init_amqp_pool(&pool, 1024);
+    if (json_to_table(args, &t, &pool)) {
+        empty_amqp_pool(&pool);
+        set_err(b, "out of memory");
+        return IDEMQ_ERR_NOMEM;
+    }
+    amqp_queue_bind(b->conn, CHANNEL, bytes(queue), bytes(exchange), bytes(key), t);
+    snprintf(what, sizeof what, "bind queue %s to %s (key %s)", queue, exchange, key);
+    ok = reply_ok(b, amqp_get_rpc_reply(b->conn), what);
+    empty_amqp_pool(&pool);
+    return ok ? IDEMQ_OK : fail_keep(b);
 }
 
 idemq_err_t broker_consume(struct broker *b, int input_idx, const struct conf_input *in,
@@ -656,10 +716,50 @@ static int json_to_field(json_t *v, amqp_field_value_t *f, amqp_pool_t *pool)
                 return -1;
             i++;
         }
+    } else if (json_is_array(v)) {
+        size_t n = json_array_size(v);
+        f->kind = AMQP_FIELD_KIND_ARRAY;
+        f->value.array.num_entries = (int)n;
+        f->value.array.entries = amqp_pool_alloc(pool, sizeof(amqp_field_value_t) * n + 1);
+        if (!f->value.array.entries)
+            return -1;
+        for (size_t i = 0; i < n; i++)
+            if (json_to_field(json_array_get(v, i), &f->value.array.entries[i], pool))
+                return -1;
     } else {
         f->kind = AMQP_FIELD_KIND_VOID;
     }
     return 0;
+}
+
+/* Copies the carried-over properties of a received message (strings point
+ * into orig, which the caller keeps alive until the publish returns). */
+static void carry_props(json_t *orig, amqp_basic_properties_t *p)
+{
+#define CARRY_STR(flag, field)                                                               \
+    do {                                                                                     \
+        json_t *v = json_object_get(orig, #field);                                           \
+        if (json_is_string(v)) {                                                             \
+            p->_flags |= (flag);                                                             \
+            p->field = amqp_cstring_bytes(json_string_value(v));                             \
+        }                                                                                    \
+    } while (0)
+    CARRY_STR(AMQP_BASIC_CONTENT_TYPE_FLAG, content_type);
+    CARRY_STR(AMQP_BASIC_CONTENT_ENCODING_FLAG, content_encoding);
+    CARRY_STR(AMQP_BASIC_CORRELATION_ID_FLAG, correlation_id);
+    CARRY_STR(AMQP_BASIC_REPLY_TO_FLAG, reply_to);
+    CARRY_STR(AMQP_BASIC_MESSAGE_ID_FLAG, message_id);
+    CARRY_STR(AMQP_BASIC_TYPE_FLAG, type);
+    CARRY_STR(AMQP_BASIC_APP_ID_FLAG, app_id);
+#undef CARRY_STR
+    if (json_is_integer(json_object_get(orig, "timestamp"))) {
+        p->_flags |= AMQP_BASIC_TIMESTAMP_FLAG;
+        p->timestamp = (uint64_t)json_integer_value(json_object_get(orig, "timestamp"));
+    }
+    if (json_is_integer(json_object_get(orig, "priority"))) {
+        p->_flags |= AMQP_BASIC_PRIORITY_FLAG;
+        p->priority = (uint8_t)json_integer_value(json_object_get(orig, "priority"));
+    }
 }
 
 idemq_err_t broker_publish(struct broker *b, const char *exchange, const char *routing_key,
@@ -678,15 +778,21 @@ idemq_err_t broker_publish(struct broker *b, const char *exchange, const char *r
     }
     memset(&p, 0, sizeof p);
     init_amqp_pool(&pool, 4096);
-    p._flags = AMQP_BASIC_DELIVERY_MODE_FLAG;
+    if (props && props->original)
+        carry_props(props->original, &p);
+    p._flags |= AMQP_BASIC_DELIVERY_MODE_FLAG;
     p.delivery_mode = (props && !props->persistent) ? 1 : 2;
     if (props && props->message_id) {
         p._flags |= AMQP_BASIC_MESSAGE_ID_FLAG;
         p.message_id = amqp_cstring_bytes(props->message_id);
     }
-    p._flags |= AMQP_BASIC_CONTENT_TYPE_FLAG;
-    p.content_type = amqp_cstring_bytes(props && props->content_type ? props->content_type
-                                                                     : "application/json");
+    if (props && props->content_type) {
+        p._flags |= AMQP_BASIC_CONTENT_TYPE_FLAG;
+        p.content_type = amqp_cstring_bytes(props->content_type);
+    } else if (!(p._flags & AMQP_BASIC_CONTENT_TYPE_FLAG)) {
+        p._flags |= AMQP_BASIC_CONTENT_TYPE_FLAG;
+        p.content_type = amqp_cstring_bytes("application/json");
+    }
     if (props && props->expiration) {
         p._flags |= AMQP_BASIC_EXPIRATION_FLAG;
         p.expiration = amqp_cstring_bytes(props->expiration);
@@ -736,7 +842,6 @@ idemq_err_t broker_wait_confirms(struct broker *b, int timeout_ms)
     return IDEMQ_OK;
 }
 
-/* After a channel-level error (e.g. 404 on a passive declare) reopen. */
 static idemq_err_t recover_channel(struct broker *b)
 {
     if (!b->conn)
@@ -749,13 +854,8 @@ idemq_err_t broker_queue_counts(struct broker *b, const char *queue, uint32_t *m
 {
     amqp_queue_declare_ok_t *ok =
         amqp_queue_declare(b->conn, CHANNEL, bytes(queue), 1, 0, 0, 0, amqp_empty_table);
-    if (!reply_ok(b, amqp_get_rpc_reply(b->conn), "passive declare")) {
-        char keep[sizeof b->err];
-        memcpy(keep, b->err, sizeof keep);
-        if (recover_channel(b) == IDEMQ_OK)
-            memcpy(b->err, keep, sizeof keep);
-        return IDEMQ_ERR_BROKER;
-    }
+    if (!reply_ok(b, amqp_get_rpc_reply(b->conn), "passive declare"))
+        return fail_keep(b);
     if (messages)
         *messages = ok->message_count;
     if (consumers)

@@ -40,10 +40,24 @@ idemq_err_t broker_open(const struct conf *c, const char *conn_name, bool confir
  * frees b, including deliveries not yet handed out. NULL is fine. */
 void broker_close(struct broker *b);
 
-/* Declares the input's exchange (durable), queue (durable, with its
- * x-queue-type) and binding. Idempotent; fails with the broker's reason if
- * an existing queue has other arguments. */
-idemq_err_t broker_declare_input(struct broker *b, const struct conf_input *in) IDEMQ_MUSTCHECK;
+/*
+ * Declares a durable exchange (passive: only checks it exists). On failure
+ * (e.g. 404 when passive, 406 on a type mismatch) broker_error says why and
+ * the channel is reopened, so b stays usable.
+ */
+idemq_err_t broker_declare_exchange(struct broker *b, const char *name, const char *type,
+                                    bool passive, json_t *args) IDEMQ_MUSTCHECK;
+
+/* Declares a durable queue with arguments (a JSON object; strings, integers
+ * and booleans), or checks it exists when passive. A queue that exists with
+ * other arguments fails with 406 PRECONDITION_FAILED. Reopens the channel
+ * on failure, like broker_declare_exchange. */
+idemq_err_t broker_declare_queue(struct broker *b, const char *name, json_t *args,
+                                 bool passive) IDEMQ_MUSTCHECK;
+
+/* queue.bind (idempotent). args may be NULL. */
+idemq_err_t broker_bind(struct broker *b, const char *queue, const char *exchange,
+                        const char *key, json_t *args) IDEMQ_MUSTCHECK;
 
 /* Sets basic.qos prefetch for the channel. */
 idemq_err_t broker_qos(struct broker *b, int prefetch) IDEMQ_MUSTCHECK;
@@ -77,6 +91,10 @@ struct broker_props {
     json_t *headers;
     bool persistent;
     const char *expiration; /* per-message TTL in ms, as text */
+    json_t *original;       /* properties of a received message (job->props) to
+                             * carry over: content_type/encoding, correlation_id,
+                             * reply_to, message_id, type, app_id, timestamp,
+                             * priority; the fields above win */
 };
 
 /*

@@ -13,6 +13,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "backoff.h"
+#include "classify.h"
 #include "log.h"
 
 enum conf_type { CT_INT, CT_STR, CT_STRLIST };
@@ -59,6 +61,16 @@ static const struct conf_key global_keys[] = {
      "consumer id recorded on attempts; empty = hostname:pid"},
     {"retry.max_attempts", CT_INT, G(max_attempts), 1, 1000, NULL, 5, 0,
      "attempts of a job that keeps failing transiently before it is parked"},
+    {"retry.base_delay_ms", CT_INT, G(base_delay_ms), 100, 86400000, NULL, 1000, 0,
+     "backoff before the first retry; doubles per attempt"},
+    {"retry.max_delay_ms", CT_INT, G(max_delay_ms), 100, 86400000, NULL, 60000, 0,
+     "hard ceiling of the backoff"},
+    {"retry.jitter", CT_STR, G(jitter), 1, 8, "equal", 0, 0,
+     "none, full (uniform in [0, d]) or equal (d/2 + uniform in [0, d/2])"},
+    {"retry.retry_sqlstates", CT_STRLIST, G(retry_sqlstates), 0, 64, "IR001", 0, 0,
+     "SQLSTATEs (or 2-character classes) an effect raises to ask for a retry"},
+    {"retry.park_sqlstates", CT_STRLIST, G(park_sqlstates), 0, 64, "IP001", 0, 0,
+     "SQLSTATEs (or classes) an effect raises to ask for parking at once"},
     {"log.level", CT_STR, G(log_level), 1, 10, "info", 0, 0, "error, warn, info or debug"},
 };
 
@@ -474,6 +486,35 @@ static idemq_err_t apply_env(struct conf *c, char *errbuf, size_t errlen)
     return IDEMQ_OK;
 }
 
+static idemq_err_t validate_retry(struct conf *c, const char *file, char *errbuf,
+                                  size_t errlen)
+{
+    const struct conf_strlist *lists[2] = {&c->retry_sqlstates, &c->park_sqlstates};
+    if (c->base_delay_ms > c->max_delay_ms) {
+        errf(errbuf, errlen, "%s: retry.base_delay_ms (%d) must not exceed retry.max_delay_ms (%d)",
+             file, c->base_delay_ms, c->max_delay_ms);
+        return IDEMQ_ERR_CONFIG;
+    }
+    if ((c->jitter_mode = backoff_jitter_parse(c->jitter)) < 0) {
+        errf(errbuf, errlen, "%s: retry.jitter must be none, full or equal, not \"%s\"", file,
+             c->jitter);
+        return IDEMQ_ERR_CONFIG;
+    }
+    for (int l = 0; l < 2; l++)
+        for (int i = 0; i < lists[l]->n; i++)
+            if (!classify_valid_code(lists[l]->v[i])) {
+                errf(errbuf, errlen,
+                     "%s: retry.%s: \"%s\" is not a SQLSTATE (5 of 0-9A-Z) or class (2)",
+                     file, l ? "park_sqlstates" : "retry_sqlstates", lists[l]->v[i]);
+                return IDEMQ_ERR_CONFIG;
+            }
+    c->rules.retry = (const char *const *)c->retry_sqlstates.v;
+    c->rules.n_retry = c->retry_sqlstates.n;
+    c->rules.park = (const char *const *)c->park_sqlstates.v;
+    c->rules.n_park = c->park_sqlstates.n;
+    return IDEMQ_OK;
+}
+
 static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char *errbuf,
                         size_t errlen)
 {
@@ -515,6 +556,8 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
         err = IDEMQ_ERR_CONFIG;
         goto fail;
     }
+    if ((err = validate_retry(c, file, errbuf, errlen)) != IDEMQ_OK)
+        goto fail;
     if ((err = read_inputs(cfg, c, file, errbuf, errlen)) != IDEMQ_OK)
         goto fail;
     if ((err = apply_env(c, errbuf, errlen)) != IDEMQ_OK)

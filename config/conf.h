@@ -13,6 +13,7 @@
 #include <stddef.h>
 #include <stdio.h>
 
+#include "classify.h"
 #include "idemq_err.h"
 
 #define CONF_KEY_MAX_BYTES 256
@@ -64,6 +65,13 @@ struct conf {
     char *consumer_id;
     /* retry */
     int max_attempts;
+    int base_delay_ms;
+    int max_delay_ms;
+    char *jitter;
+    struct conf_strlist retry_sqlstates;
+    struct conf_strlist park_sqlstates;
+    int jitter_mode;            /* enum backoff_jitter, derived */
+    struct classify_rules rules; /* derived from the two lists */
     /* log */
     char *log_level;
     /* inputs */

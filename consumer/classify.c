@@ -92,6 +92,8 @@ enum classify_class classify_err(idemq_err_t err)
     case IDEMQ_ERR_KEY_INVALID:
     case IDEMQ_ERR_EFFECT:
         return CLASS_PERMANENT;
+    case IDEMQ_ERR_RETRIES_EXHAUSTED:
+        return CLASS_TRANSIENT;
     case IDEMQ_ERR_TIMEOUT:
         return CLASS_TRANSIENT;
     case IDEMQ_ERR_BROKER:

@@ -25,6 +25,7 @@ const char *idemq_err_name(idemq_err_t err)
     case IDEMQ_ERR_EFFECT: return "effect_error";
     case IDEMQ_ERR_SHUTDOWN: return "shutdown";
     case IDEMQ_ERR_INTERNAL: return "internal";
+    case IDEMQ_ERR_RETRIES_EXHAUSTED: return "retries_exhausted";
     }
     return "unknown";
 }
@@ -50,6 +51,7 @@ const char *idemq_err_str(idemq_err_t err)
     case IDEMQ_ERR_EFFECT: return "effect function failed";
     case IDEMQ_ERR_SHUTDOWN: return "shutting down";
     case IDEMQ_ERR_INTERNAL: return "internal invariant failed";
+    case IDEMQ_ERR_RETRIES_EXHAUSTED: return "transient failures used the whole attempt budget";
     }
     return "unknown error";
 }

@@ -27,6 +27,7 @@ typedef enum {
     IDEMQ_ERR_EFFECT,         /* the effect function raised an error */
     IDEMQ_ERR_SHUTDOWN,       /* stopping on request */
     IDEMQ_ERR_INTERNAL,       /* an invariant failed */
+    IDEMQ_ERR_RETRIES_EXHAUSTED, /* transient failures used the whole attempt budget */
 } idemq_err_t;
 
 /* Stable snake_case name ("bad_json"), stored in the ledger. Never NULL. */

@@ -16,6 +16,8 @@
 #include "ledger_db.h"
 #include "ledger_migrate.h"
 #include "log.h"
+#include "ops.h"
+#include "topology.h"
 #include "sig.h"
 #include "worker.h"
 
@@ -45,6 +47,12 @@ static void usage(FILE *out)
             "  publish [--input NAME] [--routing-key KEY]\n"
             "                              publish stdin lines as messages (confirmed) to the\n"
             "                              input's exchange; for demos and tests\n"
+            "  jobs show KEY               the full story of one business key, oldest first\n"
+            "  parked list [FILTERS]       parked messages and a count by error class\n"
+            "  redrive [FILTERS] [--dry-run] [--rate N]\n"
+            "                              move dead-lettered messages back to their origin\n"
+            "                              queue (confirmed, then acked), N per second\n"
+            "  FILTERS: --input NAME --key KEY --class CLASS --since TIMESTAMP --limit N\n"
             "\n"
             "options: -c, --config FILE; -h, --help; -V, --version\n"
             "environment: IDEMQ_AMQP_URL and IDEMQ_PG_DSN override broker.url and database.dsn\n"
@@ -56,11 +64,26 @@ static void usage(FILE *out)
 
 struct opts {
     const char *cmd;
+    const char *sub; /* "show" of "jobs show", "list" of "parked list" */
+    const char *arg; /* KEY of "jobs show KEY" */
     const char *config;
     long until_idle_s;
     const char *input;
     const char *routing_key;
+    struct ops_filter filter;
 };
+
+static int parse_long(const char *opt, const char *s, long min, long max, long *out)
+{
+    char *end;
+    errno = 0;
+    *out = strtol(s, &end, 10);
+    if (errno || *end || !*s || *out < min || *out > max) {
+        fprintf(stderr, "idemq: %s takes a whole number from %ld to %ld\n", opt, min, max);
+        return -1;
+    }
+    return 0;
+}
 
 static int parse_args(int argc, char **argv, struct opts *o)
 {
@@ -68,9 +91,12 @@ static int parse_args(int argc, char **argv, struct opts *o)
         {"config", required_argument, NULL, 'c'},  {"help", no_argument, NULL, 'h'},
         {"version", no_argument, NULL, 'V'},       {"until-idle", required_argument, NULL, 'i'},
         {"input", required_argument, NULL, 'n'},   {"routing-key", required_argument, NULL, 'r'},
+        {"key", required_argument, NULL, 'k'},     {"class", required_argument, NULL, 'C'},
+        {"since", required_argument, NULL, 's'},   {"limit", required_argument, NULL, 'l'},
+        {"dry-run", no_argument, NULL, 'd'},       {"rate", required_argument, NULL, 'R'},
         {NULL, 0, NULL, 0}};
     int c;
-    char *end;
+    long v;
 
     memset(o, 0, sizeof o[0]);
     while ((c = getopt_long(argc, argv, "c:hV", longopts, NULL)) != -1) {
@@ -79,15 +105,24 @@ static int parse_args(int argc, char **argv, struct opts *o)
         case 'h': usage(stdout); exit(EXIT_OK);
         case 'V': printf("idemq %s\n", IDEMQ_VERSION); exit(EXIT_OK);
         case 'i':
-            errno = 0;
-            o->until_idle_s = strtol(optarg, &end, 10);
-            if (errno || *end || o->until_idle_s < 1 || o->until_idle_s > 86400) {
-                fprintf(stderr, "idemq: --until-idle takes whole seconds from 1 to 86400\n");
+            if (parse_long("--until-idle", optarg, 1, 86400, &o->until_idle_s))
                 return -1;
-            }
             break;
-        case 'n': o->input = optarg; break;
+        case 'n': o->input = o->filter.input = optarg; break;
         case 'r': o->routing_key = optarg; break;
+        case 'k': o->filter.key = optarg; break;
+        case 'C': o->filter.error_class = optarg; break;
+        case 's': o->filter.since = optarg; break;
+        case 'l':
+            if (parse_long("--limit", optarg, 1, 1000000000L, &o->filter.limit))
+                return -1;
+            break;
+        case 'd': o->filter.dry_run = true; break;
+        case 'R':
+            if (parse_long("--rate", optarg, 1, 100000, &v))
+                return -1;
+            o->filter.rate = (double)v;
+            break;
         default: return -1;
         }
     }
@@ -96,6 +131,21 @@ static int parse_args(int argc, char **argv, struct opts *o)
         return -1;
     }
     o->cmd = argv[optind++];
+    if (strcmp(o->cmd, "jobs") == 0 || strcmp(o->cmd, "parked") == 0) {
+        const char *want = o->cmd[0] == 'j' ? "show" : "list";
+        if (optind >= argc || strcmp(argv[optind], want) != 0) {
+            fprintf(stderr, "idemq: did you mean '%s %s'?\n", o->cmd, want);
+            return -1;
+        }
+        o->sub = argv[optind++];
+        if (o->cmd[0] == 'j') {
+            if (optind >= argc) {
+                fprintf(stderr, "idemq: jobs show needs a KEY\n");
+                return -1;
+            }
+            o->arg = argv[optind++];
+        }
+    }
     if (optind < argc) {
         fprintf(stderr, "idemq: unexpected argument '%s'\n", argv[optind]);
         return -1;
@@ -149,14 +199,17 @@ static int cmd_declare(const struct conf *c)
         return EXIT_CONNECT;
     }
     for (int i = 0; i < c->n_inputs && rc == EXIT_OK; i++) {
-        if (broker_declare_input(b, &c->inputs[i])) {
+        if (topology_declare(b, c, &c->inputs[i])) {
             log_error("input %s: %s", c->inputs[i].name, broker_error(b));
             rc = EXIT_TOPOLOGY;
         } else {
-            printf("input %s: queue %s (%s)%s%s%s%s\n", c->inputs[i].name, c->inputs[i].queue,
-                   c->inputs[i].queue_type, c->inputs[i].exchange[0] ? " bound to " : "",
-                   c->inputs[i].exchange, c->inputs[i].exchange[0] ? " with key " : "",
-                   c->inputs[i].exchange[0] ? c->inputs[i].routing_key : "");
+            printf("input %s: queue %s (%s)%s%s%s%s; retries via %s.retry.*; dead letters in "
+                   "%s.dead\n",
+                   c->inputs[i].name, c->inputs[i].queue, c->inputs[i].queue_type,
+                   c->inputs[i].exchange[0] ? " bound to " : "", c->inputs[i].exchange,
+                   c->inputs[i].exchange[0] ? " with key " : "",
+                   c->inputs[i].exchange[0] ? c->inputs[i].routing_key : "", c->inputs[i].queue,
+                   c->inputs[i].queue);
         }
     }
     broker_close(b);
@@ -185,9 +238,8 @@ static int preflight(const struct conf *c)
         return EXIT_CONNECT;
     }
     for (int i = 0; i < c->n_inputs && rc == EXIT_OK; i++) {
-        if (broker_queue_counts(b, c->inputs[i].queue, NULL, NULL)) {
-            log_error("input %s: queue %s is not usable (%s); run `idemq declare`",
-                      c->inputs[i].name, c->inputs[i].queue, broker_error(b));
+        if (topology_verify(b, c, &c->inputs[i], err, sizeof err)) {
+            log_error("%s", err);
             rc = EXIT_TOPOLOGY;
         }
     }
@@ -304,7 +356,8 @@ int main(int argc, char **argv)
         return EXIT_USAGE;
     }
     if (strcmp(o.cmd, "run") && strcmp(o.cmd, "migrate") && strcmp(o.cmd, "declare") &&
-        strcmp(o.cmd, "check-config") && strcmp(o.cmd, "publish")) {
+        strcmp(o.cmd, "check-config") && strcmp(o.cmd, "publish") && strcmp(o.cmd, "jobs") &&
+        strcmp(o.cmd, "parked") && strcmp(o.cmd, "redrive")) {
         fprintf(stderr, "idemq: unknown command '%s'\n", o.cmd);
         usage(stderr);
         return EXIT_USAGE;
@@ -325,6 +378,12 @@ int main(int argc, char **argv)
         rc = cmd_declare(c);
     } else if (strcmp(o.cmd, "publish") == 0) {
         rc = cmd_publish(c, o.input, o.routing_key);
+    } else if (strcmp(o.cmd, "jobs") == 0) {
+        rc = ops_jobs_show(c, o.arg, stdout);
+    } else if (strcmp(o.cmd, "parked") == 0) {
+        rc = ops_parked_list(c, &o.filter, stdout);
+    } else if (strcmp(o.cmd, "redrive") == 0) {
+        rc = ops_redrive(c, &o.filter, stdout);
     } else {
         rc = cmd_run(c, o.until_idle_s);
     }

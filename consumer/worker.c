@@ -21,13 +21,29 @@
 #include "ledger_migrate.h"
 #include "ledger_txn.h"
 #include "log.h"
+#include "republish.h"
 #include "sig.h"
+#include "topology.h"
 
 #define POLL_MS 200       /* longest wait between stop/idle checks */
 #define BATCH_RETRIES 3   /* whole-batch transient failures retried in place */
 #define PAUSE_MAX_MS 30000
+#define REPUBLISH_CONFIRM_MS 10000 /* well inside the heartbeat window */
 
-enum settle { SETTLE_ACK = 0, SETTLE_REQUEUE };
+/* What happens to a delivery once its transaction committed. */
+enum settle {
+    SETTLE_ACK = 0, /* applied, duplicate: acknowledge */
+    SETTLE_DELAY,   /* retry later: publish to a delay bucket, then acknowledge */
+    SETTLE_DEAD,    /* parked: publish to the dead-letter exchange, then acknowledge */
+};
+
+struct plan {
+    enum settle how;
+    long delay_ms;    /* SETTLE_DELAY: clamped delay */
+    int attempt;      /* attempt number recorded */
+    json_t *park;     /* SETTLE_DEAD: park facts (owned) */
+    enum ledger_outcome outcome;
+};
 
 /* What a transaction or a connect step came to. */
 enum step {
@@ -50,7 +66,8 @@ struct session {
     struct job *jobs;
     struct job **good;
     struct ledger_result *res;
-    enum settle *settle;
+    struct plan *plans;
+    long long *park_ids;
     int n;
     uint64_t rng;
     enum crash_point crash;
@@ -148,6 +165,12 @@ static enum step connect_broker(struct session *s)
     snprintf(name, sizeof name, "idemq %s worker %d", s->c->consumer_id, s->w->id);
     if (broker_open(s->c, name, true, &s->b, s->why, sizeof s->why))
         return STEP_BROKER;
+    for (int i = 0; i < s->c->n_inputs; i++) {
+        if (topology_verify(s->b, s->c, &s->c->inputs[i], s->why, sizeof s->why)) {
+            drop_broker(s);
+            return STEP_FATAL; /* not the jobs' fault: wait until it is fixed */
+        }
+    }
     if (broker_qos(s->b, s->c->prefetch))
         goto fail;
     for (int i = 0; i < s->c->n_inputs; i++)
@@ -198,7 +221,7 @@ static bool ensure_connected(struct session *s, bool *reconnected)
 static enum step call_failed(struct session *s, const struct ledger_db_error *e,
                              const char *what)
 {
-    enum classify_class cls = classify_sqlstate(e->sqlstate, e->conn_lost, NULL);
+    enum classify_class cls = classify_sqlstate(e->sqlstate, e->conn_lost, &s->c->rules);
     snprintf(s->why, sizeof s->why, "%s: %s %s", what, e->sqlstate, e->message);
     switch (cls) {
     case CLASS_INFRA: return STEP_INFRA;
@@ -210,19 +233,69 @@ static enum step call_failed(struct session *s, const struct ledger_db_error *e,
     return STEP_SPLIT;
 }
 
+static void plan_clear(struct plan *p)
+{
+    json_decref(p->park);
+    memset(p, 0, sizeof *p);
+}
+
+/*
+ * Decides what a failed job's attempt leads to and records it (inside the
+ * transaction): a durable retry schedule and a delay, or a park.
+ */
+static enum step plan_failure(struct session *s, struct job *j, struct ledger_result *r,
+                              struct plan *p)
+{
+    struct ledger_db_error e;
+    enum classify_class cls = classify_sqlstate(r->sqlstate, false, &s->c->rules);
+    int used = r->attempt - r->base; /* attempts of this generation's budget */
+    idemq_err_t code = IDEMQ_ERR_EFFECT;
+    bool park;
+
+    if (cls == CLASS_FATAL) {
+        snprintf(s->why, sizeof s->why, "effect of %s failed with %s %s (%s)", j->key,
+                 r->sqlstate, r->message, classify_name(cls));
+        return STEP_FATAL;
+    }
+    if (cls == CLASS_INFRA || cls == CLASS_NONE)
+        cls = CLASS_TRANSIENT;
+    park = cls == CLASS_PERMANENT || used >= s->c->max_attempts;
+    if (cls == CLASS_TRANSIENT && park)
+        code = IDEMQ_ERR_RETRIES_EXHAUSTED;
+    p->attempt = r->attempt;
+    p->delay_ms = park ? 0
+                       : topology_clamp_delay(s->c, backoff_delay_ms(used, s->c->base_delay_ms,
+                                                                     s->c->max_delay_ms,
+                                                                     s->c->jitter_mode, &s->rng));
+    if (ledger_txn_record_failure(s->lt, j, r, classify_name(cls), idemq_err_name(code), park,
+                                  p->delay_ms, &e))
+        return call_failed(s, &e, "record_failure");
+    if (park && !r->park) {
+        snprintf(s->why, sizeof s->why, "record_failure returned no park facts for %s", j->key);
+        return STEP_SPLIT;
+    }
+    log_job(park ? LOG_LVL_WARN : LOG_LVL_INFO, j->key, j->tag, r->attempt,
+            "%s error %s: %s -> %s (%ld ms)", classify_name(cls), r->sqlstate, r->message,
+            park ? "parked" : "retry in", p->delay_ms);
+    p->how = park ? SETTLE_DEAD : SETTLE_DELAY;
+    if (park)
+        p->park = json_incref(r->park);
+    return STEP_OK;
+}
+
 /*
  * One transaction over jobs[0..n): claims and applies the decodable ones,
- * records failures, parks the rest, commits. Fills s->settle. On any
+ * records failures, parks the rest, commits. Fills plans[0..n). On any
  * non-OK return the transaction is rolled back and nothing may be settled.
  */
-static enum step run_txn(struct session *s, struct job *jobs, int n, enum settle *settle)
+static enum step run_txn(struct session *s, struct job *jobs, int n, struct plan *plans)
 {
     struct ledger_db_error e;
     int ngood = 0;
     enum step st;
 
     for (int i = 0; i < n; i++) {
-        settle[i] = SETTLE_ACK;
+        plan_clear(&plans[i]);
         if (jobs[i].decode_err == IDEMQ_OK)
             s->good[ngood++] = &jobs[i];
     }
@@ -232,43 +305,49 @@ static enum step run_txn(struct session *s, struct job *jobs, int n, enum settle
         st = call_failed(s, &e, "apply_batch");
         goto rollback;
     }
-    for (int g = 0, i = 0; g < ngood; g++) {
-        struct job *j = s->good[g];
+    for (int g = 0, i = 0; g < ngood; g++, i++) {
         struct ledger_result *r = &s->res[g];
-        enum classify_class cls;
-        bool park;
+        struct plan *p;
 
-        while (&jobs[i] != j)
+        while (&jobs[i] != s->good[g])
             i++;
-        if (r->outcome != LEDGER_ERROR)
-            continue;
-        cls = classify_sqlstate(r->sqlstate, false, NULL);
-        if (cls == CLASS_FATAL) {
-            snprintf(s->why, sizeof s->why, "effect of %s failed with %s %s (%s)", j->key,
-                     r->sqlstate, r->message, classify_name(cls));
-            st = STEP_FATAL;
-            goto rollback;
+        p = &plans[i];
+        p->outcome = r->outcome;
+        p->attempt = r->attempt;
+        switch (r->outcome) {
+        case LEDGER_APPLIED:
+        case LEDGER_DUPLICATE:
+            break;
+        case LEDGER_EARLY:
+            p->how = SETTLE_DELAY;
+            p->delay_ms = topology_clamp_delay(s->c, r->delay_ms);
+            log_job(LOG_LVL_INFO, jobs[i].key, jobs[i].tag, r->attempt,
+                    "back before its retry time: waiting %ld ms more", p->delay_ms);
+            break;
+        case LEDGER_REPARK:
+            p->how = SETTLE_DEAD;
+            p->park = json_incref(r->park);
+            break;
+        case LEDGER_ERROR:
+            if ((st = plan_failure(s, &jobs[i], r, p)) != STEP_OK)
+                goto rollback;
+            break;
         }
-        if (cls == CLASS_INFRA || cls == CLASS_NONE)
-            cls = CLASS_TRANSIENT;
-        park = cls == CLASS_PERMANENT || r->attempt >= s->c->max_attempts;
-        if (ledger_txn_record_failure(s->lt, j, r, classify_name(cls),
-                                      idemq_err_name(IDEMQ_ERR_EFFECT), park, &e)) {
-            st = call_failed(s, &e, "record_failure");
-            goto rollback;
-        }
-        log_job(park ? LOG_LVL_WARN : LOG_LVL_INFO, j->key, j->tag, r->attempt,
-                "%s error %s: %s -> %s", classify_name(cls), r->sqlstate, r->message,
-                park ? "parked" : "retry");
-        settle[i] = park ? SETTLE_ACK : SETTLE_REQUEUE;
     }
     for (int i = 0; i < n; i++) {
         if (jobs[i].decode_err == IDEMQ_OK)
             continue;
-        if (ledger_txn_park_message(s->lt, &jobs[i], &e)) {
+        if (ledger_txn_park_message(s->lt, &jobs[i], &plans[i].park, &e)) {
             st = call_failed(s, &e, "park_message");
             goto rollback;
         }
+        if (!plans[i].park) {
+            snprintf(s->why, sizeof s->why, "park_message returned no park facts");
+            st = STEP_SPLIT;
+            goto rollback;
+        }
+        plans[i].how = SETTLE_DEAD;
+        plans[i].attempt = 1;
         log_job(LOG_LVL_WARN, jobs[i].has_key ? jobs[i].key : NULL, jobs[i].tag, 1,
                 "parked %s: %s", idemq_err_name(jobs[i].decode_err), jobs[i].reason);
     }
@@ -286,31 +365,37 @@ rollback:
     return st;
 }
 
-static void count(struct session *s, struct job *jobs, int n, const enum settle *settle)
+static void count(struct session *s, const struct plan *plans, int n)
 {
     struct worker_stats *ws = &s->w->stats;
-    for (int i = 0, g = 0; i < n; i++) {
-        if (jobs[i].decode_err != IDEMQ_OK) {
-            atomic_fetch_add(&ws->parked, 1);
-            continue;
+    for (int i = 0; i < n; i++) {
+        switch (plans[i].how) {
+        case SETTLE_DELAY: atomic_fetch_add(&ws->retried, 1); break;
+        case SETTLE_DEAD: atomic_fetch_add(&ws->parked, 1); break;
+        case SETTLE_ACK:
+            if (plans[i].outcome == LEDGER_APPLIED)
+                atomic_fetch_add(&ws->applied, 1);
+            else
+                atomic_fetch_add(&ws->duplicates, 1);
+            break;
         }
-        if (settle[i] == SETTLE_REQUEUE)
-            atomic_fetch_add(&ws->retried, 1);
-        else if (s->res[g].outcome == LEDGER_APPLIED)
-            atomic_fetch_add(&ws->applied, 1);
-        else if (s->res[g].outcome == LEDGER_DUPLICATE)
-            atomic_fetch_add(&ws->duplicates, 1);
-        else
-            atomic_fetch_add(&ws->parked, 1);
-        g++;
     }
 }
 
-/* Acknowledges a committed transaction's deliveries: requeues first, then
- * one multiple ack up to the highest tag to acknowledge. */
-static enum step settle_batch(struct session *s, struct job *jobs, int n, const enum settle *st)
+/*
+ * Settles a committed transaction's deliveries: publishes the retries and
+ * parks (mandatory, confirmed), and only when every confirm arrived
+ * acknowledges the lot with one multiple ack. If a republish is not
+ * confirmed, only the deliveries that needed none are acknowledged; the
+ * others stay unacknowledged and return to the queue when the connection is
+ * dropped (the ledger makes the redelivery harmless).
+ */
+static enum step settle_batch(struct session *s, struct job *jobs, int n, struct plan *plans)
 {
     uint64_t top = 0;
+    int republished = 0, parks = 0;
+    struct ledger_db_error e;
+
 #ifdef IDEMQ_TEST_HOOKS
     if (s->crash == CRASH_AFTER_COMMIT) {
         log_warn("test hook: SIGKILL after commit, before ack");
@@ -318,18 +403,40 @@ static enum step settle_batch(struct session *s, struct job *jobs, int n, const 
     }
 #endif
     for (int i = 0; i < n; i++) {
-        if (st[i] == SETTLE_REQUEUE) {
-            if (broker_nack(s->b, jobs[i].tag, true))
-                goto fail;
-        } else if (jobs[i].tag > top) {
+        const struct conf_input *in = &s->c->inputs[jobs[i].input];
+        idemq_err_t err = IDEMQ_OK;
+        if (jobs[i].tag > top)
             top = jobs[i].tag;
-        }
+        if (plans[i].how == SETTLE_DELAY)
+            err = republish_delay(s->b, in, &jobs[i], plans[i].delay_ms, plans[i].attempt);
+        else if (plans[i].how == SETTLE_DEAD)
+            err = republish_dead(s->b, in, &jobs[i], plans[i].park);
+        else
+            continue;
+        republished++;
+        if (err)
+            goto unconfirmed;
     }
-    if (top && broker_ack(s->b, top, true))
-        goto fail;
+    if (republished && broker_wait_confirms(s->b, REPUBLISH_CONFIRM_MS))
+        goto unconfirmed;
+    if (top && broker_ack(s->b, top, true)) {
+        snprintf(s->why, sizeof s->why, "ack after commit: %s", broker_error(s->b));
+        return STEP_BROKER;
+    }
+    for (int i = 0; i < n; i++)
+        if (plans[i].how == SETTLE_DEAD && plans[i].park)
+            s->park_ids[parks++] =
+                (long long)json_integer_value(json_object_get(plans[i].park, "park_id"));
+    if (parks && ledger_txn_mark_dead_lettered(s->lt, s->park_ids, parks, &e))
+        log_warn("worker %d: dead-letter publish confirmed but not noted in the ledger (%s); "
+                 "a later duplicate would publish it again", s->w->id, e.message);
     return STEP_OK;
-fail:
-    snprintf(s->why, sizeof s->why, "settling after commit: %s", broker_error(s->b));
+unconfirmed:
+    snprintf(s->why, sizeof s->why, "republish not confirmed (%s): originals left "
+             "unacknowledged for redelivery", broker_error(s->b));
+    for (int i = 0; i < n; i++)
+        if (plans[i].how == SETTLE_ACK && broker_ack(s->b, jobs[i].tag, false))
+            break;
     return STEP_BROKER;
 }
 
@@ -347,35 +454,36 @@ static enum step process_batch(struct session *s)
     for (int tries = 0; tries < BATCH_RETRIES && st == STEP_RETRY; tries++) {
         if (tries)
             nap(backoff_delay_ms(tries, 20, 1000, BACKOFF_JITTER_FULL, &s->rng));
-        st = run_txn(s, s->jobs, s->n, s->settle);
+        st = run_txn(s, s->jobs, s->n, s->plans);
     }
     if (st == STEP_OK) {
         atomic_fetch_add(&s->w->stats.batches, 1);
-        count(s, s->jobs, s->n, s->settle);
-        return settle_batch(s, s->jobs, s->n, s->settle);
+        count(s, s->plans, s->n);
+        return settle_batch(s, s->jobs, s->n, s->plans);
     }
     if (st != STEP_RETRY && st != STEP_SPLIT)
         return st;
     /* Isolate: each job in its own transaction; one that still fails the
-     * whole call is parked with the database's reason. */
+     * whole call is parked with the database's reason. Settling one by one
+     * keeps every earlier delivery settled before a later one. */
     log_warn("worker %d: batch of %d failed as a whole (%s); isolating job by job", s->w->id,
              s->n, s->why);
     for (int i = 0; i < s->n; i++) {
         struct job *j = &s->jobs[i];
-        enum settle one;
+        struct plan *p = &s->plans[i];
         st = STEP_RETRY;
         for (int tries = 0; tries < BATCH_RETRIES && st == STEP_RETRY; tries++)
-            st = run_txn(s, j, 1, &one);
+            st = run_txn(s, j, 1, p);
         if (st == STEP_RETRY || st == STEP_SPLIT) {
             j->decode_err = IDEMQ_ERR_SQL;
             snprintf(j->reason, sizeof j->reason, "%s", s->why);
-            st = run_txn(s, j, 1, &one);
+            st = run_txn(s, j, 1, p);
         }
         if (st != STEP_OK)
             return st;
         atomic_fetch_add(&s->w->stats.batches, 1);
-        count(s, j, 1, &one);
-        if ((st = settle_batch(s, j, 1, &one)) != STEP_OK)
+        count(s, p, 1);
+        if ((st = settle_batch(s, j, 1, p)) != STEP_OK)
             return st;
     }
     return STEP_OK;
@@ -413,8 +521,9 @@ static bool session_alloc(struct session *s)
     s->jobs = calloc((size_t)m, sizeof *s->jobs);
     s->good = calloc((size_t)m, sizeof *s->good);
     s->res = calloc((size_t)m, sizeof *s->res);
-    s->settle = calloc((size_t)m, sizeof *s->settle);
-    if (!s->jobs || !s->good || !s->res || !s->settle)
+    s->plans = calloc((size_t)m, sizeof *s->plans);
+    s->park_ids = calloc((size_t)m, sizeof *s->park_ids);
+    if (!s->jobs || !s->good || !s->res || !s->plans || !s->park_ids)
         return false;
     for (int i = 0; i < m; i++)
         job_init(&s->jobs[i]);
@@ -425,13 +534,16 @@ static void session_free(struct session *s)
 {
     drop_broker(s);
     drop_db(s);
-    if (s->jobs)
-        for (int i = 0; i < s->c->batch_max; i++)
-            job_destroy(&s->jobs[i]);
+    for (int i = 0; s->jobs && i < s->c->batch_max; i++) {
+        job_destroy(&s->jobs[i]);
+        ledger_result_clear(&s->res[i]);
+        plan_clear(&s->plans[i]);
+    }
     free(s->jobs);
     free(s->good);
     free(s->res);
-    free(s->settle);
+    free(s->plans);
+    free(s->park_ids);
 }
 
 idemq_err_t worker_run(struct worker *w)

@@ -5,28 +5,72 @@
 -- A change of a function's result type needs a DROP FUNCTION IF EXISTS
 -- before its CREATE here.
 
+DROP FUNCTION IF EXISTS idemq.apply_batch(text[], jsonb, text);
+DROP FUNCTION IF EXISTS idemq.record_failure(text, integer, text, text, text, text, boolean,
+    timestamptz, timestamptz, text, text, text, boolean, integer, text, bytea, jsonb, jsonb);
+DROP FUNCTION IF EXISTS idemq.park_message(text, text, text, text, bytea, jsonb, jsonb, text,
+    text, text);
+
+-- What the worker needs to dead-letter a parked message: the park row's
+-- facts, as the x-idemq-* headers show them.
+CREATE OR REPLACE FUNCTION idemq.park_info(p_id bigint)
+RETURNS jsonb
+LANGUAGE sql STABLE AS $fn$
+    SELECT jsonb_build_object(
+        'park_id', p.id, 'key', p.key, 'error_class', p.error_class,
+        'error_code', p.error_code, 'sqlstate', p.sqlstate, 'reason', p.reason,
+        'attempts', p.attempts, 'generation', p.generation,
+        'payload_sha256', p.payload_sha256,
+        'first_attempt_at', p.first_attempt_at, 'last_attempt_at', p.last_attempt_at,
+        'parked_at', p.parked_at)
+      FROM idemq.parked p WHERE p.id = p_id;
+$fn$;
+
+-- Records one attempt row. m is the job's meta (delivery facts).
+CREATE OR REPLACE FUNCTION idemq.add_attempt(
+    p_key text, p_attempt integer, p_generation integer, p_outcome text,
+    p_started timestamptz, p_finished timestamptz, p_queue text, m jsonb, p_consumer text,
+    p_delay_ms integer DEFAULT NULL)
+RETURNS void
+LANGUAGE sql AS $fn$
+    INSERT INTO idemq.attempts (key, attempt, generation, outcome, started_at, finished_at,
+        queue, routing_key, redelivered, delivery_count, consumer_id, delay_ms)
+    VALUES (p_key, p_attempt, p_generation, p_outcome, p_started, p_finished, p_queue,
+        m->>'routing_key', (m->>'redelivered')::boolean, (m->>'delivery_count')::integer,
+        p_consumer, p_delay_ms);
+$fn$;
+
 -- Applies a batch in one call. p_effects[i] is the signature of input i's
 -- effect, e.g. 'public.apply_payout(text,jsonb,jsonb)'; it is resolved via
 -- regprocedure, so only an existing function can ever be called.
 -- p_jobs is a JSON array of {"k": key, "i": input (1-based), "q": queue,
--- "h": SHA-256 of the raw body (hex), "m": meta object, "p": payload object}. For each job, in order:
---   claim the key (INSERT ... ON CONFLICT on the primary key, which waits for
---   a concurrent claimer to finish); a key already applied or parked is a
---   duplicate (attempt row 'duplicate', no effect); otherwise the effect runs
---   in a subtransaction; success settles the job and records the attempt,
---   an error is returned (job row left claimed) for the caller to classify
---   and record with idemq.record_failure in the same transaction.
+-- "h": SHA-256 of the raw body (hex), "m": meta object, "p": payload}.
+-- For each job, in order, after claiming the key (INSERT ... ON CONFLICT on
+-- the primary key waits for a concurrent claimer to finish):
+--   applied            -> 'duplicate' (no effect)
+--   parked, a redrive of the current generation (x-idemq-generation header)
+--                      -> a new generation with a fresh attempt budget, applied
+--   parked otherwise   -> 'duplicate', or 'repark' if its dead-letter publish
+--                         was never confirmed (the worker publishes it again)
+--   retrying, run_after still ahead -> 'early' (re-delay, no attempt used)
+--   else the effect runs in a subtransaction: 'applied', or 'error' with its
+--   SQLSTATE for the worker to classify and record (idemq.record_failure).
 CREATE OR REPLACE FUNCTION idemq.apply_batch(p_effects text[], p_jobs jsonb, p_consumer text)
-RETURNS TABLE (r_idx integer, r_outcome text, r_attempt integer, r_sqlstate text,
-               r_message text, r_started timestamptz, r_finished timestamptz)
+RETURNS TABLE (r_idx integer, r_outcome text, r_attempt integer, r_base integer,
+               r_sqlstate text, r_message text, r_started timestamptz,
+               r_finished timestamptz, r_delay_ms integer, r_park jsonb)
 LANGUAGE plpgsql AS $fn$
 DECLARE
     calls    text[] := '{}';
     j        jsonb;
     v_key    text;
     v_meta   jsonb;
+    v_q      text;
     v_state  text;
     v_att    integer;
+    v_base   integer;
+    v_gen    integer;
+    v_after  timestamptz;
     v_sha    text;
     v_result jsonb;
     v_start  timestamptz;
@@ -34,6 +78,8 @@ DECLARE
     v_code   text;
     v_msg    text;
     v_ins    boolean;
+    v_park   bigint;
+    v_hgen   jsonb;
     v_failed text[] := '{}';
 BEGIN
     FOR n IN 1 .. coalesce(array_length(p_effects, 1), 0) LOOP
@@ -47,120 +93,205 @@ BEGIN
         r_idx := r_idx + 1;
         v_key := j->>'k';
         v_meta := j->'m';
+        v_q := j->>'q';
         v_start := clock_timestamp();
         v_sha := j->>'h';
+        r_sqlstate := NULL; r_message := NULL; r_delay_ms := NULL; r_park := NULL;
+        r_started := v_start;
+
+        IF v_key = ANY (v_failed) THEN
+            -- A second copy of a key that failed earlier in this batch: the
+            -- first copy's failure path (retry or park) speaks for both.
+            PERFORM idemq.add_attempt(v_key, 0, 0, 'duplicate', v_start, v_start, v_q,
+                                      v_meta, p_consumer);
+            r_outcome := 'duplicate'; r_attempt := 0; r_base := 0; r_message := 'in_batch';
+            r_finished := v_start;
+            RETURN NEXT;
+            CONTINUE;
+        END IF;
 
         INSERT INTO idemq.jobs AS t (key, state, source_queue, payload_sha256, first_seen_at)
-        VALUES (v_key, 'pending', j->>'q', v_sha, v_start)
+        VALUES (v_key, 'pending', v_q, v_sha, v_start)
         ON CONFLICT (key) DO NOTHING
         RETURNING true INTO v_ins;
 
         IF v_ins IS NULL THEN
-            SELECT t.state, t.attempts INTO v_state, v_att FROM idemq.jobs t WHERE t.key = v_key;
-            IF v_state IN ('pending', 'retrying') THEN
-                -- Not settled: take the row lock, then look again.
-                SELECT t.state, t.attempts INTO v_state, v_att
-                  FROM idemq.jobs t WHERE t.key = v_key FOR UPDATE;
+            SELECT t.state INTO v_state FROM idemq.jobs t WHERE t.key = v_key;
+            IF v_state <> 'applied' THEN
+                -- Not settled for good: take the row lock, then look again.
+                SELECT t.state INTO v_state FROM idemq.jobs t WHERE t.key = v_key FOR UPDATE;
+            END IF;
+            SELECT t.attempts, t.budget_base, t.generation, t.run_after
+              INTO v_att, v_base, v_gen, v_after
+              FROM idemq.jobs t WHERE t.key = v_key;
+            IF v_state = 'parked' THEN
+                v_hgen := v_meta->'headers'->'x-idemq-generation';
+                IF jsonb_typeof(v_hgen) = 'number' AND v_hgen::text::integer = v_gen THEN
+                    -- A redrive (idemq redrive, a shovel, a manual move) of the
+                    -- current park: new generation, fresh attempt budget.
+                    v_gen := v_gen + 1;
+                    v_base := v_att;
+                    INSERT INTO idemq.redrives (key, generation, park_id, source, consumer_id)
+                    VALUES (v_key, v_gen,
+                        CASE WHEN jsonb_typeof(v_meta->'headers'->'x-idemq-park-id') = 'number'
+                             THEN (v_meta->'headers'->>'x-idemq-park-id')::bigint END,
+                        coalesce(v_meta->'headers'->>'x-idemq-redriven-by', 'broker'),
+                        p_consumer);
+                    UPDATE idemq.jobs t SET state = 'pending', generation = v_gen,
+                           budget_base = v_base, run_after = NULL
+                     WHERE t.key = v_key;
+                    v_state := 'pending';
+                END IF;
             END IF;
             IF v_state IN ('applied', 'parked') THEN
                 v_fin := clock_timestamp();
-                INSERT INTO idemq.attempts (key, attempt, outcome, started_at, finished_at,
-                    queue, routing_key, redelivered, delivery_count, consumer_id)
-                VALUES (v_key, v_att, 'duplicate', v_start, v_fin, j->>'q',
-                    v_meta->>'routing_key', (v_meta->>'redelivered')::boolean,
-                    (v_meta->>'delivery_count')::integer, p_consumer);
-                r_outcome := 'duplicate'; r_attempt := v_att; r_sqlstate := NULL; r_message := v_state;
-                r_started := v_start; r_finished := v_fin;
+                PERFORM idemq.add_attempt(v_key, v_att, v_gen, 'duplicate', v_start, v_fin,
+                                          v_q, v_meta, p_consumer);
+                r_outcome := 'duplicate';
+                IF v_state = 'parked' THEN
+                    SELECT p.id INTO v_park FROM idemq.parked p
+                     WHERE p.key = v_key AND p.generation = v_gen
+                     ORDER BY p.id DESC LIMIT 1;
+                    IF v_park IS NOT NULL AND NOT EXISTS (SELECT 1 FROM idemq.parked p
+                        WHERE p.id = v_park AND p.dlq_published_at IS NOT NULL) THEN
+                        r_outcome := 'repark';
+                        r_park := idemq.park_info(v_park);
+                    END IF;
+                END IF;
+                r_attempt := v_att; r_base := v_base; r_message := v_state;
+                r_finished := v_fin;
+                RETURN NEXT;
+                CONTINUE;
+            END IF;
+            IF v_state = 'retrying' AND v_after > clock_timestamp() + interval '50 ms' THEN
+                -- Back before its time (a duplicate copy, or a redelivery after
+                -- a crash): wait the rest on the broker; no attempt is used.
+                r_delay_ms := ceil(extract(epoch FROM v_after - clock_timestamp()) * 1000);
+                v_fin := clock_timestamp();
+                PERFORM idemq.add_attempt(v_key, v_att, v_gen, 'delayed', v_start, v_fin,
+                                          v_q, v_meta, p_consumer, r_delay_ms);
+                r_outcome := 'early'; r_attempt := v_att; r_base := v_base;
+                r_finished := v_fin;
                 RETURN NEXT;
                 CONTINUE;
             END IF;
         ELSE
-            v_att := 0;
+            v_att := 0; v_base := 0; v_gen := 0;
         END IF;
 
         v_att := v_att + 1;
+        r_attempt := v_att; r_base := v_base;
         BEGIN
             EXECUTE calls[(j->>'i')::integer] INTO v_result
-              USING v_key, j->'p', v_meta || jsonb_build_object('attempt', v_att);
+              USING v_key, j->'p',
+                    v_meta || jsonb_build_object('attempt', v_att, 'generation', v_gen);
             v_fin := clock_timestamp();
             UPDATE idemq.jobs t SET state = 'applied', attempts = v_att, applied_at = v_fin,
-                   last_attempt_at = v_start, result = v_result, payload_sha256 = v_sha
+                   last_attempt_at = v_start, result = v_result, payload_sha256 = v_sha,
+                   run_after = NULL
              WHERE t.key = v_key;
-            INSERT INTO idemq.attempts (key, attempt, outcome, started_at, finished_at,
-                queue, routing_key, redelivered, delivery_count, consumer_id)
-            VALUES (v_key, v_att, 'applied', v_start, v_fin, j->>'q',
-                v_meta->>'routing_key', (v_meta->>'redelivered')::boolean,
-                (v_meta->>'delivery_count')::integer, p_consumer);
-            r_outcome := 'applied'; r_attempt := v_att; r_sqlstate := NULL; r_message := NULL;
+            PERFORM idemq.add_attempt(v_key, v_att, v_gen, 'applied', v_start, v_fin, v_q,
+                                      v_meta, p_consumer);
+            r_outcome := 'applied';
         EXCEPTION WHEN OTHERS THEN
             GET STACKED DIAGNOSTICS v_code = RETURNED_SQLSTATE, v_msg = MESSAGE_TEXT;
             v_fin := clock_timestamp();
-            r_outcome := 'error'; r_attempt := v_att; r_sqlstate := v_code; r_message := v_msg;
+            r_outcome := 'error'; r_sqlstate := v_code; r_message := v_msg;
             v_failed := v_failed || v_key;
         END;
-        r_started := v_start; r_finished := v_fin;
+        r_finished := v_fin;
         RETURN NEXT;
     END LOOP;
 END
 $fn$;
 
 -- Records a failed attempt of a claimed key (inside the batch transaction):
--- the attempt row, the job's last error and state ('retrying', or 'parked'
--- with a park row holding the raw message). Returns the park row id or NULL.
+-- the attempt row and the job's last error; then either the durable retry
+-- schedule (state 'retrying', run_after = now + p_delay_ms) or, when p_park,
+-- state 'parked' and a park row holding the raw message and a link to every
+-- attempt. Returns the park's facts (idemq.park_info) or NULL.
 CREATE OR REPLACE FUNCTION idemq.record_failure(
     p_key text, p_attempt integer, p_class text, p_code text, p_sqlstate text,
-    p_message text, p_park boolean, p_started timestamptz, p_finished timestamptz,
-    p_queue text, p_exchange text, p_routing_key text, p_redelivered boolean,
-    p_delivery_count integer, p_consumer text, p_body bytea, p_headers jsonb,
-    p_properties jsonb)
-RETURNS bigint
+    p_message text, p_park boolean, p_delay_ms integer, p_started timestamptz,
+    p_finished timestamptz, p_queue text, p_exchange text, p_routing_key text,
+    p_meta jsonb, p_consumer text, p_body bytea, p_headers jsonb, p_properties jsonb)
+RETURNS jsonb
 LANGUAGE plpgsql AS $fn$
 DECLARE
+    v_gen   integer;
     v_first timestamptz;
+    v_ids   bigint[];
     v_id    bigint;
 BEGIN
-    INSERT INTO idemq.attempts (key, attempt, outcome, started_at, finished_at, error_class,
-        error_code, sqlstate, message, queue, routing_key, redelivered, delivery_count,
-        consumer_id)
-    VALUES (p_key, p_attempt,
-        CASE WHEN p_class = 'transient' THEN 'transient_error' ELSE 'permanent_error' END,
-        p_started, p_finished, p_class, p_code, p_sqlstate, p_message, p_queue, p_routing_key,
-        p_redelivered, p_delivery_count, p_consumer);
     UPDATE idemq.jobs SET
         state = CASE WHEN p_park THEN 'parked' ELSE 'retrying' END,
         attempts = p_attempt, last_attempt_at = p_started, last_error_class = p_class,
-        last_sqlstate = p_sqlstate, last_error = p_message
-     WHERE key = p_key AND state IN ('pending', 'retrying');
+        last_sqlstate = p_sqlstate, last_error = p_message,
+        run_after = CASE WHEN p_park THEN NULL
+                         ELSE clock_timestamp() + make_interval(secs => p_delay_ms / 1000.0) END
+     WHERE key = p_key AND state IN ('pending', 'retrying')
+    RETURNING generation INTO v_gen;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'idemq: key % is not claimed', p_key USING ERRCODE = 'XX000';
     END IF;
-    IF p_park THEN
-        SELECT min(a.started_at) INTO v_first FROM idemq.attempts a
-         WHERE a.key = p_key AND a.outcome <> 'duplicate';
-        INSERT INTO idemq.parked (key, source_queue, exchange, routing_key, body, headers,
-            properties, payload_sha256, error_class, error_code, sqlstate, reason, attempts,
-            first_attempt_at, last_attempt_at, consumer_id)
-        VALUES (p_key, p_queue, p_exchange, p_routing_key, p_body, p_headers, p_properties,
-            encode(sha256(p_body), 'hex'), p_class, p_code, p_sqlstate, p_message, p_attempt,
-            v_first, p_started, p_consumer)
-        RETURNING id INTO v_id;
+    INSERT INTO idemq.attempts (key, attempt, generation, outcome, started_at, finished_at,
+        error_class, error_code, sqlstate, message, queue, routing_key, redelivered,
+        delivery_count, consumer_id, delay_ms)
+    VALUES (p_key, p_attempt, v_gen,
+        CASE WHEN p_class = 'transient' THEN 'transient_error' ELSE 'permanent_error' END,
+        p_started, p_finished, p_class, p_code, p_sqlstate, p_message, p_queue,
+        p_meta->>'routing_key', (p_meta->>'redelivered')::boolean,
+        (p_meta->>'delivery_count')::integer, p_consumer,
+        CASE WHEN p_park THEN NULL ELSE p_delay_ms END);
+    IF NOT p_park THEN
+        RETURN NULL;
     END IF;
-    RETURN v_id;
+    SELECT min(a.started_at) FILTER (WHERE a.generation = v_gen
+                                       AND a.outcome IN ('transient_error', 'permanent_error')),
+           array_agg(a.id ORDER BY a.id)
+      INTO v_first, v_ids
+      FROM idemq.attempts a WHERE a.key = p_key;
+    INSERT INTO idemq.parked (key, source_queue, exchange, routing_key, body, headers,
+        properties, payload_sha256, error_class, error_code, sqlstate, reason, attempts,
+        first_attempt_at, last_attempt_at, consumer_id, generation, attempt_ids)
+    VALUES (p_key, p_queue, p_exchange, p_routing_key, p_body, p_headers, p_properties,
+        encode(sha256(p_body), 'hex'), p_class, p_code, p_sqlstate, p_message, p_attempt,
+        coalesce(v_first, p_started), p_started, p_consumer, v_gen, coalesce(v_ids, '{}'))
+    RETURNING id INTO v_id;
+    RETURN idemq.park_info(v_id);
 END
 $fn$;
 
 -- Parks a message that could not be decoded into a job (bad JSON, no key,
--- too large): no job row is claimed, the raw message is kept.
+-- too large): no job row is claimed, the raw message is kept. Returns the
+-- park's facts.
 CREATE OR REPLACE FUNCTION idemq.park_message(
     p_key text, p_queue text, p_exchange text, p_routing_key text, p_body bytea,
     p_headers jsonb, p_properties jsonb, p_code text, p_reason text, p_consumer text)
-RETURNS bigint
+RETURNS jsonb
 LANGUAGE sql AS $fn$
-    INSERT INTO idemq.parked (key, source_queue, exchange, routing_key, body, headers,
-        properties, payload_sha256, error_class, error_code, reason, attempts,
-        first_attempt_at, last_attempt_at, consumer_id)
-    VALUES (p_key, p_queue, p_exchange, p_routing_key, p_body, p_headers, p_properties,
-        encode(sha256(p_body), 'hex'), 'permanent', p_code, p_reason, 1,
-        clock_timestamp(), clock_timestamp(), p_consumer)
-    RETURNING id;
+    WITH p AS (
+        INSERT INTO idemq.parked (key, source_queue, exchange, routing_key, body, headers,
+            properties, payload_sha256, error_class, error_code, reason, attempts,
+            first_attempt_at, last_attempt_at, consumer_id)
+        VALUES (p_key, p_queue, p_exchange, p_routing_key, p_body, p_headers, p_properties,
+            encode(sha256(p_body), 'hex'), 'permanent', p_code, p_reason, 1,
+            clock_timestamp(), clock_timestamp(), p_consumer)
+        RETURNING *)
+    SELECT jsonb_build_object(
+        'park_id', p.id, 'key', p.key, 'error_class', p.error_class,
+        'error_code', p.error_code, 'sqlstate', p.sqlstate, 'reason', p.reason,
+        'attempts', p.attempts, 'generation', p.generation,
+        'payload_sha256', p.payload_sha256,
+        'first_attempt_at', p.first_attempt_at, 'last_attempt_at', p.last_attempt_at,
+        'parked_at', p.parked_at)
+      FROM p;
+$fn$;
+
+-- Marks parks whose dead-letter publish the broker confirmed.
+CREATE OR REPLACE FUNCTION idemq.mark_dead_lettered(p_ids bigint[])
+RETURNS void
+LANGUAGE sql AS $fn$
+    UPDATE idemq.parked SET dlq_published_at = clock_timestamp()
+     WHERE id = ANY (p_ids) AND dlq_published_at IS NULL;
 $fn$;

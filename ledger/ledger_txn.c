@@ -22,8 +22,8 @@ struct ledger_txn {
 };
 
 #define APPLY_SQL                                                                           \
-    "SELECT r_idx, r_outcome, r_attempt, r_sqlstate, r_message, r_started, r_finished "             \
-    "FROM idemq.apply_batch($1::text[], $2::jsonb, $3)"
+    "SELECT r_idx, r_outcome, r_attempt, r_base, r_sqlstate, r_message, r_started, "        \
+    "r_finished, r_delay_ms, r_park FROM idemq.apply_batch($1::text[], $2::jsonb, $3)"
 
 static bool buf_reserve(struct ledger_txn *lt, size_t more)
 {
@@ -216,18 +216,24 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
         if (idx < 0 || idx >= n)
             IDEMQ_PANIC("apply_batch returned index %d of %d", idx + 1, n);
         x = &res[idx];
-        memset(x, 0, sizeof *x);
+        ledger_result_clear(x);
         x->outcome = strcmp(outcome, "applied") == 0     ? LEDGER_APPLIED
                      : strcmp(outcome, "duplicate") == 0 ? LEDGER_DUPLICATE
+                     : strcmp(outcome, "early") == 0     ? LEDGER_EARLY
+                     : strcmp(outcome, "repark") == 0    ? LEDGER_REPARK
                                                          : LEDGER_ERROR;
         x->attempt = atoi(PQgetvalue(r, row, 2));
-        copy_field(x->sqlstate, sizeof x->sqlstate, r, row, 3);
-        if (x->outcome == LEDGER_DUPLICATE)
-            copy_field(x->prior_state, sizeof x->prior_state, r, row, 4);
+        x->base = atoi(PQgetvalue(r, row, 3));
+        copy_field(x->sqlstate, sizeof x->sqlstate, r, row, 4);
+        if (x->outcome == LEDGER_DUPLICATE || x->outcome == LEDGER_REPARK)
+            copy_field(x->prior_state, sizeof x->prior_state, r, row, 5);
         else
-            copy_field(x->message, sizeof x->message, r, row, 4);
-        copy_field(x->started_at, sizeof x->started_at, r, row, 5);
-        copy_field(x->finished_at, sizeof x->finished_at, r, row, 6);
+            copy_field(x->message, sizeof x->message, r, row, 5);
+        copy_field(x->started_at, sizeof x->started_at, r, row, 6);
+        copy_field(x->finished_at, sizeof x->finished_at, r, row, 7);
+        x->delay_ms = PQgetisnull(r, row, 8) ? 0 : atol(PQgetvalue(r, row, 8));
+        if (!PQgetisnull(r, row, 9))
+            x->park = json_loads(PQgetvalue(r, row, 9), 0, NULL);
     }
     PQclear(r);
     return IDEMQ_OK;
@@ -238,16 +244,28 @@ nomem:
     return IDEMQ_ERR_NOMEM;
 }
 
-/* Runs a statement whose parameters are text except those in binary[]. */
+void ledger_result_clear(struct ledger_result *r)
+{
+    json_decref(r->park);
+    memset(r, 0, sizeof *r);
+}
+
+/* Runs a statement whose parameters are text except those in fmts[] = 1.
+ * If out is given, the first column of the first row is parsed as JSON into
+ * it (NULL for SQL NULL). */
 static idemq_err_t exec_params(struct ledger_txn *lt, const char *sql, int n,
                                const char *const *vals, const int *lens, const int *fmts,
-                               struct ledger_db_error *e)
+                               json_t **out, struct ledger_db_error *e)
 {
     PGresult *r = PQexecParams(lt->db, sql, n, NULL, vals, lens, fmts, 0);
     idemq_err_t err = IDEMQ_OK;
     if (PQresultStatus(r) != PGRES_TUPLES_OK && PQresultStatus(r) != PGRES_COMMAND_OK) {
         ledger_db_error_from(lt->db, r, e);
         err = ledger_db_err(e);
+    } else if (out) {
+        *out = NULL;
+        if (PQntuples(r) == 1 && !PQgetisnull(r, 0, 0))
+            *out = json_loads(PQgetvalue(r, 0, 0), 0, NULL);
     }
     PQclear(r);
     return err;
@@ -256,19 +274,35 @@ static idemq_err_t exec_params(struct ledger_txn *lt, const char *sql, int n,
 static char *dump(json_t *v) { return json_dumps(v, JSON_COMPACT); }
 
 idemq_err_t ledger_txn_record_failure(struct ledger_txn *lt, const struct job *j,
-                                      const struct ledger_result *r, const char *error_class,
-                                      const char *error_code, bool park,
+                                      struct ledger_result *r, const char *error_class,
+                                      const char *error_code, bool park, long delay_ms,
                                       struct ledger_db_error *e)
 {
     const struct conf_input *in = &lt->conf->inputs[j->input];
-    char attempt[16], dc[16];
+    char attempt[16], delay[24];
     char *headers = dump(j->headers), *props = dump(j->props);
     const char *vals[18];
     int lens[18] = {0}, fmts[18] = {0};
     idemq_err_t err;
+    json_t *meta = json_pack("{s:s,s:b}", "routing_key", j->routing_key, "redelivered",
+                             j->redelivered);
+    char *meta_s;
 
+    if (meta && j->delivery_count >= 0)
+        json_object_set_new(meta, "delivery_count", json_integer(j->delivery_count));
+    meta_s = meta ? dump(meta) : NULL;
+    json_decref(meta);
+    if (!headers || !props || !meta_s) {
+        free(headers);
+        free(props);
+        free(meta_s);
+        snprintf(e->message, sizeof e->message, "out of memory");
+        e->sqlstate[0] = '\0';
+        e->conn_lost = false;
+        return IDEMQ_ERR_NOMEM;
+    }
     snprintf(attempt, sizeof attempt, "%d", r->attempt);
-    snprintf(dc, sizeof dc, "%d", j->delivery_count);
+    snprintf(delay, sizeof delay, "%ld", delay_ms);
     vals[0] = j->key;
     vals[1] = attempt;
     vals[2] = error_class;
@@ -276,31 +310,34 @@ idemq_err_t ledger_txn_record_failure(struct ledger_txn *lt, const struct job *j
     vals[4] = r->sqlstate[0] ? r->sqlstate : NULL;
     vals[5] = r->message;
     vals[6] = park ? "true" : "false";
-    vals[7] = r->started_at[0] ? r->started_at : NULL;
-    vals[8] = r->finished_at[0] ? r->finished_at : NULL;
-    vals[9] = in->queue;
-    vals[10] = j->exchange;
-    vals[11] = j->routing_key;
-    vals[12] = j->redelivered ? "true" : "false";
-    vals[13] = j->delivery_count >= 0 ? dc : NULL;
+    vals[7] = delay;
+    vals[8] = r->started_at[0] ? r->started_at : NULL;
+    vals[9] = r->finished_at[0] ? r->finished_at : NULL;
+    vals[10] = in->queue;
+    vals[11] = j->exchange;
+    vals[12] = j->routing_key;
+    vals[13] = meta_s;
     vals[14] = lt->conf->consumer_id;
     vals[15] = (const char *)j->body;
     lens[15] = (int)j->body_len;
     fmts[15] = 1;
     vals[16] = headers;
     vals[17] = props;
+    json_decref(r->park);
+    r->park = NULL;
     err = exec_params(lt,
-                      "SELECT idemq.record_failure($1, $2, $3, $4, $5, $6, $7, "
-                      "coalesce($8::timestamptz, clock_timestamp()), "
-                      "coalesce($9::timestamptz, clock_timestamp()), $10, $11, $12, $13, $14, "
+                      "SELECT idemq.record_failure($1, $2, $3, $4, $5, $6, $7, $8, "
+                      "coalesce($9::timestamptz, clock_timestamp()), "
+                      "coalesce($10::timestamptz, clock_timestamp()), $11, $12, $13, $14, "
                       "$15, $16, $17, $18)",
-                      18, vals, lens, fmts, e);
+                      18, vals, lens, fmts, &r->park, e);
     free(headers);
     free(props);
+    free(meta_s);
     return err;
 }
 
-idemq_err_t ledger_txn_park_message(struct ledger_txn *lt, const struct job *j,
+idemq_err_t ledger_txn_park_message(struct ledger_txn *lt, const struct job *j, json_t **park,
                                     struct ledger_db_error *e)
 {
     const struct conf_input *in = &lt->conf->inputs[j->input];
@@ -323,8 +360,35 @@ idemq_err_t ledger_txn_park_message(struct ledger_txn *lt, const struct job *j,
     vals[9] = lt->conf->consumer_id;
     err = exec_params(lt,
                       "SELECT idemq.park_message($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)", 10,
-                      vals, lens, fmts, e);
+                      vals, lens, fmts, park, e);
     free(headers);
     free(props);
+    return err;
+}
+
+idemq_err_t ledger_txn_mark_dead_lettered(struct ledger_txn *lt, const long long *park_ids,
+                                          int n, struct ledger_db_error *e)
+{
+    size_t cap = (size_t)n * 24 + 3;
+    char *arr = malloc(cap);
+    size_t off = 0;
+    const char *vals[1];
+    idemq_err_t err;
+
+    if (!arr) {
+        snprintf(e->message, sizeof e->message, "out of memory");
+        e->sqlstate[0] = '\0';
+        e->conn_lost = false;
+        return IDEMQ_ERR_NOMEM;
+    }
+    arr[off++] = '{';
+    for (int i = 0; i < n; i++)
+        off += (size_t)snprintf(arr + off, cap - off, "%s%lld", i ? "," : "", park_ids[i]);
+    arr[off++] = '}';
+    arr[off] = '\0';
+    vals[0] = arr;
+    err = exec_params(lt, "SELECT idemq.mark_dead_lettered($1::bigint[])", 1, vals, NULL, NULL,
+                      NULL, e);
+    free(arr);
     return err;
 }

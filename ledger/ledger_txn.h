@@ -27,17 +27,27 @@ enum ledger_outcome {
     LEDGER_APPLIED = 0, /* effect ran and committed with the claim */
     LEDGER_DUPLICATE,   /* key already settled: no effect, attempt recorded */
     LEDGER_ERROR,       /* effect raised: classify, then record_failure */
+    LEDGER_EARLY,       /* retrying job back before run_after: delay_ms to go */
+    LEDGER_REPARK,      /* parked job whose dead-letter publish was never
+                         * confirmed: publish it again (park holds the facts) */
 };
 
 struct ledger_result {
     enum ledger_outcome outcome;
-    int attempt;
+    int attempt;          /* attempt number (all generations) */
+    int base;             /* attempts before the last redrive: budget base */
+    long delay_ms;        /* LEDGER_EARLY */
+    json_t *park;         /* LEDGER_REPARK, or after a park: idemq.park_info
+                           * (owned by the result; ledger_result_clear) */
     char sqlstate[6];
     char message[512];
     char prior_state[16]; /* for duplicates: "applied" or "parked" */
     char started_at[40];
     char finished_at[40];
 };
+
+/* Releases what a result owns (its park facts) and zeroes it. */
+void ledger_result_clear(struct ledger_result *r);
 
 /* Binds a session to a configuration and prepares its statements.
  * Returns NULL with errbuf set on failure. The caller keeps db. */
@@ -63,17 +73,24 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
 
 /*
  * Inside txn. Records the failed attempt r of claimed job j with its class
- * and code; the job becomes 'retrying', or 'parked' with a park row holding
- * the raw message when park is true.
+ * and code. When park is false the job becomes 'retrying' with run_after =
+ * now + delay_ms (the durable schedule); when true it becomes 'parked' with
+ * a park row holding the raw message, and r->park receives the park's facts.
  */
 idemq_err_t ledger_txn_record_failure(struct ledger_txn *lt, const struct job *j,
-                                      const struct ledger_result *r, const char *error_class,
-                                      const char *error_code, bool park,
+                                      struct ledger_result *r, const char *error_class,
+                                      const char *error_code, bool park, long delay_ms,
                                       struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
 /* Inside txn. Parks a message that failed decoding (j->decode_err), keeping
- * its raw body, headers, properties, key if any and reason. */
-idemq_err_t ledger_txn_park_message(struct ledger_txn *lt, const struct job *j,
+ * its raw body, headers, properties, key if any and reason. *park receives
+ * the park's facts (caller json_decrefs). */
+idemq_err_t ledger_txn_park_message(struct ledger_txn *lt, const struct job *j, json_t **park,
                                     struct ledger_db_error *e) IDEMQ_MUSTCHECK;
+
+/* Outside txn (autocommit). Notes that the broker confirmed the dead-letter
+ * publish of these parks. */
+idemq_err_t ledger_txn_mark_dead_lettered(struct ledger_txn *lt, const long long *park_ids,
+                                          int n, struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
 #endif

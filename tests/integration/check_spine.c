@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "itest.h"
+#include "topology.h"
 
 #define EFFECTS_FOR "SELECT count(*) FROM idemq_test.effects WHERE key = $1"
 #define ATTEMPTS_FOR(outcome)                                                                \
@@ -136,7 +137,7 @@ START_TEST(test_two_consumers_same_key)
          * reaches both queues. */
         struct conf_input in2 = t.conf->inputs[0];
         in2.queue = q2;
-        ck_assert_msg(broker_declare_input(br, &in2) == 0, "%s", broker_error(br));
+        ck_assert_msg(topology_declare(br, t.conf, &in2) == 0, "%s", broker_error(br));
     }
     for (int i = 0; i < n; i++) {
         snprintf(key, sizeof key, "%s:k%d", t.name, i);
@@ -167,8 +168,13 @@ START_TEST(test_two_consumers_same_key)
                      1);
     ck_assert_int_eq(itest_queue_ready(&t, t.name), 0);
     ck_assert_int_eq(itest_queue_ready(&t, q2), 0);
-    ck_assert(broker_delete_queue(br, q2) == IDEMQ_OK);
     broker_close(br);
+    {
+        struct conf_input in2 = t.conf->inputs[0];
+        in2.queue = q2;
+        in2.exchange = "";
+        itest_delete_topology(&t, &in2);
+    }
     unlink(cfg2);
     itest_teardown(&t);
 }

@@ -16,6 +16,7 @@
 
 #include "ledger_db.h"
 #include "ledger_migrate.h"
+#include "topology.h"
 
 extern char **environ;
 
@@ -103,23 +104,43 @@ void itest_setup(struct itest *t, const char *tag, const char *effect, const cha
     ck_assert_msg(conf_load(t->cfg_path, &t->conf, err, sizeof err) == IDEMQ_OK, "%s", err);
     ck_assert_msg(broker_open(t->conf, "itest setup", false, &b, err, sizeof err) == IDEMQ_OK,
                   "%s", err);
-    ck_assert_msg(broker_declare_input(b, &t->conf->inputs[0]) == IDEMQ_OK, "%s",
+    ck_assert_msg(topology_declare(b, t->conf, &t->conf->inputs[0]) == IDEMQ_OK, "%s",
                   broker_error(b));
     ck_assert(broker_purge(b, t->conf->inputs[0].queue) == IDEMQ_OK);
     broker_close(b);
 }
 
-void itest_teardown(struct itest *t)
+void itest_delete_topology(struct itest *t, const struct conf_input *in)
 {
     struct broker *b;
-    char err[512];
-    if (t->conf && broker_open(t->conf, "itest teardown", false, &b, err, sizeof err) == 0) {
-        if (broker_delete_queue(b, t->conf->inputs[0].queue) != IDEMQ_OK)
+    char err[512], name[TOPOLOGY_NAME_MAX];
+    if (broker_open(t->conf, "itest teardown", false, &b, err, sizeof err) != 0)
+        return;
+    for (long bucket = TOPOLOGY_MIN_DELAY_MS; bucket <= t->conf->max_delay_ms; bucket *= 2) {
+        topology_bucket_queue(in, bucket, name, sizeof name);
+        if (broker_delete_queue(b, name) != IDEMQ_OK)
             fprintf(stderr, "teardown: %s\n", broker_error(b));
-        if (broker_delete_exchange(b, t->conf->inputs[0].exchange) != IDEMQ_OK)
-            fprintf(stderr, "teardown: %s\n", broker_error(b));
-        broker_close(b);
     }
+    topology_dlq(in, name, sizeof name);
+    if (broker_delete_queue(b, name) != IDEMQ_OK)
+        fprintf(stderr, "teardown: %s\n", broker_error(b));
+    if (broker_delete_queue(b, in->queue) != IDEMQ_OK)
+        fprintf(stderr, "teardown: %s\n", broker_error(b));
+    topology_delay_exchange(in, name, sizeof name);
+    if (broker_delete_exchange(b, name) != IDEMQ_OK)
+        fprintf(stderr, "teardown: %s\n", broker_error(b));
+    topology_dlx(in, name, sizeof name);
+    if (broker_delete_exchange(b, name) != IDEMQ_OK)
+        fprintf(stderr, "teardown: %s\n", broker_error(b));
+    if (in->exchange[0] && broker_delete_exchange(b, in->exchange) != IDEMQ_OK)
+        fprintf(stderr, "teardown: %s\n", broker_error(b));
+    broker_close(b);
+}
+
+void itest_teardown(struct itest *t)
+{
+    if (t->conf)
+        itest_delete_topology(t, &t->conf->inputs[0]);
     unlink(t->cfg_path);
     conf_free(t->conf);
     if (t->db)
@@ -132,7 +153,7 @@ void itest_publish_to(struct itest *t, const char *exchange, const char *rk, con
 {
     struct broker *b;
     char err[512];
-    struct broker_props p = {message_id, NULL, headers, true, NULL};
+    struct broker_props p = {message_id, NULL, headers, true, NULL, NULL};
     ck_assert_msg(broker_open(t->conf, "itest publish", true, &b, err, sizeof err) == 0, "%s",
                   err);
     ck_assert_msg(broker_publish(b, exchange, rk, body, strlen(body), &p) == IDEMQ_OK, "%s",

@@ -66,6 +66,9 @@ long itest_queue_ready(struct itest *t, const char *queue);
 void itest_write_config(struct itest *t, const char *path, const char *queue,
                         const char *effect, const char *extra_consumer, const char *extra_input);
 
+/* Deletes an input's queues and exchanges (work, delay, dead-letter). */
+void itest_delete_topology(struct itest *t, const struct conf_input *in);
+
 /* Runs SQL (no result) on the test database; aborts the test on error. */
 void itest_sql(struct itest *t, const char *sql);
 

@@ -1,0 +1,51 @@
+/*
+ * topology: the broker objects behind one input and their names:
+ *   work:    exchange <exchange> --routing_key--> queue <queue>
+ *   delay:   exchange <queue>.retry --"<ms>"--> queues <queue>.retry.<ms>
+ *            (classic, per-message TTL, dead-lettering back to <queue>
+ *            through the default exchange)
+ *   dead:    exchange <queue>.dlx --<queue>--> queue <queue>.dead
+ * Delay queues are buckets of 100 ms * 2^k; a delay d goes to the bucket
+ * B <= d < 2B with expiration d, so it waits at least d and less than 2d.
+ */
+#ifndef IDEMQ_TOPOLOGY_H
+#define IDEMQ_TOPOLOGY_H
+
+#include <stddef.h>
+
+#include "broker.h"
+#include "conf.h"
+#include "idemq_err.h"
+
+#define TOPOLOGY_MIN_DELAY_MS 100L
+#define TOPOLOGY_NAME_MAX 300
+
+void topology_delay_exchange(const struct conf_input *in, char *buf, size_t len);
+void topology_bucket_queue(const struct conf_input *in, long bucket_ms, char *buf, size_t len);
+void topology_dlx(const struct conf_input *in, char *buf, size_t len);
+void topology_dlq(const struct conf_input *in, char *buf, size_t len);
+
+/* Delay actually used for a wanted delay: clamped to [100 ms, max_delay_ms]. */
+long topology_clamp_delay(const struct conf *c, long delay_ms);
+
+/* The bucket of a (clamped) delay: 100 * 2^k <= delay < 2 * that. */
+long topology_bucket(long delay_ms);
+
+/*
+ * Declares the input's work, delay and dead-letter objects (idempotent).
+ * IDEMQ_ERR_BROKER with broker_error(b) naming the object on failure, e.g.
+ * an existing queue with other arguments.
+ */
+idemq_err_t topology_declare(struct broker *b, const struct conf *c,
+                             const struct conf_input *in) IDEMQ_MUSTCHECK;
+
+/*
+ * Checks before consuming that the input's objects exist (passive) and that
+ * the queues carry the configured arguments (a redeclare, which the broker
+ * refuses on a mismatch), and re-asserts the bindings. On failure errbuf
+ * says what is wrong and to run `idemq declare`. Leaves b usable.
+ */
+idemq_err_t topology_verify(struct broker *b, const struct conf *c, const struct conf_input *in,
+                            char *errbuf, size_t errlen) IDEMQ_MUSTCHECK;
+
+#endif

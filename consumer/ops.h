@@ -1,0 +1,44 @@
+/*
+ * ops: the operator commands: `jobs show` (the full story of one key),
+ * `parked list` (with filters and a count by error class) and `redrive`
+ * (dead-lettered messages back to their origin queue, through the same
+ * idempotent path as any delivery). jobs show and parked list only read;
+ * all three are safe while replicas run.
+ */
+#ifndef IDEMQ_OPS_H
+#define IDEMQ_OPS_H
+
+#include <stdbool.h>
+#include <stdio.h>
+
+#include "conf.h"
+
+struct ops_filter {
+    const char *input;        /* input name, NULL = all */
+    const char *key;          /* exact key, NULL = any */
+    const char *error_class;  /* NULL = any */
+    const char *since;        /* timestamptz text, NULL = any time */
+    long limit;               /* 0 = no limit */
+    bool dry_run;             /* redrive: only show what would move */
+    double rate;              /* redrive: messages per second, 0 = unlimited */
+};
+
+/* Prints the story of key to out, oldest first. Returns 0, 1 when the
+ * ledger knows nothing of the key, 4 when the database is unreachable. */
+int ops_jobs_show(const struct conf *c, const char *key, FILE *out);
+
+/* Lists parked messages matching f and a count by error class.
+ * Returns 0, 2 for a bad filter, 4 when the database is unreachable. */
+int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out);
+
+/*
+ * Moves dead-lettered messages matching f from each input's <queue>.dead
+ * back to the queue named in their x-idemq-origin-queue header: publish
+ * (confirmed), then ack the dead-letter copy. Messages that do not match
+ * are left in place. Returns 0, 1 on a broker failure mid-way (nothing is
+ * lost: unacknowledged copies stay), 2 for a bad filter, 4 when a service
+ * is unreachable.
+ */
+int ops_redrive(const struct conf *c, const struct ops_filter *f, FILE *out);
+
+#endif

@@ -1,0 +1,121 @@
+/*
+ * republish: builds x-idemq-* headers and publishes retries to delay buckets
+ * and parks to the dead-letter exchange.
+ */
+#include "republish.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "topology.h"
+
+/* Copy of j's headers without broker death records and idemq's own facts,
+ * keeping the origin of the first delivery. */
+static json_t *clean_headers(const struct job *j, const struct conf_input *in)
+{
+    json_t *h = json_object();
+    const char *k;
+    json_t *v;
+
+    if (!h)
+        return NULL;
+    json_object_foreach(j->headers, k, v)
+    {
+        if (strcmp(k, "x-death") == 0 || strncmp(k, "x-first-death-", 14) == 0 ||
+            strncmp(k, "x-last-death-", 13) == 0 ||
+            (strncmp(k, "x-idemq-", 8) == 0 && strncmp(k, "x-idemq-origin-", 15) != 0))
+            continue;
+        json_object_set(h, k, v);
+    }
+    if (!json_object_get(h, "x-idemq-origin-queue")) {
+        json_object_set_new(h, "x-idemq-origin-exchange", json_string(j->exchange));
+        json_object_set_new(h, "x-idemq-origin-routing-key", json_string(j->routing_key));
+        json_object_set_new(h, "x-idemq-origin-queue", json_string(in->queue));
+    }
+    return h;
+}
+
+json_t *republish_delay_headers(const struct job *j, const struct conf_input *in, int attempt)
+{
+    json_t *h = clean_headers(j, in);
+    if (h)
+        json_object_set_new(h, "x-idemq-attempt", json_integer(attempt));
+    return h;
+}
+
+static void copy_field(json_t *h, const char *name, const json_t *park, const char *field)
+{
+    json_t *v = json_object_get(park, field);
+    if (v && !json_is_null(v))
+        json_object_set(h, name, v);
+}
+
+json_t *republish_dead_headers(const struct job *j, const struct conf_input *in,
+                               const json_t *park)
+{
+    json_t *h = clean_headers(j, in);
+    const char *reason = json_string_value(json_object_get(park, "reason"));
+    char text[REPUBLISH_ERROR_TEXT_MAX + 1];
+    size_t n;
+
+    if (!h)
+        return NULL;
+    copy_field(h, "x-idemq-key", park, "key");
+    copy_field(h, "x-idemq-error-class", park, "error_class");
+    copy_field(h, "x-idemq-error-code", park, "error_code");
+    copy_field(h, "x-idemq-sqlstate", park, "sqlstate");
+    copy_field(h, "x-idemq-attempts", park, "attempts");
+    copy_field(h, "x-idemq-generation", park, "generation");
+    copy_field(h, "x-idemq-park-id", park, "park_id");
+    copy_field(h, "x-idemq-payload-sha256", park, "payload_sha256");
+    copy_field(h, "x-idemq-first-attempt-at", park, "first_attempt_at");
+    copy_field(h, "x-idemq-last-attempt-at", park, "last_attempt_at");
+    copy_field(h, "x-idemq-parked-at", park, "parked_at");
+    if (reason) {
+        /* Cut on a UTF-8 boundary: the header must stay valid text. */
+        n = strlen(reason);
+        if (n > REPUBLISH_ERROR_TEXT_MAX) {
+            n = REPUBLISH_ERROR_TEXT_MAX;
+            while (n > 0 && ((unsigned char)reason[n] & 0xC0) == 0x80)
+                n--;
+        }
+        memcpy(text, reason, n);
+        text[n] = '\0';
+        json_object_set_new(h, "x-idemq-error", json_string(text));
+    }
+    return h;
+}
+
+idemq_err_t republish_delay(struct broker *b, const struct conf_input *in, const struct job *j,
+                            long delay_ms, int attempt)
+{
+    char ex[TOPOLOGY_NAME_MAX], key[32], ttl[32];
+    json_t *h = republish_delay_headers(j, in, attempt);
+    struct broker_props p = {NULL, NULL, h, true, ttl, j->props};
+    idemq_err_t err;
+
+    if (!h)
+        return IDEMQ_ERR_NOMEM;
+    topology_delay_exchange(in, ex, sizeof ex);
+    snprintf(key, sizeof key, "%ld", topology_bucket(delay_ms));
+    snprintf(ttl, sizeof ttl, "%ld", delay_ms);
+    err = broker_publish(b, ex, key, j->body, j->body_len, &p);
+    json_decref(h);
+    return err;
+}
+
+idemq_err_t republish_dead(struct broker *b, const struct conf_input *in, const struct job *j,
+                           const json_t *park)
+{
+    char ex[TOPOLOGY_NAME_MAX];
+    json_t *h = republish_dead_headers(j, in, park);
+    struct broker_props p = {NULL, NULL, h, true, NULL, j->props};
+    idemq_err_t err;
+
+    if (!h)
+        return IDEMQ_ERR_NOMEM;
+    topology_dlx(in, ex, sizeof ex);
+    err = broker_publish(b, ex, in->queue, j->body, j->body_len, &p);
+    json_decref(h);
+    return err;
+}

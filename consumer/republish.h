@@ -1,0 +1,43 @@
+/*
+ * republish: the two ways idemq puts a delivery back on the broker before
+ * acknowledging it: to a delay bucket (a retry, held on the broker) and to
+ * the input's dead-letter exchange (a park). It owns the x-idemq-* headers.
+ * Publishes are mandatory and confirmed; the caller waits for the confirms
+ * (broker_wait_confirms) and acknowledges the originals only after that.
+ *
+ * Dead-letter headers: x-idemq-key, -error-class, -error-code, -sqlstate,
+ * -error (at most 256 bytes), -attempts, -generation, -park-id,
+ * -payload-sha256, -first-attempt-at, -last-attempt-at, -parked-at,
+ * -origin-exchange, -origin-queue, -origin-routing-key.
+ */
+#ifndef IDEMQ_REPUBLISH_H
+#define IDEMQ_REPUBLISH_H
+
+#include <jansson.h>
+
+#include "broker.h"
+#include "conf.h"
+#include "idemq_err.h"
+#include "job.h"
+
+#define REPUBLISH_ERROR_TEXT_MAX 256
+
+/* Headers for a delayed retry of j: its own headers without broker death
+ * records and stale x-idemq-* facts, plus origin and attempt. New object. */
+json_t *republish_delay_headers(const struct job *j, const struct conf_input *in, int attempt);
+
+/* Headers for the dead-letter copy of j parked as park (idemq.park_info).
+ * New object. */
+json_t *republish_dead_headers(const struct job *j, const struct conf_input *in,
+                               const json_t *park);
+
+/* Publishes j to the delay bucket of delay_ms (already clamped) with that
+ * per-message TTL. Confirm pending. */
+idemq_err_t republish_delay(struct broker *b, const struct conf_input *in, const struct job *j,
+                            long delay_ms, int attempt) IDEMQ_MUSTCHECK;
+
+/* Publishes j to the input's dead-letter exchange. Confirm pending. */
+idemq_err_t republish_dead(struct broker *b, const struct conf_input *in, const struct job *j,
+                           const json_t *park) IDEMQ_MUSTCHECK;
+
+#endif
