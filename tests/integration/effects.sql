@@ -10,18 +10,34 @@ CREATE TABLE IF NOT EXISTS idemq_test.effects (
 );
 CREATE INDEX IF NOT EXISTS effects_key_idx ON idemq_test.effects (key);
 
+-- Keys listed here fail with their SQLSTATE until the row is deleted (a
+-- cause that an operator fixes).
+CREATE TABLE IF NOT EXISTS idemq_test.failing (
+    key      text PRIMARY KEY,
+    sqlstate text NOT NULL
+);
+
 -- Records every call (no unique constraint: a second call would show up as
--- a second row). Sleeps payload.sleep_ms first when given, to widen races.
+-- a second row). Payload switches, to widen races and inject failures:
+--   sleep_ms: sleep first;  raise: fail with that SQLSTATE
+--   raise_until: only while meta.attempt <= raise_until
 CREATE OR REPLACE FUNCTION idemq_test.record(p_key text, p_payload jsonb, p_meta jsonb)
 RETURNS jsonb LANGUAGE plpgsql AS $fn$
-DECLARE v_id bigint;
+DECLARE
+    v_id   bigint;
+    v_code text;
 BEGIN
     IF p_payload ? 'sleep_ms' THEN
         PERFORM pg_sleep((p_payload->>'sleep_ms')::numeric / 1000);
     END IF;
-    IF p_payload ? 'raise' THEN
-        RAISE EXCEPTION 'requested failure %', p_payload->>'raise'
-              USING ERRCODE = p_payload->>'raise';
+    IF p_payload ? 'raise' AND (NOT p_payload ? 'raise_until'
+        OR (p_meta->>'attempt')::integer <= (p_payload->>'raise_until')::integer) THEN
+        RAISE EXCEPTION 'requested failure % on attempt %', p_payload->>'raise',
+              p_meta->>'attempt' USING ERRCODE = p_payload->>'raise';
+    END IF;
+    SELECT f.sqlstate INTO v_code FROM idemq_test.failing f WHERE f.key = p_key;
+    IF FOUND THEN
+        RAISE EXCEPTION 'key % is marked failing', p_key USING ERRCODE = v_code;
     END IF;
     INSERT INTO idemq_test.effects (key, payload, meta) VALUES (p_key, p_payload, p_meta)
     RETURNING id INTO v_id;

@@ -20,6 +20,8 @@
 
 extern char **environ;
 
+const char *itest_retry_conf;
+
 int itest_ms(int ms)
 {
     const char *m = getenv("IDEMQ_TEST_TIMEOUT_MULT");
@@ -58,11 +60,13 @@ void itest_write_config(struct itest *t, const char *path, const char *queue,
     ck_assert_ptr_nonnull(f);
     fprintf(f,
             "broker: { heartbeat = 10; };\n"
+            "retry: { %s };\n"
             "consumer: { id = \"%s\"; %s };\n"
             "log: { level = \"info\"; };\n"
             "inputs = ( { name = \"%s\"; exchange = \"%s\"; queue = \"%s\"; routing_key = \"%s\";\n"
             "  effect_function = \"%s\"; %s } );\n",
-            t->name, extra_consumer ? extra_consumer : "", queue, t->name, queue, queue, effect,
+            itest_retry_conf ? itest_retry_conf : "", t->name,
+            extra_consumer ? extra_consumer : "", queue, t->name, queue, queue, effect,
             extra_input ? extra_input : "");
     fclose(f);
 }
@@ -252,4 +256,54 @@ long itest_queue_ready(struct itest *t, const char *queue)
     ck_assert_msg(broker_queue_counts(b, queue, &n, NULL) == IDEMQ_OK, "%s", broker_error(b));
     broker_close(b);
     return (long)n;
+}
+
+void itest_reconnect_db(struct itest *t)
+{
+    for (int i = 0; i < 100; i++) {
+        PQreset(t->db);
+        if (PQstatus(t->db) == CONNECTION_OK)
+            return;
+        usleep(100000);
+    }
+    ck_abort_msg("cannot reconnect to PostgreSQL: %s", PQerrorMessage(t->db));
+}
+
+int itest_services(const char *what)
+{
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "%s/scripts/services %s >/dev/null 2>&1", IDEMQ_SOURCE_DIR, what);
+    return system(cmd);
+}
+
+long itest_queue_consumers(struct itest *t, const char *queue)
+{
+    struct broker *b;
+    char err[512];
+    uint32_t n = 0;
+    ck_assert_msg(broker_open(t->conf, "itest counts", false, &b, err, sizeof err) == 0, "%s",
+                  err);
+    ck_assert_msg(broker_queue_counts(b, queue, NULL, &n) == IDEMQ_OK, "%s", broker_error(b));
+    broker_close(b);
+    return (long)n;
+}
+
+int itest_idemq(struct itest *t, const char *args, char *out, size_t outlen)
+{
+    char cmd[2048];
+    FILE *p;
+    size_t n = 0;
+    int st;
+    snprintf(cmd, sizeof cmd, "%s %s -c %s 2>&1", IDEMQ_BINARY, args, t->cfg_path);
+    p = popen(cmd, "r");
+    ck_assert_ptr_nonnull(p);
+    while (n + 1 < outlen) {
+        size_t r = fread(out + n, 1, outlen - n - 1, p);
+        if (r == 0)
+            break;
+        n += r;
+    }
+    out[n] = '\0';
+    st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }

@@ -22,6 +22,10 @@ struct itest {
     PGconn *db;
 };
 
+/* Extra lines for the retry group of configs written from now on (e.g.
+ * "base_delay_ms = 200; jitter = \"none\";"), or NULL. */
+extern const char *itest_retry_conf;
+
 /* Timeout multiplier from IDEMQ_TEST_TIMEOUT_MULT (sanitizer builds). */
 int itest_ms(int ms);
 
@@ -71,5 +75,18 @@ void itest_delete_topology(struct itest *t, const struct conf_input *in);
 
 /* Runs SQL (no result) on the test database; aborts the test on error. */
 void itest_sql(struct itest *t, const char *sql);
+
+/* Reconnects the test's database session (after a PostgreSQL restart). */
+void itest_reconnect_db(struct itest *t);
+
+/* Runs scripts/services WHAT (e.g. "pg-stop"); returns system()'s status. */
+int itest_services(const char *what);
+
+/* Consumers on a queue (passive declare). */
+long itest_queue_consumers(struct itest *t, const char *queue);
+
+/* Runs `idemq ARGS -c <test config>`, capturing stdout+stderr into out;
+ * returns the exit code. */
+int itest_idemq(struct itest *t, const char *args, char *out, size_t outlen);
 
 #endif

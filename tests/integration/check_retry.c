@@ -1,0 +1,494 @@
+/*
+ * Integration tests of retries as an audit workflow: error classes, durable
+ * backoff on broker delay buckets, dead-lettering with full history,
+ * redrive (idemq and a broker-side shovel), outages and bad deploys, and an
+ * unconfirmed republish. Real RabbitMQ and PostgreSQL (see itest.h).
+ */
+#include <check.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "itest.h"
+#include "job.h"
+#include "topology.h"
+
+#define EFFECTS_FOR "SELECT count(*) FROM idemq_test.effects WHERE key = $1"
+#define OUTCOMES(o) "SELECT count(*) FROM idemq.attempts WHERE key = $1 AND outcome = '" o "'"
+
+static void publish1(struct itest *t, const char *key, const char *extra)
+{
+    char b[512];
+    const char *bodies[1] = {b};
+    snprintf(b, sizeof b, "{\"job_id\":\"%s\",\"amount_minor\":100%s%s}", key,
+             extra ? "," : "", extra ? extra : "");
+    itest_publish(t, bodies, 1);
+}
+
+static void mkkey(struct itest *t, char *buf, size_t len, const char *what)
+{
+    snprintf(buf, len, "%s:%s", t->name, what);
+}
+
+static void run_ok(struct itest *t, int idle_s)
+{
+    itest_run_until_idle(t, idle_s);
+}
+
+/* 1. Fails with 40001 twice, then succeeds: applied on attempt 3, the
+ * history is in the ledger, the observed delays grow and each is at least
+ * the computed delay and less than twice it (plus processing slack). Also
+ * `idemq jobs show` tells that story. */
+START_TEST(test_transient_then_applied)
+{
+    struct itest t;
+    char key[128], out[16384], q[512];
+    itest_retry_conf = "base_delay_ms = 300; max_delay_ms = 5000; jitter = \"none\";";
+    itest_setup(&t, "retry3", "idemq_test.record", "", "");
+    mkkey(&t, key, sizeof key, "flaky");
+    publish1(&t, key, "\"raise\":\"40001\",\"raise_until\":2");
+    run_ok(&t, 3);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT attempts FROM idemq.jobs WHERE key = $1 "
+                                    "AND state = 'applied'",
+                                key),
+                     3);
+    ck_assert_int_eq(itest_long(&t, OUTCOMES("transient_error"), key), 2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts WHERE key = $1 AND "
+                                    "outcome = 'transient_error' AND error_class = 'transient' "
+                                    "AND sqlstate = '40001' AND attempt IN (1, 2)",
+                                key),
+                     2);
+    ck_assert_int_eq(itest_long(&t, "SELECT attempt FROM idemq.attempts WHERE key = $1 "
+                                    "AND outcome = 'applied'",
+                                key),
+                     3);
+    /* delays chosen: 300 then 600 ms; observed = next start - previous end */
+    snprintf(q, sizeof q,
+             "SELECT count(*) FROM (SELECT delay_ms, extract(epoch FROM lead(started_at) OVER "
+             "(ORDER BY attempt) - finished_at) * 1000 AS observed FROM idemq.attempts "
+             "WHERE key = $1 AND outcome <> 'duplicate') x WHERE delay_ms IS NOT NULL AND "
+             "observed >= delay_ms - 5 AND observed < 2 * delay_ms + 400");
+    ck_assert_int_eq(itest_long(&t, q, key), 2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM (SELECT delay_ms, lag(delay_ms) OVER "
+                                    "(ORDER BY attempt) AS prev FROM idemq.attempts WHERE key = "
+                                    "$1 AND outcome = 'transient_error') x WHERE delay_ms > prev",
+                                key),
+                     1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", key), 0);
+    /* jobs show */
+    snprintf(q, sizeof q, "jobs show %s", key);
+    ck_assert_int_eq(itest_idemq(&t, q, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "state applied, 3 attempts") != NULL, "%s", out);
+    ck_assert_msg(strstr(out, "attempt 1 (generation 0): transient_error transient") != NULL,
+                  "%s", out);
+    ck_assert_msg(strstr(out, "SQLSTATE 40001") != NULL, "%s", out);
+    ck_assert_msg(strstr(out, "attempt 3 (generation 0): applied") != NULL, "%s", out);
+    ck_assert_msg(strstr(out, "result: {") != NULL, "%s", out);
+    ck_assert(strstr(out, "attempt 1 ") < strstr(out, "attempt 3 "));
+    ck_assert_int_eq(itest_queue_ready(&t, t.name), 0);
+    itest_teardown(&t);
+    itest_retry_conf = NULL;
+}
+END_TEST
+
+/* 2. A 23505 raised by the effect parks after one attempt; the dead-letter
+ * message and the park row carry every field. */
+START_TEST(test_permanent_parks_with_fields)
+{
+    struct itest t;
+    char key[128], dlq[300], sql[256];
+    struct broker *b;
+    char err[512];
+    struct job j;
+    const char *hdrs[] = {"x-idemq-key", "x-idemq-error-class", "x-idemq-error-code",
+                          "x-idemq-sqlstate", "x-idemq-error", "x-idemq-attempts",
+                          "x-idemq-generation", "x-idemq-park-id", "x-idemq-payload-sha256",
+                          "x-idemq-first-attempt-at", "x-idemq-last-attempt-at",
+                          "x-idemq-parked-at", "x-idemq-origin-exchange",
+                          "x-idemq-origin-queue", "x-idemq-origin-routing-key", NULL};
+    itest_setup(&t, "perm", "idemq_test.record", "", "");
+    mkkey(&t, key, sizeof key, "dup-iban");
+    publish1(&t, key, "\"raise\":\"23505\"");
+    run_ok(&t, 2);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts WHERE key = $1", key),
+                     1);
+    ck_assert_int_eq(
+        itest_long(&t,
+                   "SELECT count(*) FROM idemq.parked p JOIN idemq.jobs j USING (key) WHERE "
+                   "key = $1 AND j.state = 'parked' AND p.error_class = 'permanent' AND "
+                   "p.error_code = 'effect_error' AND p.sqlstate = '23505' AND p.attempts = 1 "
+                   "AND p.payload_sha256 = encode(sha256(p.body), 'hex') AND p.reason LIKE "
+                   "'requested failure 23505%' AND p.first_attempt_at IS NOT NULL AND "
+                   "p.last_attempt_at IS NOT NULL AND p.dlq_published_at IS NOT NULL AND "
+                   "cardinality(p.attempt_ids) = 1 AND p.source_queue = p.routing_key",
+                   key),
+        1);
+    topology_dlq(&t.conf->inputs[0], dlq, sizeof dlq);
+    ck_assert_int_eq(itest_queue_ready(&t, dlq), 1);
+    ck_assert(broker_open(t.conf, "itest", false, &b, err, sizeof err) == 0);
+    job_init(&j);
+    ck_assert_msg(broker_get(b, dlq, &j, true) == IDEMQ_OK, "%s", broker_error(b));
+    for (int i = 0; hdrs[i]; i++)
+        ck_assert_msg(json_object_get(j.headers, hdrs[i]) != NULL, "DLQ message lacks %s",
+                      hdrs[i]);
+    ck_assert_str_eq(json_string_value(json_object_get(j.headers, "x-idemq-key")), key);
+    ck_assert_str_eq(json_string_value(json_object_get(j.headers, "x-idemq-error-class")),
+                     "permanent");
+    ck_assert_str_eq(json_string_value(json_object_get(j.headers, "x-idemq-sqlstate")), "23505");
+    ck_assert_str_eq(json_string_value(json_object_get(j.headers, "x-idemq-origin-queue")),
+                     t.name);
+    ck_assert_int_eq(json_integer_value(json_object_get(j.headers, "x-idemq-attempts")), 1);
+    ck_assert_ptr_nonnull(strstr((char *)j.body, key));
+    snprintf(sql, sizeof sql, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+             "payload_sha256 = '%s'",
+             json_string_value(json_object_get(j.headers, "x-idemq-payload-sha256")));
+    ck_assert_int_eq(itest_long(&t, sql, key), 1);
+    job_destroy(&j);
+    broker_close(b);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* 3. Always transient: parked after exactly max_attempts. */
+START_TEST(test_exhausted_after_max_attempts)
+{
+    struct itest t;
+    char key[128];
+    itest_retry_conf = "max_attempts = 3; base_delay_ms = 100; max_delay_ms = 400;";
+    itest_setup(&t, "exhaust", "idemq_test.record", "", "");
+    mkkey(&t, key, sizeof key, "always-busy");
+    publish1(&t, key, "\"raise\":\"55P03\"");
+    run_ok(&t, 3);
+    ck_assert_int_eq(itest_long(&t, OUTCOMES("transient_error"), key), 3);
+    ck_assert_int_eq(itest_long(&t, "SELECT max(attempt) FROM idemq.attempts WHERE key = $1",
+                                key),
+                     3);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                    "error_class = 'transient' AND error_code = "
+                                    "'retries_exhausted' AND attempts = 3 AND sqlstate = '55P03'",
+                                key),
+                     1);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 0);
+    itest_teardown(&t);
+    itest_retry_conf = NULL;
+}
+END_TEST
+
+/* 4. The consumer stops during a backoff and starts again: attempt numbers
+ * continue from the ledger, the schedule is kept, never more than
+ * max_attempts. */
+START_TEST(test_restart_keeps_schedule)
+{
+    struct itest t;
+    char key[128];
+    int st;
+    itest_retry_conf = "max_attempts = 3; base_delay_ms = 1200; max_delay_ms = 5000; "
+                       "jitter = \"none\";";
+    itest_setup(&t, "restart", "idemq_test.record", "", "");
+    mkkey(&t, key, sizeof key, "restarted");
+    publish1(&t, key, "\"raise\":\"40P01\"");
+    /* First run: attempt 1, then the job waits 1.2 s on the broker while
+     * this process goes idle and exits. */
+    st = itest_wait(itest_spawn(&t, t.cfg_path, 1, NULL), itest_ms(30000));
+    ck_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    ck_assert_int_eq(itest_long(&t, OUTCOMES("transient_error"), key), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND state "
+                                    "= 'retrying' AND run_after > last_attempt_at",
+                                key),
+                     1);
+    run_ok(&t, 6);
+    ck_assert_int_eq(itest_long(&t, OUTCOMES("transient_error"), key), 3);
+    ck_assert_int_eq(itest_long(&t, "SELECT string_agg(attempt::text, ',' ORDER BY id) FROM "
+                                    "idemq.attempts WHERE key = $1 AND outcome = "
+                                    "'transient_error' AND attempt BETWEEN 1 AND 3 AND "
+                                    "attempt = (SELECT count(*) FROM idemq.attempts b WHERE "
+                                    "b.key = $1 AND b.outcome = 'transient_error' AND b.id <= "
+                                    "attempts.id)",
+                                key) != -1,
+                     1);
+    /* the second attempt honoured the first delay across the restart */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts a JOIN idemq.attempts "
+                                    "b ON b.key = a.key AND b.attempt = 2 AND b.outcome = "
+                                    "'transient_error' WHERE a.key = $1 AND a.attempt = 1 AND "
+                                    "a.outcome = 'transient_error' AND b.started_at >= "
+                                    "a.finished_at + interval '1195 ms'",
+                                key),
+                     1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                    "attempts = 3",
+                                key),
+                     1);
+    itest_teardown(&t);
+    itest_retry_conf = NULL;
+}
+END_TEST
+
+/* 5. idemq redrive of a parked job after its cause is fixed: applied once,
+ * with a new generation; a redrive of a message whose key is already
+ * applied is a duplicate. */
+START_TEST(test_redrive_after_fix)
+{
+    struct itest t;
+    char key[128], sql[512], out[8192], args[300], dlq[300];
+    json_t *h;
+    itest_setup(&t, "redrive", "idemq_test.record", "", "");
+    mkkey(&t, key, sizeof key, "fix-me");
+    snprintf(sql, sizeof sql, "INSERT INTO idemq_test.failing VALUES ('%s', '23514')", key);
+    itest_sql(&t, sql);
+    publish1(&t, key, NULL);
+    run_ok(&t, 2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND state "
+                                    "= 'parked'",
+                                key),
+                     1);
+    topology_dlq(&t.conf->inputs[0], dlq, sizeof dlq);
+    ck_assert_int_eq(itest_queue_ready(&t, dlq), 1);
+    /* a dry run moves nothing */
+    snprintf(args, sizeof args, "redrive --dry-run --key %s", key);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "would redrive 1 message") != NULL, "%s", out);
+    ck_assert_int_eq(itest_queue_ready(&t, dlq), 1);
+    /* fix the cause, redrive, consume */
+    snprintf(sql, sizeof sql, "DELETE FROM idemq_test.failing WHERE key = '%s'", key);
+    itest_sql(&t, sql);
+    snprintf(args, sizeof args, "redrive --key %s --class permanent", key);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "redrove 1 message") != NULL, "%s", out);
+    ck_assert_int_eq(itest_queue_ready(&t, dlq), 0);
+    run_ok(&t, 2);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND state "
+                                    "= 'applied' AND generation = 1 AND attempts = 2 AND "
+                                    "budget_base = 1",
+                                key),
+                     1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.redrives WHERE key = $1 AND "
+                                    "generation = 1 AND source LIKE 'idemq redrive (%'",
+                                key),
+                     1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = $1 "
+                                    "AND (meta->>'generation')::int = 1",
+                                key),
+                     1);
+    /* a dead-letter copy of the now applied key, redriven: a duplicate */
+    h = json_pack("{s:s,s:s,s:s,s:i,s:s}", "x-idemq-key", key, "x-idemq-origin-queue", t.name,
+                  "x-idemq-error-class", "permanent", "x-idemq-generation", 0,
+                  "x-idemq-origin-exchange", t.name);
+    snprintf(sql, sizeof sql, "{\"job_id\":\"%s\",\"amount_minor\":100}", key);
+    itest_publish_to(&t, "", dlq, sql, h, NULL);
+    json_decref(h);
+    snprintf(args, sizeof args, "redrive --key %s", key);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    run_ok(&t, 2);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    ck_assert_int_eq(itest_long(&t, OUTCOMES("duplicate"), key), 1);
+    /* parked list shows the park and counts by class */
+    snprintf(args, sizeof args, "parked list --key %s", key);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "count by error class: permanent=1") != NULL, "%s", out);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* 6. Broker-side redrive: a dynamic shovel moves the dead letter back to
+ * the work queue; the consumer recognises the parked key's generation. */
+START_TEST(test_shovel_redrive)
+{
+    struct itest t;
+    char key[128], sql[512], cmd[2048], dlq[300];
+    const char *mgmt = getenv("IDEMQ_RABBIT_MGMT_URL");
+    itest_setup(&t, "shovel", "idemq_test.record", "", "");
+    ck_assert_msg(mgmt != NULL, "IDEMQ_RABBIT_MGMT_URL not set");
+    mkkey(&t, key, sizeof key, "shovel-me");
+    snprintf(sql, sizeof sql, "INSERT INTO idemq_test.failing VALUES ('%s', '22012')", key);
+    itest_sql(&t, sql);
+    publish1(&t, key, NULL);
+    run_ok(&t, 2);
+    topology_dlq(&t.conf->inputs[0], dlq, sizeof dlq);
+    ck_assert_int_eq(itest_queue_ready(&t, dlq), 1);
+    snprintf(sql, sizeof sql, "DELETE FROM idemq_test.failing WHERE key = '%s'", key);
+    itest_sql(&t, sql);
+    snprintf(cmd, sizeof cmd,
+             "curl -sf -u guest:guest -X PUT -H 'content-type: application/json' "
+             "%s/api/parameters/shovel/%%2F/%s -d '{\"value\":{\"src-protocol\":\"amqp091\","
+             "\"src-uri\":\"amqp://\",\"src-queue\":\"%s\",\"src-delete-after\":"
+             "\"queue-length\",\"dest-protocol\":\"amqp091\",\"dest-uri\":\"amqp://\","
+             "\"dest-queue\":\"%s\"}}' >/dev/null",
+             mgmt, t.name, dlq, t.name);
+    ck_assert_int_eq(system(cmd), 0);
+    for (int i = 0; i < 100 && itest_queue_ready(&t, dlq) != 0; i++)
+        usleep(100000);
+    ck_assert_int_eq(itest_queue_ready(&t, dlq), 0);
+    run_ok(&t, 2);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.redrives WHERE key = $1 AND "
+                                    "generation = 1 AND source = 'broker'",
+                                key),
+                     1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND state "
+                                    "= 'applied' AND generation = 1",
+                                key),
+                     1);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* 7. PostgreSQL stopped for ~10 s while jobs flow: nothing parked, nothing
+ * lost, all applied once after it returns. */
+START_TEST(test_postgres_outage)
+{
+    struct itest t;
+    char bodies_buf[40][160], key[128];
+    const char *bodies[40];
+    pid_t pid;
+    int st;
+    itest_setup(&t, "pgdown", "idemq_test.record", "batch_max = 2;", "");
+    for (int i = 0; i < 40; i++) {
+        snprintf(bodies_buf[i], sizeof bodies_buf[i],
+                 "{\"job_id\":\"%s:k%d\",\"amount_minor\":1,\"sleep_ms\":50}", t.name, i);
+        bodies[i] = bodies_buf[i];
+    }
+    itest_publish(&t, bodies, 40);
+    pid = itest_spawn(&t, t.cfg_path, 5, NULL);
+    usleep(500000);
+    ck_assert_int_eq(itest_services("pg-stop"), 0);
+    sleep(10);
+    ck_assert_int_eq(itest_services("pg-start"), 0);
+    st = itest_wait(pid, itest_ms(90000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    itest_reconnect_db(&t);
+    for (int i = 0; i < 40; i++) {
+        snprintf(key, sizeof key, "%s:k%d", t.name, i);
+        ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    }
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE source_queue = $1",
+                                t.name),
+                     0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts WHERE queue = $1 AND "
+                                    "outcome LIKE '%error'",
+                                t.name),
+                     0);
+    ck_assert_int_eq(itest_queue_ready(&t, t.name), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* 8. The effect function is missing (a bad deploy): nothing is parked and
+ * nothing consumed; once the function exists everything is applied. */
+START_TEST(test_missing_effect_function)
+{
+    struct itest t;
+    char fn[128], key[128], sql[512];
+    const char *bodies[5];
+    char buf[5][160];
+    pid_t pid;
+    int st;
+    snprintf(fn, sizeof fn, "idemq_test.late_%d", (int)getpid());
+    itest_setup(&t, "deploy", fn, "", "");
+    for (int i = 0; i < 5; i++) {
+        snprintf(buf[i], sizeof buf[i], "{\"job_id\":\"%s:k%d\",\"amount_minor\":1}", t.name, i);
+        bodies[i] = buf[i];
+    }
+    itest_publish(&t, bodies, 5);
+    pid = itest_spawn(&t, t.cfg_path, 3, NULL);
+    sleep(3);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE source_queue = $1",
+                                t.name),
+                     0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts WHERE queue = $1",
+                                t.name),
+                     0);
+    ck_assert_int_eq(itest_queue_ready(&t, t.name), 5);
+    snprintf(sql, sizeof sql,
+             "CREATE FUNCTION %s(k text, p jsonb, m jsonb) RETURNS jsonb LANGUAGE sql AS "
+             "'SELECT idemq_test.record(k, p, m)'",
+             fn);
+    itest_sql(&t, sql);
+    st = itest_wait(pid, itest_ms(90000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    for (int i = 0; i < 5; i++) {
+        snprintf(key, sizeof key, "%s:k%d", t.name, i);
+        ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    }
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE source_queue = $1",
+                                t.name),
+                     0);
+    snprintf(sql, sizeof sql, "DROP FUNCTION %s(text, jsonb, jsonb)", fn);
+    itest_sql(&t, sql);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* 9. A republish that is not confirmed (the delay exchange deleted under
+ * the consumer): the original is not acknowledged and not lost; once the
+ * topology is back, the job is applied. */
+START_TEST(test_unconfirmed_republish)
+{
+    struct itest t;
+    char key[128], ex[300];
+    struct broker *b;
+    char err[512];
+    pid_t pid;
+    int st;
+    itest_retry_conf = "base_delay_ms = 200;";
+    itest_setup(&t, "noconfirm", "idemq_test.record", "", "");
+    mkkey(&t, key, sizeof key, "lost?");
+    pid = itest_spawn(&t, t.cfg_path, 4, NULL);
+    for (int i = 0; i < 100 && itest_queue_consumers(&t, t.name) < 1; i++)
+        usleep(50000);
+    ck_assert_int_eq(itest_queue_consumers(&t, t.name), 1);
+    ck_assert(broker_open(t.conf, "itest", false, &b, err, sizeof err) == 0);
+    topology_delay_exchange(&t.conf->inputs[0], ex, sizeof ex);
+    ck_assert(broker_delete_exchange(b, ex) == IDEMQ_OK);
+    publish1(&t, key, "\"raise\":\"40001\",\"raise_until\":1");
+    /* attempt 1 fails, the republish fails, the consumer stops consuming */
+    for (int i = 0; i < 100 && itest_long(&t, OUTCOMES("transient_error"), key) < 1; i++)
+        usleep(50000);
+    usleep(1000000);
+    ck_assert_int_eq(itest_long(&t, OUTCOMES("transient_error"), key), 1);
+    ck_assert_int_eq(itest_queue_ready(&t, t.name), 1); /* back, unacknowledged */
+    ck_assert_int_eq(itest_queue_consumers(&t, t.name), 0); /* not ready: not consuming */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", key), 0);
+    ck_assert(topology_declare(b, t.conf, &t.conf->inputs[0]) == IDEMQ_OK);
+    broker_close(b);
+    st = itest_wait(pid, itest_ms(90000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT attempts FROM idemq.jobs WHERE key = $1 AND state "
+                                    "= 'applied'",
+                                key),
+                     2);
+    ck_assert_int_eq(itest_queue_ready(&t, t.name), 0);
+    itest_teardown(&t);
+    itest_retry_conf = NULL;
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("retry");
+    TCase *tc = tcase_create("retry");
+    SRunner *sr;
+    int failed;
+    tcase_set_timeout(tc, itest_ms(180));
+    tcase_add_test(tc, test_transient_then_applied);
+    tcase_add_test(tc, test_permanent_parks_with_fields);
+    tcase_add_test(tc, test_exhausted_after_max_attempts);
+    tcase_add_test(tc, test_restart_keeps_schedule);
+    tcase_add_test(tc, test_redrive_after_fix);
+    tcase_add_test(tc, test_shovel_redrive);
+    tcase_add_test(tc, test_postgres_outage);
+    tcase_add_test(tc, test_missing_effect_function);
+    tcase_add_test(tc, test_unconfirmed_republish);
+    suite_add_tcase(s, tc);
+    sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? 1 : 0;
+}
