@@ -153,10 +153,10 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
         rc = PQstatus(db) == CONNECTION_OK ? 2 : 4;
         goto out;
     }
-    fprintf(out, "%-6s %-27s %-32s %-10s %-18s %-5s %-3s %-3s %-4s %s\n", "id", "parked_at",
-            "key", "class", "code", "state", "att", "gen", "dlq", "reason");
+    fprintf(out, "%-6s %-27s %-32s %-10s %-18s %-8s %-3s %-3s %-4s %s\n", "id", "parked_at",
+            "key", "class", "code", "sqlstate", "att", "gen", "dlq", "reason");
     for (int i = 0; i < PQntuples(rows); i++)
-        fprintf(out, "%-6s %-27s %-32s %-10s %-18s %-5s %-3s %-3s %-4s %s\n", val(rows, i, 0),
+        fprintf(out, "%-6s %-27s %-32s %-10s %-18s %-8s %-3s %-3s %-4s %s\n", val(rows, i, 0),
                 val(rows, i, 1), val(rows, i, 2), val(rows, i, 3), val(rows, i, 4),
                 val(rows, i, 5), val(rows, i, 6), val(rows, i, 7), val(rows, i, 8),
                 val(rows, i, 9));

@@ -15,7 +15,9 @@ CREATE TABLE IF NOT EXISTS idemq_demo.ledger_intents (
 );
 
 -- Raises 22023 (invalid_parameter_value, a permanent error) when the
--- payload lacks an account or a positive amount.
+-- payload lacks an account or a positive amount. For the demo, a payload
+-- with "simulate_busy_attempts": N fails with 40001 (serialization failure,
+-- a transient error) on its first N attempts.
 CREATE OR REPLACE FUNCTION idemq_demo.apply_payout(p_key text, p_payload jsonb, p_meta jsonb)
 RETURNS jsonb
 LANGUAGE plpgsql AS $fn$
@@ -24,6 +26,11 @@ DECLARE
     v_amount  bigint;
     v_id      bigint;
 BEGIN
+    IF (p_meta->>'attempt')::integer <= coalesce((p_payload->>'simulate_busy_attempts')::integer, 0)
+    THEN
+        RAISE EXCEPTION 'simulated serialization failure for % (attempt %)', p_key,
+              p_meta->>'attempt' USING ERRCODE = '40001';
+    END IF;
     IF v_account IS NULL OR v_account = '' THEN
         RAISE EXCEPTION 'payout % has no account_id', p_key USING ERRCODE = '22023';
     END IF;
