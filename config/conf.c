@@ -71,6 +71,8 @@ static const struct conf_key global_keys[] = {
      "SQLSTATEs (or 2-character classes) an effect raises to ask for a retry"},
     {"retry.park_sqlstates", CT_STRLIST, G(park_sqlstates), 0, 64, "IP001", 0, 0,
      "SQLSTATEs (or classes) an effect raises to ask for parking at once"},
+    {"metrics.listen", CT_STR, G(metrics_listen), 0, 64, "", 0, 0,
+     "IPv4:port for GET /metrics and /ready of `idemq run`; empty = off"},
     {"log.level", CT_STR, G(log_level), 1, 10, "info", 0, 0, "error, warn, info or debug"},
 };
 
@@ -537,9 +539,9 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
             continue;
         if (config_setting_type(s) != CONFIG_TYPE_GROUP ||
             (strcmp(name, "broker") && strcmp(name, "database") && strcmp(name, "consumer") &&
-             strcmp(name, "retry") && strcmp(name, "log"))) {
+             strcmp(name, "retry") && strcmp(name, "metrics") && strcmp(name, "log"))) {
             errf(errbuf, errlen, "%s:%d: unknown setting %s (top level holds broker, database, "
-                 "consumer, retry, log and inputs)", file, config_setting_source_line(s), name);
+                 "consumer, retry, metrics, log and inputs)", file, config_setting_source_line(s), name);
             err = IDEMQ_ERR_CONFIG;
             goto fail;
         }

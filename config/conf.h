@@ -72,6 +72,8 @@ struct conf {
     struct conf_strlist park_sqlstates;
     int jitter_mode;            /* enum backoff_jitter, derived */
     struct classify_rules rules; /* derived from the two lists */
+    /* metrics */
+    char *metrics_listen;
     /* log */
     char *log_level;
     /* inputs */

@@ -16,6 +16,7 @@
 #include "ledger_db.h"
 #include "ledger_migrate.h"
 #include "log.h"
+#include "metrics.h"
 #include "ops.h"
 #include "topology.h"
 #include "sig.h"
@@ -250,6 +251,7 @@ static int preflight(const struct conf *c)
 static int cmd_run(const struct conf *c, long until_idle_s)
 {
     struct worker *ws;
+    struct metrics_server *metrics = NULL;
     long applied = 0, dups = 0, parked = 0, retried = 0, received = 0;
     int rc = preflight(c);
 
@@ -272,6 +274,13 @@ static int cmd_run(const struct conf *c, long until_idle_s)
             return EXIT_RUNTIME;
         }
     }
+    if (c->metrics_listen[0]) {
+        char err[256];
+        if (metrics_start(c, ws, c->workers, &metrics, err, sizeof err))
+            log_error("%s (running without the metrics endpoint)", err);
+        else
+            log_info("metrics and readiness on http://%s/metrics and /ready", c->metrics_listen);
+    }
     for (int i = 0; i < c->workers; i++) {
         pthread_join(ws[i].thread, NULL);
         if (ws[i].result) {
@@ -286,6 +295,9 @@ static int cmd_run(const struct conf *c, long until_idle_s)
     }
     log_info("stopped: received %ld, applied %ld, duplicates %ld, retried %ld, parked %ld",
              received, applied, dups, retried, parked);
+    metrics_stop(metrics);
+    for (int i = 0; i < c->workers; i++)
+        worker_destroy(&ws[i]);
     free(ws);
     return rc;
 }

@@ -104,6 +104,29 @@ void worker_init(struct worker *w, int id, const struct conf *conf, int until_id
     w->id = id;
     w->conf = conf;
     w->until_idle_ms = until_idle_ms;
+    atomic_store(&w->stats.head_age_ms, -1);
+    pthread_mutex_init(&w->lock, NULL);
+    snprintf(w->status, sizeof w->status, "starting");
+}
+
+void worker_destroy(struct worker *w)
+{
+    pthread_mutex_destroy(&w->lock);
+}
+
+void worker_status(struct worker *w, char *buf, size_t len)
+{
+    pthread_mutex_lock(&w->lock);
+    snprintf(buf, len, "%s", w->status);
+    pthread_mutex_unlock(&w->lock);
+}
+
+static void set_ready(struct worker *w, bool ready, const char *why)
+{
+    pthread_mutex_lock(&w->lock);
+    snprintf(w->status, sizeof w->status, "%s", ready ? "ready" : why);
+    pthread_mutex_unlock(&w->lock);
+    atomic_store(&w->ready, ready ? 1 : 0);
 }
 
 static void drop_db(struct session *s)
@@ -201,10 +224,13 @@ static bool ensure_connected(struct session *s, bool *reconnected)
         if (st == STEP_OK) {
             if (failures)
                 log_info("worker %d: ready again after %d failed checks", s->w->id, failures);
+            set_ready(s->w, true, NULL);
             return true;
         }
         drop_broker(s);
         failures++;
+        set_ready(s->w, false, s->why);
+        atomic_fetch_add(&s->w->stats.by_class[st == STEP_FATAL ? CLASS_FATAL : CLASS_INFRA], 1);
         if (st == STEP_FATAL)
             log_error("worker %d: NOT READY, not consuming: %s (checking again with backoff)",
                       s->w->id, s->why);
@@ -259,6 +285,7 @@ static enum step plan_failure(struct session *s, struct job *j, struct ledger_re
     }
     if (cls == CLASS_INFRA || cls == CLASS_NONE)
         cls = CLASS_TRANSIENT;
+    atomic_fetch_add(&s->w->stats.by_class[cls], 1);
     park = cls == CLASS_PERMANENT || used >= s->c->max_attempts;
     if (cls == CLASS_TRANSIENT && park)
         code = IDEMQ_ERR_RETRIES_EXHAUSTED;
@@ -423,6 +450,7 @@ static enum step settle_batch(struct session *s, struct job *jobs, int n, struct
         snprintf(s->why, sizeof s->why, "ack after commit: %s", broker_error(s->b));
         return STEP_BROKER;
     }
+    atomic_fetch_add(&s->w->stats.settled, n);
     for (int i = 0; i < n; i++)
         if (plans[i].how == SETTLE_DEAD && plans[i].park)
             s->park_ids[parks++] =
@@ -489,6 +517,19 @@ static enum step process_batch(struct session *s)
     return STEP_OK;
 }
 
+/* Deliveries come from the head of their queue: the age of the one just
+ * taken (by its timestamp property, in seconds) is the oldest-ready age. */
+static void note_age(struct worker *w, const struct job *j)
+{
+    json_t *ts = json_object_get(j->props, "timestamp");
+    struct timespec now;
+    if (!json_is_integer(ts))
+        return;
+    clock_gettime(CLOCK_REALTIME, &now);
+    atomic_store(&w->stats.head_age_ms,
+                 (long)((now.tv_sec - (time_t)json_integer_value(ts)) * 1000L));
+}
+
 /* Collects up to batch_max deliveries: waits up to wait_ms for the first,
  * then up to batch_wait_ms for the rest. */
 static enum step collect(struct session *s, int wait_ms)
@@ -509,6 +550,7 @@ static enum step collect(struct session *s, int wait_ms)
         }
         if (s->n == 0)
             fill_deadline = now_ms() + s->c->batch_wait_ms;
+        note_age(s->w, &s->jobs[s->n]);
         s->n++;
         atomic_fetch_add(&s->w->stats.received, 1);
     }
@@ -592,12 +634,16 @@ idemq_err_t worker_run(struct worker *w)
             drop_broker(&s);
             break;
         case STEP_INFRA:
+            set_ready(w, false, s.why);
+            atomic_fetch_add(&w->stats.by_class[CLASS_INFRA], 1);
             log_warn("worker %d: database failure: %s; nothing acknowledged, reconnecting",
                      w->id, s.why);
             drop_broker(&s);
             drop_db(&s);
             break;
         case STEP_FATAL:
+            set_ready(w, false, s.why);
+            atomic_fetch_add(&w->stats.by_class[CLASS_FATAL], 1);
             log_error("worker %d: %s: deploy or configuration problem, no job parked; "
                       "stopping consumption until it is fixed", w->id, s.why);
             drop_broker(&s);
@@ -609,6 +655,7 @@ idemq_err_t worker_run(struct worker *w)
         }
     }
 out:
+    set_ready(w, false, "stopped");
     session_free(&s);
     return w->result;
 }

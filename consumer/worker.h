@@ -22,11 +22,14 @@
 
 struct worker_stats {
     atomic_long received;
+    atomic_long settled; /* acknowledged after commit */
     atomic_long applied;
     atomic_long duplicates;
     atomic_long retried;
     atomic_long parked;
     atomic_long batches;
+    atomic_long by_class[5]; /* failed attempts and pauses, by enum classify_class */
+    atomic_long head_age_ms; /* age of the last delivery with a timestamp, -1 if none */
 };
 
 struct worker {
@@ -37,10 +40,19 @@ struct worker {
     idemq_err_t result; /* set when worker_run returns */
     char error[512];
     pthread_t thread;
+    atomic_int ready;   /* 1 while consuming; 0 while paused or connecting */
+    pthread_mutex_t lock; /* guards status */
+    char status[512];   /* why not ready */
 };
 
 /* Prepares w; conf must outlive the worker. Cannot fail. */
 void worker_init(struct worker *w, int id, const struct conf *conf, int until_idle_ms);
+
+/* Copies why the worker is not ready (or "ready") into buf. Any thread. */
+void worker_status(struct worker *w, char *buf, size_t len);
+
+/* Releases what worker_init set up. After the thread ended. */
+void worker_destroy(struct worker *w);
 
 /*
  * Runs the loop until a stop is requested (sig), the idle limit passes, or

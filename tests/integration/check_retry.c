@@ -383,13 +383,17 @@ END_TEST
 START_TEST(test_missing_effect_function)
 {
     struct itest t;
-    char fn[128], key[128], sql[512];
+    char fn[128], key[128], sql[512], metrics[128], url[160], body[1024];
     const char *bodies[5];
     char buf[5][160];
     pid_t pid;
-    int st;
+    int st, port = 20000 + (int)getpid() % 20000;
     snprintf(fn, sizeof fn, "idemq_test.late_%d", (int)getpid());
+    snprintf(metrics, sizeof metrics, "metrics: { listen = \"127.0.0.1:%d\"; };", port);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/ready", port);
+    itest_extra_conf = metrics;
     itest_setup(&t, "deploy", fn, "", "");
+    itest_extra_conf = NULL;
     for (int i = 0; i < 5; i++) {
         snprintf(buf[i], sizeof buf[i], "{\"job_id\":\"%s:k%d\",\"amount_minor\":1}", t.name, i);
         bodies[i] = buf[i];
@@ -404,6 +408,9 @@ START_TEST(test_missing_effect_function)
                                 t.name),
                      0);
     ck_assert_int_eq(itest_queue_ready(&t, t.name), 5);
+    /* it says so on /ready */
+    ck_assert_int_eq(itest_http_get(url, body, sizeof body), 503);
+    ck_assert_msg(strstr(body, "not ready") && strstr(body, "does not exist"), "%s", body);
     snprintf(sql, sizeof sql,
              "CREATE FUNCTION %s(k text, p jsonb, m jsonb) RETURNS jsonb LANGUAGE sql AS "
              "'SELECT idemq_test.record(k, p, m)'",

@@ -21,6 +21,7 @@
 extern char **environ;
 
 const char *itest_retry_conf;
+const char *itest_extra_conf;
 
 int itest_ms(int ms)
 {
@@ -60,12 +61,13 @@ void itest_write_config(struct itest *t, const char *path, const char *queue,
     ck_assert_ptr_nonnull(f);
     fprintf(f,
             "broker: { heartbeat = 10; };\n"
-            "retry: { %s };\n"
+            "retry: { %s };\n%s\n"
             "consumer: { id = \"%s\"; %s };\n"
             "log: { level = \"info\"; };\n"
             "inputs = ( { name = \"%s\"; exchange = \"%s\"; queue = \"%s\"; routing_key = \"%s\";\n"
             "  effect_function = \"%s\"; %s } );\n",
-            itest_retry_conf ? itest_retry_conf : "", t->name,
+            itest_retry_conf ? itest_retry_conf : "", itest_extra_conf ? itest_extra_conf : "",
+            t->name,
             extra_consumer ? extra_consumer : "", queue, t->name, queue, queue, effect,
             extra_input ? extra_input : "");
     fclose(f);
@@ -306,4 +308,31 @@ int itest_idemq(struct itest *t, const char *args, char *out, size_t outlen)
     out[n] = '\0';
     st = pclose(p);
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+int itest_http_get(const char *url, char *out, size_t outlen)
+{
+    char cmd[1024];
+    FILE *p;
+    size_t n = 0;
+    int code = -1;
+    snprintf(cmd, sizeof cmd, "curl -s -m 5 -w '\\n%%{http_code}' '%s'", url);
+    p = popen(cmd, "r");
+    ck_assert_ptr_nonnull(p);
+    while (n + 1 < outlen) {
+        size_t r = fread(out + n, 1, outlen - n - 1, p);
+        if (r == 0)
+            break;
+        n += r;
+    }
+    out[n] = '\0';
+    pclose(p);
+    {
+        char *nl = strrchr(out, '\n');
+        if (nl) {
+            code = atoi(nl + 1);
+            *nl = '\0';
+        }
+    }
+    return code;
 }

@@ -25,6 +25,11 @@ struct itest {
 /* Extra lines for the retry group of configs written from now on (e.g.
  * "base_delay_ms = 200; jitter = \"none\";"), or NULL. */
 extern const char *itest_retry_conf;
+/* Extra top-level config lines (e.g. a metrics group), or NULL. */
+extern const char *itest_extra_conf;
+
+/* GET url with curl; the body goes to out; returns the HTTP status or -1. */
+int itest_http_get(const char *url, char *out, size_t outlen);
 
 /* Timeout multiplier from IDEMQ_TEST_TIMEOUT_MULT (sanitizer builds). */
 int itest_ms(int ms);

@@ -1,0 +1,166 @@
+/*
+ * metrics: /ready and /metrics over libmicrohttpd (see metrics.h).
+ */
+#include "metrics.h"
+
+#include <arpa/inet.h>
+#include <microhttpd.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "classify.h"
+
+struct metrics_server {
+    struct MHD_Daemon *d;
+    struct worker *ws;
+    int n;
+};
+
+#define ADD(fmt, ...)                                                                        \
+    do {                                                                                     \
+        if (off < len)                                                                       \
+            off += (size_t)snprintf(buf + off, len - off, fmt, __VA_ARGS__);                 \
+    } while (0)
+
+size_t metrics_render(struct worker *ws, int n, char *buf, size_t len)
+{
+    static const struct {
+        const char *name, *help;
+        size_t off;
+    } counters[] = {
+        {"idemq_admitted_total", "deliveries received", offsetof(struct worker_stats, received)},
+        {"idemq_completed_total", "deliveries settled after commit (acked)",
+         offsetof(struct worker_stats, settled)},
+        {"idemq_applied_total", "effects applied", offsetof(struct worker_stats, applied)},
+        {"idemq_duplicates_total", "duplicate-key deliveries acknowledged without effect",
+         offsetof(struct worker_stats, duplicates)},
+        {"idemq_retried_total", "deliveries sent to a delay bucket",
+         offsetof(struct worker_stats, retried)},
+        {"idemq_parked_total", "messages parked (dead-lettered)",
+         offsetof(struct worker_stats, parked)},
+        {"idemq_batches_total", "transactions committed", offsetof(struct worker_stats, batches)},
+    };
+    size_t off = 0;
+    long ready = 0, age = -1;
+
+    for (size_t c = 0; c < sizeof counters / sizeof counters[0]; c++) {
+        long sum = 0;
+        for (int i = 0; i < n; i++)
+            sum += atomic_load((atomic_long *)((char *)&ws[i].stats + counters[c].off));
+        ADD("# HELP %s %s\n# TYPE %s counter\n%s %ld\n", counters[c].name, counters[c].help,
+            counters[c].name, counters[c].name, sum);
+    }
+    ADD("%s", "# HELP idemq_attempts_total failed attempts and pauses by error class\n"
+              "# TYPE idemq_attempts_total counter\n");
+    for (int cls = CLASS_TRANSIENT; cls <= CLASS_INFRA; cls++) {
+        long sum = 0;
+        for (int i = 0; i < n; i++)
+            sum += atomic_load(&ws[i].stats.by_class[cls]);
+        ADD("idemq_attempts_total{class=\"%s\"} %ld\n", classify_name((enum classify_class)cls),
+            sum);
+    }
+    for (int i = 0; i < n; i++) {
+        long a = atomic_load(&ws[i].stats.head_age_ms);
+        ready += atomic_load(&ws[i].ready) ? 1 : 0;
+        if (a > age)
+            age = a;
+    }
+    ADD("# HELP idemq_oldest_ready_age_seconds age (by its timestamp property) of the last "
+        "delivery taken from the head of a queue; -1 without timestamps\n"
+        "# TYPE idemq_oldest_ready_age_seconds gauge\nidemq_oldest_ready_age_seconds %.3f\n",
+        age < 0 ? -1.0 : (double)age / 1000.0);
+    ADD("# HELP idemq_workers_ready workers consuming\n# TYPE idemq_workers_ready gauge\n"
+        "idemq_workers_ready %ld\nidemq_workers %d\n",
+        ready, n);
+    return off < len ? off : len - 1;
+}
+
+static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char *url,
+                              const char *method, const char *version, const char *upload,
+                              size_t *upload_len, void **state)
+{
+    struct metrics_server *m = cls;
+    char buf[8192];
+    size_t len = 0;
+    unsigned status = MHD_HTTP_OK;
+    struct MHD_Response *r;
+    enum MHD_Result ret;
+
+    (void)version, (void)upload, (void)upload_len, (void)state;
+    if (strcmp(method, "GET") != 0) {
+        len = (size_t)snprintf(buf, sizeof buf, "GET only\n");
+        status = MHD_HTTP_METHOD_NOT_ALLOWED;
+    } else if (strcmp(url, "/metrics") == 0) {
+        len = metrics_render(m->ws, m->n, buf, sizeof buf);
+    } else if (strcmp(url, "/ready") == 0) {
+        len = (size_t)snprintf(buf, sizeof buf, "ready\n");
+        for (int i = 0; i < m->n; i++) {
+            if (!atomic_load(&m->ws[i].ready)) {
+                char why[512];
+                worker_status(&m->ws[i], why, sizeof why);
+                len = (size_t)snprintf(buf, sizeof buf, "not ready: worker %d: %s\n", i, why);
+                status = MHD_HTTP_SERVICE_UNAVAILABLE;
+                break;
+            }
+        }
+    } else {
+        len = (size_t)snprintf(buf, sizeof buf, "try /ready or /metrics\n");
+        status = MHD_HTTP_NOT_FOUND;
+    }
+    if (len >= sizeof buf)
+        len = sizeof buf - 1;
+    r = MHD_create_response_from_buffer(len, buf, MHD_RESPMEM_MUST_COPY);
+    if (!r)
+        return MHD_NO;
+    MHD_add_response_header(r, "Content-Type", "text/plain; version=0.0.4");
+    ret = MHD_queue_response(conn, status, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+idemq_err_t metrics_start(const struct conf *c, struct worker *ws, int n,
+                          struct metrics_server **out, char *errbuf, size_t errlen)
+{
+    struct metrics_server *m;
+    struct sockaddr_in sa;
+    char host[64];
+    const char *colon = strrchr(c->metrics_listen, ':');
+    long port = colon ? strtol(colon + 1, NULL, 10) : 0;
+
+    *out = NULL;
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    snprintf(host, sizeof host, "%.*s", colon ? (int)(colon - c->metrics_listen) : 0,
+             c->metrics_listen);
+    if (!colon || port < 1 || port > 65535 || inet_pton(AF_INET, host, &sa.sin_addr) != 1) {
+        snprintf(errbuf, errlen, "metrics.listen \"%s\" must be IPv4:port, e.g. 127.0.0.1:9187",
+                 c->metrics_listen);
+        return IDEMQ_ERR_CONFIG;
+    }
+    sa.sin_port = htons((uint16_t)port);
+    if (!(m = calloc(1, sizeof *m))) {
+        snprintf(errbuf, errlen, "out of memory");
+        return IDEMQ_ERR_NOMEM;
+    }
+    m->ws = ws;
+    m->n = n;
+    m->d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD, 0, NULL, NULL, answer, m,
+                            MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa, MHD_OPTION_END);
+    if (!m->d) {
+        snprintf(errbuf, errlen, "cannot listen on %s for metrics", c->metrics_listen);
+        free(m);
+        return IDEMQ_ERR_CONFIG;
+    }
+    *out = m;
+    return IDEMQ_OK;
+}
+
+void metrics_stop(struct metrics_server *m)
+{
+    if (!m)
+        return;
+    MHD_stop_daemon(m->d);
+    free(m);
+}
