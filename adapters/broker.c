@@ -544,6 +544,21 @@ idemq_err_t broker_next(struct broker *b, struct job *j, int timeout_ms)
     }
 }
 
+idemq_err_t broker_service(struct broker *b, int ms)
+{
+    long long deadline = now_ms() + ms;
+    for (;;) {
+        long long left = deadline - now_ms();
+        struct timeval tv;
+        if (left <= 0)
+            return IDEMQ_OK;
+        tv.tv_sec = left / 1000;
+        tv.tv_usec = (left % 1000) * 1000;
+        if (pump_frame(b, NULL, &tv) == IDEMQ_ERR_BROKER)
+            return IDEMQ_ERR_BROKER;
+    }
+}
+
 static idemq_err_t check_rc(struct broker *b, int rc, const char *what)
 {
     if (rc == AMQP_STATUS_OK)

@@ -76,6 +76,11 @@ idemq_err_t broker_consume(struct broker *b, int input_idx, const struct conf_in
  */
 idemq_err_t broker_next(struct broker *b, struct job *j, int timeout_ms) IDEMQ_MUSTCHECK;
 
+/* Services the connection for ms (heartbeats, confirms, closes) without
+ * handing out deliveries: those that arrive are kept for broker_next.
+ * IDEMQ_OK, or IDEMQ_ERR_BROKER when the connection failed. */
+idemq_err_t broker_service(struct broker *b, int ms) IDEMQ_MUSTCHECK;
+
 /* basic.ack of tag (and every earlier unacked tag when multiple). */
 idemq_err_t broker_ack(struct broker *b, uint64_t tag, bool multiple) IDEMQ_MUSTCHECK;
 

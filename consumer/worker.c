@@ -72,6 +72,7 @@ struct session {
     uint64_t rng;
     enum crash_point crash;
     char why[512]; /* reason of the last non-OK step */
+    struct ledger_db_error last_call; /* the last whole-call failure */
 };
 
 static long long now_ms(void)
@@ -249,6 +250,7 @@ static enum step call_failed(struct session *s, const struct ledger_db_error *e,
 {
     enum classify_class cls = classify_sqlstate(e->sqlstate, e->conn_lost, &s->c->rules);
     snprintf(s->why, sizeof s->why, "%s: %s %s", what, e->sqlstate, e->message);
+    s->last_call = *e;
     switch (cls) {
     case CLASS_INFRA: return STEP_INFRA;
     case CLASS_FATAL: return STEP_FATAL;
@@ -392,6 +394,49 @@ rollback:
     return st;
 }
 
+/*
+ * One transaction for a job whose own apply call failed as a whole (e.g. a
+ * statement timeout, which PL/pgSQL cannot catch per job): claims the key,
+ * then records the failure like any effect error, so the attempt counts and
+ * the job retries or parks by its class.
+ */
+static enum step run_failed_txn(struct session *s, struct job *j, struct plan *p,
+                                const struct ledger_db_error *failure)
+{
+    struct ledger_db_error e;
+    struct ledger_result *r = &s->res[0];
+    enum step st;
+
+    plan_clear(p);
+    if (ledger_txn_begin(s->lt, &e))
+        return call_failed(s, &e, "BEGIN");
+    if (ledger_txn_claim_failed(s->lt, j, r, &e)) {
+        st = call_failed(s, &e, "claim_failed");
+        goto rollback;
+    }
+    p->outcome = r->outcome;
+    p->attempt = r->attempt;
+    if (r->outcome == LEDGER_ERROR) {
+        snprintf(r->sqlstate, sizeof r->sqlstate, "%s", failure->sqlstate);
+        snprintf(r->message, sizeof r->message, "%s", failure->message);
+        if ((st = plan_failure(s, j, r, p)) != STEP_OK)
+            goto rollback;
+    }
+    if (ledger_txn_commit(s->lt, &e))
+        return call_failed(s, &e, "COMMIT");
+    return STEP_OK;
+rollback:
+    ledger_txn_rollback(s->lt);
+    return st;
+}
+
+/* Waits ms while keeping the broker connection serviced (heartbeats). */
+static void serviced_nap(struct session *s, long ms)
+{
+    if (!s->b || broker_service(s->b, (int)ms) != IDEMQ_OK)
+        nap(ms);
+}
+
 static void count(struct session *s, const struct plan *plans, int n)
 {
     struct worker_stats *ws = &s->w->stats;
@@ -481,8 +526,10 @@ static enum step process_batch(struct session *s)
     }
     for (int tries = 0; tries < BATCH_RETRIES && st == STEP_RETRY; tries++) {
         if (tries)
-            nap(backoff_delay_ms(tries, 20, 1000, BACKOFF_JITTER_FULL, &s->rng));
+            serviced_nap(s, backoff_delay_ms(tries, 20, 1000, BACKOFF_JITTER_FULL, &s->rng));
         st = run_txn(s, s->jobs, s->n, s->plans);
+        if (st == STEP_RETRY && strcmp(s->last_call.sqlstate, "57014") == 0)
+            break; /* a timeout will not pass by retrying the whole batch */
     }
     if (st == STEP_OK) {
         atomic_fetch_add(&s->w->stats.batches, 1);
@@ -491,21 +538,27 @@ static enum step process_batch(struct session *s)
     }
     if (st != STEP_RETRY && st != STEP_SPLIT)
         return st;
-    /* Isolate: each job in its own transaction; one that still fails the
-     * whole call is parked with the database's reason. Settling one by one
-     * keeps every earlier delivery settled before a later one. */
+    /* Isolate: each job in its own transaction; one whose call still fails
+     * as a whole has that failure recorded as its attempt (retry or park by
+     * class). Settling one by one keeps earlier deliveries settled first. */
     log_warn("worker %d: batch of %d failed as a whole (%s); isolating job by job", s->w->id,
              s->n, s->why);
     for (int i = 0; i < s->n; i++) {
         struct job *j = &s->jobs[i];
         struct plan *p = &s->plans[i];
         st = STEP_RETRY;
-        for (int tries = 0; tries < BATCH_RETRIES && st == STEP_RETRY; tries++)
+        for (int tries = 0; tries < BATCH_RETRIES && st == STEP_RETRY; tries++) {
+            if (tries)
+                serviced_nap(s, backoff_delay_ms(tries, 20, 1000, BACKOFF_JITTER_FULL, &s->rng));
             st = run_txn(s, j, 1, p);
-        if (st == STEP_RETRY || st == STEP_SPLIT) {
-            j->decode_err = IDEMQ_ERR_SQL;
-            snprintf(j->reason, sizeof j->reason, "%s", s->why);
-            st = run_txn(s, j, 1, p);
+            if (st == STEP_RETRY && strcmp(s->last_call.sqlstate, "57014") == 0)
+                break;
+        }
+        if ((st == STEP_RETRY || st == STEP_SPLIT) && j->decode_err == IDEMQ_OK) {
+            struct ledger_db_error failure = s->last_call;
+            log_job(LOG_LVL_WARN, j->key, j->tag, 0, "call failed as a whole: %s %s",
+                    failure.sqlstate, failure.message);
+            st = run_failed_txn(s, j, p, &failure);
         }
         if (st != STEP_OK)
             return st;
@@ -578,7 +631,7 @@ static void session_free(struct session *s)
     drop_db(s);
     for (int i = 0; s->jobs && i < s->c->batch_max; i++) {
         job_destroy(&s->jobs[i]);
-        ledger_result_clear(&s->res[i]);
+        ledger_txn_result_clear(&s->res[i]);
         plan_clear(&s->plans[i]);
     }
     free(s->jobs);

@@ -262,6 +262,21 @@ BEGIN
 END
 $fn$;
 
+-- Claims a key whose apply call failed as a whole (e.g. statement timeout,
+-- which a PL/pgSQL exception block cannot catch) so the failure can be
+-- recorded as its attempt. Returns the state and the next attempt number.
+CREATE OR REPLACE FUNCTION idemq.claim_failed(p_key text, p_queue text, p_sha text)
+RETURNS TABLE (r_state text, r_attempt integer, r_base integer)
+LANGUAGE plpgsql AS $fn$
+BEGIN
+    INSERT INTO idemq.jobs (key, state, source_queue, payload_sha256)
+    VALUES (p_key, 'pending', p_queue, p_sha)
+    ON CONFLICT (key) DO NOTHING;
+    RETURN QUERY SELECT t.state, t.attempts + 1, t.budget_base
+                   FROM idemq.jobs t WHERE t.key = p_key FOR UPDATE;
+END
+$fn$;
+
 -- Parks a message that could not be decoded into a job (bad JSON, no key,
 -- too large): no job row is claimed, the raw message is kept. Returns the
 -- park's facts.

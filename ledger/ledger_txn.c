@@ -216,7 +216,7 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
         if (idx < 0 || idx >= n)
             IDEMQ_PANIC("apply_batch returned index %d of %d", idx + 1, n);
         x = &res[idx];
-        ledger_result_clear(x);
+        ledger_txn_result_clear(x);
         x->outcome = strcmp(outcome, "applied") == 0     ? LEDGER_APPLIED
                      : strcmp(outcome, "duplicate") == 0 ? LEDGER_DUPLICATE
                      : strcmp(outcome, "early") == 0     ? LEDGER_EARLY
@@ -244,7 +244,7 @@ nomem:
     return IDEMQ_ERR_NOMEM;
 }
 
-void ledger_result_clear(struct ledger_result *r)
+void ledger_txn_result_clear(struct ledger_result *r)
 {
     json_decref(r->park);
     memset(r, 0, sizeof *r);
@@ -391,4 +391,33 @@ idemq_err_t ledger_txn_mark_dead_lettered(struct ledger_txn *lt, const long long
                       NULL, e);
     free(arr);
     return err;
+}
+
+idemq_err_t ledger_txn_claim_failed(struct ledger_txn *lt, const struct job *j,
+                                    struct ledger_result *r, struct ledger_db_error *e)
+{
+    const char *vals[3] = {j->key, lt->conf->inputs[j->input].queue, j->sha256_hex};
+    PGresult *res = PQexecParams(lt->db,
+                                 "SELECT r_state, r_attempt, r_base, clock_timestamp() "
+                                 "FROM idemq.claim_failed($1, $2, $3)",
+                                 3, NULL, vals, NULL, NULL, 0);
+    const char *state;
+
+    if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1) {
+        ledger_db_error_from(lt->db, res, e);
+        PQclear(res);
+        return ledger_db_err(e);
+    }
+    ledger_txn_result_clear(r);
+    state = PQgetvalue(res, 0, 0);
+    r->outcome = strcmp(state, "applied") == 0 || strcmp(state, "parked") == 0
+                     ? LEDGER_DUPLICATE
+                     : LEDGER_ERROR;
+    snprintf(r->prior_state, sizeof r->prior_state, "%s", state);
+    r->attempt = atoi(PQgetvalue(res, 0, 1));
+    r->base = atoi(PQgetvalue(res, 0, 2));
+    copy_field(r->started_at, sizeof r->started_at, res, 0, 3);
+    copy_field(r->finished_at, sizeof r->finished_at, res, 0, 3);
+    PQclear(res);
+    return IDEMQ_OK;
 }

@@ -38,7 +38,7 @@ struct ledger_result {
     int base;             /* attempts before the last redrive: budget base */
     long delay_ms;        /* LEDGER_EARLY */
     json_t *park;         /* LEDGER_REPARK, or after a park: idemq.park_info
-                           * (owned by the result; ledger_result_clear) */
+                           * (owned by the result; ledger_txn_result_clear) */
     char sqlstate[6];
     char message[512];
     char prior_state[16]; /* for duplicates: "applied" or "parked" */
@@ -47,7 +47,7 @@ struct ledger_result {
 };
 
 /* Releases what a result owns (its park facts) and zeroes it. */
-void ledger_result_clear(struct ledger_result *r);
+void ledger_txn_result_clear(struct ledger_result *r);
 
 /* Binds a session to a configuration and prepares its statements.
  * Returns NULL with errbuf set on failure. The caller keeps db. */
@@ -81,6 +81,17 @@ idemq_err_t ledger_txn_record_failure(struct ledger_txn *lt, const struct job *j
                                       struct ledger_result *r, const char *error_class,
                                       const char *error_code, bool park, long delay_ms,
                                       struct ledger_db_error *e) IDEMQ_MUSTCHECK;
+
+/*
+ * Inside txn. Claims j's key (and takes its row lock) for recording a
+ * failure that happened outside the effect's subtransaction. r becomes
+ * LEDGER_DUPLICATE if the key is settled (applied or parked), else
+ * LEDGER_ERROR with the next attempt number and budget base (sqlstate and
+ * message are the caller's to fill).
+ */
+idemq_err_t ledger_txn_claim_failed(struct ledger_txn *lt, const struct job *j,
+                                    struct ledger_result *r,
+                                    struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
 /* Inside txn. Parks a message that failed decoding (j->decode_err), keeping
  * its raw body, headers, properties, key if any and reason. *park receives

@@ -476,6 +476,47 @@ START_TEST(test_unconfirmed_republish)
 }
 END_TEST
 
+/* An effect that runs past statement_timeout: the whole batch call is
+ * cancelled (PL/pgSQL cannot catch 57014 per job), its batch-mates still
+ * commit, and the slow job's timeouts count as transient attempts until it
+ * parks as retries_exhausted. */
+START_TEST(test_statement_timeout_is_transient)
+{
+    struct itest t;
+    char key[128], slow[128], b[4][200];
+    const char *bodies[4];
+    itest_retry_conf = "max_attempts = 2; base_delay_ms = 100; max_delay_ms = 200;";
+    itest_extra_conf = "database: { statement_timeout_ms = 600; };";
+    itest_setup(&t, "timeout", "idemq_test.record", "batch_max = 10; batch_wait_ms = 200;", "");
+    itest_extra_conf = NULL;
+    mkkey(&t, slow, sizeof slow, "slow");
+    for (int i = 0; i < 4; i++) {
+        if (i == 1)
+            snprintf(b[i], sizeof b[i], "{\"job_id\":\"%s\",\"sleep_ms\":3000}", slow);
+        else
+            snprintf(b[i], sizeof b[i], "{\"job_id\":\"%s:ok%d\"}", t.name, i);
+        bodies[i] = b[i];
+    }
+    itest_publish(&t, bodies, 4);
+    run_ok(&t, 3);
+    for (int i = 0; i < 4; i += 1 + (i == 0)) {
+        snprintf(key, sizeof key, "%s:ok%d", t.name, i);
+        ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    }
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, slow), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts WHERE key = $1 AND "
+                                    "outcome = 'transient_error' AND sqlstate = '57014'",
+                                slow),
+                     2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                    "error_code = 'retries_exhausted' AND sqlstate = '57014'",
+                                slow),
+                     1);
+    itest_teardown(&t);
+    itest_retry_conf = NULL;
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("retry");
@@ -492,6 +533,7 @@ int main(void)
     tcase_add_test(tc, test_postgres_outage);
     tcase_add_test(tc, test_missing_effect_function);
     tcase_add_test(tc, test_unconfirmed_republish);
+    tcase_add_test(tc, test_statement_timeout_is_transient);
     suite_add_tcase(s, tc);
     sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
