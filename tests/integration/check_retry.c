@@ -517,6 +517,43 @@ START_TEST(test_statement_timeout_is_transient)
 }
 END_TEST
 
+/* A quorum work queue (and quorum dead-letter queue) with classic delay
+ * buckets: a duplicate is absorbed, a transient failure retries and a
+ * permanent one parks, exactly as with classic queues. */
+START_TEST(test_quorum_queue)
+{
+    struct itest t;
+    char key[128], bad[128], dlq[300], b[3][200];
+    const char *bodies[3];
+    itest_retry_conf = "base_delay_ms = 100; max_delay_ms = 400;";
+    itest_setup(&t, "quorum", "idemq_test.record", "", "queue_type = \"quorum\";");
+    mkkey(&t, key, sizeof key, "q1");
+    mkkey(&t, bad, sizeof bad, "q-bad");
+    snprintf(b[0], sizeof b[0], "{\"job_id\":\"%s\",\"raise\":\"40001\",\"raise_until\":1}",
+             key);
+    snprintf(b[1], sizeof b[1], "{\"job_id\":\"%s\"}", key);
+    snprintf(b[2], sizeof b[2], "{\"job_id\":\"%s\",\"raise\":\"22003\"}", bad);
+    for (int i = 0; i < 3; i++)
+        bodies[i] = b[i];
+    itest_publish(&t, bodies, 3);
+    run_ok(&t, 2);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT attempts FROM idemq.jobs WHERE key = $1 AND state "
+                                    "= 'applied'",
+                                key),
+                     2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                    "sqlstate = '22003'",
+                                bad),
+                     1);
+    topology_dlq(&t.conf->inputs[0], dlq, sizeof dlq);
+    ck_assert_int_eq(itest_queue_ready(&t, dlq), 1);
+    ck_assert_int_eq(itest_queue_ready(&t, t.name), 0);
+    itest_teardown(&t);
+    itest_retry_conf = NULL;
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("retry");
@@ -534,6 +571,7 @@ int main(void)
     tcase_add_test(tc, test_missing_effect_function);
     tcase_add_test(tc, test_unconfirmed_republish);
     tcase_add_test(tc, test_statement_timeout_is_transient);
+    tcase_add_test(tc, test_quorum_queue);
     suite_add_tcase(s, tc);
     sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
