@@ -228,6 +228,45 @@ START_TEST(test_malformed_interleaved)
 }
 END_TEST
 
+/* SIGTERM drains: the process finishes and acknowledges what it took and
+ * exits 0 long before its idle limit; nothing is left unapplied. */
+START_TEST(test_sigterm_drains)
+{
+    struct itest t;
+    char key[128], b[20][200];
+    const char *bodies[20];
+    pid_t pid;
+    int st;
+    itest_setup(&t, "term", "idemq_test.record", "batch_max = 5;", "");
+    for (int i = 0; i < 20; i++) {
+        snprintf(b[i], sizeof b[i], "{\"job_id\":\"%s:t%d\",\"sleep_ms\":20}", t.name, i);
+        bodies[i] = b[i];
+    }
+    pid = itest_spawn(&t, t.cfg_path, 60, NULL);
+    itest_publish(&t, bodies, 20);
+    for (int i = 0; i < 100 && itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE "
+                                              "key LIKE $1 || ':%'",
+                                          t.name) < 5;
+         i++)
+        usleep(50000);
+    kill(pid, SIGTERM);
+    st = itest_wait(pid, itest_ms(10000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    /* whatever it did not take is still on the queue; the rest is applied */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE $1 "
+                                    "|| ':%'",
+                                t.name) +
+                         itest_queue_ready(&t, t.name),
+                     20);
+    itest_run_until_idle(&t, 1);
+    for (int i = 0; i < 20; i++) {
+        snprintf(key, sizeof key, "%s:t%d", t.name, i);
+        ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    }
+    itest_teardown(&t);
+}
+END_TEST
+
 /* migrate twice is a no-op; check-config rejects a bad file with exit 3. */
 START_TEST(test_cli_migrate_and_check)
 {
@@ -264,6 +303,7 @@ int main(void)
     tcase_add_test(tc, test_two_consumers_same_key);
     tcase_add_test(tc, test_malformed_interleaved);
     tcase_add_test(tc, test_cli_migrate_and_check);
+    tcase_add_test(tc, test_sigterm_drains);
     suite_add_tcase(s, tc);
     sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
