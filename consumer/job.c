@@ -156,7 +156,7 @@ static idemq_err_t take_order(struct job *j, const struct conf_input *in, json_t
     idemq_err_t err;
 
     j->has_order_key = j->has_seq = false;
-    if (in->order_kind == CONF_KEY_NONE)
+    if (!CONF_INPUT_ORDERED(in) || in->order_kind == CONF_KEY_NONE)
         return IDEMQ_OK;
     if (in->order_kind == CONF_KEY_JSON) {
         snprintf(what, sizeof what, "ordering key field %s", in->order_name);
