@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "broker.h"
+#include "job.h"
 #include "conf.h"
 #include "ledger_db.h"
 #include "ledger_migrate.h"
@@ -310,20 +311,35 @@ static int cmd_publish(const struct conf *c, const char *input, const char *rout
         fprintf(stderr, "idemq: no input named %s\n", input);
         return EXIT_USAGE;
     }
+    if (CONF_INPUT_ORDERED(in) && in->hash_header[0]) {
+        /* a message without the hash header lands in one fixed partition */
+        fprintf(stderr, "idemq: input %s hashes on header %s, which publish does not set\n",
+                in->name, in->hash_header);
+        return EXIT_USAGE;
+    }
     if (broker_open(c, "idemq publish", true, &b, err, sizeof err)) {
         log_error("%s", err);
         return EXIT_CONNECT;
     }
     while ((len = getline(&line, &cap, stdin)) > 0) {
+        const char *rk = routing_key ? routing_key : in->routing_key;
+        struct job j;
         if (line[len - 1] == '\n')
             line[--len] = '\0';
         if (len == 0)
             continue;
-        if (broker_publish(b, in->exchange, routing_key ? routing_key : in->routing_key, line,
-                           (size_t)len, NULL)) {
+        job_init(&j);
+        if (CONF_INPUT_ORDERED(in) && !routing_key && job_set_body(&j, line, (size_t)len) == 0) {
+            /* partitioned: hash the ordering key (else the idempotency key) */
+            job_decode(&j, in);
+            rk = j.has_order_key ? j.order_key : j.has_key ? j.key : rk;
+        }
+        if (broker_publish(b, in->exchange, rk, line, (size_t)len, NULL)) {
+            job_destroy(&j);
             rc = EXIT_RUNTIME;
             break;
         }
+        job_destroy(&j);
         sent++;
         if (++window == 500) {
             if (broker_wait_confirms(b, 30000)) {
