@@ -203,6 +203,14 @@ static int cmd_declare(const struct conf *c)
         if (topology_declare(b, c, &c->inputs[i])) {
             log_error("input %s: %s", c->inputs[i].name, broker_error(b));
             rc = EXIT_TOPOLOGY;
+        } else if (CONF_INPUT_ORDERED(&c->inputs[i])) {
+            const struct conf_input *in = &c->inputs[i];
+            printf("input %s: x-consistent-hash exchange %s (hashing %s%s) over %d partition "
+                   "queues %s.p0..p%d (%s, single active consumer); retries in place; dead "
+                   "letters in %s.dead\n",
+                   in->name, in->exchange, in->hash_header[0] ? "header " : "the routing key",
+                   in->hash_header, in->partitions, in->queue, in->partitions - 1,
+                   in->queue_type, in->queue);
         } else {
             printf("input %s: queue %s (%s)%s%s%s%s; retries via %s.retry.*; dead letters in "
                    "%s.dead\n",

@@ -418,6 +418,11 @@ static enum step run_txn(struct session *s, struct job *jobs, int n, struct plan
             st = STEP_SPLIT;
             goto rollback;
         }
+        if (is_ordered(s, &jobs[i]) && jobs[i].has_key &&
+            ledger_lanes_parked(s->db, s->c, &jobs[i], &e)) { /* drops a deferred copy */
+            st = call_failed(s, &e, "lane_parked");
+            goto rollback;
+        }
         plans[i].how = SETTLE_DEAD;
         plans[i].attempt = 1;
         log_job(LOG_LVL_WARN, jobs[i].has_key ? jobs[i].key : NULL, jobs[i].tag, 1,

@@ -332,7 +332,7 @@ BEGIN
         last_sqlstate = p_sqlstate, last_error = p_message,
         run_after = CASE WHEN p_park THEN NULL
                          ELSE clock_timestamp() + make_interval(secs => p_delay_ms / 1000.0) END
-     WHERE key = p_key AND state IN ('pending', 'retrying')
+     WHERE key = p_key AND state IN ('pending', 'retrying', 'deferred')
     RETURNING generation INTO v_gen;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'idemq: key % is not claimed', p_key USING ERRCODE = 'XX000';
