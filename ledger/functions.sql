@@ -467,7 +467,7 @@ $fn$;
 
 -- Ordered lanes: deferred jobs of p_queue waiting longer than p_age_s and
 -- not reported yet; marks them reported and returns them (the worker logs
--- each; `idemq deferred list` shows every deferred job at any time).
+-- each; `idemq jobs show KEY` shows why a job waits).
 CREATE OR REPLACE FUNCTION idemq.report_deferred(p_queue text, p_age_s integer)
 RETURNS TABLE (r_key text, r_order_key text, r_seq bigint, r_reason text,
                r_waiting_for bigint, r_blocked_by text, r_deferred_at timestamptz)
