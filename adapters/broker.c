@@ -34,6 +34,7 @@ struct broker {
     /* consumers on the channel: tag -> input index */
     char tags[MAX_CONSUMERS][160];
     int tag_input[MAX_CONSUMERS];
+    int tag_lane[MAX_CONSUMERS]; /* partition of an ordered input, or -1 */
     int n_tags;
     /* publisher confirms since the last wait */
     uint64_t published;    /* sequence number of the last publish */
@@ -361,11 +362,11 @@ static idemq_err_t read_content(struct broker *b, amqp_channel_t ch, struct job 
     return err;
 }
 
-static int tag_input(const struct broker *b, amqp_bytes_t tag)
+static int tag_index(const struct broker *b, amqp_bytes_t tag)
 {
     for (int i = 0; i < b->n_tags; i++)
         if (strlen(b->tags[i]) == tag.len && memcmp(b->tags[i], tag.bytes, tag.len) == 0)
-            return b->tag_input[i];
+            return i;
     return -1;
 }
 
@@ -424,7 +425,11 @@ static idemq_err_t pump_frame(struct broker *b, struct job *j, struct timeval *t
         }
         dst->tag = d->delivery_tag;
         dst->redelivered = d->redelivered;
-        dst->input = tag_input(b, d->consumer_tag);
+        {
+            int t = tag_index(b, d->consumer_tag);
+            dst->input = t < 0 ? -1 : b->tag_input[t];
+            dst->lane = t < 0 ? -1 : b->tag_lane[t];
+        }
         copy_short(dst->exchange, d->exchange);
         copy_short(dst->routing_key, d->routing_key);
         err = read_content(b, frame.channel, dst);
@@ -679,22 +684,49 @@ idemq_err_t broker_bind(struct broker *b, const char *queue, const char *exchang
     return ok ? IDEMQ_OK : fail_keep(b);
 }
 
-idemq_err_t broker_consume(struct broker *b, int input_idx, const struct conf_input *in,
-                           const char *consumer_id)
+idemq_err_t broker_unbind(struct broker *b, const char *queue, const char *exchange,
+                          const char *key)
+{
+    char what[600];
+    amqp_queue_unbind(b->conn, CHANNEL, bytes(queue), bytes(exchange), bytes(key),
+                      amqp_empty_table);
+    snprintf(what, sizeof what, "unbind queue %s from %s (key %s)", queue, exchange, key);
+    return reply_ok(b, amqp_get_rpc_reply(b->conn), what) ? IDEMQ_OK : fail_keep(b);
+}
+
+static idemq_err_t consume(struct broker *b, int input_idx, int lane, const char *queue,
+                           const char *tag)
 {
     char what[300];
     if (b->n_tags >= MAX_CONSUMERS) {
         set_err(b, "too many consumers on one channel");
         return IDEMQ_ERR_BROKER;
     }
-    snprintf(b->tags[b->n_tags], sizeof b->tags[0], "idemq/%s/%s", in->name, consumer_id);
-    amqp_basic_consume(b->conn, CHANNEL, bytes(in->queue), bytes(b->tags[b->n_tags]), 0, 0, 0,
+    snprintf(b->tags[b->n_tags], sizeof b->tags[0], "%s", tag);
+    amqp_basic_consume(b->conn, CHANNEL, bytes(queue), bytes(b->tags[b->n_tags]), 0, 0, 0,
                        amqp_empty_table);
-    snprintf(what, sizeof what, "consume queue %s", in->queue);
+    snprintf(what, sizeof what, "consume queue %s", queue);
     if (!reply_ok(b, amqp_get_rpc_reply(b->conn), what))
         return IDEMQ_ERR_BROKER;
-    b->tag_input[b->n_tags++] = input_idx;
+    b->tag_input[b->n_tags] = input_idx;
+    b->tag_lane[b->n_tags++] = lane;
     return IDEMQ_OK;
+}
+
+idemq_err_t broker_consume(struct broker *b, int input_idx, const struct conf_input *in,
+                           const char *consumer_id)
+{
+    char tag[160];
+    snprintf(tag, sizeof tag, "idemq/%s/%s", in->name, consumer_id);
+    return consume(b, input_idx, -1, in->queue, tag);
+}
+
+idemq_err_t broker_consume_lane(struct broker *b, int input_idx, int lane, const char *queue,
+                                const struct conf_input *in, const char *consumer_id)
+{
+    char tag[160];
+    snprintf(tag, sizeof tag, "idemq/%s/p%d/%s", in->name, lane, consumer_id);
+    return consume(b, input_idx, lane, queue, tag);
 }
 
 /* JSON -> AMQP field; strings and bytes point into the JSON (kept alive by

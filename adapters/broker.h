@@ -67,6 +67,16 @@ idemq_err_t broker_qos(struct broker *b, int prefetch) IDEMQ_MUSTCHECK;
 idemq_err_t broker_consume(struct broker *b, int input_idx, const struct conf_input *in,
                            const char *consumer_id) IDEMQ_MUSTCHECK;
 
+/* Ordered lanes: starts consuming partition queue `queue` (lane `lane`) of
+ * input input_idx; its deliveries get job->input and job->lane. */
+idemq_err_t broker_consume_lane(struct broker *b, int input_idx, int lane, const char *queue,
+                                const struct conf_input *in,
+                                const char *consumer_id) IDEMQ_MUSTCHECK;
+
+/* queue.unbind (for tests and tools: a shrinking hash ring). */
+idemq_err_t broker_unbind(struct broker *b, const char *queue, const char *exchange,
+                          const char *key) IDEMQ_MUSTCHECK;
+
 /*
  * Waits up to timeout_ms for the next delivery and fills j (job_reset
  * first). Returns IDEMQ_OK, IDEMQ_ERR_TIMEOUT when none arrived (other

@@ -27,6 +27,11 @@ void topology_dlq(const struct conf_input *in, char *buf, size_t len)
     snprintf(buf, len, "%s.dead", in->queue);
 }
 
+void topology_partition_queue(const struct conf_input *in, int k, char *buf, size_t len)
+{
+    snprintf(buf, len, "%s.p%d", in->queue, k);
+}
+
 long topology_clamp_delay(const struct conf *c, long delay_ms)
 {
     if (delay_ms > c->max_delay_ms)
@@ -85,12 +90,54 @@ static idemq_err_t exchange(struct broker *b, const char *name, const char *type
     return err;
 }
 
+static idemq_err_t dead_objects(struct broker *b, const struct conf_input *in, bool verify)
+{
+    char name[TOPOLOGY_NAME_MAX], ex[TOPOLOGY_NAME_MAX];
+    idemq_err_t err;
+    topology_dlx(in, ex, sizeof ex);
+    topology_dlq(in, name, sizeof name);
+    if ((err = exchange(b, ex, "direct", verify)))
+        return err;
+    if ((err = queue(b, name, dlq_args(in), verify)))
+        return err;
+    return broker_bind(b, name, ex, in->queue, NULL);
+}
+
+/* Ordered lanes: the consistent-hash exchange and its partition queues. */
+static idemq_err_t walk_partitioned(struct broker *b, const struct conf_input *in, bool verify)
+{
+    char name[TOPOLOGY_NAME_MAX];
+    json_t *xargs = in->hash_header[0] ? json_pack("{s:s}", "hash-header", in->hash_header)
+                                       : NULL;
+    idemq_err_t err = IDEMQ_OK;
+
+    if (verify)
+        err = broker_declare_exchange(b, in->exchange, "x-consistent-hash", true, NULL);
+    if (!err)
+        err = broker_declare_exchange(b, in->exchange, "x-consistent-hash", false, xargs);
+    json_decref(xargs);
+    for (int k = 0; !err && k < in->partitions; k++) {
+        topology_partition_queue(in, k, name, sizeof name);
+        err = queue(b, name,
+                    json_pack("{s:s,s:b}", "x-queue-type", in->queue_type,
+                              "x-single-active-consumer", 1),
+                    verify);
+        if (!err)
+            err = broker_bind(b, name, in->exchange, "1", NULL); /* equal weights */
+    }
+    if (!err)
+        err = dead_objects(b, in, verify);
+    return err;
+}
+
 static idemq_err_t walk(struct broker *b, const struct conf *c, const struct conf_input *in,
                         bool verify)
 {
     char name[TOPOLOGY_NAME_MAX], ex[TOPOLOGY_NAME_MAX], key[32];
     idemq_err_t err;
 
+    if (CONF_INPUT_ORDERED(in))
+        return walk_partitioned(b, in, verify);
     if (in->exchange[0] && (err = exchange(b, in->exchange, in->exchange_type, verify)))
         return err;
     if ((err = queue(b, in->queue, work_queue_args(in), verify)))
@@ -110,13 +157,7 @@ static idemq_err_t walk(struct broker *b, const struct conf *c, const struct con
             return err;
     }
 
-    topology_dlx(in, ex, sizeof ex);
-    topology_dlq(in, name, sizeof name);
-    if ((err = exchange(b, ex, "direct", verify)))
-        return err;
-    if ((err = queue(b, name, dlq_args(in), verify)))
-        return err;
-    return broker_bind(b, name, ex, in->queue, NULL);
+    return dead_objects(b, in, verify);
 }
 
 idemq_err_t topology_declare(struct broker *b, const struct conf *c, const struct conf_input *in)

@@ -5,6 +5,11 @@
  *            (classic, per-message TTL, dead-lettering back to <queue>
  *            through the default exchange)
  *   dead:    exchange <queue>.dlx --<queue>--> queue <queue>.dead
+ * A partitioned input (partitions = N >= 1, ordered lanes) has instead:
+ *   work:    x-consistent-hash exchange <exchange> (hash-header if set)
+ *            --weight "1"--> queues <queue>.p0 .. <queue>.pN-1, each with
+ *            x-single-active-consumer; no delay objects (lanes retry in place)
+ *   dead:    as above.
  * Delay queues are buckets of 100 ms * 2^k; a delay d goes to the bucket
  * B <= d < 2B with expiration d, so it waits at least d and less than 2d.
  */
@@ -24,6 +29,8 @@ void topology_delay_exchange(const struct conf_input *in, char *buf, size_t len)
 void topology_bucket_queue(const struct conf_input *in, long bucket_ms, char *buf, size_t len);
 void topology_dlx(const struct conf_input *in, char *buf, size_t len);
 void topology_dlq(const struct conf_input *in, char *buf, size_t len);
+/* Partition queue k of a partitioned input: "<queue>.p<k>". */
+void topology_partition_queue(const struct conf_input *in, int k, char *buf, size_t len);
 
 /* Delay actually used for a wanted delay: clamped to [100 ms, max_delay_ms]. */
 long topology_clamp_delay(const struct conf *c, long delay_ms);

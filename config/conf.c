@@ -91,6 +91,19 @@ static const struct conf_key input_keys[] = {
      "larger bodies are parked as body_too_large"},
     {"effect_function", CT_STR, I(effect_function), 1, 127, NULL, 0, CF_REQUIRED,
      "SQL function fn(key text, payload jsonb, meta jsonb) RETURNS jsonb"},
+    /* ordered lanes */
+    {"partitions", CT_INT, I(partitions), 0, 64, NULL, 0, 0,
+     "0 = standard queue; N >= 1 = consistent-hash exchange over queues <queue>.p0..pN-1"},
+    {"hash_header", CT_STR, I(hash_header), 0, 255, "", 0, 0,
+     "partitioned inputs: header the exchange hashes; empty = the routing key"},
+    {"order_key_source", CT_STR, I(order_key_source), 0, 300, "", 0, 0,
+     "ordering key: json:<field>, header:<name> or message_id; empty = none"},
+    {"sequence_source", CT_STR, I(sequence_source), 0, 300, "", 0, 0,
+     "per-order-key sequence number: json:<field> (a positive integer); empty = none"},
+    {"on_park", CT_STR, I(on_park), 1, 16, "continue", 0, 0,
+     "after a job of an ordered lane parks: continue, or hold_key (hold its order key)"},
+    {"deferred_report_after_s", CT_INT, I(deferred_report_after_s), 1, 86400 * 30, NULL, 300, 0,
+     "deferred jobs (waiting for a predecessor) older than this are reported"},
 };
 
 #define N_GLOBAL ((int)(sizeof global_keys / sizeof global_keys[0]))
@@ -339,6 +352,94 @@ static bool is_lower_ident(const char *s, size_t len)
 }
 
 /* Checks one input's values against each other and derives its fields. */
+/* Parses a json:<field> | header:<name> | message_id source into kind and
+ * *name (new string, NULL for message_id). false if the text is none. */
+static bool parse_source(const char *ks, enum conf_key_kind *kind, char **name)
+{
+    *name = NULL;
+    if (strncmp(ks, "json:", 5) == 0 && ks[5])
+        *kind = CONF_KEY_JSON, *name = strdup(ks + 5);
+    else if (strncmp(ks, "header:", 7) == 0 && ks[7])
+        *kind = CONF_KEY_HEADER, *name = strdup(ks + 7);
+    else if (strcmp(ks, "message_id") == 0)
+        *kind = CONF_KEY_MESSAGE_ID;
+    else
+        return false;
+    return true;
+}
+
+/* The ordered-lane settings of one input and their combinations. */
+static idemq_err_t validate_lanes(const struct conf *c, struct conf_input *in, int line,
+                                  const char *file, char *errbuf, size_t errlen)
+{
+    long long wait_ms = (long long)c->max_attempts * c->max_delay_ms;
+
+    in->order_kind = CONF_KEY_NONE;
+    if (strcmp(in->on_park, "continue") == 0) {
+        in->on_park_mode = CONF_ON_PARK_CONTINUE;
+    } else if (strcmp(in->on_park, "hold_key") == 0) {
+        in->on_park_mode = CONF_ON_PARK_HOLD_KEY;
+    } else {
+        errf(errbuf, errlen, "%s:%d: input %s: on_park must be \"continue\" or \"hold_key\", "
+             "not \"%s\"", file, line, in->name, in->on_park);
+        return IDEMQ_ERR_CONFIG;
+    }
+    if (in->order_key_source[0]) {
+        if (!parse_source(in->order_key_source, &in->order_kind, &in->order_name)) {
+            errf(errbuf, errlen, "%s:%d: input %s: order_key_source must be json:<field>, "
+                 "header:<name>, message_id or empty, not \"%s\"", file, line, in->name,
+                 in->order_key_source);
+            return IDEMQ_ERR_CONFIG;
+        }
+        if (in->order_kind != CONF_KEY_MESSAGE_ID && !in->order_name)
+            return IDEMQ_ERR_NOMEM;
+    }
+    if (in->sequence_source[0]) {
+        if (strncmp(in->sequence_source, "json:", 5) || !in->sequence_source[5]) {
+            errf(errbuf, errlen, "%s:%d: input %s: sequence_source must be json:<field> or "
+                 "empty, not \"%s\"", file, line, in->name, in->sequence_source);
+            return IDEMQ_ERR_CONFIG;
+        }
+        if (in->order_kind == CONF_KEY_NONE) {
+            errf(errbuf, errlen, "%s:%d: input %s: sequence_source needs order_key_source "
+                 "(a sequence counts per ordering key)", file, line, in->name);
+            return IDEMQ_ERR_CONFIG;
+        }
+        if (!(in->seq_name = strdup(in->sequence_source + 5)))
+            return IDEMQ_ERR_NOMEM;
+    }
+    if (!CONF_INPUT_ORDERED(in)) {
+        if (in->hash_header[0] || in->order_kind != CONF_KEY_NONE ||
+            in->on_park_mode != CONF_ON_PARK_CONTINUE) {
+            errf(errbuf, errlen, "%s:%d: input %s: hash_header, order_key_source, "
+                 "sequence_source and on_park need partitions >= 1", file, line, in->name);
+            return IDEMQ_ERR_CONFIG;
+        }
+        return IDEMQ_OK;
+    }
+    if (!in->exchange[0]) {
+        errf(errbuf, errlen, "%s:%d: input %s: partitions needs a non-empty exchange (the "
+             "x-consistent-hash exchange producers publish to)", file, line, in->name);
+        return IDEMQ_ERR_CONFIG;
+    }
+    if (in->on_park_mode == CONF_ON_PARK_HOLD_KEY && in->order_kind == CONF_KEY_NONE) {
+        errf(errbuf, errlen, "%s:%d: input %s: on_park = \"hold_key\" needs order_key_source",
+             file, line, in->name);
+        return IDEMQ_ERR_CONFIG;
+    }
+    /* An ordered lane retries in place, holding its delivery unacknowledged;
+     * RabbitMQ closes the channel after consumer_timeout (30 min by default).
+     * Keep the whole in-place wait under half of it. */
+    if (wait_ms > 15LL * 60 * 1000) {
+        errf(errbuf, errlen, "%s:%d: input %s: partitioned inputs retry in place: "
+             "retry.max_attempts * retry.max_delay_ms = %lld ms must stay under 900000 ms "
+             "(half of RabbitMQ's default consumer_timeout of 30 min)", file, line, in->name,
+             wait_ms);
+        return IDEMQ_ERR_CONFIG;
+    }
+    return IDEMQ_OK;
+}
+
 static idemq_err_t validate_input(struct conf_input *in, int line, const char *file,
                                   char *errbuf, size_t errlen)
 {
@@ -434,6 +535,8 @@ static idemq_err_t read_inputs(const config_t *cfg, struct conf *c, const char *
             }
         }
         if ((err = validate_input(in, line, file, errbuf, errlen)) != IDEMQ_OK)
+            return err;
+        if ((err = validate_lanes(c, in, line, file, errbuf, errlen)) != IDEMQ_OK)
             return err;
         for (int j = 0; j < i; j++) {
             if (strcmp(c->inputs[j].name, in->name) == 0 ||
@@ -637,6 +740,8 @@ void conf_free(struct conf *c)
         free_strings(input_keys, N_INPUT, &c->inputs[i]);
         free(c->inputs[i].key_name);
         free(c->inputs[i].effect_signature);
+        free(c->inputs[i].order_name);
+        free(c->inputs[i].seq_name);
     }
     free(c->inputs);
     free_strings(global_keys, N_GLOBAL, c);

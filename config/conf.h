@@ -28,6 +28,13 @@ enum conf_key_kind {
     CONF_KEY_JSON = 0,   /* json:<field>: a top-level field of the body */
     CONF_KEY_HEADER,     /* header:<name>: an AMQP header */
     CONF_KEY_MESSAGE_ID, /* message_id: the producer-set AMQP property */
+    CONF_KEY_NONE,       /* "": not configured (order_key_source, sequence_source) */
+};
+
+/* What an ordered lane does after one of its jobs parked. */
+enum conf_on_park {
+    CONF_ON_PARK_CONTINUE = 0, /* later jobs of the lane keep flowing */
+    CONF_ON_PARK_HOLD_KEY,     /* later jobs of the same order key wait in the ledger */
 };
 
 /* One configured input: a queue and how its messages become effects. */
@@ -41,11 +48,25 @@ struct conf_input {
     char *key_source;
     int max_body_bytes;
     char *effect_function;
+    /* ordered lanes (issue 4): partitions = 0 is a standard queue */
+    int partitions;
+    char *hash_header;
+    char *order_key_source;
+    char *sequence_source;
+    char *on_park;
+    int deferred_report_after_s;
     /* derived by validation */
     enum conf_key_kind key_kind;
     char *key_name;        /* field or header name; NULL for message_id */
     char *effect_signature; /* "schema.fn(text,jsonb,jsonb)" */
+    enum conf_key_kind order_kind; /* CONF_KEY_NONE if no order_key_source */
+    char *order_name;              /* field or header name, or NULL */
+    char *seq_name;                /* json field of sequence_source, or NULL */
+    enum conf_on_park on_park_mode;
 };
+
+/* True for a partitioned (ordered) input. */
+#define CONF_INPUT_ORDERED(in) ((in)->partitions > 0)
 
 struct conf {
     char *path; /* file it came from, or "<string>" */

@@ -90,6 +90,7 @@ enum classify_class classify_err(idemq_err_t err)
     case IDEMQ_ERR_KEY_EMPTY:
     case IDEMQ_ERR_KEY_TOO_LONG:
     case IDEMQ_ERR_KEY_INVALID:
+    case IDEMQ_ERR_SEQUENCE_INVALID:
     case IDEMQ_ERR_EFFECT:
         return CLASS_PERMANENT;
     case IDEMQ_ERR_RETRIES_EXHAUSTED:

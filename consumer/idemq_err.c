@@ -26,6 +26,7 @@ const char *idemq_err_name(idemq_err_t err)
     case IDEMQ_ERR_SHUTDOWN: return "shutdown";
     case IDEMQ_ERR_INTERNAL: return "internal";
     case IDEMQ_ERR_RETRIES_EXHAUSTED: return "retries_exhausted";
+    case IDEMQ_ERR_SEQUENCE_INVALID: return "sequence_invalid";
     }
     return "unknown";
 }
@@ -52,6 +53,7 @@ const char *idemq_err_str(idemq_err_t err)
     case IDEMQ_ERR_SHUTDOWN: return "shutting down";
     case IDEMQ_ERR_INTERNAL: return "internal invariant failed";
     case IDEMQ_ERR_RETRIES_EXHAUSTED: return "transient failures used the whole attempt budget";
+    case IDEMQ_ERR_SEQUENCE_INVALID: return "sequence number absent or not a positive integer";
     }
     return "unknown error";
 }

@@ -28,6 +28,7 @@ typedef enum {
     IDEMQ_ERR_SHUTDOWN,       /* stopping on request */
     IDEMQ_ERR_INTERNAL,       /* an invariant failed */
     IDEMQ_ERR_RETRIES_EXHAUSTED, /* transient failures used the whole attempt budget */
+    IDEMQ_ERR_SEQUENCE_INVALID,  /* sequence_source absent or not a positive integer */
 } idemq_err_t;
 
 /* Stable snake_case name ("bad_json"), stored in the ledger. Never NULL. */

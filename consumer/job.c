@@ -15,6 +15,7 @@ void job_init(struct job *j)
 {
     memset(j, 0, sizeof *j);
     j->delivery_count = -1;
+    j->lane = -1;
     j->headers = json_object();
     j->props = json_object();
 }
@@ -29,6 +30,7 @@ void job_reset(struct job *j)
     json_object_clear(p);
     memset(j, 0, sizeof *j);
     j->delivery_count = -1;
+    j->lane = -1;
     j->body = body;
     j->body_cap = cap;
     j->headers = h;
@@ -99,7 +101,8 @@ bool job_utf8_valid(const unsigned char *s, size_t n)
 }
 
 /* Stores a key candidate, or returns the decode error that it is. */
-static idemq_err_t take_key(struct job *j, const json_t *v, const char *what)
+static idemq_err_t take_text(struct job *j, const json_t *v, const char *what, char *dst,
+                             bool *has)
 {
     const char *s;
     size_t n;
@@ -133,9 +136,51 @@ static idemq_err_t take_key(struct job *j, const json_t *v, const char *what)
         snprintf(j->reason, sizeof j->reason, "%s is not valid UTF-8 text", what);
         return IDEMQ_ERR_KEY_INVALID;
     }
-    memcpy(j->key, s, n);
-    j->key[n] = '\0';
-    j->has_key = true;
+    memcpy(dst, s, n);
+    dst[n] = '\0';
+    *has = true;
+    return IDEMQ_OK;
+}
+
+static idemq_err_t take_key(struct job *j, const json_t *v, const char *what)
+{
+    return take_text(j, v, what, j->key, &j->has_key);
+}
+
+/* Ordering key and sequence of an ordered input (body already an object). */
+static idemq_err_t take_order(struct job *j, const struct conf_input *in, json_t *root)
+{
+    char what[320];
+    const json_t *v = NULL;
+    json_t *mid = NULL;
+    idemq_err_t err;
+
+    j->has_order_key = j->has_seq = false;
+    if (!CONF_INPUT_ORDERED(in) || in->order_kind == CONF_KEY_NONE)
+        return IDEMQ_OK;
+    if (in->order_kind == CONF_KEY_JSON) {
+        snprintf(what, sizeof what, "ordering key field %s", in->order_name);
+        v = json_object_get(root, in->order_name);
+    } else if (in->order_kind == CONF_KEY_HEADER) {
+        snprintf(what, sizeof what, "ordering key header %s", in->order_name);
+        v = json_object_get(j->headers, in->order_name);
+    } else {
+        snprintf(what, sizeof what, "ordering key (message_id property)");
+        if (j->has_message_id)
+            v = mid = json_string(j->message_id);
+    }
+    err = take_text(j, v, what, j->order_key, &j->has_order_key);
+    json_decref(mid);
+    if (err || !in->seq_name)
+        return err;
+    v = json_object_get(root, in->seq_name);
+    if (!json_is_integer(v) || json_integer_value(v) < 1) {
+        snprintf(j->reason, sizeof j->reason, "sequence field %s must be a positive integer",
+                 in->seq_name);
+        return IDEMQ_ERR_SEQUENCE_INVALID;
+    }
+    j->seq = (long long)json_integer_value(v);
+    j->has_seq = true;
     return IDEMQ_OK;
 }
 
@@ -197,6 +242,8 @@ idemq_err_t job_decode(struct job *j, const struct conf_input *in)
     } else {
         key_err = key_from_envelope(j, in);
     }
+    if (!body_err && !key_err)
+        key_err = take_order(j, in, root);
     json_decref(root);
 
     if (body_err) {

@@ -41,6 +41,13 @@ struct job {
     bool has_key;
     char key[CONF_KEY_MAX_BYTES + 1];
     char reason[256];
+    /* ordered lanes: set by the transport / the deferred store, then decode */
+    int lane;               /* partition of an ordered input's delivery; -1 if none */
+    long long deferred_id;  /* > 0: taken from idemq.deferred (no delivery, tag 0) */
+    bool has_order_key;
+    char order_key[CONF_KEY_MAX_BYTES + 1];
+    bool has_seq;
+    long long seq;          /* sequence_source value, >= 1 */
 };
 
 /* Prepares an empty job. Cannot fail: buffers are allocated on demand. */
@@ -57,7 +64,9 @@ void job_destroy(struct job *j);
 idemq_err_t job_set_body(struct job *j, const void *data, size_t len) IDEMQ_MUSTCHECK;
 
 /*
- * Checks the body and extracts the key per input. Sets j->decode_err (and
+ * Checks the body and extracts the key per input (and, for inputs with
+ * order_key_source / sequence_source, the ordering key and the sequence:
+ * a missing one is a permanent decode error). Sets j->decode_err (and
  * returns it): IDEMQ_OK, or a permanent decode error with j->reason
  * explaining it. The key is extracted whenever it can be (even when the body
  * is bad), so a parked message keeps its key if it has one. Pure.

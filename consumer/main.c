@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "broker.h"
+#include "job.h"
 #include "conf.h"
 #include "ledger_db.h"
 #include "ledger_migrate.h"
@@ -203,6 +204,14 @@ static int cmd_declare(const struct conf *c)
         if (topology_declare(b, c, &c->inputs[i])) {
             log_error("input %s: %s", c->inputs[i].name, broker_error(b));
             rc = EXIT_TOPOLOGY;
+        } else if (CONF_INPUT_ORDERED(&c->inputs[i])) {
+            const struct conf_input *in = &c->inputs[i];
+            printf("input %s: x-consistent-hash exchange %s (hashing %s%s) over %d partition "
+                   "queues %s.p0..p%d (%s, single active consumer); retries in place; dead "
+                   "letters in %s.dead\n",
+                   in->name, in->exchange, in->hash_header[0] ? "header " : "the routing key",
+                   in->hash_header, in->partitions, in->queue, in->partitions - 1,
+                   in->queue_type, in->queue);
         } else {
             printf("input %s: queue %s (%s)%s%s%s%s; retries via %s.retry.*; dead letters in "
                    "%s.dead\n",
@@ -322,20 +331,35 @@ static int cmd_publish(const struct conf *c, const char *input, const char *rout
         fprintf(stderr, "idemq: no input named %s\n", input);
         return EXIT_USAGE;
     }
+    if (CONF_INPUT_ORDERED(in) && in->hash_header[0]) {
+        /* a message without the hash header lands in one fixed partition */
+        fprintf(stderr, "idemq: input %s hashes on header %s, which publish does not set\n",
+                in->name, in->hash_header);
+        return EXIT_USAGE;
+    }
     if (broker_open(c, "idemq publish", true, &b, err, sizeof err)) {
         log_error("%s", err);
         return EXIT_CONNECT;
     }
     while ((len = getline(&line, &cap, stdin)) > 0) {
+        const char *rk = routing_key ? routing_key : in->routing_key;
+        struct job j;
         if (line[len - 1] == '\n')
             line[--len] = '\0';
         if (len == 0)
             continue;
-        if (broker_publish(b, in->exchange, routing_key ? routing_key : in->routing_key, line,
-                           (size_t)len, NULL)) {
+        job_init(&j);
+        if (CONF_INPUT_ORDERED(in) && !routing_key && job_set_body(&j, line, (size_t)len) == 0) {
+            /* partitioned: hash the ordering key (else the idempotency key) */
+            job_decode(&j, in);
+            rk = j.has_order_key ? j.order_key : j.has_key ? j.key : rk;
+        }
+        if (broker_publish(b, in->exchange, rk, line, (size_t)len, NULL)) {
+            job_destroy(&j);
             rc = EXIT_RUNTIME;
             break;
         }
+        job_destroy(&j);
         sent++;
         if (++window == 500) {
             if (broker_wait_confirms(b, 30000)) {

@@ -70,6 +70,11 @@ int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
         " SELECT redriven_at, 3, id, format('redrive to generation %s by %s (park #%s): fresh"
         " attempt budget', generation, source, coalesce(park_id::text, '?'))"
         " FROM idemq.redrives WHERE key = $1"
+        " UNION ALL" /* ordered lanes: a job waiting for its predecessor */
+        " SELECT deferred_at, 4, id, format('waiting in idemq.deferred (%s): ordering key %s,"
+        " sequence %s; %s', reason, order_key, coalesce(seq::text, '-'),"
+        "   coalesce('reported as overdue at ' || reported_at, 'not overdue yet'))"
+        " FROM idemq.deferred WHERE key = $1"
         ") t ORDER BY at, ord, id",
         1, NULL, params, NULL, NULL, 0);
     if (PQresultStatus(job) != PGRES_TUPLES_OK || PQresultStatus(tl) != PGRES_TUPLES_OK) {

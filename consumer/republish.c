@@ -28,9 +28,18 @@ static json_t *clean_headers(const struct job *j, const struct conf_input *in)
         json_object_set(h, k, v);
     }
     if (!json_object_get(h, "x-idemq-origin-queue")) {
+        char origin[TOPOLOGY_NAME_MAX];
+        /* An ordered input's jobs go back to their partition queue (a job
+         * taken from idemq.deferred remembers its lane; the sequence guard
+         * keeps order whichever partition a redrive lands in). */
+        if (CONF_INPUT_ORDERED(in))
+            topology_partition_queue(in, j->lane >= 0 && j->lane < in->partitions ? j->lane : 0,
+                                     origin, sizeof origin);
+        else
+            snprintf(origin, sizeof origin, "%s", in->queue);
         json_object_set_new(h, "x-idemq-origin-exchange", json_string(j->exchange));
         json_object_set_new(h, "x-idemq-origin-routing-key", json_string(j->routing_key));
-        json_object_set_new(h, "x-idemq-origin-queue", json_string(in->queue));
+        json_object_set_new(h, "x-idemq-origin-queue", json_string(origin));
     }
     return h;
 }

@@ -1,7 +1,8 @@
 /*
  * worker: the receive -> decode -> transaction -> commit -> settle loop of
  * one thread, with the pause/reconnect paths for database, broker and
- * deploy failures.
+ * deploy failures. Ordered lanes (partitioned inputs) add: held deliveries
+ * per lane (lane.c), in-place retries, and the drain of deferred jobs.
  */
 #include "worker.h"
 
@@ -17,7 +18,9 @@
 #include "classify.h"
 #include "effect_sql.h"
 #include "job.h"
+#include "lane.h"
 #include "ledger_db.h"
+#include "ledger_lanes.h"
 #include "ledger_migrate.h"
 #include "ledger_txn.h"
 #include "log.h"
@@ -29,12 +32,18 @@
 #define BATCH_RETRIES 3   /* whole-batch transient failures retried in place */
 #define PAUSE_MAX_MS 30000
 #define REPUBLISH_CONFIRM_MS 10000 /* well inside the heartbeat window */
+#define DRAIN_MS 1000     /* ordered lanes: look for deferred jobs at least this often */
+#define DRAIN_ROUNDS 8    /* drain transactions per loop iteration at most */
+#define REPORT_MS 1000    /* ordered lanes: report old deferred jobs this often */
 
 /* What happens to a delivery once its transaction committed. */
 enum settle {
     SETTLE_ACK = 0, /* applied, duplicate: acknowledge */
     SETTLE_DELAY,   /* retry later: publish to a delay bucket, then acknowledge */
     SETTLE_DEAD,    /* parked: publish to the dead-letter exchange, then acknowledge */
+    SETTLE_HOLD,    /* ordered lane: keep unacknowledged in its lane, retry in place
+                     * after delay_ms (0: as soon as the lane goes on) */
+    SETTLE_NONE,    /* a job taken from idemq.deferred that stays there: nothing */
 };
 
 struct plan {
@@ -43,7 +52,14 @@ struct plan {
     int attempt;      /* attempt number recorded */
     json_t *park;     /* SETTLE_DEAD: park facts (owned) */
     enum ledger_outcome outcome;
+    int held_lane;    /* isolating: SETTLE_HOLD's lane_id (the job moved out), else 0 */
 };
+
+/* A lane's id for comparisons: > 0 for a delivery of an ordered input. */
+static int lane_id(const struct job *j)
+{
+    return j->lane >= 0 && !j->deferred_id ? j->input * 100 + j->lane + 1 : 0;
+}
 
 /* What a transaction or a connect step came to. */
 enum step {
@@ -70,6 +86,11 @@ struct session {
     long long *park_ids;
     int n;
     uint64_t rng;
+    /* ordered lanes */
+    struct lane_set *lanes;
+    bool lanes_keyed;   /* some ordered input has an ordering key */
+    bool drain_hint;    /* an ordered job was applied or parked: drain soon */
+    long long last_drain, last_report;
     enum crash_point crash;
     char why[512]; /* reason of the last non-OK step */
     struct ledger_db_error last_call; /* the last whole-call failure */
@@ -143,6 +164,13 @@ static void drop_broker(struct session *s)
 {
     broker_close(s->b); /* unacknowledged deliveries go back to the queue */
     s->b = NULL;
+    lane_clear(s->lanes); /* held deliveries too: their tags died with the channel */
+}
+
+/* True for a job of a partitioned (ordered) input. */
+static bool is_ordered(const struct session *s, const struct job *j)
+{
+    return CONF_INPUT_ORDERED(&s->c->inputs[j->input]);
 }
 
 /* Connects the database session and checks schema and effects. */
@@ -197,9 +225,20 @@ static enum step connect_broker(struct session *s)
     }
     if (broker_qos(s->b, s->c->prefetch))
         goto fail;
-    for (int i = 0; i < s->c->n_inputs; i++)
-        if (broker_consume(s->b, i, &s->c->inputs[i], s->c->consumer_id))
-            goto fail;
+    for (int i = 0; i < s->c->n_inputs; i++) {
+        const struct conf_input *in = &s->c->inputs[i];
+        if (!CONF_INPUT_ORDERED(in)) {
+            if (broker_consume(s->b, i, in, s->c->consumer_id))
+                goto fail;
+            continue;
+        }
+        for (int k = 0; k < in->partitions; k++) { /* single active consumer each */
+            char q[TOPOLOGY_NAME_MAX];
+            topology_partition_queue(in, k, q, sizeof q);
+            if (broker_consume_lane(s->b, i, k, q, in, s->c->consumer_id))
+                goto fail;
+        }
+    }
     return STEP_OK;
 fail:
     snprintf(s->why, sizeof s->why, "%s", broker_error(s->b));
@@ -303,10 +342,19 @@ static enum step plan_failure(struct session *s, struct job *j, struct ledger_re
         snprintf(s->why, sizeof s->why, "record_failure returned no park facts for %s", j->key);
         return STEP_SPLIT;
     }
+    if (park && is_ordered(s, j)) {
+        if (ledger_lanes_parked(s->db, s->c, j, &e))
+            return call_failed(s, &e, "lane_parked");
+        s->drain_hint = true;
+    }
     log_job(park ? LOG_LVL_WARN : LOG_LVL_INFO, j->key, j->tag, r->attempt,
-            "%s error %s: %s -> %s (%ld ms)", classify_name(cls), r->sqlstate, r->message,
-            park ? "parked" : "retry in", p->delay_ms);
+            "%s error %s: %s -> %s (%ld ms)%s", classify_name(cls), r->sqlstate, r->message,
+            park ? "parked" : "retry in", p->delay_ms,
+            !park && is_ordered(s, j) ? (j->deferred_id ? ", from the ledger" : ", in place")
+                                      : "");
     p->how = park ? SETTLE_DEAD : SETTLE_DELAY;
+    if (!park && is_ordered(s, j)) /* retried in place: later jobs must not overtake it */
+        p->how = j->deferred_id ? SETTLE_NONE : SETTLE_HOLD;
     if (park)
         p->park = json_incref(r->park);
     return STEP_OK;
@@ -345,9 +393,33 @@ static enum step run_txn(struct session *s, struct job *jobs, int n, struct plan
         p->attempt = r->attempt;
         switch (r->outcome) {
         case LEDGER_APPLIED:
+            if (jobs[i].has_order_key)
+                s->drain_hint = true; /* a deferred successor may be next */
+            break;
         case LEDGER_DUPLICATE:
             break;
+        case LEDGER_DEFERRED:
+            if (jobs[i].deferred_id) {
+                p->how = SETTLE_NONE; /* still not its turn */
+                break;
+            }
+            if (ledger_lanes_defer(s->db, s->c, &jobs[i], r->message, &e)) {
+                st = call_failed(s, &e, "defer_job");
+                goto rollback;
+            }
+            log_job(LOG_LVL_INFO, jobs[i].key, jobs[i].tag, r->attempt, "deferred: %s",
+                    r->message);
+            break; /* stored in the ledger: acknowledge */
+        case LEDGER_HELD:
+            p->how = jobs[i].deferred_id ? SETTLE_NONE : SETTLE_HOLD;
+            p->delay_ms = 0;
+            break;
         case LEDGER_EARLY:
+            if (is_ordered(s, &jobs[i])) { /* wait in place, never overtaken */
+                p->how = jobs[i].deferred_id ? SETTLE_NONE : SETTLE_HOLD;
+                p->delay_ms = r->delay_ms;
+                break;
+            }
             p->how = SETTLE_DELAY;
             p->delay_ms = topology_clamp_delay(s->c, r->delay_ms);
             log_job(LOG_LVL_INFO, jobs[i].key, jobs[i].tag, r->attempt,
@@ -373,6 +445,11 @@ static enum step run_txn(struct session *s, struct job *jobs, int n, struct plan
         if (!plans[i].park) {
             snprintf(s->why, sizeof s->why, "park_message returned no park facts");
             st = STEP_SPLIT;
+            goto rollback;
+        }
+        if (is_ordered(s, &jobs[i]) && jobs[i].has_key &&
+            ledger_lanes_parked(s->db, s->c, &jobs[i], &e)) { /* drops a deferred copy */
+            st = call_failed(s, &e, "lane_parked");
             goto rollback;
         }
         plans[i].how = SETTLE_DEAD;
@@ -444,6 +521,11 @@ static void count(struct session *s, const struct plan *plans, int n)
         switch (plans[i].how) {
         case SETTLE_DELAY: atomic_fetch_add(&ws->retried, 1); break;
         case SETTLE_DEAD: atomic_fetch_add(&ws->parked, 1); break;
+        case SETTLE_HOLD:
+        case SETTLE_NONE:
+            if (plans[i].outcome == LEDGER_ERROR)
+                atomic_fetch_add(&ws->retried, 1);
+            break;
         case SETTLE_ACK:
             if (plans[i].outcome == LEDGER_APPLIED)
                 atomic_fetch_add(&ws->applied, 1);
@@ -474,9 +556,21 @@ static enum step settle_batch(struct session *s, struct job *jobs, int n, struct
         kill(getpid(), SIGKILL);
     }
 #endif
+    /* Ordered lanes first: held deliveries go back to their lane, in order,
+     * unacknowledged (before the ack below can cover them). */
+    for (int i = 0; i < n; i++) {
+        if (plans[i].how != SETTLE_HOLD)
+            continue;
+        if (lane_putback(s->lanes, &jobs[i], now_ms() + plans[i].delay_ms)) {
+            snprintf(s->why, sizeof s->why, "out of memory holding a lane");
+            return STEP_BROKER;
+        }
+    }
     for (int i = 0; i < n; i++) {
         const struct conf_input *in = &s->c->inputs[jobs[i].input];
         idemq_err_t err = IDEMQ_OK;
+        if (plans[i].how == SETTLE_HOLD || plans[i].how == SETTLE_NONE)
+            continue;
         if (jobs[i].tag > top)
             top = jobs[i].tag;
         if (plans[i].how == SETTLE_DELAY)
@@ -491,7 +585,17 @@ static enum step settle_batch(struct session *s, struct job *jobs, int n, struct
     }
     if (republished && broker_wait_confirms(s->b, REPUBLISH_CONFIRM_MS))
         goto unconfirmed;
-    if (top && broker_ack(s->b, top, true)) {
+    if (top && lane_min_tag(s->lanes) && lane_min_tag(s->lanes) < top) {
+        /* a lane holds an earlier delivery: a multiple ack would cover it */
+        for (int i = 0; i < n; i++) {
+            if (!jobs[i].tag || plans[i].how == SETTLE_HOLD || plans[i].how == SETTLE_NONE)
+                continue;
+            if (broker_ack(s->b, jobs[i].tag, false)) {
+                snprintf(s->why, sizeof s->why, "ack after commit: %s", broker_error(s->b));
+                return STEP_BROKER;
+            }
+        }
+    } else if (top && broker_ack(s->b, top, true)) {
         snprintf(s->why, sizeof s->why, "ack after commit: %s", broker_error(s->b));
         return STEP_BROKER;
     }
@@ -508,7 +612,7 @@ unconfirmed:
     snprintf(s->why, sizeof s->why, "republish not confirmed (%s): originals left "
              "unacknowledged for redelivery", broker_error(s->b));
     for (int i = 0; i < n; i++)
-        if (plans[i].how == SETTLE_ACK && broker_ack(s->b, jobs[i].tag, false))
+        if (plans[i].how == SETTLE_ACK && jobs[i].tag && broker_ack(s->b, jobs[i].tag, false))
             break;
     return STEP_BROKER;
 }
@@ -518,6 +622,7 @@ static enum step process_batch(struct session *s)
 {
     enum step st = STEP_RETRY;
 
+    lane_settle_begin(s->lanes);
     for (int i = 0; i < s->n; i++) {
         struct job *j = &s->jobs[i];
         if (j->input < 0 || j->input >= s->c->n_inputs)
@@ -546,6 +651,18 @@ static enum step process_batch(struct session *s)
     for (int i = 0; i < s->n; i++) {
         struct job *j = &s->jobs[i];
         struct plan *p = &s->plans[i];
+        int lid = lane_id(j);
+        bool behind = false; /* an earlier job of its lane was held here */
+        for (int k = 0; k < i && lid; k++)
+            behind = behind || s->plans[k].held_lane == lid;
+        if (behind) {
+            plan_clear(p);
+            p->how = SETTLE_HOLD;
+            p->held_lane = lid;
+            if ((st = settle_batch(s, j, 1, p)) != STEP_OK)
+                return st;
+            continue;
+        }
         st = STEP_RETRY;
         for (int tries = 0; tries < BATCH_RETRIES && st == STEP_RETRY; tries++) {
             if (tries)
@@ -564,6 +681,8 @@ static enum step process_batch(struct session *s)
             return st;
         atomic_fetch_add(&s->w->stats.batches, 1);
         count(s, p, 1);
+        if (p->how == SETTLE_HOLD) /* remember its lane (the job moves out) */
+            p->held_lane = lid;
         if ((st = settle_batch(s, j, 1, p)) != STEP_OK)
             return st;
     }
@@ -587,10 +706,11 @@ static void note_age(struct worker *w, const struct job *j)
  * then up to batch_wait_ms for the rest. */
 static enum step collect(struct session *s, int wait_ms)
 {
-    long long fill_deadline = 0;
-    s->n = 0;
+    long long fill_deadline = s->n ? now_ms() + s->c->batch_wait_ms : 0;
+    long long first_deadline = now_ms() + wait_ms;
+    /* s->n may start above 0: held deliveries of lanes whose wait is over */
     while (s->n < s->c->batch_max) {
-        int t = s->n == 0 ? wait_ms : (int)(fill_deadline - now_ms());
+        int t = (int)((s->n == 0 ? first_deadline : fill_deadline) - now_ms());
         idemq_err_t err;
         if (t < 0)
             t = 0;
@@ -601,13 +721,64 @@ static enum step collect(struct session *s, int wait_ms)
             snprintf(s->why, sizeof s->why, "%s", broker_error(s->b));
             return STEP_BROKER;
         }
+        atomic_fetch_add(&s->w->stats.received, 1);
+        if (lane_blocked(s->lanes, &s->jobs[s->n], now_ms())) {
+            /* its lane waits: keep it behind the lane's earlier deliveries */
+            if (lane_append(s->lanes, &s->jobs[s->n])) {
+                snprintf(s->why, sizeof s->why, "out of memory holding a lane");
+                return STEP_BROKER;
+            }
+            continue;
+        }
         if (s->n == 0)
             fill_deadline = now_ms() + s->c->batch_wait_ms;
         note_age(s->w, &s->jobs[s->n]);
         s->n++;
-        atomic_fetch_add(&s->w->stats.received, 1);
     }
     return STEP_OK;
+}
+
+/*
+ * Ordered lanes, between batches: applies deferred jobs whose predecessor
+ * was applied (taken from the ledger, applied like deliveries, in order),
+ * and reports deferred jobs that wait too long. Runs after a batch applied
+ * or parked an ordered job, and every DRAIN_MS anyway (another replica may
+ * have applied the predecessor).
+ */
+static enum step lanes_housekeeping(struct session *s)
+{
+    struct ledger_db_error e;
+    long long now = now_ms();
+    enum step st = STEP_OK;
+    int reported;
+
+    if (!s->lanes_keyed)
+        return STEP_OK;
+    if (s->drain_hint || now - s->last_drain >= DRAIN_MS) {
+        s->last_drain = now;
+        for (int round = 0; round < DRAIN_ROUNDS && !sig_stop_requested(); round++) {
+            s->drain_hint = false;
+            if (ledger_lanes_take(s->db, s->c, s->jobs, s->c->batch_max, &s->n, &e)) {
+                st = call_failed(s, &e, "take_deferred");
+                break;
+            }
+            if (s->n == 0)
+                break;
+            if ((st = process_batch(s)) != STEP_OK || !s->drain_hint)
+                break;
+        }
+        s->n = 0;
+    }
+    if (st == STEP_OK && now - s->last_report >= REPORT_MS) {
+        s->last_report = now;
+        if (ledger_lanes_report(s->db, s->c, &reported, &e))
+            st = call_failed(s, &e, "report_deferred");
+    }
+    if (st == STEP_RETRY || st == STEP_SPLIT) { /* try again on the next round */
+        log_warn("worker %d: deferred jobs: %s", s->w->id, s->why);
+        st = STEP_OK;
+    }
+    return st;
 }
 
 static bool session_alloc(struct session *s)
@@ -622,6 +793,9 @@ static bool session_alloc(struct session *s)
         return false;
     for (int i = 0; i < m; i++)
         job_init(&s->jobs[i]);
+    if (!(s->lanes = lane_set_new(s->c)))
+        return false;
+    s->lanes_keyed = ledger_lanes_any(s->c);
     return true;
 }
 
@@ -639,6 +813,7 @@ static void session_free(struct session *s)
     free(s->res);
     free(s->plans);
     free(s->park_ids);
+    lane_set_free(s->lanes);
 }
 
 idemq_err_t worker_run(struct worker *w)
@@ -669,15 +844,26 @@ idemq_err_t worker_run(struct worker *w)
             break;
         if (reconnected)
             last_delivery = now_ms(); /* an outage does not count as idle time */
-        if (w->until_idle_ms > 0 && now_ms() - last_delivery >= w->until_idle_ms) {
+        if (w->until_idle_ms > 0 && now_ms() - last_delivery >= w->until_idle_ms &&
+            !lane_held(s.lanes)) {
             log_info("worker %d: idle for %d ms, finishing", w->id, w->until_idle_ms);
             break;
         }
-        st = collect(&s, POLL_MS);
+        {
+            long long now = now_ms(), ready;
+            int wait = POLL_MS;
+            s.n = lane_take_ready(s.lanes, s.jobs, s.c->batch_max, now);
+            ready = lane_next_ready(s.lanes);
+            if (ready && ready - now < wait)
+                wait = ready > now ? (int)(ready - now) : 0;
+            st = collect(&s, wait);
+        }
         if (st == STEP_OK && s.n > 0) {
             last_delivery = now_ms();
             st = process_batch(&s);
         }
+        if (st == STEP_OK)
+            st = lanes_housekeeping(&s);
         switch (st) {
         case STEP_OK:
             break;

@@ -6,6 +6,8 @@
 -- before its CREATE here.
 
 DROP FUNCTION IF EXISTS idemq.apply_batch(text[], jsonb, text);
+DROP FUNCTION IF EXISTS idemq.add_attempt(text, integer, integer, text, timestamptz,
+    timestamptz, text, jsonb, text, integer);
 DROP FUNCTION IF EXISTS idemq.record_failure(text, integer, text, text, text, text, boolean,
     timestamptz, timestamptz, text, text, text, boolean, integer, text, bytea, jsonb, jsonb);
 DROP FUNCTION IF EXISTS idemq.park_message(text, text, text, text, bytea, jsonb, jsonb, text,
@@ -30,21 +32,23 @@ $fn$;
 CREATE OR REPLACE FUNCTION idemq.add_attempt(
     p_key text, p_attempt integer, p_generation integer, p_outcome text,
     p_started timestamptz, p_finished timestamptz, p_queue text, m jsonb, p_consumer text,
-    p_delay_ms integer DEFAULT NULL)
+    p_delay_ms integer DEFAULT NULL, p_message text DEFAULT NULL)
 RETURNS void
 LANGUAGE sql AS $fn$
     INSERT INTO idemq.attempts (key, attempt, generation, outcome, started_at, finished_at,
-        queue, routing_key, redelivered, delivery_count, consumer_id, delay_ms)
+        queue, routing_key, redelivered, delivery_count, consumer_id, delay_ms, message)
     VALUES (p_key, p_attempt, p_generation, p_outcome, p_started, p_finished, p_queue,
         m->>'routing_key', (m->>'redelivered')::boolean, (m->>'delivery_count')::integer,
-        p_consumer, p_delay_ms);
+        p_consumer, p_delay_ms, p_message);
 $fn$;
 
 -- Applies a batch in one call. p_effects[i] is the signature of input i's
 -- effect, e.g. 'public.apply_payout(text,jsonb,jsonb)'; it is resolved via
 -- regprocedure, so only an existing function can ever be called.
 -- p_jobs is a JSON array of {"k": key, "i": input (1-based), "q": queue,
--- "h": SHA-256 of the raw body (hex), "m": meta object, "p": payload}.
+-- "h": SHA-256 of the raw body (hex), "m": meta object, "p": payload}, and for
+-- ordered inputs "l": lane, "o": ordering key, "s": sequence, "d": true when
+-- the job comes from idemq.deferred (its id in "di"), not from a delivery.
 -- For each job, in order, after claiming the key (INSERT ... ON CONFLICT on
 -- the primary key waits for a concurrent claimer to finish):
 --   applied            -> 'duplicate' (no effect)
@@ -55,6 +59,13 @@ $fn$;
 --   retrying, run_after still ahead -> 'early' (re-delay, no attempt used)
 --   else the effect runs in a subtransaction: 'applied', or 'error' with its
 --   SQLSTATE for the worker to classify and record (idemq.record_failure).
+-- Ordered lanes: after a job of lane "l" failed (or is early) in this batch,
+-- the lane's later jobs are 'held' (nothing recorded; the worker keeps them
+-- in order). The sequence guard, under the idemq.order_keys row lock, turns
+-- a job whose sequence was passed into 'duplicate' (message 'stale', state
+-- stale), and a job that comes before its predecessor, or whose ordering
+-- key is held by a parked job (on_park = hold_key), into 'deferred': the
+-- worker stores it with idemq.defer_job and acknowledges it.
 CREATE OR REPLACE FUNCTION idemq.apply_batch(p_effects text[], p_jobs jsonb, p_consumer text)
 RETURNS TABLE (r_idx integer, r_outcome text, r_attempt integer, r_base integer,
                r_sqlstate text, r_message text, r_started timestamptz,
@@ -81,6 +92,14 @@ DECLARE
     v_park   bigint;
     v_hgen   jsonb;
     v_failed text[] := '{}';
+    v_lanes  text[] := '{}';
+    v_lane   text;
+    v_okey   text;
+    v_seq    bigint;
+    v_last   bigint;
+    v_block  text;
+    v_redriven boolean;
+    v_why    text;
 BEGIN
     FOR n IN 1 .. coalesce(array_length(p_effects, 1), 0) LOOP
         calls[n] := (SELECT format('SELECT %I.%I($1, $2, $3)', ns.nspname, pr.proname)
@@ -98,6 +117,18 @@ BEGIN
         v_sha := j->>'h';
         r_sqlstate := NULL; r_message := NULL; r_delay_ms := NULL; r_park := NULL;
         r_started := v_start;
+        v_lane := j->>'l';
+        v_okey := j->>'o';
+        v_seq := (j->>'s')::bigint;
+        v_redriven := false;
+
+        IF v_lane IS NOT NULL AND v_lane = ANY (v_lanes) THEN
+            -- An earlier job of this ordered lane failed in this batch: this
+            -- one waits behind it (the worker holds the delivery).
+            r_outcome := 'held'; r_attempt := 0; r_base := 0; r_finished := v_start;
+            RETURN NEXT;
+            CONTINUE;
+        END IF;
 
         IF v_key = ANY (v_failed) THEN
             -- A second copy of a key that failed earlier in this batch: the
@@ -141,9 +172,20 @@ BEGIN
                            budget_base = v_base, run_after = NULL
                      WHERE t.key = v_key;
                     v_state := 'pending';
+                    v_redriven := true;
                 END IF;
             END IF;
-            IF v_state IN ('applied', 'parked') THEN
+            IF v_state = 'deferred' AND NOT coalesce((j->>'d')::boolean, false) THEN
+                -- Its first copy waits in idemq.deferred; this copy adds nothing.
+                v_fin := clock_timestamp();
+                PERFORM idemq.add_attempt(v_key, v_att, v_gen, 'duplicate', v_start, v_fin,
+                                          v_q, v_meta, p_consumer, NULL, 'deferred');
+                r_outcome := 'duplicate'; r_attempt := v_att; r_base := v_base;
+                r_message := v_state; r_finished := v_fin;
+                RETURN NEXT;
+                CONTINUE;
+            END IF;
+            IF v_state IN ('applied', 'parked', 'stale') THEN
                 v_fin := clock_timestamp();
                 PERFORM idemq.add_attempt(v_key, v_att, v_gen, 'duplicate', v_start, v_fin,
                                           v_q, v_meta, p_consumer);
@@ -172,11 +214,59 @@ BEGIN
                                           v_q, v_meta, p_consumer, r_delay_ms);
                 r_outcome := 'early'; r_attempt := v_att; r_base := v_base;
                 r_finished := v_fin;
+                IF v_lane IS NOT NULL THEN
+                    v_lanes := v_lanes || v_lane;
+                END IF;
                 RETURN NEXT;
                 CONTINUE;
             END IF;
         ELSE
-            v_att := 0; v_base := 0; v_gen := 0;
+            v_att := 0; v_base := 0; v_gen := 0; v_state := 'pending';
+        END IF;
+
+        IF v_okey IS NOT NULL THEN
+            -- The sequence guard: one row lock per ordering key serialises
+            -- every replica's decision for that key.
+            INSERT INTO idemq.order_keys (source_queue, order_key) VALUES (v_q, v_okey)
+            ON CONFLICT DO NOTHING;
+            SELECT k.last_seq, k.blocked_by INTO v_last, v_block FROM idemq.order_keys k
+             WHERE k.source_queue = v_q AND k.order_key = v_okey FOR UPDATE;
+            v_why := NULL;
+            IF v_block IS NOT NULL AND v_block <> v_key THEN
+                v_why := format('held: ordering key %s is held by parked job %s', v_okey, v_block);
+            ELSIF v_seq IS NULL AND EXISTS (SELECT 1 FROM idemq.deferred d
+                    WHERE d.source_queue = v_q AND d.order_key = v_okey AND d.key <> v_key
+                      AND (j->>'di' IS NULL OR d.id < (j->>'di')::bigint)) THEN
+                v_why := format('held: earlier jobs of ordering key %s are deferred', v_okey);
+            ELSIF v_seq IS NOT NULL AND v_seq <= v_last AND NOT v_redriven THEN
+                -- Stale: this sequence was passed already. No effect, ever.
+                v_fin := clock_timestamp();
+                UPDATE idemq.jobs t SET state = 'stale', last_attempt_at = v_start
+                 WHERE t.key = v_key;
+                DELETE FROM idemq.deferred d WHERE d.key = v_key;
+                PERFORM idemq.add_attempt(v_key, v_att, v_gen, 'duplicate', v_start, v_fin,
+                    v_q, v_meta, p_consumer, NULL,
+                    format('stale: sequence %s of %s, last applied %s', v_seq, v_okey, v_last));
+                r_outcome := 'duplicate'; r_attempt := v_att; r_base := v_base;
+                r_message := 'stale'; r_finished := v_fin;
+                RETURN NEXT;
+                CONTINUE;
+            ELSIF v_seq IS NOT NULL AND v_seq > v_last + 1 THEN
+                v_why := format('gap: sequence %s of %s waits for %s', v_seq, v_okey, v_last + 1);
+            END IF;
+            IF v_why IS NOT NULL THEN
+                v_fin := clock_timestamp();
+                IF NOT coalesce((j->>'d')::boolean, false) THEN
+                    UPDATE idemq.jobs t SET state = 'deferred' WHERE t.key = v_key
+                       AND t.state = 'pending';
+                    PERFORM idemq.add_attempt(v_key, v_att, v_gen, 'deferred', v_start, v_fin,
+                                              v_q, v_meta, p_consumer, NULL, v_why);
+                END IF;
+                r_outcome := 'deferred'; r_attempt := v_att; r_base := v_base;
+                r_message := v_why; r_finished := v_fin;
+                RETURN NEXT;
+                CONTINUE;
+            END IF;
         END IF;
 
         v_att := v_att + 1;
@@ -192,12 +282,25 @@ BEGIN
              WHERE t.key = v_key;
             PERFORM idemq.add_attempt(v_key, v_att, v_gen, 'applied', v_start, v_fin, v_q,
                                       v_meta, p_consumer);
+            IF v_okey IS NOT NULL THEN
+                UPDATE idemq.order_keys k
+                   SET last_seq = CASE WHEN v_seq IS NULL THEN k.last_seq
+                                       ELSE greatest(k.last_seq, v_seq) END,
+                       blocked_by = CASE WHEN k.blocked_by = v_key THEN NULL
+                                         ELSE k.blocked_by END,
+                       updated_at = v_fin
+                 WHERE k.source_queue = v_q AND k.order_key = v_okey;
+                DELETE FROM idemq.deferred d WHERE d.key = v_key;
+            END IF;
             r_outcome := 'applied';
         EXCEPTION WHEN OTHERS THEN
             GET STACKED DIAGNOSTICS v_code = RETURNED_SQLSTATE, v_msg = MESSAGE_TEXT;
             v_fin := clock_timestamp();
             r_outcome := 'error'; r_sqlstate := v_code; r_message := v_msg;
             v_failed := v_failed || v_key;
+            IF v_lane IS NOT NULL THEN
+                v_lanes := v_lanes || v_lane;
+            END IF;
         END;
         r_finished := v_fin;
         RETURN NEXT;
@@ -229,7 +332,7 @@ BEGIN
         last_sqlstate = p_sqlstate, last_error = p_message,
         run_after = CASE WHEN p_park THEN NULL
                          ELSE clock_timestamp() + make_interval(secs => p_delay_ms / 1000.0) END
-     WHERE key = p_key AND state IN ('pending', 'retrying')
+     WHERE key = p_key AND state IN ('pending', 'retrying', 'deferred')
     RETURNING generation INTO v_gen;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'idemq: key % is not claimed', p_key USING ERRCODE = 'XX000';
@@ -309,4 +412,87 @@ RETURNS void
 LANGUAGE sql AS $fn$
     UPDATE idemq.parked SET dlq_published_at = clock_timestamp()
      WHERE id = ANY (p_ids) AND dlq_published_at IS NULL;
+$fn$;
+
+-- Ordered lanes: stores a job the sequence guard deferred (apply_batch said
+-- 'deferred'), with its raw message, so the delivery can be acknowledged.
+-- Inside the batch transaction. A second call for the key is a no-op.
+CREATE OR REPLACE FUNCTION idemq.defer_job(
+    p_key text, p_queue text, p_order_key text, p_seq bigint, p_reason text, p_lane integer,
+    p_exchange text, p_routing_key text, p_body bytea, p_headers jsonb, p_properties jsonb)
+RETURNS void
+LANGUAGE sql AS $fn$
+    INSERT INTO idemq.deferred (key, source_queue, order_key, seq, reason, lane, exchange,
+        routing_key, body, headers, properties)
+    VALUES (p_key, p_queue, p_order_key, p_seq, p_reason, p_lane, p_exchange, p_routing_key,
+        p_body, p_headers, p_properties)
+    ON CONFLICT (key) DO NOTHING;
+$fn$;
+
+-- Ordered lanes: after a job of an ordered input parked (inside the same
+-- transaction). hold_key: its ordering key is held until the job is
+-- redriven and applied. Otherwise (continue) a sequenced key skips the
+-- parked sequence so its successors flow. A deferred copy is removed
+-- either way (the park row holds the message now).
+CREATE OR REPLACE FUNCTION idemq.lane_parked(p_queue text, p_order_key text, p_seq bigint,
+                                             p_key text, p_hold boolean)
+RETURNS void
+LANGUAGE plpgsql AS $fn$
+BEGIN
+    IF p_order_key IS NOT NULL THEN
+        INSERT INTO idemq.order_keys (source_queue, order_key) VALUES (p_queue, p_order_key)
+        ON CONFLICT DO NOTHING;
+        UPDATE idemq.order_keys k
+           SET blocked_by = CASE WHEN p_hold THEN coalesce(k.blocked_by, p_key)
+                                 ELSE k.blocked_by END,
+               last_seq = CASE WHEN NOT p_hold AND p_seq IS NOT NULL
+                               THEN greatest(k.last_seq, p_seq) ELSE k.last_seq END,
+               updated_at = clock_timestamp()
+         WHERE k.source_queue = p_queue AND k.order_key = p_order_key;
+    END IF;
+    DELETE FROM idemq.deferred d WHERE d.key = p_key;
+END
+$fn$;
+
+-- Ordered lanes: deferred jobs of these queues whose turn has come: the
+-- ordering key is not held by another job, the sequence continues the
+-- last applied one (a chain of consecutive ones is returned in order), and
+-- a failed attempt's run_after has passed. At most p_limit rows, in apply
+-- order. Reads only: apply_batch decides again under the key's row lock.
+CREATE OR REPLACE FUNCTION idemq.take_deferred(p_queues text[], p_limit integer)
+RETURNS TABLE (r_id bigint, r_key text, r_queue text, r_lane integer, r_exchange text,
+               r_routing_key text, r_body bytea, r_headers jsonb, r_properties jsonb)
+LANGUAGE sql STABLE AS $fn$
+    SELECT x.id, x.key, x.source_queue, x.lane, x.exchange, x.routing_key, x.body, x.headers,
+           x.properties
+      FROM (SELECT d.*, k.last_seq, k.blocked_by,
+                   row_number() OVER (PARTITION BY d.source_queue, d.order_key
+                                      ORDER BY d.seq NULLS LAST, d.id) AS rn
+              FROM idemq.deferred d
+              JOIN idemq.order_keys k USING (source_queue, order_key)
+             WHERE d.source_queue = ANY (p_queues)) x
+      JOIN idemq.jobs t ON t.key = x.key
+     WHERE (x.blocked_by IS NULL OR x.blocked_by = x.key)
+       AND (x.seq IS NULL OR x.seq = x.last_seq + x.rn)
+       AND (t.state = 'deferred'
+            OR (t.state = 'retrying' AND coalesce(t.run_after, '-infinity') <= clock_timestamp()))
+     ORDER BY x.source_queue, x.order_key, x.rn
+     LIMIT p_limit;
+$fn$;
+
+-- Ordered lanes: deferred jobs of p_queue waiting longer than p_age_s and
+-- not reported yet; marks them reported and returns them (the worker logs
+-- each; `idemq jobs show KEY` shows why a job waits).
+CREATE OR REPLACE FUNCTION idemq.report_deferred(p_queue text, p_age_s integer)
+RETURNS TABLE (r_key text, r_order_key text, r_seq bigint, r_reason text,
+               r_waiting_for bigint, r_blocked_by text, r_deferred_at timestamptz)
+LANGUAGE sql AS $fn$
+    WITH r AS (
+        UPDATE idemq.deferred d SET reported_at = clock_timestamp()
+         WHERE d.source_queue = p_queue AND d.reported_at IS NULL
+           AND d.deferred_at < clock_timestamp() - make_interval(secs => p_age_s)
+        RETURNING d.key, d.source_queue, d.order_key, d.seq, d.reason, d.deferred_at)
+    SELECT r.key, r.order_key, r.seq, r.reason, k.last_seq + 1, k.blocked_by, r.deferred_at
+      FROM r LEFT JOIN idemq.order_keys k USING (source_queue, order_key)
+     ORDER BY r.deferred_at;
 $fn$;

@@ -72,6 +72,14 @@ static bool buf_jstr(struct ledger_txn *lt, const char *s)
     return ok;
 }
 
+static bool buf_jstr_prefixed(struct ledger_txn *lt, const char *prefix, const char *s)
+{
+    json_t *v = json_sprintf("%s%s", prefix, s);
+    bool ok = v && buf_json(lt, v);
+    json_decref(v);
+    return ok;
+}
+
 struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf, size_t errlen)
 {
     struct ledger_txn *lt = calloc(1, sizeof *lt);
@@ -163,6 +171,37 @@ static bool add_meta(struct ledger_txn *lt, const struct job *j)
     return ok;
 }
 
+/* Ordered lanes: the job's lane, ordering key, sequence and deferred id. A
+ * delivery's lane is "<input>:<partition>"; a job taken from idemq.deferred
+ * is held behind a failed job of its ordering key instead. */
+static bool add_lane(struct ledger_txn *lt, const struct job *j)
+{
+    char num[64];
+    if (!j->has_order_key && j->lane < 0)
+        return true;
+    if (j->deferred_id > 0 && j->has_order_key) {
+        if (!buf_adds(lt, ",\"l\":") || !buf_jstr_prefixed(lt, "o:", j->order_key))
+            return false;
+    } else if (j->lane >= 0) {
+        snprintf(num, sizeof num, ",\"l\":\"%d:%d\"", j->input, j->lane);
+        if (!buf_adds(lt, num))
+            return false;
+    }
+    if (j->has_order_key && (!buf_adds(lt, ",\"o\":") || !buf_jstr(lt, j->order_key)))
+        return false;
+    if (j->has_seq) {
+        snprintf(num, sizeof num, ",\"s\":%lld", j->seq);
+        if (!buf_adds(lt, num))
+            return false;
+    }
+    if (j->deferred_id > 0) {
+        snprintf(num, sizeof num, ",\"d\":true,\"di\":%lld", j->deferred_id);
+        if (!buf_adds(lt, num))
+            return false;
+    }
+    return true;
+}
+
 static void copy_field(char *dst, size_t n, const PGresult *res, int row, int col)
 {
     snprintf(dst, n, "%s", PQgetisnull(res, row, col) ? "" : PQgetvalue(res, row, col));
@@ -187,7 +226,7 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
             !buf_jstr(lt, lt->conf->inputs[j->input].queue) || !buf_adds(lt, ",\"h\":\"") ||
             !buf_adds(lt, j->sha256_hex) || !buf_adds(lt, "\",\"m\":") || !add_meta(lt, j) ||
             !buf_adds(lt, ",\"p\":") || !buf_add(lt, (const char *)j->body, j->body_len) ||
-            !buf_adds(lt, "}"))
+            !add_lane(lt, j) || !buf_adds(lt, "}"))
             goto nomem;
     }
     if (!buf_adds(lt, "]"))
@@ -221,6 +260,8 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
                      : strcmp(outcome, "duplicate") == 0 ? LEDGER_DUPLICATE
                      : strcmp(outcome, "early") == 0     ? LEDGER_EARLY
                      : strcmp(outcome, "repark") == 0    ? LEDGER_REPARK
+                     : strcmp(outcome, "deferred") == 0  ? LEDGER_DEFERRED
+                     : strcmp(outcome, "held") == 0      ? LEDGER_HELD
                                                          : LEDGER_ERROR;
         x->attempt = atoi(PQgetvalue(r, row, 2));
         x->base = atoi(PQgetvalue(r, row, 3));

@@ -30,6 +30,11 @@ enum ledger_outcome {
     LEDGER_EARLY,       /* retrying job back before run_after: delay_ms to go */
     LEDGER_REPARK,      /* parked job whose dead-letter publish was never
                          * confirmed: publish it again (park holds the facts) */
+    LEDGER_DEFERRED,    /* ordered input: before its predecessor, or its
+                         * ordering key is held: store it (ledger_lanes_defer),
+                         * then acknowledge; message says why */
+    LEDGER_HELD,        /* ordered lane: an earlier job of its lane failed in
+                         * this batch; nothing recorded, keep it in order */
 };
 
 struct ledger_result {

@@ -44,3 +44,27 @@ BEGIN
     RETURN jsonb_build_object('effect_id', v_id, 'attempt', p_meta->'attempt');
 END
 $fn$;
+
+-- Ordered lanes: the authorizations example behind the same failure
+-- switches as record (raise / raise_until in the payload, idemq_test.failing
+-- by key). Needs ledger/examples/authorizations.sql.
+CREATE OR REPLACE FUNCTION idemq_test.authorization(p_key text, p_payload jsonb, p_meta jsonb)
+RETURNS jsonb LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_code text;
+BEGIN
+    IF p_payload ? 'sleep_ms' THEN
+        PERFORM pg_sleep((p_payload->>'sleep_ms')::numeric / 1000);
+    END IF;
+    IF p_payload ? 'raise' AND (NOT p_payload ? 'raise_until'
+        OR (p_meta->>'attempt')::integer <= (p_payload->>'raise_until')::integer) THEN
+        RAISE EXCEPTION 'requested failure % on attempt %', p_payload->>'raise',
+              p_meta->>'attempt' USING ERRCODE = p_payload->>'raise';
+    END IF;
+    SELECT f.sqlstate INTO v_code FROM idemq_test.failing f WHERE f.key = p_key;
+    IF FOUND THEN
+        RAISE EXCEPTION 'key % is marked failing', p_key USING ERRCODE = v_code;
+    END IF;
+    RETURN idemq_demo.apply_authorization(p_key, p_payload, p_meta);
+END
+$fn$;

@@ -104,6 +104,7 @@ void itest_setup(struct itest *t, const char *tag, const char *effect, const cha
     /* Effects are created under an advisory lock: tests may run in parallel. */
     itest_sql(t, "SELECT pg_advisory_lock(4242)");
     load_sql_file(t, IDEMQ_SOURCE_DIR "/ledger/examples/payouts.sql");
+    load_sql_file(t, IDEMQ_SOURCE_DIR "/ledger/examples/authorizations.sql");
     load_sql_file(t, IDEMQ_SOURCE_DIR "/tests/integration/effects.sql");
     itest_sql(t, "SELECT pg_advisory_unlock(4242)");
     itest_write_config(t, t->cfg_path, t->name, effect, extra_consumer, extra_input);
@@ -112,7 +113,15 @@ void itest_setup(struct itest *t, const char *tag, const char *effect, const cha
                   "%s", err);
     ck_assert_msg(topology_declare(b, t->conf, &t->conf->inputs[0]) == IDEMQ_OK, "%s",
                   broker_error(b));
-    ck_assert(broker_purge(b, t->conf->inputs[0].queue) == IDEMQ_OK);
+    if (CONF_INPUT_ORDERED(&t->conf->inputs[0])) {
+        for (int k = 0; k < t->conf->inputs[0].partitions; k++) {
+            char q[TOPOLOGY_NAME_MAX];
+            topology_partition_queue(&t->conf->inputs[0], k, q, sizeof q);
+            ck_assert(broker_purge(b, q) == IDEMQ_OK);
+        }
+    } else {
+        ck_assert(broker_purge(b, t->conf->inputs[0].queue) == IDEMQ_OK);
+    }
     broker_close(b);
 }
 
@@ -132,6 +141,11 @@ void itest_delete_topology(struct itest *t, const struct conf_input *in)
         fprintf(stderr, "teardown: %s\n", broker_error(b));
     if (broker_delete_queue(b, in->queue) != IDEMQ_OK)
         fprintf(stderr, "teardown: %s\n", broker_error(b));
+    for (int k = 0; k < in->partitions + 1; k++) { /* one more: ring changes */
+        topology_partition_queue(in, k, name, sizeof name);
+        if (broker_delete_queue(b, name) != IDEMQ_OK)
+            fprintf(stderr, "teardown: %s\n", broker_error(b));
+    }
     topology_delay_exchange(in, name, sizeof name);
     if (broker_delete_exchange(b, name) != IDEMQ_OK)
         fprintf(stderr, "teardown: %s\n", broker_error(b));

@@ -139,6 +139,36 @@ START_TEST(test_header_and_message_id_keys)
 }
 END_TEST
 
+/* Ordered inputs: ordering key and sequence; a missing or bad one is a
+ * named permanent decode error. Standard inputs ignore them. */
+START_TEST(test_order_key_and_sequence)
+{
+    struct job j;
+    struct conf_input in = {.max_body_bytes = 1024, .key_kind = CONF_KEY_JSON,
+                            .key_name = "job_id", .partitions = 4,
+                            .order_kind = CONF_KEY_JSON, .order_name = "auth",
+                            .seq_name = "seq"};
+    job_init(&j);
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"k\",\"auth\":\"a1\",\"seq\":3}"),
+                     IDEMQ_OK);
+    ck_assert(j.has_order_key && j.has_seq);
+    ck_assert_str_eq(j.order_key, "a1");
+    ck_assert_int_eq(j.seq, 3);
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"k\",\"seq\":3}"), IDEMQ_ERR_KEY_MISSING);
+    ck_assert_ptr_nonnull(strstr(j.reason, "ordering key field auth"));
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"k\",\"auth\":\"a1\",\"seq\":0}"),
+                     IDEMQ_ERR_SEQUENCE_INVALID);
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"k\",\"auth\":\"a1\",\"seq\":\"2\"}"),
+                     IDEMQ_ERR_SEQUENCE_INVALID);
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"k\",\"auth\":\"a1\"}"),
+                     IDEMQ_ERR_SEQUENCE_INVALID);
+    in.partitions = 0; /* a standard input never reads them */
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"k\"}"), IDEMQ_OK);
+    ck_assert(!j.has_order_key);
+    job_destroy(&j);
+}
+END_TEST
+
 START_TEST(test_utf8)
 {
     ck_assert(job_utf8_valid((const unsigned char *)"h\xc3\xa9llo", 6));
@@ -177,6 +207,7 @@ int main(void)
     tcase_add_test(tc, test_bad_bodies);
     tcase_add_test(tc, test_bad_keys);
     tcase_add_test(tc, test_header_and_message_id_keys);
+    tcase_add_test(tc, test_order_key_and_sequence);
     tcase_add_test(tc, test_utf8);
     tcase_add_test(tc, test_body_buffer_reuse);
     suite_add_tcase(s, tc);
