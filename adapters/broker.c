@@ -622,49 +622,11 @@ static int json_to_table(json_t *v, amqp_table_t *t, amqp_pool_t *pool)
     return 0;
 }
 
-idemq_err_t broker_declare_exchange(struct broker *b, const char *name, const char *type,
-                                    bool passive, json_t *args)
-{
-    char what[300];
-    amqp_pool_t pool;
-    amqp_table_t t;
-    bool ok;
+/* The declare/bind RPCs that take an arguments table, in one place. */
+enum table_rpc { RPC_EXCHANGE, RPC_QUEUE, RPC_BIND };
 
-    init_amqp_pool(&pool, 1024);
-    if (json_to_table(args, &t, &pool)) {
-        empty_amqp_pool(&pool);
-        set_err(b, "out of memory");
-        return IDEMQ_ERR_NOMEM;
-    }
-    amqp_exchange_declare(b->conn, CHANNEL, bytes(name), bytes(type), passive, 1, 0, 0, t);
-    snprintf(what, sizeof what, "%s exchange %s", passive ? "check" : "declare", name);
-    ok = reply_ok(b, amqp_get_rpc_reply(b->conn), what);
-    empty_amqp_pool(&pool);
-    return ok ? IDEMQ_OK : fail_keep(b);
-}
-
-idemq_err_t broker_declare_queue(struct broker *b, const char *name, json_t *args, bool passive)
-{
-    char what[300];
-    amqp_pool_t pool;
-    amqp_table_t t;
-    bool ok;
-
-    init_amqp_pool(&pool, 1024);
-    if (json_to_table(args, &t, &pool)) {
-        empty_amqp_pool(&pool);
-        set_err(b, "out of memory");
-        return IDEMQ_ERR_NOMEM;
-    }
-    amqp_queue_declare(b->conn, CHANNEL, bytes(name), passive, 1, 0, 0, t);
-    snprintf(what, sizeof what, "%s queue %s", passive ? "check" : "declare", name);
-    ok = reply_ok(b, amqp_get_rpc_reply(b->conn), what);
-    empty_amqp_pool(&pool);
-    return ok ? IDEMQ_OK : fail_keep(b);
-}
-
-idemq_err_t broker_bind(struct broker *b, const char *queue, const char *exchange,
-                        const char *key, json_t *args)
+static idemq_err_t table_rpc(struct broker *b, enum table_rpc rpc, const char *name,
+                             const char *other, const char *key, bool passive, json_t *args)
 {
     char what[600];
     amqp_pool_t pool;
@@ -677,11 +639,40 @@ idemq_err_t broker_bind(struct broker *b, const char *queue, const char *exchang
         set_err(b, "out of memory");
         return IDEMQ_ERR_NOMEM;
     }
-    amqp_queue_bind(b->conn, CHANNEL, bytes(queue), bytes(exchange), bytes(key), t);
-    snprintf(what, sizeof what, "bind queue %s to %s (key %s)", queue, exchange, key);
+    switch (rpc) {
+    case RPC_EXCHANGE: /* other = exchange type */
+        amqp_exchange_declare(b->conn, CHANNEL, bytes(name), bytes(other), passive, 1, 0, 0, t);
+        snprintf(what, sizeof what, "%s exchange %s", passive ? "check" : "declare", name);
+        break;
+    case RPC_QUEUE:
+        amqp_queue_declare(b->conn, CHANNEL, bytes(name), passive, 1, 0, 0, t);
+        snprintf(what, sizeof what, "%s queue %s", passive ? "check" : "declare", name);
+        break;
+    case RPC_BIND: /* other = exchange */
+        amqp_queue_bind(b->conn, CHANNEL, bytes(name), bytes(other), bytes(key), t);
+        snprintf(what, sizeof what, "bind queue %s to %s (key %s)", name, other, key);
+        break;
+    }
     ok = reply_ok(b, amqp_get_rpc_reply(b->conn), what);
     empty_amqp_pool(&pool);
     return ok ? IDEMQ_OK : fail_keep(b);
+}
+
+idemq_err_t broker_declare_exchange(struct broker *b, const char *name, const char *type,
+                                    bool passive, json_t *args)
+{
+    return table_rpc(b, RPC_EXCHANGE, name, type, NULL, passive, args);
+}
+
+idemq_err_t broker_declare_queue(struct broker *b, const char *name, json_t *args, bool passive)
+{
+    return table_rpc(b, RPC_QUEUE, name, NULL, NULL, passive, args);
+}
+
+idemq_err_t broker_bind(struct broker *b, const char *queue, const char *exchange,
+                        const char *key, json_t *args)
+{
+    return table_rpc(b, RPC_BIND, queue, exchange, key, false, args);
 }
 
 idemq_err_t broker_unbind(struct broker *b, const char *queue, const char *exchange,
