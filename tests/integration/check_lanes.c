@@ -173,7 +173,9 @@ START_TEST(test_failover_keeps_order)
     a = itest_spawn(&t, t.cfg_path, 4, NULL);
     usleep(700000);
     b = itest_spawn(&t, t.cfg_path, 4, NULL); /* waits as the standby of every partition */
-    usleep(800000);
+    /* kill the active one mid-run, once it has applied something */
+    for (int i = 0; i < 200 && itest_long(&t, APPLIED_EVENTS, t.name) < 25; i++)
+        usleep(50000);
     ck_assert_int_gt(itest_long(&t, APPLIED_EVENTS, t.name), 0);
     ck_assert_int_lt(itest_long(&t, APPLIED_EVENTS, t.name), 5L * keys);
     kill(a, SIGKILL);
@@ -355,7 +357,11 @@ START_TEST(test_ring_change_keeps_order)
         for (int seq = 3; seq <= 5; seq++)
             pub_event(&p, k, seq, NULL);
     pub_close(&p);
-    usleep(1500000);
+    for (int i = 0; i < 200 && itest_long(&t, "SELECT count(*) FROM idemq.deferred WHERE key "
+                                              "LIKE $1 || ':%'",
+                                          t.name) == 0;
+         i++)
+        usleep(50000);
     /* successors of p4's keys arrived first: deferred, not applied */
     ck_assert_int_gt(itest_long(&t, "SELECT count(*) FROM idemq.deferred WHERE key LIKE $1 || ':%'",
                                 t.name),
