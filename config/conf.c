@@ -55,6 +55,8 @@ static const struct conf_key global_keys[] = {
      "deliveries claimed and committed in one transaction at most"},
     {"consumer.batch_wait_ms", CT_INT, G(batch_wait_ms), 0, 10000, NULL, 5, 0,
      "how long a worker waits to fill a batch after its first delivery"},
+    {"consumer.max_rate", CT_INT, G(max_rate), 0, 10000000, NULL, 0, 0,
+     "jobs per second over all workers at most (a shared token bucket); 0 = no limit"},
     {"consumer.id", CT_STR, G(consumer_id), 0, 200, "", 0, 0,
      "consumer id recorded on attempts; empty = hostname:pid"},
     {"retry.max_attempts", CT_INT, G(max_attempts), 1, 1000, NULL, 5, 0,

@@ -19,8 +19,10 @@
 #include "job.h"
 #include "ledger_db.h"
 #include "ledger_migrate.h"
+#include "latency.h"
 #include "ledger_txn.h"
 #include "log.h"
+#include "rate_gate.h"
 #include "sig.h"
 
 #define POLL_MS 200       /* longest wait between stop/idle checks */
@@ -52,6 +54,7 @@ struct session {
     struct ledger_result *res;
     enum settle *settle;
     int n;
+    int batch_limit; /* batch_max, or less under consumer.max_rate */
     uint64_t rng;
     enum crash_point crash;
     char why[512]; /* reason of the last non-OK step */
@@ -62,6 +65,13 @@ static long long now_ms(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static long long now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
 /* Sleeps up to ms, waking early on a stop request. */
@@ -387,7 +397,7 @@ static enum step collect(struct session *s, int wait_ms)
 {
     long long fill_deadline = 0;
     s->n = 0;
-    while (s->n < s->c->batch_max) {
+    while (s->n < s->batch_limit) {
         int t = s->n == 0 ? wait_ms : (int)(fill_deadline - now_ms());
         idemq_err_t err;
         if (t < 0)
@@ -399,12 +409,46 @@ static enum step collect(struct session *s, int wait_ms)
             snprintf(s->why, sizeof s->why, "%s", broker_error(s->b));
             return STEP_BROKER;
         }
+        s->jobs[s->n].received_ns = now_ns();
         if (s->n == 0)
             fill_deadline = now_ms() + s->c->batch_wait_ms;
         s->n++;
         atomic_fetch_add(&s->w->stats.received, 1);
     }
     return STEP_OK;
+}
+
+/* ---- throughput (issue 5): shared rate gate, delivery -> ack latency ---- */
+
+/* Largest batch under consumer.max_rate: about 50 ms worth of jobs, so the
+ * wait for one batch's tokens stays short (and heartbeats stay serviced). */
+static int batch_limit(const struct conf *c)
+{
+    int lim = c->max_rate > 0 ? c->max_rate / 20 : c->batch_max;
+    return lim < 1 ? 1 : lim > c->batch_max ? c->batch_max : lim;
+}
+
+/* Waits until the shared gate grants the collected batch (wakes on stop:
+ * the batch in flight is then still processed, as a drain). */
+static void gate_wait(struct session *s)
+{
+    int64_t wait_ns;
+    if (!s->w->gate || s->n == 0)
+        return;
+    wait_ns = rate_gate_reserve(s->w->gate, s->n, now_ns());
+    if (wait_ns > 0)
+        nap((long)((wait_ns + 999999) / 1000000));
+}
+
+/* Records delivery -> ack of a settled batch s->jobs[0..n). */
+static void note_acked(struct session *s)
+{
+    long long now = now_ns();
+    for (int i = 0; i < s->n; i++)
+        latency_record(&s->w->latency, (uint64_t)(now - s->jobs[i].received_ns) / 1000u);
+    if (!s->w->first_delivery_ns || s->jobs[0].received_ns < s->w->first_delivery_ns)
+        s->w->first_delivery_ns = s->jobs[0].received_ns;
+    s->w->last_ack_ns = now;
 }
 
 static bool session_alloc(struct session *s)
@@ -444,6 +488,7 @@ idemq_err_t worker_run(struct worker *w)
     s.w = w;
     s.c = w->conf;
     s.rng = (uint64_t)now_ms() * 2654435761u + (uint64_t)w->id + 1;
+    s.batch_limit = batch_limit(s.c);
     if (crash && strcmp(crash, "after_commit") == 0)
         s.crash = CRASH_AFTER_COMMIT;
     else if (crash && strcmp(crash, "before_commit") == 0)
@@ -469,7 +514,10 @@ idemq_err_t worker_run(struct worker *w)
         st = collect(&s, POLL_MS);
         if (st == STEP_OK && s.n > 0) {
             last_delivery = now_ms();
+            gate_wait(&s);
             st = process_batch(&s);
+            if (st == STEP_OK)
+                note_acked(&s);
         }
         switch (st) {
         case STEP_OK:

@@ -23,7 +23,7 @@ struct ledger_txn {
 
 #define APPLY_SQL                                                                           \
     "SELECT r_idx, r_outcome, r_attempt, r_sqlstate, r_message, r_started, r_finished "             \
-    "FROM idemq.apply_batch($1::text[], $2::jsonb, $3)"
+    "FROM idemq.apply_batch_fast($1::text[], $2::jsonb, $3)"
 
 static bool buf_reserve(struct ledger_txn *lt, size_t more)
 {
