@@ -1,7 +1,7 @@
 /*
- * ledger_txn: builds the batch document for idemq.apply_batch and calls the
- * ledger's SQL functions with parameters only (no SQL text is ever built
- * from message or config content).
+ * ledger_txn: calls the ledger's SQL functions with parameters only (no SQL
+ * text is ever built from message or config content); the batch document
+ * for idemq.apply_batch_fast comes from ledger_doc.
  */
 #include "ledger_txn.h"
 
@@ -10,67 +10,19 @@
 #include <string.h>
 
 #include "classify.h"
+#include "ledger_doc.h"
 #include "log.h"
 
 struct ledger_txn {
     PGconn *db;
     const struct conf *conf;
     char *effects; /* text[] literal of effect signatures, by input */
-    /* reusable batch document buffer */
-    char *buf;
-    size_t len, cap;
+    struct ledger_doc doc; /* reusable batch document */
 };
 
 #define APPLY_SQL                                                                           \
     "SELECT r_idx, r_outcome, r_attempt, r_sqlstate, r_message, r_started, r_finished "             \
     "FROM idemq.apply_batch_fast($1::text[], $2::jsonb, $3)"
-
-static bool buf_reserve(struct ledger_txn *lt, size_t more)
-{
-    if (lt->len + more + 1 > lt->cap) {
-        size_t cap = lt->cap ? lt->cap : 4096;
-        char *nb;
-        while (cap < lt->len + more + 1)
-            cap *= 2;
-        if (!(nb = realloc(lt->buf, cap)))
-            return false;
-        lt->buf = nb;
-        lt->cap = cap;
-    }
-    return true;
-}
-
-static bool buf_add(struct ledger_txn *lt, const char *s, size_t n)
-{
-    if (!buf_reserve(lt, n))
-        return false;
-    memcpy(lt->buf + lt->len, s, n);
-    lt->len += n;
-    lt->buf[lt->len] = '\0';
-    return true;
-}
-
-static bool buf_adds(struct ledger_txn *lt, const char *s) { return buf_add(lt, s, strlen(s)); }
-
-/* Appends v as compact JSON. */
-static bool buf_json(struct ledger_txn *lt, json_t *v)
-{
-    size_t n = json_dumpb(v, NULL, 0, JSON_COMPACT | JSON_ENCODE_ANY);
-    if (!n || !buf_reserve(lt, n))
-        return false;
-    json_dumpb(v, lt->buf + lt->len, n, JSON_COMPACT | JSON_ENCODE_ANY);
-    lt->len += n;
-    lt->buf[lt->len] = '\0';
-    return true;
-}
-
-static bool buf_jstr(struct ledger_txn *lt, const char *s)
-{
-    json_t *v = json_string(s);
-    bool ok = v && buf_json(lt, v);
-    json_decref(v);
-    return ok;
-}
 
 struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf, size_t errlen)
 {
@@ -82,6 +34,7 @@ struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf
         goto nomem;
     lt->db = db;
     lt->conf = c;
+    ledger_doc_init(&lt->doc);
     for (int i = 0; i < c->n_inputs; i++)
         need += strlen(c->inputs[i].effect_signature) + 3;
     if (!(lt->effects = malloc(need)))
@@ -113,7 +66,7 @@ void ledger_txn_free(struct ledger_txn *lt)
     if (!lt)
         return;
     free(lt->effects);
-    free(lt->buf);
+    ledger_doc_free(&lt->doc);
     free(lt);
 }
 
@@ -145,24 +98,6 @@ void ledger_txn_rollback(struct ledger_txn *lt)
         PQclear(PQexec(lt->db, "ROLLBACK"));
 }
 
-static bool add_meta(struct ledger_txn *lt, const struct job *j)
-{
-    const struct conf_input *in = &lt->conf->inputs[j->input];
-    json_t *m = json_pack("{s:s,s:s,s:s,s:b,s:O}", "queue", in->queue, "exchange", j->exchange,
-                          "routing_key", j->routing_key, "redelivered", j->redelivered,
-                          "headers", j->headers);
-    bool ok;
-    if (!m)
-        return false;
-    if (j->delivery_count >= 0)
-        json_object_set_new(m, "delivery_count", json_integer(j->delivery_count));
-    if (j->has_message_id)
-        json_object_set_new(m, "message_id", json_string(j->message_id));
-    ok = buf_json(lt, m);
-    json_decref(m);
-    return ok;
-}
-
 static void copy_field(char *dst, size_t n, const PGresult *res, int row, int col)
 {
     snprintf(dst, n, "%s", PQgetisnull(res, row, col) ? "" : PQgetvalue(res, row, col));
@@ -173,27 +108,17 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
 {
     const char *params[3];
     PGresult *r;
-    char num[16];
 
-    lt->len = 0;
-    if (!buf_adds(lt, "["))
-        goto nomem;
+    ledger_doc_begin(&lt->doc);
     for (int i = 0; i < n; i++) {
         const struct job *j = jobs[i];
         IDEMQ_ASSERT(j->decode_err == IDEMQ_OK && j->has_key);
-        snprintf(num, sizeof num, "%d", j->input + 1);
-        if (!buf_adds(lt, i ? ",{\"k\":" : "{\"k\":") || !buf_jstr(lt, j->key) ||
-            !buf_adds(lt, ",\"i\":") || !buf_adds(lt, num) || !buf_adds(lt, ",\"q\":") ||
-            !buf_jstr(lt, lt->conf->inputs[j->input].queue) || !buf_adds(lt, ",\"h\":\"") ||
-            !buf_adds(lt, j->sha256_hex) || !buf_adds(lt, "\",\"m\":") || !add_meta(lt, j) ||
-            !buf_adds(lt, ",\"p\":") || !buf_add(lt, (const char *)j->body, j->body_len) ||
-            !buf_adds(lt, "}"))
-            goto nomem;
+        ledger_doc_add_job(&lt->doc, j, &lt->conf->inputs[j->input], j->input);
     }
-    if (!buf_adds(lt, "]"))
+    if (!ledger_doc_end(&lt->doc))
         goto nomem;
     params[0] = lt->effects;
-    params[1] = lt->buf;
+    params[1] = lt->doc.buf;
     params[2] = lt->conf->consumer_id;
     r = PQexecPrepared(lt->db, "idemq_apply", 3, params, NULL, NULL, 0);
     if (PQresultStatus(r) != PGRES_TUPLES_OK) {
