@@ -18,6 +18,7 @@ struct ledger_txn {
     const struct conf *conf;
     char *effects; /* text[] literal of effect signatures, by input */
     struct ledger_doc doc; /* reusable batch document */
+    bool begin_pending;    /* BEGIN not sent yet: it goes with the next statement */
 };
 
 #define APPLY_SQL                                                                           \
@@ -72,13 +73,32 @@ void ledger_txn_free(struct ledger_txn *lt)
 
 idemq_err_t ledger_txn_begin(struct ledger_txn *lt, struct ledger_db_error *e)
 {
+    /* Sent with the transaction's first statement: pipelined with the apply
+     * call, that saves a round trip per batch. */
+    (void)e;
+    lt->begin_pending = true;
+    return IDEMQ_OK;
+}
+
+/* Sends a pending BEGIN on its own (before a statement that is not the
+ * pipelined apply call). */
+static idemq_err_t flush_begin(struct ledger_txn *lt, struct ledger_db_error *e)
+{
+    if (!lt->begin_pending)
+        return IDEMQ_OK;
+    lt->begin_pending = false;
     return ledger_db_exec(lt->db, "BEGIN", e);
 }
 
 idemq_err_t ledger_txn_commit(struct ledger_txn *lt, struct ledger_db_error *e)
 {
-    PGresult *res = PQexec(lt->db, "COMMIT");
+    PGresult *res;
     idemq_err_t err = IDEMQ_OK;
+    if (lt->begin_pending) { /* nothing was sent: nothing to commit */
+        lt->begin_pending = false;
+        return IDEMQ_OK;
+    }
+    res = PQexec(lt->db, "COMMIT");
     /* A COMMIT of an aborted transaction answers ROLLBACK without error. */
     if (PQresultStatus(res) != PGRES_COMMAND_OK || strcmp(PQcmdStatus(res), "COMMIT") != 0) {
         ledger_db_error_from(lt->db, res, e);
@@ -94,8 +114,57 @@ idemq_err_t ledger_txn_commit(struct ledger_txn *lt, struct ledger_db_error *e)
 
 void ledger_txn_rollback(struct ledger_txn *lt)
 {
+    if (lt->begin_pending) {
+        lt->begin_pending = false;
+        return;
+    }
     if (PQstatus(lt->db) == CONNECTION_OK)
         PQclear(PQexec(lt->db, "ROLLBACK"));
+}
+
+/*
+ * Runs the prepared apply call, with a pending BEGIN in the same pipeline
+ * (one round trip for both). Returns the apply call's result (the caller
+ * PQclears it; NULL only if the connection failed) or, when BEGIN itself
+ * failed, that error result.
+ */
+static PGresult *exec_apply(struct ledger_txn *lt, const char *const *params)
+{
+    PGresult *r, *out = NULL;
+    int nth = 0;
+
+    if (!lt->begin_pending)
+        return PQexecPrepared(lt->db, "idemq_apply", 3, params, NULL, NULL, 0);
+    lt->begin_pending = false;
+    if (!PQenterPipelineMode(lt->db) ||
+        !PQsendQueryParams(lt->db, "BEGIN", 0, NULL, NULL, NULL, NULL, 0) ||
+        !PQsendQueryPrepared(lt->db, "idemq_apply", 3, params, NULL, NULL, 0) ||
+        !PQpipelineSync(lt->db)) {
+        PQexitPipelineMode(lt->db);
+        return NULL;
+    }
+    /* Results: BEGIN, NULL, apply, NULL, then the sync. After an error the
+     * rest come as PGRES_PIPELINE_ABORTED; the first error is kept. */
+    for (;;) {
+        ExecStatusType st;
+        if (!(r = PQgetResult(lt->db))) {
+            if (PQstatus(lt->db) != CONNECTION_OK || ++nth > 2)
+                break;
+            continue;
+        }
+        st = PQresultStatus(r);
+        if (st == PGRES_PIPELINE_SYNC) {
+            PQclear(r);
+            break;
+        }
+        if (!out && (nth == 1 || (st != PGRES_COMMAND_OK && st != PGRES_PIPELINE_ABORTED))) {
+            out = r;
+        } else {
+            PQclear(r);
+        }
+    }
+    PQexitPipelineMode(lt->db);
+    return out;
 }
 
 static void copy_field(char *dst, size_t n, const PGresult *res, int row, int col)
@@ -120,7 +189,7 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
     params[0] = lt->effects;
     params[1] = lt->doc.buf;
     params[2] = lt->conf->consumer_id;
-    r = PQexecPrepared(lt->db, "idemq_apply", 3, params, NULL, NULL, 0);
+    r = exec_apply(lt, params);
     if (PQresultStatus(r) != PGRES_TUPLES_OK) {
         ledger_db_error_from(lt->db, r, e);
         PQclear(r);
@@ -168,8 +237,11 @@ static idemq_err_t exec_params(struct ledger_txn *lt, const char *sql, int n,
                                const char *const *vals, const int *lens, const int *fmts,
                                struct ledger_db_error *e)
 {
-    PGresult *r = PQexecParams(lt->db, sql, n, NULL, vals, lens, fmts, 0);
-    idemq_err_t err = IDEMQ_OK;
+    PGresult *r;
+    idemq_err_t err = flush_begin(lt, e);
+    if (err)
+        return err;
+    r = PQexecParams(lt->db, sql, n, NULL, vals, lens, fmts, 0);
     if (PQresultStatus(r) != PGRES_TUPLES_OK && PQresultStatus(r) != PGRES_COMMAND_OK) {
         ledger_db_error_from(lt->db, r, e);
         err = ledger_db_err(e);
