@@ -11,7 +11,7 @@
 
 /*
  * Logs one line (level info) of key=value pairs:
- *   perf: jobs=N busy_s=S jobs_per_s=R latency_p50_ms=A latency_p99_ms=B
+ *   perf: jobs=N batches=B busy_s=S jobs_per_s=R latency_p50_ms=A latency_p99_ms=B
  *         latency_max_ms=C cpu_s=U cpu_s_per_1000=V peak_rss_kib=M
  * Call from the main thread after every worker in ws[0..n) returned.
  */

@@ -226,6 +226,39 @@ START_TEST(test_batch_plain_duplicates)
 }
 END_TEST
 
+/*
+ * consumer.max_rate: one token bucket shared by the workers. 80 jobs at 40
+ * jobs/s over 2 workers are applied over about two seconds, not at once.
+ */
+START_TEST(test_rate_gate)
+{
+    struct itest t;
+    enum { N = 80 };
+    char bodies_buf[N][256], k[128];
+    const char *bodies[N];
+    long spread_ms;
+
+    itest_setup(&t, "rate", "idemq_test.record", "workers = 2; max_rate = 40;", "");
+    for (int i = 0; i < N; i++) {
+        snprintf(k, sizeof k, "%s:k%02d", t.name, i);
+        body(bodies_buf[i], sizeof bodies_buf[i], k, NULL);
+        bodies[i] = bodies_buf[i];
+    }
+    itest_publish(&t, bodies, N);
+    itest_run_until_idle(&t, 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE "
+                                    "$1 || ':%'",
+                                t.name),
+                     N);
+    /* (80 - a burst of 3) / 40 per second = 1.9 s at least. */
+    spread_ms = itest_long(&t, "SELECT (extract(epoch FROM max(created_at) - min(created_at)) "
+                               "* 1000)::bigint FROM idemq_test.effects WHERE key LIKE $1 || ':%'",
+                           t.name);
+    ck_assert_msg(spread_ms >= 1700, "80 jobs at max_rate 40 took only %ld ms", spread_ms);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("batch");
@@ -236,6 +269,7 @@ int main(void)
     tcase_add_test(tc, test_batch_isolation);
     tcase_add_test(tc, test_batch_crash_before_commit);
     tcase_add_test(tc, test_batch_plain_duplicates);
+    tcase_add_test(tc, test_rate_gate);
     suite_add_tcase(s, tc);
     sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
