@@ -51,7 +51,7 @@ static const struct conf_key global_keys[] = {
      "statement_timeout of each worker session (0 = none)"},
     {"consumer.workers", CT_INT, G(workers), 1, 64, NULL, 1, 0,
      "worker threads, each with its own AMQP and PostgreSQL connection"},
-    {"consumer.batch_max", CT_INT, G(batch_max), 1, 10000, NULL, 250, 0,
+    {"consumer.batch_max", CT_INT, G(batch_max), 1, 10000, NULL, 100, 0,
      "deliveries claimed and committed in one transaction at most"},
     {"consumer.batch_wait_ms", CT_INT, G(batch_wait_ms), 0, 10000, NULL, 5, 0,
      "how long a worker waits to fill a batch after its first delivery"},
