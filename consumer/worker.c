@@ -28,6 +28,7 @@
 #define POLL_MS 200       /* longest wait between stop/idle checks */
 #define BATCH_RETRIES 3   /* whole-batch transient failures retried in place */
 #define PAUSE_MAX_MS 30000
+#define FILL_TICK_MS 1    /* sleep step while a batch fills */
 
 enum settle { SETTLE_ACK = 0, SETTLE_REQUEUE };
 
@@ -398,13 +399,18 @@ static enum step collect(struct session *s, int wait_ms)
     long long fill_deadline = 0;
     s->n = 0;
     while (s->n < s->batch_limit) {
-        int t = s->n == 0 ? wait_ms : (int)(fill_deadline - now_ms());
-        idemq_err_t err;
-        if (t < 0)
-            t = 0;
-        err = broker_next(s->b, &s->jobs[s->n], t);
-        if (err == IDEMQ_ERR_TIMEOUT)
-            break;
+        /* After the first delivery, take what has arrived and sleep in
+         * FILL_TICK_MS steps until the deadline: one wake-up per tick, not
+         * one per delivery. */
+        idemq_err_t err = broker_next(s->b, &s->jobs[s->n], s->n == 0 ? wait_ms : 0);
+        if (err == IDEMQ_ERR_TIMEOUT) {
+            long long left = s->n ? fill_deadline - now_ms() : 0;
+            if (left <= 0)
+                break;
+            struct timespec ts = {0, (left < FILL_TICK_MS ? left : FILL_TICK_MS) * 1000000L};
+            nanosleep(&ts, NULL);
+            continue;
+        }
         if (err) {
             snprintf(s->why, sizeof s->why, "%s", broker_error(s->b));
             return STEP_BROKER;
