@@ -17,9 +17,9 @@
 #include "classify.h"
 #include "effect_sql.h"
 #include "job.h"
+#include "latency.h"
 #include "ledger_db.h"
 #include "ledger_migrate.h"
-#include "latency.h"
 #include "ledger_txn.h"
 #include "log.h"
 #include "rate_gate.h"
@@ -405,9 +405,10 @@ static enum step collect(struct session *s, int wait_ms)
         idemq_err_t err = broker_next(s->b, &s->jobs[s->n], s->n == 0 ? wait_ms : 0);
         if (err == IDEMQ_ERR_TIMEOUT) {
             long long left = s->n ? fill_deadline - now_ms() : 0;
+            struct timespec ts = {0, 0};
             if (left <= 0)
                 break;
-            struct timespec ts = {0, (left < FILL_TICK_MS ? left : FILL_TICK_MS) * 1000000L};
+            ts.tv_nsec = (left < FILL_TICK_MS ? left : FILL_TICK_MS) * 1000000L;
             nanosleep(&ts, NULL);
             continue;
         }
@@ -446,7 +447,8 @@ static void gate_wait(struct session *s)
         nap((long)((wait_ns + 999999) / 1000000));
 }
 
-/* Records delivery -> ack of a settled batch s->jobs[0..n). */
+/* Records delivery -> settlement (the ack, or the requeue of a transient
+ * failure) of a batch s->jobs[0..n) that process_batch settled. */
 static void note_acked(struct session *s)
 {
     long long now = now_ns();
