@@ -83,6 +83,7 @@ struct conf {
     int workers;
     int batch_max;
     int batch_wait_ms;
+    int max_rate; /* jobs/s over all workers; 0 = no limit */
     char *consumer_id;
     /* retry */
     int max_attempts;

@@ -7,6 +7,7 @@
 
 #include <inttypes.h>
 #include <openssl/evp.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -204,6 +205,33 @@ static idemq_err_t key_from_envelope(struct job *j, const struct conf_input *in)
     return err;
 }
 
+/* SHA-256, fetched once per process: an implicit fetch by EVP_sha256()
+ * on every digest costs more than hashing a small body. Never freed (it
+ * stays reachable through this pointer). */
+static EVP_MD *sha256_md;
+static pthread_once_t sha256_once = PTHREAD_ONCE_INIT;
+
+static void sha256_fetch(void) { sha256_md = EVP_MD_fetch(NULL, "SHA256", NULL); }
+
+/* Writes the lowercase hex SHA-256 of body into out[65]; "" on failure. */
+static void sha256_hex(const unsigned char *body, size_t len, char out[65])
+{
+    static const char hex[] = "0123456789abcdef";
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int mdlen = 0;
+
+    out[0] = '\0';
+    pthread_once(&sha256_once, sha256_fetch);
+    if (EVP_Digest(body, len, md, &mdlen, sha256_md ? sha256_md : EVP_sha256(), NULL) != 1 ||
+        mdlen != 32)
+        return;
+    for (unsigned int i = 0; i < 32; i++) {
+        out[2 * i] = hex[md[i] >> 4];
+        out[2 * i + 1] = hex[md[i] & 15];
+    }
+    out[64] = '\0';
+}
+
 idemq_err_t job_decode(struct job *j, const struct conf_input *in)
 {
     json_error_t jerr;
@@ -211,15 +239,9 @@ idemq_err_t job_decode(struct job *j, const struct conf_input *in)
     idemq_err_t body_err = IDEMQ_OK, key_err = IDEMQ_OK;
     char body_reason[sizeof j->reason] = "";
 
-    unsigned char md[EVP_MAX_MD_SIZE];
-    unsigned int mdlen = 0;
-
     j->has_key = false;
     j->key[0] = '\0';
-    j->sha256_hex[0] = '\0';
-    if (EVP_Digest(j->body, j->body_len, md, &mdlen, EVP_sha256(), NULL) == 1)
-        for (unsigned int i = 0; i < mdlen && i < 32; i++)
-            snprintf(j->sha256_hex + 2 * i, 3, "%02x", md[i]);
+    sha256_hex(j->body, j->body_len, j->sha256_hex);
     if (j->body_len > (size_t)in->max_body_bytes) {
         body_err = IDEMQ_ERR_BODY_TOO_LARGE;
         snprintf(body_reason, sizeof body_reason, "body is %zu bytes, max_body_bytes is %d",

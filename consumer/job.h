@@ -26,6 +26,7 @@ struct job {
     bool redelivered;
     int delivery_count; /* x-delivery-count of quorum queues; -1 if absent */
     int input;          /* index into conf->inputs */
+    long long received_ns; /* CLOCK_MONOTONIC when the worker took it */
     char exchange[JOB_SHORTSTR];
     char routing_key[JOB_SHORTSTR];
     char message_id[JOB_SHORTSTR];

@@ -17,6 +17,8 @@
 #include "ledger_db.h"
 #include "ledger_migrate.h"
 #include "log.h"
+#include "rate_gate.h"
+#include "run_report.h"
 #include "metrics.h"
 #include "ops.h"
 #include "topology.h"
@@ -260,26 +262,31 @@ static int preflight(const struct conf *c)
 static int cmd_run(const struct conf *c, long until_idle_s)
 {
     struct worker *ws;
+    struct rate_gate *gate = NULL;
     struct metrics_server *metrics = NULL;
     long applied = 0, dups = 0, parked = 0, retried = 0, received = 0;
     int rc = preflight(c);
 
     if (rc)
         return rc;
-    if (!(ws = calloc((size_t)c->workers, sizeof *ws))) {
+    if (!(ws = calloc((size_t)c->workers, sizeof *ws)) ||
+        (c->max_rate > 0 && !(gate = rate_gate_new(c->max_rate, c->max_rate / 20 + 1)))) {
         log_error("out of memory");
+        free(ws);
         return EXIT_RUNTIME;
     }
     log_info("idemq %s: %d worker(s), %d input(s), batch_max %d, consumer %s", IDEMQ_VERSION,
              c->workers, c->n_inputs, c->batch_max, c->consumer_id);
     for (int i = 0; i < c->workers; i++) {
         worker_init(&ws[i], i, c, (int)(until_idle_s * 1000));
+        ws[i].gate = gate;
         if (pthread_create(&ws[i].thread, NULL, worker_thread, &ws[i]) != 0) {
             log_error("cannot start worker thread %d", i);
             sig_request_stop();
             for (int k = 0; k < i; k++)
                 pthread_join(ws[k].thread, NULL);
             free(ws);
+            rate_gate_free(gate);
             return EXIT_RUNTIME;
         }
     }
@@ -304,10 +311,12 @@ static int cmd_run(const struct conf *c, long until_idle_s)
     }
     log_info("stopped: received %ld, applied %ld, duplicates %ld, retried %ld, parked %ld",
              received, applied, dups, retried, parked);
+    run_report_log(ws, c->workers);
     metrics_stop(metrics);
     for (int i = 0; i < c->workers; i++)
         worker_destroy(&ws[i]);
     free(ws);
+    rate_gate_free(gate);
     return rc;
 }
 

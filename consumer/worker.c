@@ -19,12 +19,14 @@
 #include "effect_sql.h"
 #include "job.h"
 #include "lane.h"
+#include "latency.h"
 #include "ledger_db.h"
 #include "ledger_lanes.h"
 #include "ledger_migrate.h"
 #include "ledger_txn.h"
 #include "log.h"
 #include "republish.h"
+#include "rate_gate.h"
 #include "sig.h"
 #include "topology.h"
 
@@ -35,6 +37,7 @@
 #define DRAIN_MS 1000     /* ordered lanes: look for deferred jobs at least this often */
 #define DRAIN_ROUNDS 8    /* drain transactions per loop iteration at most */
 #define REPORT_MS 1000    /* ordered lanes: report old deferred jobs this often */
+#define FILL_TICK_MS 1    /* sleep step while a batch fills */
 
 /* What happens to a delivery once its transaction committed. */
 enum settle {
@@ -85,6 +88,7 @@ struct session {
     struct plan *plans;
     long long *park_ids;
     int n;
+    int batch_limit; /* batch_max, or less under consumer.max_rate */
     uint64_t rng;
     /* ordered lanes */
     struct lane_set *lanes;
@@ -101,6 +105,13 @@ static long long now_ms(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static long long now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
 /* Sleeps up to ms, waking early on a stop request. */
@@ -706,22 +717,31 @@ static void note_age(struct worker *w, const struct job *j)
  * then up to batch_wait_ms for the rest. */
 static enum step collect(struct session *s, int wait_ms)
 {
+    /* s->n may start above 0: held deliveries of lanes whose wait is over */
     long long fill_deadline = s->n ? now_ms() + s->c->batch_wait_ms : 0;
     long long first_deadline = now_ms() + wait_ms;
-    /* s->n may start above 0: held deliveries of lanes whose wait is over */
-    while (s->n < s->c->batch_max) {
-        int t = (int)((s->n == 0 ? first_deadline : fill_deadline) - now_ms());
-        idemq_err_t err;
-        if (t < 0)
-            t = 0;
-        err = broker_next(s->b, &s->jobs[s->n], t);
-        if (err == IDEMQ_ERR_TIMEOUT)
-            break;
+    while (s->n < s->batch_limit) {
+        /* After the first delivery, take what has arrived and sleep in
+         * FILL_TICK_MS steps until the deadline: one wake-up per tick, not
+         * one per delivery. */
+        long long first_left = first_deadline - now_ms();
+        idemq_err_t err = broker_next(s->b, &s->jobs[s->n],
+                                      s->n == 0 ? (int)(first_left > 0 ? first_left : 0) : 0);
+        if (err == IDEMQ_ERR_TIMEOUT) {
+            long long left = s->n ? fill_deadline - now_ms() : 0;
+            struct timespec ts = {0, 0};
+            if (left <= 0)
+                break;
+            ts.tv_nsec = (left < FILL_TICK_MS ? left : FILL_TICK_MS) * 1000000L;
+            nanosleep(&ts, NULL);
+            continue;
+        }
         if (err) {
             snprintf(s->why, sizeof s->why, "%s", broker_error(s->b));
             return STEP_BROKER;
         }
         atomic_fetch_add(&s->w->stats.received, 1);
+        s->jobs[s->n].received_ns = now_ns();
         if (lane_blocked(s->lanes, &s->jobs[s->n], now_ms())) {
             /* its lane waits: keep it behind the lane's earlier deliveries */
             if (lane_append(s->lanes, &s->jobs[s->n])) {
@@ -781,6 +801,42 @@ static enum step lanes_housekeeping(struct session *s)
     return st;
 }
 
+/* ---- throughput (issue 5): shared rate gate, delivery -> ack latency ---- */
+
+/* Largest batch under consumer.max_rate: about 50 ms worth of jobs, so the
+ * wait for one batch's tokens stays short (and heartbeats stay serviced). */
+static int batch_limit(const struct conf *c)
+{
+    int lim = c->max_rate > 0 ? c->max_rate / 20 : c->batch_max;
+    return lim < 1 ? 1 : lim > c->batch_max ? c->batch_max : lim;
+}
+
+/* Waits until the shared gate grants the collected batch (wakes on stop:
+ * the batch in flight is then still processed, as a drain). */
+static void gate_wait(struct session *s)
+{
+    int64_t wait_ns;
+    if (!s->w->gate || s->n == 0)
+        return;
+    wait_ns = rate_gate_reserve(s->w->gate, s->n, now_ns());
+    if (wait_ns > 0)
+        nap((long)((wait_ns + 999999) / 1000000));
+}
+
+/* Records delivery -> settlement (the ack, or the requeue of a transient
+ * failure) of a batch s->jobs[0..n) that process_batch settled. */
+static void note_acked(struct session *s)
+{
+    long long now = now_ns();
+    for (int i = 0; i < s->n; i++)
+        if (s->jobs[i].received_ns) /* 0: held in its lane (moved out), not settled yet */
+            latency_record(&s->w->latency, (uint64_t)(now - s->jobs[i].received_ns) / 1000u);
+    if (s->jobs[0].received_ns &&
+        (!s->w->first_delivery_ns || s->jobs[0].received_ns < s->w->first_delivery_ns))
+        s->w->first_delivery_ns = s->jobs[0].received_ns;
+    s->w->last_ack_ns = now;
+}
+
 static bool session_alloc(struct session *s)
 {
     int m = s->c->batch_max;
@@ -826,6 +882,7 @@ idemq_err_t worker_run(struct worker *w)
     s.w = w;
     s.c = w->conf;
     s.rng = (uint64_t)now_ms() * 2654435761u + (uint64_t)w->id + 1;
+    s.batch_limit = batch_limit(s.c);
     if (crash && strcmp(crash, "after_commit") == 0)
         s.crash = CRASH_AFTER_COMMIT;
     else if (crash && strcmp(crash, "before_commit") == 0)
@@ -852,7 +909,7 @@ idemq_err_t worker_run(struct worker *w)
         {
             long long now = now_ms(), ready;
             int wait = POLL_MS;
-            s.n = lane_take_ready(s.lanes, s.jobs, s.c->batch_max, now);
+            s.n = lane_take_ready(s.lanes, s.jobs, s.batch_limit, now);
             ready = lane_next_ready(s.lanes);
             if (ready && ready - now < wait)
                 wait = ready > now ? (int)(ready - now) : 0;
@@ -860,7 +917,10 @@ idemq_err_t worker_run(struct worker *w)
         }
         if (st == STEP_OK && s.n > 0) {
             last_delivery = now_ms();
+            gate_wait(&s);
             st = process_batch(&s);
+            if (st == STEP_OK)
+                note_acked(&s);
         }
         if (st == STEP_OK)
             st = lanes_housekeeping(&s);

@@ -19,6 +19,8 @@
 
 #include "conf.h"
 #include "idemq_err.h"
+#include "latency.h"
+#include "rate_gate.h"
 
 struct worker_stats {
     atomic_long received;
@@ -37,6 +39,12 @@ struct worker {
     const struct conf *conf;
     int until_idle_ms; /* > 0: return once no delivery came for this long */
     struct worker_stats stats;
+    /* throughput (issue 5): set gate after worker_init to share one rate
+     * limit; the rest is written by the worker, read after it returned. */
+    struct rate_gate *gate;         /* shared by all workers; NULL = no limit */
+    struct latency_hist latency;    /* delivery -> ack of every acked delivery */
+    long long first_delivery_ns;    /* busy window (CLOCK_MONOTONIC), 0 = none */
+    long long last_ack_ns;
     idemq_err_t result; /* set when worker_run returns */
     char error[512];
     pthread_t thread;

@@ -1,7 +1,7 @@
 /*
- * ledger_txn: builds the batch document for idemq.apply_batch and calls the
- * ledger's SQL functions with parameters only (no SQL text is ever built
- * from message or config content).
+ * ledger_txn: calls the ledger's SQL functions with parameters only (no SQL
+ * text is ever built from message or config content); the batch document
+ * for idemq.apply_batch_fast comes from ledger_doc.
  */
 #include "ledger_txn.h"
 
@@ -10,75 +10,25 @@
 #include <string.h>
 
 #include "classify.h"
+#include "ledger_doc.h"
 #include "log.h"
 
 struct ledger_txn {
     PGconn *db;
     const struct conf *conf;
     char *effects; /* text[] literal of effect signatures, by input */
-    /* reusable batch document buffer */
-    char *buf;
-    size_t len, cap;
+    struct ledger_doc doc; /* reusable batch document */
+    bool begin_pending;    /* BEGIN not sent yet: it goes with the next statement */
 };
 
-#define APPLY_SQL                                                                           \
+/* The set-based path for plain batches of standard inputs, and the isolating
+ * path that owns everything else (ordered lanes, deferred jobs); see
+ * ledger/functions_batch.sql and ledger/functions.sql. */
+#define APPLY_COLUMNS                                                                       \
     "SELECT r_idx, r_outcome, r_attempt, r_base, r_sqlstate, r_message, r_started, "        \
-    "r_finished, r_delay_ms, r_park FROM idemq.apply_batch($1::text[], $2::jsonb, $3)"
-
-static bool buf_reserve(struct ledger_txn *lt, size_t more)
-{
-    if (lt->len + more + 1 > lt->cap) {
-        size_t cap = lt->cap ? lt->cap : 4096;
-        char *nb;
-        while (cap < lt->len + more + 1)
-            cap *= 2;
-        if (!(nb = realloc(lt->buf, cap)))
-            return false;
-        lt->buf = nb;
-        lt->cap = cap;
-    }
-    return true;
-}
-
-static bool buf_add(struct ledger_txn *lt, const char *s, size_t n)
-{
-    if (!buf_reserve(lt, n))
-        return false;
-    memcpy(lt->buf + lt->len, s, n);
-    lt->len += n;
-    lt->buf[lt->len] = '\0';
-    return true;
-}
-
-static bool buf_adds(struct ledger_txn *lt, const char *s) { return buf_add(lt, s, strlen(s)); }
-
-/* Appends v as compact JSON. */
-static bool buf_json(struct ledger_txn *lt, json_t *v)
-{
-    size_t n = json_dumpb(v, NULL, 0, JSON_COMPACT | JSON_ENCODE_ANY);
-    if (!n || !buf_reserve(lt, n))
-        return false;
-    json_dumpb(v, lt->buf + lt->len, n, JSON_COMPACT | JSON_ENCODE_ANY);
-    lt->len += n;
-    lt->buf[lt->len] = '\0';
-    return true;
-}
-
-static bool buf_jstr(struct ledger_txn *lt, const char *s)
-{
-    json_t *v = json_string(s);
-    bool ok = v && buf_json(lt, v);
-    json_decref(v);
-    return ok;
-}
-
-static bool buf_jstr_prefixed(struct ledger_txn *lt, const char *prefix, const char *s)
-{
-    json_t *v = json_sprintf("%s%s", prefix, s);
-    bool ok = v && buf_json(lt, v);
-    json_decref(v);
-    return ok;
-}
+    "r_finished, r_delay_ms, r_park FROM "
+#define APPLY_FAST_SQL APPLY_COLUMNS "idemq.apply_batch_fast($1::text[], $2::jsonb, $3)"
+#define APPLY_SQL APPLY_COLUMNS "idemq.apply_batch($1::text[], $2::jsonb, $3)"
 
 struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf, size_t errlen)
 {
@@ -90,6 +40,7 @@ struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf
         goto nomem;
     lt->db = db;
     lt->conf = c;
+    ledger_doc_init(&lt->doc);
     for (int i = 0; i < c->n_inputs; i++)
         need += strlen(c->inputs[i].effect_signature) + 3;
     if (!(lt->effects = malloc(need)))
@@ -102,6 +53,10 @@ struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf
     }
     strcat(lt->effects, "}");
     res = PQprepare(db, "idemq_apply", APPLY_SQL, 3, NULL);
+    if (PQresultStatus(res) == PGRES_COMMAND_OK) {
+        PQclear(res);
+        res = PQprepare(db, "idemq_apply_fast", APPLY_FAST_SQL, 3, NULL);
+    }
     if (PQresultStatus(res) != PGRES_COMMAND_OK) {
         snprintf(errbuf, errlen, "cannot prepare the apply statement: %s", PQerrorMessage(db));
         PQclear(res);
@@ -121,19 +76,38 @@ void ledger_txn_free(struct ledger_txn *lt)
     if (!lt)
         return;
     free(lt->effects);
-    free(lt->buf);
+    ledger_doc_free(&lt->doc);
     free(lt);
 }
 
 idemq_err_t ledger_txn_begin(struct ledger_txn *lt, struct ledger_db_error *e)
 {
+    /* Sent with the transaction's first statement: pipelined with the apply
+     * call, that saves a round trip per batch. */
+    (void)e;
+    lt->begin_pending = true;
+    return IDEMQ_OK;
+}
+
+/* Sends a pending BEGIN on its own (before a statement that is not the
+ * pipelined apply call). */
+static idemq_err_t flush_begin(struct ledger_txn *lt, struct ledger_db_error *e)
+{
+    if (!lt->begin_pending)
+        return IDEMQ_OK;
+    lt->begin_pending = false;
     return ledger_db_exec(lt->db, "BEGIN", e);
 }
 
 idemq_err_t ledger_txn_commit(struct ledger_txn *lt, struct ledger_db_error *e)
 {
-    PGresult *res = PQexec(lt->db, "COMMIT");
+    PGresult *res;
     idemq_err_t err = IDEMQ_OK;
+    if (lt->begin_pending) { /* nothing was sent: nothing to commit */
+        lt->begin_pending = false;
+        return IDEMQ_OK;
+    }
+    res = PQexec(lt->db, "COMMIT");
     /* A COMMIT of an aborted transaction answers ROLLBACK without error. */
     if (PQresultStatus(res) != PGRES_COMMAND_OK || strcmp(PQcmdStatus(res), "COMMIT") != 0) {
         ledger_db_error_from(lt->db, res, e);
@@ -149,57 +123,57 @@ idemq_err_t ledger_txn_commit(struct ledger_txn *lt, struct ledger_db_error *e)
 
 void ledger_txn_rollback(struct ledger_txn *lt)
 {
+    if (lt->begin_pending) {
+        lt->begin_pending = false;
+        return;
+    }
     if (PQstatus(lt->db) == CONNECTION_OK)
         PQclear(PQexec(lt->db, "ROLLBACK"));
 }
 
-static bool add_meta(struct ledger_txn *lt, const struct job *j)
+/*
+ * Runs the prepared apply call, with a pending BEGIN in the same pipeline
+ * (one round trip for both). Returns the apply call's result (the caller
+ * PQclears it; NULL only if the connection failed) or, when BEGIN itself
+ * failed, that error result.
+ */
+static PGresult *exec_apply(struct ledger_txn *lt, const char *stmt, const char *const *params)
 {
-    const struct conf_input *in = &lt->conf->inputs[j->input];
-    json_t *m = json_pack("{s:s,s:s,s:s,s:b,s:O}", "queue", in->queue, "exchange", j->exchange,
-                          "routing_key", j->routing_key, "redelivered", j->redelivered,
-                          "headers", j->headers);
-    bool ok;
-    if (!m)
-        return false;
-    if (j->delivery_count >= 0)
-        json_object_set_new(m, "delivery_count", json_integer(j->delivery_count));
-    if (j->has_message_id)
-        json_object_set_new(m, "message_id", json_string(j->message_id));
-    ok = buf_json(lt, m);
-    json_decref(m);
-    return ok;
-}
+    PGresult *r, *out = NULL;
+    int nth = 0;
 
-/* Ordered lanes: the job's lane, ordering key, sequence and deferred id. A
- * delivery's lane is "<input>:<partition>"; a job taken from idemq.deferred
- * is held behind a failed job of its ordering key instead. */
-static bool add_lane(struct ledger_txn *lt, const struct job *j)
-{
-    char num[64];
-    if (!j->has_order_key && j->lane < 0)
-        return true;
-    if (j->deferred_id > 0 && j->has_order_key) {
-        if (!buf_adds(lt, ",\"l\":") || !buf_jstr_prefixed(lt, "o:", j->order_key))
-            return false;
-    } else if (j->lane >= 0) {
-        snprintf(num, sizeof num, ",\"l\":\"%d:%d\"", j->input, j->lane);
-        if (!buf_adds(lt, num))
-            return false;
+    if (!lt->begin_pending)
+        return PQexecPrepared(lt->db, stmt, 3, params, NULL, NULL, 0);
+    lt->begin_pending = false;
+    if (!PQenterPipelineMode(lt->db) ||
+        !PQsendQueryParams(lt->db, "BEGIN", 0, NULL, NULL, NULL, NULL, 0) ||
+        !PQsendQueryPrepared(lt->db, stmt, 3, params, NULL, NULL, 0) ||
+        !PQpipelineSync(lt->db)) {
+        PQexitPipelineMode(lt->db);
+        return NULL;
     }
-    if (j->has_order_key && (!buf_adds(lt, ",\"o\":") || !buf_jstr(lt, j->order_key)))
-        return false;
-    if (j->has_seq) {
-        snprintf(num, sizeof num, ",\"s\":%lld", j->seq);
-        if (!buf_adds(lt, num))
-            return false;
+    /* Results: BEGIN, NULL, apply, NULL, then the sync. After an error the
+     * rest come as PGRES_PIPELINE_ABORTED; the first error is kept. */
+    for (;;) {
+        ExecStatusType st;
+        if (!(r = PQgetResult(lt->db))) {
+            if (PQstatus(lt->db) != CONNECTION_OK || ++nth > 2)
+                break;
+            continue;
+        }
+        st = PQresultStatus(r);
+        if (st == PGRES_PIPELINE_SYNC) {
+            PQclear(r);
+            break;
+        }
+        if (!out && (nth == 1 || (st != PGRES_COMMAND_OK && st != PGRES_PIPELINE_ABORTED))) {
+            out = r;
+        } else {
+            PQclear(r);
+        }
     }
-    if (j->deferred_id > 0) {
-        snprintf(num, sizeof num, ",\"d\":true,\"di\":%lld", j->deferred_id);
-        if (!buf_adds(lt, num))
-            return false;
-    }
-    return true;
+    PQexitPipelineMode(lt->db);
+    return out;
 }
 
 static void copy_field(char *dst, size_t n, const PGresult *res, int row, int col)
@@ -212,29 +186,22 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
 {
     const char *params[3];
     PGresult *r;
-    char num[16];
+    bool plain = true; /* no ordered-lane job: the set-based path may take it */
 
-    lt->len = 0;
-    if (!buf_adds(lt, "["))
-        goto nomem;
+    ledger_doc_begin(&lt->doc);
     for (int i = 0; i < n; i++) {
         const struct job *j = jobs[i];
         IDEMQ_ASSERT(j->decode_err == IDEMQ_OK && j->has_key);
-        snprintf(num, sizeof num, "%d", j->input + 1);
-        if (!buf_adds(lt, i ? ",{\"k\":" : "{\"k\":") || !buf_jstr(lt, j->key) ||
-            !buf_adds(lt, ",\"i\":") || !buf_adds(lt, num) || !buf_adds(lt, ",\"q\":") ||
-            !buf_jstr(lt, lt->conf->inputs[j->input].queue) || !buf_adds(lt, ",\"h\":\"") ||
-            !buf_adds(lt, j->sha256_hex) || !buf_adds(lt, "\",\"m\":") || !add_meta(lt, j) ||
-            !buf_adds(lt, ",\"p\":") || !buf_add(lt, (const char *)j->body, j->body_len) ||
-            !add_lane(lt, j) || !buf_adds(lt, "}"))
-            goto nomem;
+        ledger_doc_add_job(&lt->doc, j, &lt->conf->inputs[j->input], j->input);
+        if (j->lane >= 0 || j->has_order_key || j->deferred_id > 0)
+            plain = false;
     }
-    if (!buf_adds(lt, "]"))
+    if (!ledger_doc_end(&lt->doc))
         goto nomem;
     params[0] = lt->effects;
-    params[1] = lt->buf;
+    params[1] = lt->doc.buf;
     params[2] = lt->conf->consumer_id;
-    r = PQexecPrepared(lt->db, "idemq_apply", 3, params, NULL, NULL, 0);
+    r = exec_apply(lt, plain ? "idemq_apply_fast" : "idemq_apply", params);
     if (PQresultStatus(r) != PGRES_TUPLES_OK) {
         ledger_db_error_from(lt->db, r, e);
         PQclear(r);
@@ -298,8 +265,11 @@ static idemq_err_t exec_params(struct ledger_txn *lt, const char *sql, int n,
                                const char *const *vals, const int *lens, const int *fmts,
                                json_t **out, struct ledger_db_error *e)
 {
-    PGresult *r = PQexecParams(lt->db, sql, n, NULL, vals, lens, fmts, 0);
-    idemq_err_t err = IDEMQ_OK;
+    PGresult *r;
+    idemq_err_t err = flush_begin(lt, e);
+    if (err)
+        return err;
+    r = PQexecParams(lt->db, sql, n, NULL, vals, lens, fmts, 0);
     if (PQresultStatus(r) != PGRES_TUPLES_OK && PQresultStatus(r) != PGRES_COMMAND_OK) {
         ledger_db_error_from(lt->db, r, e);
         err = ledger_db_err(e);

@@ -61,6 +61,9 @@ struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf
 /* Frees lt (not the connection). NULL is fine. */
 void ledger_txn_free(struct ledger_txn *lt);
 
+/* Opens a transaction. BEGIN is not sent at once: it goes out with the
+ * transaction's first statement (pipelined with ledger_txn_apply, one round
+ * trip for both), so its failure shows up as that statement's. */
 idemq_err_t ledger_txn_begin(struct ledger_txn *lt, struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 idemq_err_t ledger_txn_commit(struct ledger_txn *lt, struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 /* Rolls back; harmless when no transaction is open or the connection is gone. */

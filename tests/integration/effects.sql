@@ -9,6 +9,9 @@ CREATE TABLE IF NOT EXISTS idemq_test.effects (
     created_at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 CREATE INDEX IF NOT EXISTS effects_key_idx ON idemq_test.effects (key);
+-- The top-level transaction that ran the effect (txid_current() is the
+-- parent's id even inside a subtransaction): which jobs committed together.
+ALTER TABLE idemq_test.effects ADD COLUMN IF NOT EXISTS txid bigint DEFAULT txid_current();
 
 -- Keys listed here fail with their SQLSTATE until the row is deleted (a
 -- cause that an operator fixes).

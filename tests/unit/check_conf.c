@@ -80,7 +80,7 @@ START_TEST(test_defaults_and_derived)
     unsetenv("IDEMQ_PG_DSN");
     ck_assert_int_eq(conf_load(CASES "/good_minimal.cfg", &c, err, sizeof err), IDEMQ_OK);
     ck_assert_int_eq(c->heartbeat, 30);
-    ck_assert_int_eq(c->prefetch, 256);
+    ck_assert_int_eq(c->prefetch, 1000);
     ck_assert_int_eq(c->workers, 1);
     ck_assert_int_eq(c->urls.n, 1);
     ck_assert_int_eq(c->inputs[0].max_body_bytes, 262144);

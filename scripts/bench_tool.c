@@ -1,0 +1,305 @@
+/*
+ * idemq-bench: the C helper of scripts/bench. It publishes benchmark jobs
+ * (persistent, confirmed, optionally at a fixed rate), drains a queue with a
+ * consumer that only acknowledges (the broker-only ceiling: same adapter,
+ * same prefetch, no database), and reads a queue's message count. It reuses
+ * idemq's own AMQP adapter (adapters/broker.h) and config loader.
+ *
+ *   idemq-bench publish -c CFG -n N --run ID [--dup-pct P] [--rate R]
+ *   idemq-bench drain   -c CFG -n N [--batch B]
+ *   idemq-bench count   -c CFG
+ *   idemq-bench reset   -c CFG      (delete the input's queue, declare it again)
+ *
+ * Output is one line of key=value pairs on stdout, for the script to read.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "broker.h"
+#include "topology.h"
+#include "conf.h"
+#include "job.h"
+#include "log.h"
+
+#define CONFIRM_WINDOW 1000 /* publishes between two confirm waits */
+#define BODY_TARGET 200     /* approximate body size in bytes */
+
+struct opts {
+    const char *cmd;
+    const char *config;
+    const char *run;
+    long n;
+    int dup_pct;
+    double rate;
+    int batch;
+};
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static void sleep_until(double t)
+{
+    double left = t - now_s();
+    if (left > 0) {
+        struct timespec ts = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static void usage(void)
+{
+    fprintf(stderr, "usage: idemq-bench publish -c CFG -n N --run ID [--dup-pct P] [--rate R]\n"
+                    "       idemq-bench drain -c CFG -n N [--batch B]\n"
+                    "       idemq-bench count -c CFG\n"
+                    "       idemq-bench reset -c CFG\n");
+}
+
+static int parse(int argc, char **argv, struct opts *o)
+{
+    static const struct option longopts[] = {
+        {"config", required_argument, NULL, 'c'}, {"jobs", required_argument, NULL, 'n'},
+        {"run", required_argument, NULL, 'r'},    {"dup-pct", required_argument, NULL, 'd'},
+        {"rate", required_argument, NULL, 'R'},   {"batch", required_argument, NULL, 'b'},
+        {NULL, 0, NULL, 0}};
+    int c;
+    char *end;
+
+    memset(o, 0, sizeof *o);
+    o->dup_pct = 10;
+    o->batch = 100;
+    while ((c = getopt_long(argc, argv, "c:n:", longopts, NULL)) != -1) {
+        errno = 0;
+        switch (c) {
+        case 'c': o->config = optarg; break;
+        case 'n': o->n = strtol(optarg, &end, 10); break;
+        case 'r': o->run = optarg; break;
+        case 'd': o->dup_pct = (int)strtol(optarg, &end, 10); break;
+        case 'R': o->rate = strtod(optarg, &end); break;
+        case 'b': o->batch = (int)strtol(optarg, &end, 10); break;
+        default: return -1;
+        }
+        if (c != 'c' && c != 'r' && (errno || *end))
+            return -1;
+    }
+    if (optind != argc - 1 || !o->config)
+        return -1;
+    o->cmd = argv[optind];
+    if (o->dup_pct < 0 || o->dup_pct > 90 || o->batch < 1 || o->rate < 0)
+        return -1;
+    return 0;
+}
+
+/*
+ * Job i of a run: every (100 / dup_pct)-th job repeats the key of an
+ * earlier job (spread over the stream, sometimes within one batch), all
+ * others carry a new key. *unique counts the new keys so far.
+ */
+static int body_for(const struct opts *o, long i, long *unique, char *buf, size_t len)
+{
+    long k;
+    int n;
+    unsigned long long h = (unsigned long long)i * 0x9E3779B97F4A7C15ull;
+    bool dup = false;
+
+    if (o->dup_pct > 0 && *unique > 0)
+        dup = (i * o->dup_pct) / 100 != ((i + 1) * o->dup_pct) / 100;
+    if (dup && (h & 3) == 0) /* a recent key: often a duplicate inside one batch */
+        k = *unique - 1 - (long)((h >> 40) % 50 % (unsigned long long)*unique);
+    else if (dup)
+        k = (long)((h >> 17) % (unsigned long long)*unique);
+    else
+        k = (*unique)++;
+    n = snprintf(buf, len,
+                 "{\"job_id\":\"bench:%s:%08ld\",\"account_id\":\"acct-%04ld\","
+                 "\"amount_minor\":%ld,\"currency\":\"EUR\",\"memo\":\"",
+                 o->run, k, k % 9973, 100 + k % 100000);
+    while (n < BODY_TARGET - 2 && (size_t)n + 3 < len) {
+        buf[n] = (char)('a' + n % 26);
+        n++;
+    }
+    n += snprintf(buf + n, len - (size_t)n, "\"}");
+    return n;
+}
+
+static int cmd_publish(const struct conf *c, const struct opts *o)
+{
+    const struct conf_input *in = &c->inputs[0];
+    struct broker_props props = {NULL, "application/json", NULL, true, NULL, NULL};
+    struct broker *b;
+    char err[512], body[512];
+    long unique = 0, window = 0;
+    double t0, t1;
+
+    if (!o->run || o->n < 1) {
+        usage();
+        return 2;
+    }
+    if (broker_open(c, "idemq-bench publish", true, &b, err, sizeof err)) {
+        fprintf(stderr, "idemq-bench: %s\n", err);
+        return 1;
+    }
+    t0 = now_s();
+    for (long i = 0; i < o->n; i++) {
+        int len = body_for(o, i, &unique, body, sizeof body);
+        /* Paced: sleep only when more than 1 ms ahead of the schedule (a
+         * sleep per message would cost the machine more than the publish). */
+        if (o->rate > 0 && t0 + (double)i / o->rate > now_s() + 0.001)
+            sleep_until(t0 + (double)i / o->rate);
+        if (broker_publish(b, in->exchange, in->routing_key, body, (size_t)len, &props))
+            goto fail;
+        /* Flat out: wait for the confirms every CONFIRM_WINDOW messages. At
+         * a fixed rate: every 10 ms worth of messages, take the confirms that
+         * have arrived without blocking on the rest, so the offered load
+         * stays smooth instead of stalling and bursting. */
+        if (++window >= (o->rate > 0 ? (long)(o->rate / 100) + 1 : CONFIRM_WINDOW)) {
+            idemq_err_t e = broker_wait_confirms(b, o->rate > 0 ? 1 : 60000);
+            if (e && !(e == IDEMQ_ERR_TIMEOUT && o->rate > 0))
+                goto fail;
+            window = 0;
+        }
+    }
+    if (broker_wait_confirms(b, 60000))
+        goto fail;
+    t1 = now_s();
+    printf("published=%ld unique=%ld seconds=%.3f rate=%.0f\n", o->n, unique, t1 - t0,
+           (double)o->n / (t1 - t0));
+    broker_close(b);
+    return 0;
+fail:
+    fprintf(stderr, "idemq-bench: publish failed: %s\n", broker_error(b));
+    broker_close(b);
+    return 1;
+}
+
+static int cmd_drain(const struct conf *c, const struct opts *o)
+{
+    const struct conf_input *in = &c->inputs[0];
+    struct broker *b;
+    struct job j;
+    char err[512];
+    long got = 0, pending = 0;
+    uint64_t last_tag = 0;
+    double first = 0, last = 0;
+    int rc = 1;
+
+    if (o->n < 1) {
+        usage();
+        return 2;
+    }
+    job_init(&j);
+    if (broker_open(c, "idemq-bench drain", false, &b, err, sizeof err)) {
+        fprintf(stderr, "idemq-bench: %s\n", err);
+        job_destroy(&j);
+        return 1;
+    }
+    if (broker_qos(b, c->prefetch) || broker_consume(b, 0, in, "bench"))
+        goto fail;
+    while (got < o->n) {
+        /* Same shape as idemq: collect up to a batch, then one multiple ack. */
+        idemq_err_t e = broker_next(b, &j, pending ? c->batch_wait_ms : 30000);
+        if (e == IDEMQ_OK) {
+            if (!got)
+                first = now_s();
+            got++;
+            pending++;
+            last_tag = j.tag;
+            if (pending < o->batch && got < o->n)
+                continue;
+        } else if (e != IDEMQ_ERR_TIMEOUT) {
+            goto fail;
+        } else if (!pending) {
+            fprintf(stderr, "idemq-bench: no delivery for 30 s after %ld messages\n", got);
+            goto out;
+        }
+        if (broker_ack(b, last_tag, true))
+            goto fail;
+        pending = 0;
+        last = now_s();
+    }
+    printf("drained=%ld seconds=%.3f rate=%.0f prefetch=%d batch=%d\n", got, last - first,
+           (double)got / (last - first), c->prefetch, o->batch);
+    rc = 0;
+    goto out;
+fail:
+    fprintf(stderr, "idemq-bench: drain failed: %s\n", broker_error(b));
+out:
+    broker_close(b);
+    job_destroy(&j);
+    return rc;
+}
+
+static int cmd_count(const struct conf *c)
+{
+    struct broker *b;
+    char err[512];
+    uint32_t n = 0;
+    if (broker_open(c, "idemq-bench count", false, &b, err, sizeof err)) {
+        fprintf(stderr, "idemq-bench: %s\n", err);
+        return 1;
+    }
+    if (broker_queue_counts(b, c->inputs[0].queue, &n, NULL)) {
+        fprintf(stderr, "idemq-bench: %s\n", broker_error(b));
+        broker_close(b);
+        return 1;
+    }
+    printf("messages=%u\n", n);
+    broker_close(b);
+    return 0;
+}
+
+static int cmd_reset(const struct conf *c)
+{
+    struct broker *b;
+    char err[512];
+    int rc = 0;
+    if (broker_open(c, "idemq-bench reset", false, &b, err, sizeof err)) {
+        fprintf(stderr, "idemq-bench: %s\n", err);
+        return 1;
+    }
+    if (broker_delete_queue(b, c->inputs[0].queue) || topology_declare(b, c, &c->inputs[0])) {
+        fprintf(stderr, "idemq-bench: %s\n", broker_error(b));
+        rc = 1;
+    }
+    broker_close(b);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    struct opts o;
+    struct conf *c;
+    char err[1024];
+    int rc;
+
+    if (parse(argc, argv, &o)) {
+        usage();
+        return 2;
+    }
+    if (conf_load(o.config, &c, err, sizeof err)) {
+        fprintf(stderr, "idemq-bench: %s\n", err);
+        return 3;
+    }
+    log_current_level = LOG_LVL_WARN;
+    if (strcmp(o.cmd, "publish") == 0)
+        rc = cmd_publish(c, &o);
+    else if (strcmp(o.cmd, "drain") == 0)
+        rc = cmd_drain(c, &o);
+    else if (strcmp(o.cmd, "count") == 0)
+        rc = cmd_count(c);
+    else if (strcmp(o.cmd, "reset") == 0)
+        rc = cmd_reset(c);
+    else {
+        usage();
+        rc = 2;
+    }
+    conf_free(c);
+    return rc;
+}
