@@ -432,6 +432,8 @@ static idemq_err_t pump_frame(struct broker *b, struct job *j, struct timeval *t
         }
         copy_short(dst->exchange, d->exchange);
         copy_short(dst->routing_key, d->routing_key);
+        job_utf8_sanitize(dst->exchange);
+        job_utf8_sanitize(dst->routing_key);
         err = read_content(b, frame.channel, dst);
         if (err) {
             if (s) {
@@ -915,6 +917,8 @@ idemq_err_t broker_get(struct broker *b, const char *queue, struct job *j, bool 
     j->redelivered = ok->redelivered;
     copy_short(j->exchange, ok->exchange);
     copy_short(j->routing_key, ok->routing_key);
+    job_utf8_sanitize(j->exchange);
+    job_utf8_sanitize(j->routing_key);
     return read_content(b, CHANNEL, j);
 }
 

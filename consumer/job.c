@@ -65,40 +65,55 @@ idemq_err_t job_set_body(struct job *j, const void *data, size_t len)
     return IDEMQ_OK;
 }
 
+/* Length of the valid UTF-8 sequence at s (no NUL, no overlong form, no
+ * surrogate), or 0 if the bytes there are not one. */
+static size_t utf8_seq(const unsigned char *s, size_t n)
+{
+    unsigned char c = s[0];
+    size_t extra;
+    uint32_t cp;
+    if (c == 0)
+        return 0;
+    if (c < 0x80)
+        return 1;
+    if ((c & 0xE0) == 0xC0)
+        extra = 1, cp = c & 0x1F;
+    else if ((c & 0xF0) == 0xE0)
+        extra = 2, cp = c & 0x0F;
+    else if ((c & 0xF8) == 0xF0)
+        extra = 3, cp = c & 0x07;
+    else
+        return 0;
+    if (extra >= n)
+        return 0;
+    for (size_t k = 1; k <= extra; k++) {
+        if ((s[k] & 0xC0) != 0x80)
+            return 0;
+        cp = (cp << 6) | (s[k] & 0x3F);
+    }
+    if ((extra == 1 && cp < 0x80) || (extra == 2 && cp < 0x800) ||
+        (extra == 3 && cp < 0x10000) || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+        return 0;
+    return extra + 1;
+}
+
 bool job_utf8_valid(const unsigned char *s, size_t n)
 {
-    size_t i = 0;
-    while (i < n) {
-        unsigned char c = s[i];
-        size_t extra;
-        uint32_t cp;
-        if (c == 0)
+    for (size_t i = 0, k; i < n; i += k)
+        if (!(k = utf8_seq(s + i, n - i)))
             return false;
-        if (c < 0x80) {
-            i++;
-            continue;
-        }
-        if ((c & 0xE0) == 0xC0)
-            extra = 1, cp = c & 0x1F;
-        else if ((c & 0xF0) == 0xE0)
-            extra = 2, cp = c & 0x0F;
-        else if ((c & 0xF8) == 0xF0)
-            extra = 3, cp = c & 0x07;
-        else
-            return false;
-        if (i + extra >= n)
-            return false;
-        for (size_t k = 1; k <= extra; k++) {
-            if ((s[i + k] & 0xC0) != 0x80)
-                return false;
-            cp = (cp << 6) | (s[i + k] & 0x3F);
-        }
-        if ((extra == 1 && cp < 0x80) || (extra == 2 && cp < 0x800) ||
-            (extra == 3 && cp < 0x10000) || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
-            return false;
-        i += extra + 1;
-    }
     return true;
+}
+
+void job_utf8_sanitize(char *s)
+{
+    size_t n = strlen(s);
+    for (size_t i = 0, k; i < n; i += k) {
+        if (!(k = utf8_seq((unsigned char *)s + i, n - i))) {
+            s[i] = '?';
+            k = 1;
+        }
+    }
 }
 
 /* Stores a key candidate, or returns the decode error that it is. */

@@ -77,4 +77,9 @@ idemq_err_t job_decode(struct job *j, const struct conf_input *in);
 /* True if s[0..n) is valid UTF-8 without NUL bytes. */
 bool job_utf8_valid(const unsigned char *s, size_t n);
 
+/* Replaces, in place, every byte of s that is not part of valid UTF-8 with
+ * '?', so the text can go into JSON and PostgreSQL (exchange and routing
+ * key are any bytes on the wire). */
+void job_utf8_sanitize(char *s);
+
 #endif

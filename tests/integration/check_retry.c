@@ -554,6 +554,26 @@ START_TEST(test_quorum_queue)
 }
 END_TEST
 
+/* A routing key that is not UTF-8 (AMQP allows any bytes) must not wedge
+ * the failure path: the job parks with the key's bytes replaced. */
+START_TEST(test_non_utf8_routing_key)
+{
+    struct itest t;
+    char key[128], b[200];
+    itest_setup(&t, "rk8", "idemq_test.record", "", "exchange_type = \"fanout\";");
+    mkkey(&t, key, sizeof key, "bytes");
+    snprintf(b, sizeof b, "{\"job_id\":\"%s\",\"raise\":\"23505\"}", key);
+    itest_publish_to(&t, t.name, "rk.\xff\xfe", b, NULL, NULL);
+    run_ok(&t, 2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                    "routing_key = 'rk.?' || '?'",
+                                key),
+                     1);
+    ck_assert_int_eq(itest_queue_ready(&t, t.name), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("retry");
@@ -572,6 +592,7 @@ int main(void)
     tcase_add_test(tc, test_unconfirmed_republish);
     tcase_add_test(tc, test_statement_timeout_is_transient);
     tcase_add_test(tc, test_quorum_queue);
+    tcase_add_test(tc, test_non_utf8_routing_key);
     suite_add_tcase(s, tc);
     sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

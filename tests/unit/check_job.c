@@ -177,6 +177,12 @@ START_TEST(test_utf8)
     ck_assert(!job_utf8_valid((const unsigned char *)"\xc0\xaf", 2));       /* overlong */
     ck_assert(!job_utf8_valid((const unsigned char *)"\xed\xa0\x80", 3));   /* surrogate */
     ck_assert(!job_utf8_valid((const unsigned char *)"a\0b", 3));
+    {
+        char rk[] = "ok.\xff\xc3\xa9.\xed\xa0\x80";
+        job_utf8_sanitize(rk);
+        ck_assert_str_eq(rk, "ok.?\xc3\xa9.???");
+        ck_assert(job_utf8_valid((unsigned char *)rk, strlen(rk)));
+    }
 }
 END_TEST
 
