@@ -4,6 +4,8 @@
  * (see itest.h). Correctness, not speed: scripts/bench measures speed.
  */
 #include <check.h>
+
+#include "check_run.h"
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -263,17 +265,11 @@ int main(void)
 {
     Suite *s = suite_create("batch");
     TCase *tc = tcase_create("batch");
-    SRunner *sr;
-    int failed;
     tcase_set_timeout(tc, itest_ms(120));
     tcase_add_test(tc, test_batch_isolation);
     tcase_add_test(tc, test_batch_crash_before_commit);
     tcase_add_test(tc, test_batch_plain_duplicates);
     tcase_add_test(tc, test_rate_gate);
     suite_add_tcase(s, tc);
-    sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? 1 : 0;
+    return check_run(s);
 }

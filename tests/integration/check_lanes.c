@@ -6,6 +6,8 @@
  * Real RabbitMQ and PostgreSQL (see itest.h). Sizes: LANES_KEYS (200).
  */
 #include <check.h>
+
+#include "check_run.h"
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -385,8 +387,6 @@ int main(void)
 {
     Suite *s = suite_create("lanes");
     TCase *tc = tcase_create("lanes");
-    SRunner *sr;
-    int failed;
     tcase_set_timeout(tc, itest_ms(240));
     tcase_add_test(tc, test_replicas_apply_in_order);
     tcase_add_test(tc, test_failover_keeps_order);
@@ -395,9 +395,5 @@ int main(void)
     tcase_add_test(tc, test_gap_reported_not_applied);
     tcase_add_test(tc, test_ring_change_keeps_order);
     suite_add_tcase(s, tc);
-    sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? 1 : 0;
+    return check_run(s);
 }

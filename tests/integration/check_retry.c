@@ -5,6 +5,8 @@
  * unconfirmed republish. Real RabbitMQ and PostgreSQL (see itest.h).
  */
 #include <check.h>
+
+#include "check_run.h"
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -578,8 +580,6 @@ int main(void)
 {
     Suite *s = suite_create("retry");
     TCase *tc = tcase_create("retry");
-    SRunner *sr;
-    int failed;
     tcase_set_timeout(tc, itest_ms(180));
     tcase_add_test(tc, test_transient_then_applied);
     tcase_add_test(tc, test_permanent_parks_with_fields);
@@ -594,9 +594,5 @@ int main(void)
     tcase_add_test(tc, test_quorum_queue);
     tcase_add_test(tc, test_non_utf8_routing_key);
     suite_add_tcase(s, tc);
-    sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? 1 : 0;
+    return check_run(s);
 }

@@ -3,6 +3,8 @@
  * against the real RabbitMQ and PostgreSQL (see itest.h).
  */
 #include <check.h>
+
+#include "check_run.h"
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -294,8 +296,6 @@ int main(void)
 {
     Suite *s = suite_create("spine");
     TCase *tc = tcase_create("spine");
-    SRunner *sr;
-    int failed;
     tcase_set_timeout(tc, itest_ms(120));
     tcase_add_test(tc, test_duplicate_delivery);
     tcase_add_test(tc, test_replay_after_settled);
@@ -305,9 +305,5 @@ int main(void)
     tcase_add_test(tc, test_cli_migrate_and_check);
     tcase_add_test(tc, test_sigterm_drains);
     suite_add_tcase(s, tc);
-    sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? 1 : 0;
+    return check_run(s);
 }

@@ -1,6 +1,8 @@
 /* Unit tests of consumer/classify (the one place that decides error
  * classes) and consumer/backoff. */
 #include <check.h>
+
+#include "check_run.h"
 #include <stdint.h>
 
 #include "backoff.h"
@@ -83,16 +85,10 @@ int main(void)
 {
     Suite *s = suite_create("classify");
     TCase *tc = tcase_create("classify");
-    SRunner *sr;
-    int failed;
     tcase_add_test(tc, test_defaults);
     tcase_add_test(tc, test_user_rules);
     tcase_add_test(tc, test_err_classes);
     tcase_add_test(tc, test_backoff);
     suite_add_tcase(s, tc);
-    sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? 1 : 0;
+    return check_run(s);
 }

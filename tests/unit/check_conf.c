@@ -1,6 +1,8 @@
 /* Unit tests of config/conf: data-driven good/bad files, defaults,
  * environment overrides, redaction, the sample config. */
 #include <check.h>
+
+#include "check_run.h"
 #include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -192,8 +194,6 @@ int main(void)
 {
     Suite *s = suite_create("conf");
     TCase *tc = tcase_create("conf");
-    SRunner *sr;
-    int failed;
     tcase_add_test(tc, test_case_files);
     tcase_add_test(tc, test_defaults_and_derived);
     tcase_add_test(tc, test_env_overrides);
@@ -201,9 +201,5 @@ int main(void)
     tcase_add_test(tc, test_print_roundtrip);
     tcase_add_test(tc, test_sample_documents_every_key);
     suite_add_tcase(s, tc);
-    sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? 1 : 0;
+    return check_run(s);
 }

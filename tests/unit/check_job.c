@@ -1,6 +1,8 @@
 /* Unit tests of consumer/job: decoding and key extraction, every bad-input
  * case of the message contract. */
 #include <check.h>
+
+#include "check_run.h"
 #include <stdlib.h>
 #include <string.h>
 
@@ -206,8 +208,6 @@ int main(void)
 {
     Suite *s = suite_create("job");
     TCase *tc = tcase_create("job");
-    SRunner *sr;
-    int failed;
     tcase_add_test(tc, test_json_key);
     tcase_add_test(tc, test_sha256_of_raw_body);
     tcase_add_test(tc, test_bad_bodies);
@@ -217,9 +217,5 @@ int main(void)
     tcase_add_test(tc, test_utf8);
     tcase_add_test(tc, test_body_buffer_reuse);
     suite_add_tcase(s, tc);
-    sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? 1 : 0;
+    return check_run(s);
 }

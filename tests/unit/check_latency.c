@@ -1,6 +1,8 @@
 /* Unit tests of consumer/latency (the delivery -> ack histogram) and
  * consumer/rate_gate (the shared token bucket). */
 #include <check.h>
+
+#include "check_run.h"
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -90,17 +92,11 @@ int main(void)
 {
     Suite *s = suite_create("latency");
     TCase *tc = tcase_create("latency");
-    SRunner *sr;
-    int failed;
     tcase_add_test(tc, test_latency_empty);
     tcase_add_test(tc, test_latency_uniform);
     tcase_add_test(tc, test_latency_edges);
     tcase_add_test(tc, test_gate_rate);
     tcase_add_test(tc, test_gate_invalid);
     suite_add_tcase(s, tc);
-    sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? 1 : 0;
+    return check_run(s);
 }

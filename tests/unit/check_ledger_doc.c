@@ -1,6 +1,8 @@
 /* Unit tests of ledger/ledger_doc: the batch document is valid JSON whatever
  * bytes the delivery carried, and holds what idemq.apply_batch reads. */
 #include <check.h>
+
+#include "check_run.h"
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
@@ -124,15 +126,9 @@ int main(void)
 {
     Suite *s = suite_create("ledger_doc");
     TCase *tc = tcase_create("ledger_doc");
-    SRunner *sr;
-    int failed;
     tcase_add_test(tc, test_string_escapes);
     tcase_add_test(tc, test_string_invalid_utf8);
     tcase_add_test(tc, test_jobs);
     suite_add_tcase(s, tc);
-    sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? 1 : 0;
+    return check_run(s);
 }
