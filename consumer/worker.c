@@ -903,8 +903,15 @@ idemq_err_t worker_run(struct worker *w)
             last_delivery = now_ms(); /* an outage does not count as idle time */
         if (w->until_idle_ms > 0 && now_ms() - last_delivery >= w->until_idle_ms &&
             !lane_held(s.lanes)) {
-            log_info("worker %d: idle for %d ms, finishing", w->id, w->until_idle_ms);
-            break;
+            struct ledger_db_error e;
+            bool pending = false;
+            if (s.lanes_keyed && ledger_lanes_retry_pending(s.db, s.c, &pending, &e) == IDEMQ_OK &&
+                pending) {
+                last_delivery = now_ms(); /* a deferred job retries from the ledger: not idle */
+            } else {
+                log_info("worker %d: idle for %d ms, finishing", w->id, w->until_idle_ms);
+                break;
+            }
         }
         {
             long long now = now_ms(), ready;

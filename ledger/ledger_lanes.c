@@ -204,6 +204,32 @@ out:
     return err;
 }
 
+idemq_err_t ledger_lanes_retry_pending(PGconn *db, const struct conf *c, bool *pending,
+                                       struct ledger_db_error *e)
+{
+    char *queues = ordered_queues(c);
+    const char *vals[1];
+    PGresult *r;
+
+    *pending = false;
+    if (!queues) {
+        nomem(e);
+        return IDEMQ_ERR_NOMEM;
+    }
+    vals[0] = queues;
+    r = ledger_db_query(db,
+                        "SELECT EXISTS (SELECT 1 FROM idemq.deferred d JOIN idemq.jobs t "
+                        "ON t.key = d.key WHERE t.state = 'retrying' AND d.source_queue = ANY "
+                        "(ARRAY(SELECT jsonb_array_elements_text($1::jsonb))))",
+                        1, vals, e);
+    free(queues);
+    if (!r)
+        return ledger_db_err(e);
+    *pending = strcmp(PQgetvalue(r, 0, 0), "t") == 0;
+    PQclear(r);
+    return IDEMQ_OK;
+}
+
 idemq_err_t ledger_lanes_report(PGconn *db, const struct conf *c, int *reported,
                                 struct ledger_db_error *e)
 {

@@ -45,6 +45,12 @@ idemq_err_t ledger_lanes_parked(PGconn *db, const struct conf *c, const struct j
 idemq_err_t ledger_lanes_take(PGconn *db, const struct conf *c, struct job *jobs, int max,
                               int *n, struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
+/* Outside txn. *pending becomes true if a deferred job of c's ordered
+ * inputs is waiting for a ledger-driven retry (state retrying): work that
+ * will come back without any delivery, so `run --until-idle` must wait. */
+idemq_err_t ledger_lanes_retry_pending(PGconn *db, const struct conf *c, bool *pending,
+                                       struct ledger_db_error *e) IDEMQ_MUSTCHECK;
+
 /* Outside txn. Logs (warn) every deferred job older than its input's
  * deferred_report_after_s that was not reported yet, and marks it reported.
  * *reported receives the count. */

@@ -323,6 +323,45 @@ START_TEST(test_gap_reported_not_applied)
 }
 END_TEST
 
+/* A deferred successor whose effect then fails transiently retries from the
+ * ledger (it has no delivery any more), after its backoff, and applies in
+ * order; `run --until-idle` waits for it instead of leaving it behind. */
+START_TEST(test_deferred_retries_from_ledger)
+{
+    struct itest t;
+    struct pub p;
+    char k2[160];
+    itest_retry_conf = "base_delay_ms = 1500; max_delay_ms = 3000; jitter = \"none\";";
+    itest_setup(&t, "dretry", "idemq_test.authorization", "", "partitions = 1; " SEQ_INPUT);
+    pub_open(&p, &t);
+    pub_event(&p, 1, 2, "\"raise\":\"40001\",\"raise_until\":1"); /* first: deferred */
+    pub_event(&p, 1, 1, NULL);
+    pub_close(&p);
+    itest_run_until_idle(&t, 1); /* shorter than the 1.5 s backoff */
+    event_key(&t, k2, sizeof k2, 1, 2);
+    ck_assert_int_eq(itest_long(&t, APPLIED_EVENTS, t.name), 2);
+    ck_assert_int_eq(itest_long(&t, OUT_OF_ORDER, t.name), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT attempts FROM idemq.jobs WHERE key = $1 AND state = "
+                                    "'applied'",
+                                k2),
+                     2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts WHERE key = $1 AND "
+                                    "outcome = 'transient_error' AND sqlstate = '40001'",
+                                k2),
+                     1);
+    /* the retry honoured the backoff */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts a JOIN idemq.attempts b "
+                                    "ON b.key = a.key AND b.outcome = 'applied' WHERE a.key = $1 "
+                                    "AND a.outcome = 'transient_error' AND b.started_at >= "
+                                    "a.finished_at + interval '1450 ms'",
+                                k2),
+                     1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.deferred WHERE key = $1", k2), 0);
+    itest_teardown(&t);
+    itest_retry_conf = NULL;
+}
+END_TEST
+
 /* 5. The hash ring shrinks while a replica runs (partition p4 is unbound
  * with a backlog): later events of its keys land in other partitions before
  * their predecessors; the guard defers them until the backlog is drained
@@ -394,6 +433,7 @@ int main(void)
     tcase_add_test(tc, test_hold_key_after_park);
     tcase_add_test(tc, test_gap_reported_not_applied);
     tcase_add_test(tc, test_ring_change_keeps_order);
+    tcase_add_test(tc, test_deferred_retries_from_ledger);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
