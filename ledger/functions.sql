@@ -234,7 +234,8 @@ BEGIN
             v_why := NULL;
             IF v_block IS NOT NULL AND v_block <> v_key THEN
                 v_why := format('held: ordering key %s is held by parked job %s', v_okey, v_block);
-            ELSIF v_seq IS NULL AND EXISTS (SELECT 1 FROM idemq.deferred d
+            ELSIF v_seq IS NULL AND v_block IS DISTINCT FROM v_key
+                  AND EXISTS (SELECT 1 FROM idemq.deferred d
                     WHERE d.source_queue = v_q AND d.order_key = v_okey AND d.key <> v_key
                       AND (j->>'di' IS NULL OR d.id < (j->>'di')::bigint)) THEN
                 v_why := format('held: earlier jobs of ordering key %s are deferred', v_okey);

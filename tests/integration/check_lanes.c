@@ -241,8 +241,9 @@ START_TEST(test_transient_holds_lane)
 END_TEST
 
 /* 3b. on_park = hold_key: a parked key holds only its own successors (in the
- * ledger); other keys of the lane flow; after a redrive all apply in order. */
-START_TEST(test_hold_key_after_park)
+ * ledger); other keys of the lane flow; after a redrive all apply in order.
+ * With the sequence guard, and with an ordering key alone. */
+static void hold_key_case(bool with_sequence)
 {
     struct itest t;
     struct pub p;
@@ -250,7 +251,9 @@ START_TEST(test_hold_key_after_park)
     itest_retry_conf = "base_delay_ms = 100; max_delay_ms = 200; max_attempts = 2; "
                        "jitter = \"none\";";
     itest_setup(&t, "holdkey", "idemq_test.authorization", "",
-                "partitions = 1; on_park = \"hold_key\"; " SEQ_INPUT);
+                with_sequence ? "partitions = 1; on_park = \"hold_key\"; " SEQ_INPUT
+                              : "partitions = 1; on_park = \"hold_key\"; "
+                                "order_key_source = \"json:authorization_id\";");
     event_key(&t, k1, sizeof k1, 1, 1);
     event_key(&t, k2, sizeof k2, 1, 2);
     snprintf(sql, sizeof sql, "INSERT INTO idemq_test.failing VALUES ('%s', '40001')", k1);
@@ -285,6 +288,17 @@ START_TEST(test_hold_key_after_park)
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.deferred WHERE key = $1", k2), 0);
     itest_teardown(&t);
     itest_retry_conf = NULL;
+}
+
+START_TEST(test_hold_key_after_park)
+{
+    hold_key_case(true);
+}
+END_TEST
+
+START_TEST(test_hold_key_without_sequence)
+{
+    hold_key_case(false);
 }
 END_TEST
 
@@ -431,6 +445,7 @@ int main(void)
     tcase_add_test(tc, test_failover_keeps_order);
     tcase_add_test(tc, test_transient_holds_lane);
     tcase_add_test(tc, test_hold_key_after_park);
+    tcase_add_test(tc, test_hold_key_without_sequence);
     tcase_add_test(tc, test_gap_reported_not_applied);
     tcase_add_test(tc, test_ring_change_keeps_order);
     tcase_add_test(tc, test_deferred_retries_from_ledger);
