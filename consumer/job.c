@@ -65,9 +65,7 @@ idemq_err_t job_set_body(struct job *j, const void *data, size_t len)
     return IDEMQ_OK;
 }
 
-/* Length of the valid UTF-8 sequence at s (no NUL, no overlong form, no
- * surrogate), or 0 if the bytes there are not one. */
-static size_t utf8_seq(const unsigned char *s, size_t n)
+size_t job_utf8_seq(const unsigned char *s, size_t n)
 {
     unsigned char c = s[0];
     size_t extra;
@@ -100,7 +98,7 @@ static size_t utf8_seq(const unsigned char *s, size_t n)
 bool job_utf8_valid(const unsigned char *s, size_t n)
 {
     for (size_t i = 0, k; i < n; i += k)
-        if (!(k = utf8_seq(s + i, n - i)))
+        if (!(k = job_utf8_seq(s + i, n - i)))
             return false;
     return true;
 }
@@ -109,7 +107,7 @@ void job_utf8_sanitize(char *s)
 {
     size_t n = strlen(s);
     for (size_t i = 0, k; i < n; i += k) {
-        if (!(k = utf8_seq((unsigned char *)s + i, n - i))) {
+        if (!(k = job_utf8_seq((unsigned char *)s + i, n - i))) {
             s[i] = '?';
             k = 1;
         }

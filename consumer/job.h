@@ -74,6 +74,11 @@ idemq_err_t job_set_body(struct job *j, const void *data, size_t len) IDEMQ_MUST
  */
 idemq_err_t job_decode(struct job *j, const struct conf_input *in);
 
+/* Length (1-4) of the valid UTF-8 sequence at s[0..n) (n >= 1), or 0 if the
+ * bytes there are not one: NUL, overlong forms, surrogates and code points
+ * above U+10FFFF are not. Pure. */
+size_t job_utf8_seq(const unsigned char *s, size_t n);
+
 /* True if s[0..n) is valid UTF-8 without NUL bytes. */
 bool job_utf8_valid(const unsigned char *s, size_t n);
 

@@ -50,33 +50,6 @@ static void add(struct ledger_doc *d, const char *s, size_t n)
 
 static void adds(struct ledger_doc *d, const char *s) { add(d, s, strlen(s)); }
 
-/* Length of the valid UTF-8 sequence at s[0..n), or 0 if it is not one
- * (overlong forms, surrogates and code points above U+10FFFF are not). */
-static size_t utf8_seq(const unsigned char *s, size_t n)
-{
-    size_t extra;
-    unsigned cp;
-    if ((s[0] & 0xE0) == 0xC0)
-        extra = 1, cp = s[0] & 0x1Fu;
-    else if ((s[0] & 0xF0) == 0xE0)
-        extra = 2, cp = s[0] & 0x0Fu;
-    else if ((s[0] & 0xF8) == 0xF0)
-        extra = 3, cp = s[0] & 0x07u;
-    else
-        return 0;
-    if (extra >= n)
-        return 0;
-    for (size_t k = 1; k <= extra; k++) {
-        if ((s[k] & 0xC0) != 0x80)
-            return 0;
-        cp = (cp << 6) | (s[k] & 0x3Fu);
-    }
-    if ((extra == 1 && cp < 0x80) || (extra == 2 && cp < 0x800) ||
-        (extra == 3 && cp < 0x10000) || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
-        return 0;
-    return extra + 1;
-}
-
 void ledger_doc_add_string(struct ledger_doc *d, const char *str, size_t n)
 {
     static const char hex[] = "0123456789abcdef";
@@ -104,7 +77,7 @@ void ledger_doc_add_string(struct ledger_doc *d, const char *str, size_t n)
             o += 6;
             i++;
         } else {
-            size_t k = utf8_seq(s + i, n - i);
+            size_t k = job_utf8_seq(s + i, n - i);
             if (k) {
                 memcpy(o, s + i, k);
                 o += k;

@@ -20,14 +20,13 @@ CREATE TABLE IF NOT EXISTS idemq_test.failing (
     sqlstate text NOT NULL
 );
 
--- Records every call (no unique constraint: a second call would show up as
--- a second row). Payload switches, to widen races and inject failures:
---   sleep_ms: sleep first;  raise: fail with that SQLSTATE
---   raise_until: only while meta.attempt <= raise_until
-CREATE OR REPLACE FUNCTION idemq_test.record(p_key text, p_payload jsonb, p_meta jsonb)
-RETURNS jsonb LANGUAGE plpgsql AS $fn$
+-- The payload switches every test effect obeys, to widen races and inject
+-- failures: sleep_ms sleeps first; raise fails with that SQLSTATE (only while
+-- meta.attempt <= raise_until when given); a key listed in
+-- idemq_test.failing fails with its SQLSTATE.
+CREATE OR REPLACE FUNCTION idemq_test.switches(p_key text, p_payload jsonb, p_meta jsonb)
+RETURNS void LANGUAGE plpgsql AS $fn$
 DECLARE
-    v_id   bigint;
     v_code text;
 BEGIN
     IF p_payload ? 'sleep_ms' THEN
@@ -42,6 +41,19 @@ BEGIN
     IF FOUND THEN
         RAISE EXCEPTION 'key % is marked failing', p_key USING ERRCODE = v_code;
     END IF;
+END
+$fn$;
+
+-- Records every call (no unique constraint: a second call would show up as
+-- a second row). Payload switches, to widen races and inject failures:
+--   sleep_ms: sleep first;  raise: fail with that SQLSTATE
+--   raise_until: only while meta.attempt <= raise_until
+CREATE OR REPLACE FUNCTION idemq_test.record(p_key text, p_payload jsonb, p_meta jsonb)
+RETURNS jsonb LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_id bigint;
+BEGIN
+    PERFORM idemq_test.switches(p_key, p_payload, p_meta);
     INSERT INTO idemq_test.effects (key, payload, meta) VALUES (p_key, p_payload, p_meta)
     RETURNING id INTO v_id;
     RETURN jsonb_build_object('effect_id', v_id, 'attempt', p_meta->'attempt');
@@ -53,21 +65,8 @@ $fn$;
 -- by key). Needs ledger/examples/authorizations.sql.
 CREATE OR REPLACE FUNCTION idemq_test.authorization(p_key text, p_payload jsonb, p_meta jsonb)
 RETURNS jsonb LANGUAGE plpgsql AS $fn$
-DECLARE
-    v_code text;
 BEGIN
-    IF p_payload ? 'sleep_ms' THEN
-        PERFORM pg_sleep((p_payload->>'sleep_ms')::numeric / 1000);
-    END IF;
-    IF p_payload ? 'raise' AND (NOT p_payload ? 'raise_until'
-        OR (p_meta->>'attempt')::integer <= (p_payload->>'raise_until')::integer) THEN
-        RAISE EXCEPTION 'requested failure % on attempt %', p_payload->>'raise',
-              p_meta->>'attempt' USING ERRCODE = p_payload->>'raise';
-    END IF;
-    SELECT f.sqlstate INTO v_code FROM idemq_test.failing f WHERE f.key = p_key;
-    IF FOUND THEN
-        RAISE EXCEPTION 'key % is marked failing', p_key USING ERRCODE = v_code;
-    END IF;
+    PERFORM idemq_test.switches(p_key, p_payload, p_meta);
     RETURN idemq_demo.apply_authorization(p_key, p_payload, p_meta);
 END
 $fn$;

@@ -304,14 +304,12 @@ long itest_queue_consumers(struct itest *t, const char *queue)
     return (long)n;
 }
 
-int itest_idemq(struct itest *t, const char *args, char *out, size_t outlen)
+/* Starts cmd, reads its whole output into out (cut to outlen), returns the
+ * stream for pclose. */
+static FILE *read_command(const char *cmd, char *out, size_t outlen)
 {
-    char cmd[2048];
-    FILE *p;
+    FILE *p = popen(cmd, "r");
     size_t n = 0;
-    int st;
-    snprintf(cmd, sizeof cmd, "%s %s -c %s 2>&1", IDEMQ_BINARY, args, t->cfg_path);
-    p = popen(cmd, "r");
     ck_assert_ptr_nonnull(p);
     while (n + 1 < outlen) {
         size_t r = fread(out + n, 1, outlen - n - 1, p);
@@ -320,6 +318,16 @@ int itest_idemq(struct itest *t, const char *args, char *out, size_t outlen)
         n += r;
     }
     out[n] = '\0';
+    return p;
+}
+
+int itest_idemq(struct itest *t, const char *args, char *out, size_t outlen)
+{
+    char cmd[2048];
+    FILE *p;
+    int st;
+    snprintf(cmd, sizeof cmd, "%s %s -c %s 2>&1", IDEMQ_BINARY, args, t->cfg_path);
+    p = read_command(cmd, out, outlen);
     st = pclose(p);
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
@@ -328,18 +336,9 @@ int itest_http_get(const char *url, char *out, size_t outlen)
 {
     char cmd[1024];
     FILE *p;
-    size_t n = 0;
     int code = -1;
     snprintf(cmd, sizeof cmd, "curl -s -m 5 -w '\\n%%{http_code}' '%s'", url);
-    p = popen(cmd, "r");
-    ck_assert_ptr_nonnull(p);
-    while (n + 1 < outlen) {
-        size_t r = fread(out + n, 1, outlen - n - 1, p);
-        if (r == 0)
-            break;
-        n += r;
-    }
-    out[n] = '\0';
+    p = read_command(cmd, out, outlen);
     pclose(p);
     {
         char *nl = strrchr(out, '\n');
