@@ -2,6 +2,10 @@
  * broker: librabbitmq-c connection handling for idemq. All frames are read
  * through one pump (pump_frame) so deliveries, confirms, returns, blocked
  * notices and closes are handled in one place, whichever call is waiting.
+ * Every delivery is registered with the ack tracker (acks.c) the moment its
+ * method frame is read; its content is read by delivery.c; publisher
+ * confirms are tracked per sequence number by confirms.c; tables are
+ * converted by amqp_table.c.
  */
 #include "broker.h"
 
@@ -16,30 +20,40 @@
 #include <sys/time.h>
 #include <time.h>
 
+#include "acks.h"
+#include "amqp_table.h"
+#include "confirms.h"
+#include "delivery.h"
 #include "log.h"
 
 #define CHANNEL 1
-#define MAX_CONSUMERS 64
+#define CONTENT_TIMEOUT_MS 30000 /* a message's frames follow its method frame */
 
 struct stash {
     struct stash *next;
     struct job job;
 };
 
+/* One consumer on the channel: its tag and whose deliveries it brings. */
+struct consumer {
+    char tag[160];
+    int input;
+    int lane; /* partition of an ordered input, or -1 */
+};
+
 struct broker {
+    const struct conf *conf;
     amqp_connection_state_t conn;
     bool healthy;
+    bool read_wedged; /* an undecodable message: the connection can still send */
     bool confirms;
     char err[512];
-    /* consumers on the channel: tag -> input index */
-    char tags[MAX_CONSUMERS][160];
-    int tag_input[MAX_CONSUMERS];
-    int tag_lane[MAX_CONSUMERS]; /* partition of an ordered input, or -1 */
-    int n_tags;
-    /* publisher confirms since the last wait */
-    uint64_t published;    /* sequence number of the last publish */
-    uint64_t confirmed;    /* every seq <= this is confirmed */
-    bool confirm_failed;   /* a nack or a return since the last wait */
+    struct consumer *cons;
+    int n_cons, cap_cons;
+    struct confirms cf;
+    uint64_t wait_from; /* first publish not yet covered by a wait */
+    struct acks acks;
+    struct delivery_reader rd;
     /* deliveries read while waiting for something else */
     struct stash *stash_head, *stash_tail;
 };
@@ -94,6 +108,18 @@ static bool reply_ok(struct broker *b, amqp_rpc_reply_t r, const char *what)
     return false;
 }
 
+/* Frees deliveries read but not handed out (their channel is gone). */
+static void drop_stash(struct broker *b)
+{
+    while (b->stash_head) {
+        struct stash *s = b->stash_head;
+        b->stash_head = s->next;
+        job_destroy(&s->job);
+        free(s);
+    }
+    b->stash_tail = NULL;
+}
+
 static idemq_err_t open_channel(struct broker *b)
 {
     amqp_channel_open(b->conn, CHANNEL);
@@ -103,8 +129,13 @@ static idemq_err_t open_channel(struct broker *b)
         amqp_confirm_select(b->conn, CHANNEL);
         if (!reply_ok(b, amqp_get_rpc_reply(b->conn), "confirm.select"))
             return IDEMQ_ERR_BROKER;
-        b->published = b->confirmed = 0;
     }
+    /* A new channel: new delivery tags and publish sequence numbers. */
+    drop_stash(b);
+    confirms_reset(&b->cf);
+    b->wait_from = confirms_next_seq(&b->cf);
+    acks_reset(&b->acks);
+    b->n_cons = 0;
     b->healthy = true;
     return IDEMQ_OK;
 }
@@ -198,6 +229,14 @@ idemq_err_t broker_open(const struct conf *c, const char *conn_name, bool confir
         return IDEMQ_ERR_NOMEM;
     }
     b->confirms = confirms;
+    b->conf = c;
+    confirms_init(&b->cf);
+    acks_init(&b->acks);
+    if (delivery_reader_init(&b->rd)) {
+        snprintf(errbuf, errlen, "out of memory");
+        broker_close(b);
+        return IDEMQ_ERR_NOMEM;
+    }
     for (int i = 0; i < c->urls.n; i++) {
         err = connect_url(b, c, c->urls.v[i], conn_name);
         if (err == IDEMQ_OK) {
@@ -208,7 +247,7 @@ idemq_err_t broker_open(const struct conf *c, const char *conn_name, bool confir
         log_warn("broker %s: %s", conf_redact(c->urls.v[i], red, sizeof red), b->err);
     }
     snprintf(errbuf, errlen, "no broker URL answered; last error: %s", b->err);
-    free(b);
+    broker_close(b);
     return err == IDEMQ_ERR_NOMEM ? err : IDEMQ_ERR_BROKER;
 }
 
@@ -216,167 +255,73 @@ void broker_close(struct broker *b)
 {
     if (!b)
         return;
-    while (b->stash_head) {
-        struct stash *s = b->stash_head;
-        b->stash_head = s->next;
-        job_destroy(&s->job);
-        free(s);
-    }
+    drop_stash(b);
     if (b->conn) {
-        if (b->healthy) {
+        if (b->healthy && !b->read_wedged) {
             amqp_channel_close(b->conn, CHANNEL, AMQP_REPLY_SUCCESS);
             amqp_connection_close(b->conn, AMQP_REPLY_SUCCESS);
         }
         amqp_destroy_connection(b->conn);
     }
+    confirms_free(&b->cf);
+    acks_free(&b->acks);
+    delivery_reader_free(&b->rd);
+    free(b->cons);
     free(b);
 }
 
-/* ---- AMQP tables <-> JSON ---- */
-
-static json_t *field_to_json(const amqp_field_value_t *v);
-
-static json_t *table_to_json(const amqp_table_t *t)
+/* Reads the content of the message whose method frame was just read (j
+ * NULL: a returned publish, dropped). A message the library cannot decode
+ * wedges the connection's reading: noted, and the job says so. */
+static idemq_err_t read_content(struct broker *b, amqp_channel_t ch, struct job *j)
 {
-    json_t *o = json_object();
-    for (int i = 0; o && i < t->num_entries; i++) {
-        char key[256];
-        size_t n = t->entries[i].key.len < 255 ? t->entries[i].key.len : 255;
-        memcpy(key, t->entries[i].key.bytes, n);
-        key[n] = '\0';
-        if (job_utf8_valid((unsigned char *)key, n))
-            json_object_set_new(o, key, field_to_json(&t->entries[i].value));
+    size_t max_body = j && j->input >= 0 && j->input < b->conf->n_inputs
+                          ? (size_t)b->conf->inputs[j->input].max_body_bytes
+                          : (size_t)DELIVERY_PREFIX_BYTES;
+    char why[300];
+    idemq_err_t err =
+        delivery_read(&b->rd, b->conn, ch, j, max_body, CONTENT_TIMEOUT_MS, why, sizeof why);
+    switch (err) {
+    case IDEMQ_OK:
+        return IDEMQ_OK;
+    case IDEMQ_ERR_UNDECODABLE:
+        set_err(b, "%s", why);
+        b->read_wedged = true;
+        return j ? IDEMQ_OK : IDEMQ_ERR_BROKER; /* the job carries the failure */
+    default:
+        set_err(b, "%s", why);
+        b->healthy = false;
+        return IDEMQ_ERR_BROKER;
     }
-    return o;
 }
 
-static json_t *bytes_to_json(amqp_bytes_t b)
+static const struct consumer *find_consumer(const struct broker *b, amqp_bytes_t tag)
 {
-    if (job_utf8_valid(b.bytes, b.len))
-        return json_stringn(b.bytes, b.len);
-    /* Not text: keep it visible and unambiguous as hex. */
-    char *hex = malloc(b.len * 2 + 1);
-    json_t *o;
-    if (!hex)
-        return json_null();
-    for (size_t i = 0; i < b.len; i++)
-        snprintf(hex + 2 * i, 3, "%02x", ((unsigned char *)b.bytes)[i]);
-    o = json_pack("{s:s}", "$bytes_hex", hex);
-    free(hex);
-    return o;
-}
-
-static json_t *field_to_json(const amqp_field_value_t *v)
-{
-    switch (v->kind) {
-    case AMQP_FIELD_KIND_BOOLEAN: return json_boolean(v->value.boolean);
-    case AMQP_FIELD_KIND_I8: return json_integer(v->value.i8);
-    case AMQP_FIELD_KIND_U8: return json_integer(v->value.u8);
-    case AMQP_FIELD_KIND_I16: return json_integer(v->value.i16);
-    case AMQP_FIELD_KIND_U16: return json_integer(v->value.u16);
-    case AMQP_FIELD_KIND_I32: return json_integer(v->value.i32);
-    case AMQP_FIELD_KIND_U32: return json_integer(v->value.u32);
-    case AMQP_FIELD_KIND_I64: return json_integer(v->value.i64);
-    case AMQP_FIELD_KIND_U64: return json_integer((json_int_t)v->value.u64);
-    case AMQP_FIELD_KIND_F32: return json_real(v->value.f32);
-    case AMQP_FIELD_KIND_F64: return json_real(v->value.f64);
-    case AMQP_FIELD_KIND_TIMESTAMP: return json_integer((json_int_t)v->value.u64);
-    case AMQP_FIELD_KIND_DECIMAL:
-        return json_pack("{s:i,s:I}", "decimals", v->value.decimal.decimals, "value",
-                         (json_int_t)v->value.decimal.value);
-    case AMQP_FIELD_KIND_UTF8:
-    case AMQP_FIELD_KIND_BYTES: return bytes_to_json(v->value.bytes);
-    case AMQP_FIELD_KIND_TABLE: return table_to_json(&v->value.table);
-    case AMQP_FIELD_KIND_ARRAY: {
-        json_t *a = json_array();
-        for (int i = 0; a && i < v->value.array.num_entries; i++)
-            json_array_append_new(a, field_to_json(&v->value.array.entries[i]));
-        return a;
-    }
-    case AMQP_FIELD_KIND_VOID: return json_null();
-    }
-    return json_null();
+    for (int i = 0; i < b->n_cons; i++)
+        if (strlen(b->cons[i].tag) == tag.len && memcmp(b->cons[i].tag, tag.bytes, tag.len) == 0)
+            return &b->cons[i];
+    return NULL;
 }
 
 static void copy_short(char *dst, amqp_bytes_t s)
 {
     size_t n = s.len < JOB_SHORTSTR - 1 ? s.len : JOB_SHORTSTR - 1;
-    memcpy(dst, s.bytes, n);
+    if (n)
+        memcpy(dst, s.bytes, n);
     dst[n] = '\0';
 }
 
-static void props_to_job(const amqp_basic_properties_t *p, struct job *j)
+/* Fills the delivery facts of the method frame into j (reset first). */
+static void delivery_facts(struct job *j, uint64_t tag, bool redelivered, amqp_bytes_t exchange,
+                           amqp_bytes_t routing_key)
 {
-    amqp_flags_t f = p->_flags;
-#define PROP_STR(flag, field)                                                                \
-    if (f & (flag))                                                                          \
-        json_object_set_new(j->props, #field, bytes_to_json(p->field));
-    PROP_STR(AMQP_BASIC_CONTENT_TYPE_FLAG, content_type)
-    PROP_STR(AMQP_BASIC_CONTENT_ENCODING_FLAG, content_encoding)
-    PROP_STR(AMQP_BASIC_CORRELATION_ID_FLAG, correlation_id)
-    PROP_STR(AMQP_BASIC_REPLY_TO_FLAG, reply_to)
-    PROP_STR(AMQP_BASIC_EXPIRATION_FLAG, expiration)
-    PROP_STR(AMQP_BASIC_MESSAGE_ID_FLAG, message_id)
-    PROP_STR(AMQP_BASIC_TYPE_FLAG, type)
-    PROP_STR(AMQP_BASIC_USER_ID_FLAG, user_id)
-    PROP_STR(AMQP_BASIC_APP_ID_FLAG, app_id)
-#undef PROP_STR
-    if (f & AMQP_BASIC_DELIVERY_MODE_FLAG)
-        json_object_set_new(j->props, "delivery_mode", json_integer(p->delivery_mode));
-    if (f & AMQP_BASIC_PRIORITY_FLAG)
-        json_object_set_new(j->props, "priority", json_integer(p->priority));
-    if (f & AMQP_BASIC_TIMESTAMP_FLAG)
-        json_object_set_new(j->props, "timestamp", json_integer((json_int_t)p->timestamp));
-    if (f & AMQP_BASIC_MESSAGE_ID_FLAG) {
-        /* A message_id with NUL bytes cannot be a key; keep it invalid. */
-        copy_short(j->message_id, p->message_id);
-        j->has_message_id = true;
-        if (memchr(p->message_id.bytes, 0, p->message_id.len))
-            j->message_id[0] = '\xff', j->message_id[1] = '\0';
-    }
-    if (f & AMQP_BASIC_HEADERS_FLAG) {
-        json_t *h = table_to_json(&p->headers);
-        json_t *dc;
-        if (h)
-            json_object_update(j->headers, h);
-        json_decref(h);
-        dc = json_object_get(j->headers, "x-delivery-count");
-        if (json_is_integer(dc))
-            j->delivery_count = (int)json_integer_value(dc);
-    }
-}
-
-/* Reads the content of the message whose method frame was just read. */
-static idemq_err_t read_content(struct broker *b, amqp_channel_t ch, struct job *j)
-{
-    amqp_message_t msg;
-    idemq_err_t err = IDEMQ_OK;
-
-    if (!reply_ok(b, amqp_read_message(b->conn, ch, &msg, 0), "read message"))
-        return IDEMQ_ERR_BROKER;
-    if (j) {
-        props_to_job(&msg.properties, j);
-        err = job_set_body(j, msg.body.bytes, msg.body.len);
-    }
-    amqp_destroy_message(&msg);
-    return err;
-}
-
-static int tag_index(const struct broker *b, amqp_bytes_t tag)
-{
-    for (int i = 0; i < b->n_tags; i++)
-        if (strlen(b->tags[i]) == tag.len && memcmp(b->tags[i], tag.bytes, tag.len) == 0)
-            return i;
-    return -1;
-}
-
-static void note_confirm(struct broker *b, uint64_t tag, bool multiple, bool ack)
-{
-    (void)multiple; /* confirms arrive in order: the highest tag is enough */
-    if (!ack)
-        b->confirm_failed = true;
-    if (tag > b->confirmed)
-        b->confirmed = tag;
+    job_reset(j);
+    j->tag = tag;
+    j->redelivered = redelivered;
+    copy_short(j->exchange, exchange);
+    copy_short(j->routing_key, routing_key);
+    job_utf8_sanitize(j->exchange);
+    job_utf8_sanitize(j->routing_key);
 }
 
 /*
@@ -390,9 +335,8 @@ static idemq_err_t pump_frame(struct broker *b, struct job *j, struct timeval *t
     amqp_frame_t frame;
     int rc;
 
-    if (!b->healthy) {
+    if (!b->healthy || b->read_wedged)
         return IDEMQ_ERR_BROKER;
-    }
     if (amqp_release_buffers_ok(b->conn))
         amqp_release_buffers(b->conn);
     rc = amqp_simple_wait_frame_noblock(b->conn, &frame, tv);
@@ -409,9 +353,25 @@ static idemq_err_t pump_frame(struct broker *b, struct job *j, struct timeval *t
     switch (frame.payload.method.id) {
     case AMQP_BASIC_DELIVER_METHOD: {
         amqp_basic_deliver_t *d = frame.payload.method.decoded;
+        const struct consumer *c = find_consumer(b, d->consumer_tag);
         struct stash *s = NULL;
         struct job *dst = j;
         idemq_err_t err;
+        /* Registered first: until it is settled, no ack may cover it. */
+        if ((err = acks_received(&b->acks, d->delivery_tag))) {
+            set_err(b, err == IDEMQ_ERR_NOMEM ? "out of memory tracking deliveries"
+                                              : "delivery tag %llu out of order",
+                    (unsigned long long)d->delivery_tag);
+            b->healthy = false;
+            return IDEMQ_ERR_BROKER;
+        }
+        if (!c) {
+            set_err(b, "delivery %llu for unknown consumer %.*s",
+                    (unsigned long long)d->delivery_tag, (int)d->consumer_tag.len,
+                    (char *)d->consumer_tag.bytes);
+            b->healthy = false; /* dropping the channel gives it back */
+            return IDEMQ_ERR_BROKER;
+        }
         if (!dst) {
             if (!(s = calloc(1, sizeof *s))) {
                 set_err(b, "out of memory");
@@ -420,29 +380,15 @@ static idemq_err_t pump_frame(struct broker *b, struct job *j, struct timeval *t
             }
             job_init(&s->job);
             dst = &s->job;
-        } else {
-            job_reset(dst);
         }
-        dst->tag = d->delivery_tag;
-        dst->redelivered = d->redelivered;
-        {
-            int t = tag_index(b, d->consumer_tag);
-            dst->input = t < 0 ? -1 : b->tag_input[t];
-            dst->lane = t < 0 ? -1 : b->tag_lane[t];
-        }
-        copy_short(dst->exchange, d->exchange);
-        copy_short(dst->routing_key, d->routing_key);
-        job_utf8_sanitize(dst->exchange);
-        job_utf8_sanitize(dst->routing_key);
+        delivery_facts(dst, d->delivery_tag, d->redelivered, d->exchange, d->routing_key);
+        dst->input = c->input;
+        dst->lane = c->lane;
         err = read_content(b, frame.channel, dst);
         if (err) {
             if (s) {
                 job_destroy(&s->job);
                 free(s);
-            }
-            if (err == IDEMQ_ERR_NOMEM) {
-                set_err(b, "out of memory reading a delivery");
-                b->healthy = false;
             }
             return IDEMQ_ERR_BROKER;
         }
@@ -458,13 +404,13 @@ static idemq_err_t pump_frame(struct broker *b, struct job *j, struct timeval *t
     }
     case AMQP_BASIC_ACK_METHOD: {
         amqp_basic_ack_t *a = frame.payload.method.decoded;
-        note_confirm(b, a->delivery_tag, a->multiple, true);
+        confirms_ack(&b->cf, a->delivery_tag, a->multiple);
         return IDEMQ_ERR_TIMEOUT;
     }
     case AMQP_BASIC_NACK_METHOD: {
         amqp_basic_nack_t *n = frame.payload.method.decoded;
         set_err(b, "broker nacked publish %llu", (unsigned long long)n->delivery_tag);
-        note_confirm(b, n->delivery_tag, n->multiple, false);
+        confirms_nack(&b->cf, n->delivery_tag, n->multiple);
         return IDEMQ_ERR_TIMEOUT;
     }
     case AMQP_BASIC_RETURN_METHOD: {
@@ -473,7 +419,7 @@ static idemq_err_t pump_frame(struct broker *b, struct job *j, struct timeval *t
                 r->reply_code, (int)r->reply_text.len, (char *)r->reply_text.bytes,
                 (int)r->exchange.len, (char *)r->exchange.bytes, (int)r->routing_key.len,
                 (char *)r->routing_key.bytes);
-        b->confirm_failed = true;
+        confirms_return(&b->cf);
         if (read_content(b, frame.channel, NULL))
             return IDEMQ_ERR_BROKER;
         return IDEMQ_ERR_TIMEOUT;
@@ -579,6 +525,7 @@ idemq_err_t broker_ack(struct broker *b, uint64_t tag, bool multiple)
 {
     if (!b->healthy)
         return IDEMQ_ERR_BROKER;
+    acks_drop(&b->acks, tag, multiple);
     return check_rc(b, amqp_basic_ack(b->conn, CHANNEL, tag, multiple), "basic.ack");
 }
 
@@ -586,8 +533,45 @@ idemq_err_t broker_nack(struct broker *b, uint64_t tag, bool requeue)
 {
     if (!b->healthy)
         return IDEMQ_ERR_BROKER;
+    acks_drop(&b->acks, tag, false);
     return check_rc(b, amqp_basic_nack(b->conn, CHANNEL, tag, 0, requeue), "basic.nack");
 }
+
+idemq_err_t broker_settle(struct broker *b, uint64_t tag)
+{
+    if (!acks_settle(&b->acks, tag)) {
+        set_err(b, "delivery %llu is not outstanding on this channel",
+                (unsigned long long)tag);
+        return IDEMQ_ERR_INTERNAL;
+    }
+    return IDEMQ_OK;
+}
+
+idemq_err_t broker_reject(struct broker *b, uint64_t tag)
+{
+    if (!b->healthy)
+        return IDEMQ_ERR_BROKER;
+    if (!acks_gone(&b->acks, tag)) {
+        set_err(b, "delivery %llu is not outstanding on this channel",
+                (unsigned long long)tag);
+        return IDEMQ_ERR_INTERNAL;
+    }
+    return check_rc(b, amqp_basic_reject(b->conn, CHANNEL, tag, 0), "basic.reject");
+}
+
+idemq_err_t broker_flush_acks(struct broker *b)
+{
+    struct acks_op op;
+    while (acks_next(&b->acks, &op)) {
+        if (!b->healthy)
+            return IDEMQ_ERR_BROKER;
+        if (check_rc(b, amqp_basic_ack(b->conn, CHANNEL, op.tag, op.multiple), "basic.ack"))
+            return IDEMQ_ERR_BROKER;
+    }
+    return IDEMQ_OK;
+}
+
+bool broker_readable(const struct broker *b) { return b && b->healthy && !b->read_wedged; }
 
 idemq_err_t broker_qos(struct broker *b, int prefetch)
 {
@@ -608,22 +592,6 @@ static idemq_err_t fail_keep(struct broker *b)
     return IDEMQ_ERR_BROKER;
 }
 
-static int json_to_field(json_t *v, amqp_field_value_t *f, amqp_pool_t *pool);
-
-/* JSON object -> AMQP table allocated in pool (strings point into v). */
-static int json_to_table(json_t *v, amqp_table_t *t, amqp_pool_t *pool)
-{
-    amqp_field_value_t f;
-    t->num_entries = 0;
-    t->entries = NULL;
-    if (!v || !json_object_size(v))
-        return 0;
-    if (json_to_field(v, &f, pool))
-        return -1;
-    *t = f.value.table;
-    return 0;
-}
-
 /* The declare/bind RPCs that take an arguments table, in one place. */
 enum table_rpc { RPC_EXCHANGE, RPC_QUEUE, RPC_BIND };
 
@@ -636,7 +604,7 @@ static idemq_err_t table_rpc(struct broker *b, enum table_rpc rpc, const char *n
     bool ok;
 
     init_amqp_pool(&pool, 1024);
-    if (json_to_table(args, &t, &pool)) {
+    if (amqp_table_from_json(args, &t, &pool)) {
         empty_amqp_pool(&pool);
         set_err(b, "out of memory");
         return IDEMQ_ERR_NOMEM;
@@ -691,18 +659,27 @@ static idemq_err_t consume(struct broker *b, int input_idx, int lane, const char
                            const char *tag)
 {
     char what[300];
-    if (b->n_tags >= MAX_CONSUMERS) {
-        set_err(b, "too many consumers on one channel");
-        return IDEMQ_ERR_BROKER;
+    struct consumer *c;
+    if (b->n_cons == b->cap_cons) {
+        int cap = b->cap_cons ? b->cap_cons * 2 : 8;
+        struct consumer *v = realloc(b->cons, (size_t)cap * sizeof *v);
+        if (!v) {
+            set_err(b, "out of memory adding a consumer");
+            return IDEMQ_ERR_NOMEM;
+        }
+        b->cons = v;
+        b->cap_cons = cap;
     }
-    snprintf(b->tags[b->n_tags], sizeof b->tags[0], "%s", tag);
-    amqp_basic_consume(b->conn, CHANNEL, bytes(queue), bytes(b->tags[b->n_tags]), 0, 0, 0,
+    c = &b->cons[b->n_cons];
+    snprintf(c->tag, sizeof c->tag, "%s", tag);
+    c->input = input_idx;
+    c->lane = lane;
+    amqp_basic_consume(b->conn, CHANNEL, bytes(queue), bytes(c->tag), 0, 0, 0,
                        amqp_empty_table);
     snprintf(what, sizeof what, "consume queue %s", queue);
     if (!reply_ok(b, amqp_get_rpc_reply(b->conn), what))
         return IDEMQ_ERR_BROKER;
-    b->tag_input[b->n_tags] = input_idx;
-    b->tag_lane[b->n_tags++] = lane;
+    b->n_cons++;
     return IDEMQ_OK;
 }
 
@@ -720,56 +697,6 @@ idemq_err_t broker_consume_lane(struct broker *b, int input_idx, int lane, const
     char tag[160];
     snprintf(tag, sizeof tag, "idemq/%s/p%d/%s", in->name, lane, consumer_id);
     return consume(b, input_idx, lane, queue, tag);
-}
-
-/* JSON -> AMQP field; strings and bytes point into the JSON (kept alive by
- * the caller until the publish returns); nested tables use the pool. */
-static int json_to_field(json_t *v, amqp_field_value_t *f, amqp_pool_t *pool)
-{
-    if (json_is_string(v)) {
-        f->kind = AMQP_FIELD_KIND_UTF8;
-        f->value.bytes.bytes = (void *)json_string_value(v);
-        f->value.bytes.len = json_string_length(v);
-    } else if (json_is_integer(v)) {
-        f->kind = AMQP_FIELD_KIND_I64;
-        f->value.i64 = json_integer_value(v);
-    } else if (json_is_boolean(v)) {
-        f->kind = AMQP_FIELD_KIND_BOOLEAN;
-        f->value.boolean = json_is_true(v);
-    } else if (json_is_real(v)) {
-        f->kind = AMQP_FIELD_KIND_F64;
-        f->value.f64 = json_real_value(v);
-    } else if (json_is_object(v)) {
-        const char *k;
-        json_t *e;
-        int i = 0;
-        f->kind = AMQP_FIELD_KIND_TABLE;
-        f->value.table.num_entries = (int)json_object_size(v);
-        f->value.table.entries =
-            amqp_pool_alloc(pool, sizeof(amqp_table_entry_t) * json_object_size(v) + 1);
-        if (!f->value.table.entries)
-            return -1;
-        json_object_foreach(v, k, e)
-        {
-            f->value.table.entries[i].key = amqp_cstring_bytes(k);
-            if (json_to_field(e, &f->value.table.entries[i].value, pool))
-                return -1;
-            i++;
-        }
-    } else if (json_is_array(v)) {
-        size_t n = json_array_size(v);
-        f->kind = AMQP_FIELD_KIND_ARRAY;
-        f->value.array.num_entries = (int)n;
-        f->value.array.entries = amqp_pool_alloc(pool, sizeof(amqp_field_value_t) * n + 1);
-        if (!f->value.array.entries)
-            return -1;
-        for (size_t i = 0; i < n; i++)
-            if (json_to_field(json_array_get(v, i), &f->value.array.entries[i], pool))
-                return -1;
-    } else {
-        f->kind = AMQP_FIELD_KIND_VOID;
-    }
-    return 0;
 }
 
 /* Copies the carried-over properties of a received message (strings point
@@ -808,6 +735,7 @@ idemq_err_t broker_publish(struct broker *b, const char *exchange, const char *r
     amqp_basic_properties_t p;
     amqp_pool_t pool;
     amqp_bytes_t data = {len, (void *)body};
+    uint64_t seq;
     int rc;
 
     if (!b->healthy)
@@ -838,45 +766,60 @@ idemq_err_t broker_publish(struct broker *b, const char *exchange, const char *r
         p.expiration = amqp_cstring_bytes(props->expiration);
     }
     if (props && props->headers && json_object_size(props->headers)) {
-        amqp_field_value_t f;
-        if (json_to_field(props->headers, &f, &pool)) {
+        if (amqp_table_from_json(props->headers, &p.headers, &pool)) {
             empty_amqp_pool(&pool);
             set_err(b, "out of memory building headers");
             return IDEMQ_ERR_NOMEM;
         }
         p._flags |= AMQP_BASIC_HEADERS_FLAG;
-        p.headers = f.value.table;
+    }
+    if (confirms_publish(&b->cf, &seq)) {
+        empty_amqp_pool(&pool);
+        set_err(b, "out of memory tracking confirms");
+        return IDEMQ_ERR_NOMEM;
     }
     rc = amqp_basic_publish(b->conn, CHANNEL, bytes(exchange), bytes(routing_key), 1, 0, &p,
                             data);
     empty_amqp_pool(&pool);
     if (check_rc(b, rc, "basic.publish"))
         return IDEMQ_ERR_BROKER;
-    b->published++;
     return IDEMQ_OK;
 }
 
 idemq_err_t broker_wait_confirms(struct broker *b, int timeout_ms)
 {
     long long deadline = now_ms() + timeout_ms;
-    idemq_err_t err = IDEMQ_OK;
+    uint64_t first = b->wait_from, last = confirms_next_seq(&b->cf) - 1;
+    enum confirms_result res;
 
-    while (b->confirmed < b->published) {
+    for (;;) {
         long long left = deadline - now_ms();
         struct timeval tv;
+        res = confirms_range(&b->cf, first, last);
+        if (res != CONFIRMS_PENDING)
+            break;
+        if (b->read_wedged) {
+            set_err(b, "publishes cannot be confirmed: the connection cannot read past an "
+                       "undecodable message");
+            return IDEMQ_ERR_BROKER;
+        }
         if (left <= 0) {
-            set_err(b, "%llu publishes not confirmed within %d ms",
-                    (unsigned long long)(b->published - b->confirmed), timeout_ms);
+            set_err(b, "publishes %llu..%llu not all confirmed within %d ms",
+                    (unsigned long long)first, (unsigned long long)last, timeout_ms);
             return IDEMQ_ERR_TIMEOUT;
         }
         tv.tv_sec = left / 1000;
         tv.tv_usec = (left % 1000) * 1000;
-        err = pump_frame(b, NULL, &tv);
-        if (err == IDEMQ_ERR_BROKER)
-            return err;
+        if (pump_frame(b, NULL, &tv) == IDEMQ_ERR_BROKER)
+            return IDEMQ_ERR_BROKER;
     }
-    if (b->confirm_failed) {
-        b->confirm_failed = false;
+    /* Decided: the next wait covers only what is published after this. */
+    b->wait_from = last + 1;
+    confirms_forget_below(&b->cf, b->wait_from);
+    if (res == CONFIRMS_FAILED) {
+        if (!strstr(b->err, "nacked") && !strstr(b->err, "returned"))
+            set_err(b, "a publish of %llu..%llu was nacked or returned",
+                    (unsigned long long)first, (unsigned long long)last);
         return IDEMQ_ERR_BROKER;
     }
     return IDEMQ_OK;
@@ -912,14 +855,15 @@ idemq_err_t broker_get(struct broker *b, const char *queue, struct job *j, bool 
     if (r.reply.id == AMQP_BASIC_GET_EMPTY_METHOD)
         return IDEMQ_ERR_TIMEOUT;
     ok = r.reply.decoded;
-    job_reset(j);
-    j->tag = ok->delivery_tag;
-    j->redelivered = ok->redelivered;
-    copy_short(j->exchange, ok->exchange);
-    copy_short(j->routing_key, ok->routing_key);
-    job_utf8_sanitize(j->exchange);
-    job_utf8_sanitize(j->routing_key);
-    return read_content(b, CHANNEL, j);
+    delivery_facts(j, ok->delivery_tag, ok->redelivered, ok->exchange, ok->routing_key);
+    if (!ack && acks_received(&b->acks, ok->delivery_tag)) {
+        set_err(b, "cannot track delivery %llu", (unsigned long long)ok->delivery_tag);
+        b->healthy = false;
+        return IDEMQ_ERR_BROKER;
+    }
+    if (read_content(b, CHANNEL, j))
+        return IDEMQ_ERR_BROKER;
+    return j->wire_err == IDEMQ_ERR_UNDECODABLE ? IDEMQ_ERR_UNDECODABLE : IDEMQ_OK;
 }
 
 idemq_err_t broker_purge(struct broker *b, const char *queue)

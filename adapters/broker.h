@@ -5,9 +5,13 @@
  * declaring an input's topology, consuming into struct job, acks, and
  * publishing with publisher confirms and the mandatory flag.
  *
- * API: broker_open -> broker_declare_input / broker_consume ->
- *      broker_next ... broker_ack -> broker_close.
+ * API: broker_open -> broker_declare_* / broker_consume ->
+ *      broker_next ... broker_settle / broker_reject -> broker_flush_acks
+ *      ... -> broker_close.
  *      Publishing: broker_publish ... broker_wait_confirms.
+ * Every delivery is tracked from the moment its method frame is read until
+ * it is settled: acks are only ever sent for settled deliveries (see
+ * acks.h), never by a multiple ack across an unsettled one.
  * Every call services heartbeats; keep the time between calls well under
  * the heartbeat interval.
  */
@@ -82,7 +86,10 @@ idemq_err_t broker_unbind(struct broker *b, const char *queue, const char *excha
  * first). Returns IDEMQ_OK, IDEMQ_ERR_TIMEOUT when none arrived (other
  * frames such as confirms may have been handled), or IDEMQ_ERR_BROKER when
  * the connection or channel is gone (see broker_error). j->decode is not
- * run here.
+ * run here. A delivery the client library cannot decode comes back as a
+ * job with wire_err IDEMQ_ERR_UNDECODABLE (tag, routing key and consumer
+ * known, no content); after it the connection cannot read
+ * (broker_readable false) but can still settle and reject.
  */
 idemq_err_t broker_next(struct broker *b, struct job *j, int timeout_ms) IDEMQ_MUSTCHECK;
 
@@ -91,10 +98,29 @@ idemq_err_t broker_next(struct broker *b, struct job *j, int timeout_ms) IDEMQ_M
  * IDEMQ_OK, or IDEMQ_ERR_BROKER when the connection failed. */
 idemq_err_t broker_service(struct broker *b, int ms) IDEMQ_MUSTCHECK;
 
-/* basic.ack of tag (and every earlier unacked tag when multiple). */
+/* Marks a delivery of this channel settled: its ack goes out with the next
+ * broker_flush_acks. IDEMQ_ERR_INTERNAL if the tag is not outstanding on
+ * this channel (for example one of a previous connection: never acked). */
+idemq_err_t broker_settle(struct broker *b, uint64_t tag) IDEMQ_MUSTCHECK;
+
+/* basic.reject without requeue (the queue's dead-letter exchange, if any,
+ * takes the message); the tag is settled. */
+idemq_err_t broker_reject(struct broker *b, uint64_t tag) IDEMQ_MUSTCHECK;
+
+/* Sends the acks the settled deliveries allow: one multiple ack for the
+ * contiguous settled prefix, single acks beyond the first unsettled tag. */
+idemq_err_t broker_flush_acks(struct broker *b) IDEMQ_MUSTCHECK;
+
+/* False once the connection or channel failed, or after an undecodable
+ * message (sending still works then: settle, reject, flush, publish). */
+bool broker_readable(const struct broker *b);
+
+/* Raw basic.ack of tag (and every earlier unacked tag when multiple), for
+ * tools that do their own bookkeeping (redrive, the benchmark); the worker
+ * uses broker_settle. */
 idemq_err_t broker_ack(struct broker *b, uint64_t tag, bool multiple) IDEMQ_MUSTCHECK;
 
-/* basic.nack of one tag, requeued or not. */
+/* Raw basic.nack of one tag, requeued or not (tools). */
 idemq_err_t broker_nack(struct broker *b, uint64_t tag, bool requeue) IDEMQ_MUSTCHECK;
 
 /* Message properties for broker_publish; all optional. headers: a JSON
@@ -122,11 +148,13 @@ idemq_err_t broker_publish(struct broker *b, const char *exchange, const char *r
                            const struct broker_props *props) IDEMQ_MUSTCHECK;
 
 /*
- * Waits until every message published so far is confirmed. IDEMQ_OK only if
- * all were acked and none was returned as unroutable; IDEMQ_ERR_BROKER if
- * any was nacked or returned (see broker_error) or the connection failed;
- * IDEMQ_ERR_TIMEOUT after timeout_ms. The outcome covers everything since
- * the previous wait.
+ * Waits until every message published since the previous wait is confirmed
+ * (tracked per sequence number: confirms may come out of order and with
+ * `multiple`). IDEMQ_OK only if all were acked and none was returned as
+ * unroutable; IDEMQ_ERR_BROKER if any was nacked or returned (see
+ * broker_error), as soon as that is known, or if the connection failed;
+ * IDEMQ_ERR_TIMEOUT after timeout_ms (then drop the connection: the range
+ * is not waited for again).
  */
 idemq_err_t broker_wait_confirms(struct broker *b, int timeout_ms) IDEMQ_MUSTCHECK;
 
@@ -136,7 +164,9 @@ idemq_err_t broker_queue_counts(struct broker *b, const char *queue, uint32_t *m
                                 uint32_t *consumers) IDEMQ_MUSTCHECK;
 
 /* basic.get of one message into j (auto-ack when ack is true).
- * IDEMQ_ERR_TIMEOUT if the queue is empty. For tests and tools. */
+ * IDEMQ_ERR_TIMEOUT if the queue is empty; IDEMQ_ERR_UNDECODABLE for a
+ * message the client library cannot decode (j->tag set; the connection
+ * cannot read any more, see broker_next). For tests and tools. */
 idemq_err_t broker_get(struct broker *b, const char *queue, struct job *j,
                        bool ack) IDEMQ_MUSTCHECK;
 

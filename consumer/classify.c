@@ -92,6 +92,13 @@ enum classify_class classify_err(idemq_err_t err)
     case IDEMQ_ERR_KEY_INVALID:
     case IDEMQ_ERR_SEQUENCE_INVALID:
     case IDEMQ_ERR_EFFECT:
+    case IDEMQ_ERR_HEADERS_TOO_DEEP:
+    case IDEMQ_ERR_HEADERS_TOO_LARGE:
+    case IDEMQ_ERR_DUPLICATE_FIELD:
+    case IDEMQ_ERR_KEY_NULL:
+    case IDEMQ_ERR_UNDECODABLE:
+    case IDEMQ_ERR_UNPROCESSABLE:
+    case IDEMQ_ERR_ORIGIN_REFUSED:
         return CLASS_PERMANENT;
     case IDEMQ_ERR_RETRIES_EXHAUSTED:
         return CLASS_TRANSIENT;

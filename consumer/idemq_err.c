@@ -27,6 +27,13 @@ const char *idemq_err_name(idemq_err_t err)
     case IDEMQ_ERR_INTERNAL: return "internal";
     case IDEMQ_ERR_RETRIES_EXHAUSTED: return "retries_exhausted";
     case IDEMQ_ERR_SEQUENCE_INVALID: return "sequence_invalid";
+    case IDEMQ_ERR_HEADERS_TOO_DEEP: return "headers_too_deep";
+    case IDEMQ_ERR_HEADERS_TOO_LARGE: return "headers_too_large";
+    case IDEMQ_ERR_DUPLICATE_FIELD: return "duplicate_field";
+    case IDEMQ_ERR_KEY_NULL: return "key_null";
+    case IDEMQ_ERR_UNDECODABLE: return "undecodable";
+    case IDEMQ_ERR_UNPROCESSABLE: return "unprocessable";
+    case IDEMQ_ERR_ORIGIN_REFUSED: return "origin_refused";
     }
     return "unknown";
 }
@@ -54,6 +61,13 @@ const char *idemq_err_str(idemq_err_t err)
     case IDEMQ_ERR_INTERNAL: return "internal invariant failed";
     case IDEMQ_ERR_RETRIES_EXHAUSTED: return "transient failures used the whole attempt budget";
     case IDEMQ_ERR_SEQUENCE_INVALID: return "sequence number absent or not a positive integer";
+    case IDEMQ_ERR_HEADERS_TOO_DEEP: return "message headers nest deeper than the limit";
+    case IDEMQ_ERR_HEADERS_TOO_LARGE: return "message headers exceed the field or byte limit";
+    case IDEMQ_ERR_DUPLICATE_FIELD: return "message body has a duplicate field name";
+    case IDEMQ_ERR_KEY_NULL: return "idempotency key is null";
+    case IDEMQ_ERR_UNDECODABLE: return "the AMQP client library could not decode the delivery";
+    case IDEMQ_ERR_UNPROCESSABLE: return "the job failed in every processing mode";
+    case IDEMQ_ERR_ORIGIN_REFUSED: return "dead letter names an origin queue that is not a configured input";
     }
     return "unknown error";
 }

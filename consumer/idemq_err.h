@@ -29,6 +29,13 @@ typedef enum {
     IDEMQ_ERR_INTERNAL,       /* an invariant failed */
     IDEMQ_ERR_RETRIES_EXHAUSTED, /* transient failures used the whole attempt budget */
     IDEMQ_ERR_SEQUENCE_INVALID,  /* sequence_source absent or not a positive integer */
+    IDEMQ_ERR_HEADERS_TOO_DEEP,      /* header tables nested deeper than the limit */
+    IDEMQ_ERR_HEADERS_TOO_LARGE,     /* headers over the field or byte limit */
+    IDEMQ_ERR_DUPLICATE_FIELD,       /* JSON body names a field twice */
+    IDEMQ_ERR_KEY_NULL,              /* key field present but null */
+    IDEMQ_ERR_UNDECODABLE,           /* delivery the client library cannot decode */
+    IDEMQ_ERR_UNPROCESSABLE,         /* job failed as a whole in every mode */
+    IDEMQ_ERR_ORIGIN_REFUSED,        /* redrive origin not a configured input */
 } idemq_err_t;
 
 /* Stable snake_case name ("bad_json"), stored in the ledger. Never NULL. */

@@ -62,7 +62,50 @@ idemq_err_t job_set_body(struct job *j, const void *data, size_t len)
         memcpy(j->body, data, len);
     j->body[len] = '\0';
     j->body_len = len;
+    j->body_size = len;
+    j->sha256_hex[0] = '\0'; /* job_decode hashes this body */
     return IDEMQ_OK;
+}
+
+idemq_err_t job_reserve_body(struct job *j, size_t cap)
+{
+    if (cap + 1 > j->body_cap) {
+        unsigned char *nb = realloc(j->body, cap + 1);
+        if (!nb)
+            return IDEMQ_ERR_NOMEM;
+        j->body = nb;
+        j->body_cap = cap + 1;
+    }
+    if (!j->body_len)
+        j->body[0] = '\0';
+    return IDEMQ_OK;
+}
+
+size_t job_append_body(struct job *j, const void *data, size_t len)
+{
+    size_t room = j->body_cap ? j->body_cap - 1 - j->body_len : 0;
+    size_t n = len < room ? len : room;
+    if (n) {
+        memcpy(j->body + j->body_len, data, n);
+        j->body_len += n;
+        j->body[j->body_len] = '\0';
+    }
+    return n;
+}
+
+static void hex32(const unsigned char md[32], char out[65])
+{
+    static const char hex[] = "0123456789abcdef";
+    for (unsigned int i = 0; i < 32; i++) {
+        out[2 * i] = hex[md[i] >> 4];
+        out[2 * i + 1] = hex[md[i] & 15];
+    }
+    out[64] = '\0';
+}
+
+void job_set_digest(struct job *j, const unsigned char md[32])
+{
+    hex32(md, j->sha256_hex);
 }
 
 size_t job_utf8_seq(const unsigned char *s, size_t n)
@@ -122,9 +165,13 @@ static idemq_err_t take_text(struct job *j, const json_t *v, const char *what, c
     size_t n;
     char num[32];
 
-    if (!v || json_is_null(v)) {
+    if (!v) {
         snprintf(j->reason, sizeof j->reason, "%s is missing", what);
         return IDEMQ_ERR_KEY_MISSING;
+    }
+    if (json_is_null(v)) {
+        snprintf(j->reason, sizeof j->reason, "%s is null", what);
+        return IDEMQ_ERR_KEY_NULL;
     }
     if (json_is_integer(v)) {
         snprintf(num, sizeof num, "%" JSON_INTEGER_FORMAT, json_integer_value(v));
@@ -229,7 +276,6 @@ static void sha256_fetch(void) { sha256_md = EVP_MD_fetch(NULL, "SHA256", NULL);
 /* Writes the lowercase hex SHA-256 of body into out[65]; "" on failure. */
 static void sha256_hex(const unsigned char *body, size_t len, char out[65])
 {
-    static const char hex[] = "0123456789abcdef";
     unsigned char md[EVP_MAX_MD_SIZE];
     unsigned int mdlen = 0;
 
@@ -238,11 +284,7 @@ static void sha256_hex(const unsigned char *body, size_t len, char out[65])
     if (EVP_Digest(body, len, md, &mdlen, sha256_md ? sha256_md : EVP_sha256(), NULL) != 1 ||
         mdlen != 32)
         return;
-    for (unsigned int i = 0; i < 32; i++) {
-        out[2 * i] = hex[md[i] >> 4];
-        out[2 * i + 1] = hex[md[i] & 15];
-    }
-    out[64] = '\0';
+    hex32(md, out);
 }
 
 idemq_err_t job_decode(struct job *j, const struct conf_input *in)
@@ -254,18 +296,34 @@ idemq_err_t job_decode(struct job *j, const struct conf_input *in)
 
     j->has_key = false;
     j->key[0] = '\0';
-    sha256_hex(j->body, j->body_len, j->sha256_hex);
-    if (j->body_len > (size_t)in->max_body_bytes) {
+    if (!j->sha256_hex[0])
+        sha256_hex(j->body, j->body_len, j->sha256_hex);
+    if (j->body_size < j->body_len)
+        j->body_size = j->body_len;
+    if (j->wire_err == IDEMQ_ERR_UNDECODABLE) { /* nothing of it can be trusted */
+        snprintf(j->reason, sizeof j->reason, "%s", j->wire_reason);
+        return j->decode_err = j->wire_err;
+    }
+    if (j->body_size > (uint64_t)in->max_body_bytes) {
         body_err = IDEMQ_ERR_BODY_TOO_LARGE;
-        snprintf(body_reason, sizeof body_reason, "body is %zu bytes, max_body_bytes is %d",
-                 j->body_len, in->max_body_bytes);
-    } else if (!(root = json_loadb((const char *)j->body, j->body_len, 0, &jerr))) {
-        body_err = IDEMQ_ERR_BAD_JSON;
-        snprintf(body_reason, sizeof body_reason, "invalid JSON at byte %d: %s", jerr.position,
-                 jerr.text);
+        snprintf(body_reason, sizeof body_reason,
+                 "body is %llu bytes, max_body_bytes is %d (a %zu-byte prefix is kept)",
+                 (unsigned long long)j->body_size, in->max_body_bytes, j->body_len);
+    } else if (!(root = json_loadb((const char *)j->body, j->body_len,
+                                   JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr))) {
+        body_err = json_error_code(&jerr) == json_error_duplicate_key ? IDEMQ_ERR_DUPLICATE_FIELD
+                                                                      : IDEMQ_ERR_BAD_JSON;
+        snprintf(body_reason, sizeof body_reason, "%s at byte %d: %s",
+                 body_err == IDEMQ_ERR_BAD_JSON ? "invalid JSON" : "duplicate field name",
+                 jerr.position, jerr.text);
     } else if (!json_is_object(root)) {
         body_err = IDEMQ_ERR_NOT_OBJECT;
-        snprintf(body_reason, sizeof body_reason, "body is JSON but not an object");
+        snprintf(body_reason, sizeof body_reason, "body is JSON but not an object (%s)",
+                 json_is_array(root)     ? "an array"
+                 : json_is_string(root)  ? "a string"
+                 : json_is_number(root)  ? "a number"
+                 : json_is_boolean(root) ? "a boolean"
+                                         : "null");
     }
 
     if (in->key_kind == CONF_KEY_JSON) {
@@ -281,7 +339,11 @@ idemq_err_t job_decode(struct job *j, const struct conf_input *in)
         key_err = take_order(j, in, root);
     json_decref(root);
 
-    if (body_err) {
+    if (j->wire_err && body_err != IDEMQ_ERR_BODY_TOO_LARGE) {
+        /* headers over the limits: parked, with the key if the body had one */
+        snprintf(j->reason, sizeof j->reason, "%s", j->wire_reason);
+        j->decode_err = j->wire_err;
+    } else if (body_err) {
         snprintf(j->reason, sizeof j->reason, "%s", body_reason);
         j->decode_err = body_err;
     } else {

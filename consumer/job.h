@@ -34,10 +34,18 @@ struct job {
     json_t *headers; /* object, owned; never NULL after job_init */
     json_t *props;   /* other AMQP properties as an object, owned */
     unsigned char *body;
-    size_t body_len;
+    size_t body_len;    /* bytes held in body (all of it, or a prefix) */
     size_t body_cap;
+    uint64_t body_size; /* size on the wire (content header); body_len when set
+                         * by job_set_body */
+    /* what the transport could not take (set before job_decode): a delivery
+     * the client library could not decode, a body over max_body_bytes (only
+     * a prefix is kept), headers over the table limits (truncated) */
+    idemq_err_t wire_err;
+    char wire_reason[160];
     /* decoding results */
-    char sha256_hex[65]; /* of the raw body, always set by job_decode */
+    char sha256_hex[65]; /* of the whole raw body: set by the transport while
+                          * it streams the body, else by job_decode */
     idemq_err_t decode_err;
     bool has_key;
     char key[CONF_KEY_MAX_BYTES + 1];
@@ -60,12 +68,27 @@ void job_reset(struct job *j);
 /* Releases everything the job owns. */
 void job_destroy(struct job *j);
 
-/* Copies the body in, growing the reusable buffer if needed.
- * Returns IDEMQ_ERR_NOMEM (job unchanged) or IDEMQ_OK. */
+/* Copies the body in, growing the reusable buffer if needed; body_size
+ * becomes len. Returns IDEMQ_ERR_NOMEM (job unchanged) or IDEMQ_OK. */
 idemq_err_t job_set_body(struct job *j, const void *data, size_t len) IDEMQ_MUSTCHECK;
 
+/* Makes room for at least cap body bytes (the body is kept NUL-terminated
+ * after its last byte). IDEMQ_ERR_NOMEM or IDEMQ_OK. */
+idemq_err_t job_reserve_body(struct job *j, size_t cap) IDEMQ_MUSTCHECK;
+
+/* Appends to the body within the reserved room (job_reserve_body); bytes
+ * beyond it are not kept. Returns how many were kept. */
+size_t job_append_body(struct job *j, const void *data, size_t len);
+
+/* Sets sha256_hex from a 32-byte digest (the transport hashes the whole
+ * body while it streams it). */
+void job_set_digest(struct job *j, const unsigned char md[32]);
+
 /*
- * Checks the body and extracts the key per input (and, for inputs with
+ * Checks the body and extracts the key per input. A transport failure
+ * (wire_err) comes first; then the body: its size (body_size against
+ * max_body_bytes), strict JSON (invalid UTF-8, NUL escapes and duplicate
+ * field names are refused) that must be an object (and, for inputs with
  * order_key_source / sequence_source, the ordering key and the sequence:
  * a missing one is a permanent decode error). Sets j->decode_err (and
  * returns it): IDEMQ_OK, or a permanent decode error with j->reason

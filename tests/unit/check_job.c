@@ -3,6 +3,7 @@
 #include <check.h>
 
 #include "check_run.h"
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -66,7 +67,12 @@ START_TEST(test_bad_bodies)
     ck_assert_ptr_nonnull(strstr(j.reason, "invalid JSON"));
     ck_assert_int_eq(decode(&j, &in, ""), IDEMQ_ERR_BAD_JSON);
     ck_assert_int_eq(decode(&j, &in, "[1,2]"), IDEMQ_ERR_NOT_OBJECT);
-    ck_assert_int_eq(decode(&j, &in, "\"str\""), IDEMQ_ERR_BAD_JSON); /* jansson: no bare values */
+    /* valid JSON that is not an object is not_object, not bad_json */
+    ck_assert_int_eq(decode(&j, &in, "\"str\""), IDEMQ_ERR_NOT_OBJECT);
+    ck_assert_ptr_nonnull(strstr(j.reason, "a string"));
+    ck_assert_int_eq(decode(&j, &in, "null"), IDEMQ_ERR_NOT_OBJECT);
+    ck_assert_int_eq(decode(&j, &in, "12.5"), IDEMQ_ERR_NOT_OBJECT);
+    ck_assert_int_eq(decode(&j, &in, "true"), IDEMQ_ERR_NOT_OBJECT);
     ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"a\"} trailing"), IDEMQ_ERR_BAD_JSON);
     memset(big, 'x', sizeof big - 1);
     big[sizeof big - 1] = '\0';
@@ -89,7 +95,9 @@ START_TEST(test_bad_keys)
     job_init(&j);
     ck_assert_int_eq(decode(&j, &in, "{\"other\":1}"), IDEMQ_ERR_KEY_MISSING);
     ck_assert_ptr_nonnull(strstr(j.reason, "field job_id is missing"));
-    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":null}"), IDEMQ_ERR_KEY_MISSING);
+    /* present but null is not "missing" */
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":null}"), IDEMQ_ERR_KEY_NULL);
+    ck_assert_ptr_nonnull(strstr(j.reason, "field job_id is null"));
     ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"\"}"), IDEMQ_ERR_KEY_EMPTY);
     ck_assert_int_eq(decode(&j, &in, "{\"job_id\":{\"a\":1}}"), IDEMQ_ERR_KEY_INVALID);
     ck_assert_int_eq(decode(&j, &in, "{\"job_id\":1.5}"), IDEMQ_ERR_KEY_INVALID);
@@ -188,6 +196,61 @@ START_TEST(test_utf8)
 }
 END_TEST
 
+/* A key field named twice would make the business key depend on which
+ * parser reads the body: refused, with a named code and no key. */
+START_TEST(test_duplicate_field)
+{
+    struct job j;
+    struct conf_input in = input(CONF_KEY_JSON, "job_id", 4096);
+    job_init(&j);
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"A\",\"job_id\":\"B\"}"),
+                     IDEMQ_ERR_DUPLICATE_FIELD);
+    ck_assert(!j.has_key);
+    ck_assert_ptr_nonnull(strstr(j.reason, "duplicate field name"));
+    ck_assert_str_eq(idemq_err_name(j.decode_err), "duplicate_field");
+    /* nested duplicates too */
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"A\",\"m\":{\"x\":1,\"x\":2}}"),
+                     IDEMQ_ERR_DUPLICATE_FIELD);
+    job_destroy(&j);
+}
+END_TEST
+
+/* What the transport could not take comes first: the size from the content
+ * header (only a prefix held), headers over the limits (key still taken),
+ * a delivery the library could not decode (nothing trusted). */
+START_TEST(test_wire_errors)
+{
+    struct job j;
+    struct conf_input in = input(CONF_KEY_JSON, "job_id", 64);
+    unsigned char md[32] = {0xab};
+    job_init(&j);
+    ck_assert_int_eq(job_set_body(&j, "{\"job_id\":\"k\"}", 14), IDEMQ_OK);
+    j.body_size = 1u << 30; /* the content header said 1 GiB; a prefix was kept */
+    job_set_digest(&j, md);
+    ck_assert_int_eq(job_decode(&j, &in), IDEMQ_ERR_BODY_TOO_LARGE);
+    ck_assert_ptr_nonnull(strstr(j.reason, "body is 1073741824 bytes"));
+    ck_assert(strncmp(j.sha256_hex, "ab00", 4) == 0); /* the transport's hash stays */
+
+    job_reset(&j);
+    ck_assert_int_eq(job_set_body(&j, "{\"job_id\":\"k2\"}", 15), IDEMQ_OK);
+    j.wire_err = IDEMQ_ERR_HEADERS_TOO_DEEP;
+    snprintf(j.wire_reason, sizeof j.wire_reason, "headers nest deeper than 16 levels");
+    ck_assert_int_eq(job_decode(&j, &in), IDEMQ_ERR_HEADERS_TOO_DEEP);
+    ck_assert(j.has_key); /* parked with its key */
+    ck_assert_str_eq(j.key, "k2");
+    ck_assert_ptr_nonnull(strstr(j.reason, "deeper"));
+
+    job_reset(&j);
+    j.wire_err = IDEMQ_ERR_UNDECODABLE;
+    snprintf(j.wire_reason, sizeof j.wire_reason, "cannot decode");
+    ck_assert_int_eq(job_decode(&j, &in), IDEMQ_ERR_UNDECODABLE);
+    ck_assert(!j.has_key);
+    ck_assert_str_eq(j.reason, "cannot decode");
+    ck_assert_int_eq(strlen(j.sha256_hex), 64); /* of the empty body */
+    job_destroy(&j);
+}
+END_TEST
+
 START_TEST(test_body_buffer_reuse)
 {
     struct job j;
@@ -216,6 +279,8 @@ int main(void)
     tcase_add_test(tc, test_order_key_and_sequence);
     tcase_add_test(tc, test_utf8);
     tcase_add_test(tc, test_body_buffer_reuse);
+    tcase_add_test(tc, test_duplicate_field);
+    tcase_add_test(tc, test_wire_errors);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
