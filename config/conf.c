@@ -47,6 +47,9 @@ static const struct conf_key global_keys[] = {
      "unacknowledged deliveries per worker (basic.qos)"},
     {"broker.connect_timeout_ms", CT_INT, G(connect_timeout_ms), 100, 600000, NULL, 5000, 0,
      "TCP connect timeout per URL"},
+    {"broker.reconnect_max_ms", CT_INT, G(reconnect_max_ms), 250, 600000, NULL, 5000, 0,
+     "ceiling of the backoff between reconnects (and after giving deliveries back); "
+     "a worker resumes within this of the broker or database coming back"},
     {"database.dsn", CT_STR, G(dsn), 1, 4096, "dbname=idemq", 0, CF_SENSITIVE,
      "libpq connection string; IDEMQ_PG_DSN overrides"},
     {"database.statement_timeout_ms", CT_INT, G(statement_timeout_ms), 0, 3600000, NULL, 10000, 0,

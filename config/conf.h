@@ -76,6 +76,7 @@ struct conf {
     int heartbeat;
     int prefetch;
     int connect_timeout_ms;
+    int reconnect_max_ms; /* ceiling of the reconnect backoff */
     /* database */
     char *dsn;
     int statement_timeout_ms;

@@ -264,7 +264,8 @@ static int cmd_run(const struct conf *c, long until_idle_s)
     struct worker *ws;
     struct rate_gate *gate = NULL;
     struct metrics_server *metrics = NULL;
-    long applied = 0, dups = 0, parked = 0, retried = 0, received = 0;
+    long applied = 0, dups = 0, parked = 0, retried = 0, received = 0, from_ledger = 0,
+         deferred = 0;
     int rc = preflight(c);
 
     if (rc)
@@ -304,13 +305,16 @@ static int cmd_run(const struct conf *c, long until_idle_s)
             rc = EXIT_RUNTIME;
         }
         received += atomic_load(&ws[i].stats.received);
+        from_ledger += atomic_load(&ws[i].stats.from_ledger);
+        deferred += atomic_load(&ws[i].stats.deferred);
         applied += atomic_load(&ws[i].stats.applied);
         dups += atomic_load(&ws[i].stats.duplicates);
         parked += atomic_load(&ws[i].stats.parked);
         retried += atomic_load(&ws[i].stats.retried);
     }
-    log_info("stopped: received %ld, applied %ld, duplicates %ld, retried %ld, parked %ld",
-             received, applied, dups, retried, parked);
+    log_info("stopped: received %ld (+%ld from the deferred store), applied %ld, duplicates %ld, "
+             "deferred %ld, retried %ld, parked %ld",
+             received, from_ledger, applied, dups, deferred, retried, parked);
     run_report_log(ws, c->workers);
     metrics_stop(metrics);
     for (int i = 0; i < c->workers; i++)

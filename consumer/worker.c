@@ -1,23 +1,24 @@
 /*
- * worker: the receive -> decode -> transaction -> commit -> settle loop of
- * one thread, with the pause/reconnect paths for database, broker and
- * deploy failures. Ordered lanes (partitioned inputs) add: held deliveries
- * per lane (lane.c), in-place retries, and the drain of deferred jobs.
+ * worker: the loop of one thread: connect (with the pause/reconnect paths
+ * for database, broker and deploy failures), collect a batch, wait for the
+ * rate gate, run its transactions (batch.c), settle it on the broker
+ * (settle.c), and for ordered lanes hold deliveries per lane (lane.c) and
+ * drain deferred jobs from the ledger. Every result of every step maps to
+ * one action: settle what committed, or drop a connection so the broker
+ * redelivers (with backoff and readiness off while anything is wrong).
  */
 #include "worker.h"
 
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 
 #include "backoff.h"
+#include "batch.h"
 #include "broker.h"
 #include "classify.h"
 #include "effect_sql.h"
-#include "job.h"
 #include "lane.h"
 #include "latency.h"
 #include "ledger_db.h"
@@ -25,56 +26,29 @@
 #include "ledger_migrate.h"
 #include "ledger_txn.h"
 #include "log.h"
-#include "republish.h"
 #include "rate_gate.h"
+#include "republish.h"
+#include "settle.h"
 #include "sig.h"
 #include "topology.h"
 
 #define POLL_MS 200       /* longest wait between stop/idle checks */
-#define BATCH_RETRIES 3   /* whole-batch transient failures retried in place */
-#define PAUSE_MAX_MS 30000
+#define PAUSE_MIN_MS 250  /* first reconnect backoff */
 #define REPUBLISH_CONFIRM_MS 10000 /* well inside the heartbeat window */
 #define DRAIN_MS 1000     /* ordered lanes: look for deferred jobs at least this often */
 #define DRAIN_ROUNDS 8    /* drain transactions per loop iteration at most */
 #define REPORT_MS 1000    /* ordered lanes: report old deferred jobs this often */
 #define FILL_TICK_MS 1    /* sleep step while a batch fills */
 
-/* What happens to a delivery once its transaction committed. */
-enum settle {
-    SETTLE_ACK = 0, /* applied, duplicate: acknowledge */
-    SETTLE_DELAY,   /* retry later: publish to a delay bucket, then acknowledge */
-    SETTLE_DEAD,    /* parked: publish to the dead-letter exchange, then acknowledge */
-    SETTLE_HOLD,    /* ordered lane: keep unacknowledged in its lane, retry in place
-                     * after delay_ms (0: as soon as the lane goes on) */
-    SETTLE_NONE,    /* a job taken from idemq.deferred that stays there: nothing */
-};
-
-struct plan {
-    enum settle how;
-    long delay_ms;    /* SETTLE_DELAY: clamped delay */
-    int attempt;      /* attempt number recorded */
-    json_t *park;     /* SETTLE_DEAD: park facts (owned) */
-    enum ledger_outcome outcome;
-    int held_lane;    /* isolating: SETTLE_HOLD's lane_id (the job moved out), else 0 */
-};
-
-/* A lane's id for comparisons: > 0 for a delivery of an ordered input. */
-static int lane_id(const struct job *j)
-{
-    return j->lane >= 0 && !j->deferred_id ? j->input * 100 + j->lane + 1 : 0;
-}
-
-/* What a transaction or a connect step came to. */
+/* What a loop step came to. */
 enum step {
     STEP_OK = 0,
-    STEP_INFRA,  /* database gone: reconnect, nothing acknowledged */
-    STEP_FATAL,  /* deploy/config problem: stop consuming until it is fixed */
-    STEP_BROKER, /* broker gone: reconnect it */
-    STEP_RETRY,  /* the whole call failed transiently: try the batch again */
-    STEP_SPLIT,  /* the whole call failed permanently: isolate job by job */
+    STEP_INFRA,      /* database gone: reconnect both, nothing more acknowledged */
+    STEP_FATAL,      /* deploy/config problem: stop consuming until it is fixed */
+    STEP_BROKER,     /* broker gone (or a republish unconfirmed): reconnect it */
+    STEP_REDELIVER,  /* a job met contention it could not outlast: give it back to
+                      * the broker (drop the connection), back off, not ready */
 };
-
-enum crash_point { CRASH_NONE = 0, CRASH_BEFORE_COMMIT, CRASH_AFTER_COMMIT };
 
 struct session {
     struct worker *w;
@@ -82,22 +56,16 @@ struct session {
     PGconn *db;
     struct ledger_txn *lt;
     struct broker *b;
-    struct job *jobs;
-    struct job **good;
-    struct ledger_result *res;
-    struct plan *plans;
+    struct batch bt;          /* the batch: jobs, plans, the transaction ladder */
     long long *park_ids;
-    int n;
-    int batch_limit; /* batch_max, or less under consumer.max_rate */
     uint64_t rng;
+    int batch_limit;          /* batch_max, or less under consumer.max_rate */
+    int redelivers;           /* consecutive STEP_REDELIVER, for the backoff */
     /* ordered lanes */
     struct lane_set *lanes;
-    bool lanes_keyed;   /* some ordered input has an ordering key */
-    bool drain_hint;    /* an ordered job was applied or parked: drain soon */
+    bool lanes_keyed;         /* some ordered input has an ordering key */
     long long last_drain, last_report;
-    enum crash_point crash;
-    char why[512]; /* reason of the last non-OK step */
-    struct ledger_db_error last_call; /* the last whole-call failure */
+    char why[512];            /* reason of the last non-OK step */
 };
 
 static long long now_ms(void)
@@ -169,6 +137,8 @@ static void drop_db(struct session *s)
     if (s->db)
         PQfinish(s->db);
     s->db = NULL;
+    s->bt.db = NULL;
+    s->bt.lt = NULL;
 }
 
 static void drop_broker(struct session *s)
@@ -176,12 +146,6 @@ static void drop_broker(struct session *s)
     broker_close(s->b); /* unacknowledged deliveries go back to the queue */
     s->b = NULL;
     lane_clear(s->lanes); /* held deliveries too: their tags died with the channel */
-}
-
-/* True for a job of a partitioned (ordered) input. */
-static bool is_ordered(const struct session *s, const struct job *j)
-{
-    return CONF_INPUT_ORDERED(&s->c->inputs[j->input]);
 }
 
 /* Connects the database session and checks schema and effects. */
@@ -216,6 +180,8 @@ static enum step connect_db(struct session *s)
     }
     if (!(s->lt = ledger_txn_new(s->db, s->c, s->why, sizeof s->why)))
         return PQstatus(s->db) == CONNECTION_OK ? STEP_FATAL : STEP_INFRA;
+    s->bt.db = s->db;
+    s->bt.lt = s->lt;
     return STEP_OK;
 }
 
@@ -259,10 +225,10 @@ fail:
 
 /*
  * Brings both connections up, waiting out failures with capped, jittered
- * backoff. While anything is wrong the worker holds no AMQP connection, so
- * it takes no deliveries and holds none unacknowledged.
- * Returns false only when a stop was requested meanwhile; *reconnected
- * tells whether a connection had to be (re)made.
+ * backoff (broker.reconnect_max_ms). While anything is wrong the worker
+ * holds no AMQP connection, so it takes no deliveries and holds none
+ * unacknowledged. Returns false only when a stop was requested meanwhile;
+ * *reconnected tells whether a connection had to be (re)made.
  */
 static bool ensure_connected(struct session *s, bool *reconnected)
 {
@@ -286,243 +252,51 @@ static bool ensure_connected(struct session *s, bool *reconnected)
             log_error("worker %d: NOT READY, not consuming: %s (checking again with backoff)",
                       s->w->id, s->why);
         else
-            log_warn("worker %d: %s unavailable: %s (reconnecting with backoff)", s->w->id,
-                     st == STEP_BROKER ? "broker" : "database", s->why);
-        nap(backoff_delay_ms(failures, 250, PAUSE_MAX_MS, BACKOFF_JITTER_EQUAL, &s->rng));
+            log_warn("worker %d: NOT READY: %s unavailable: %s (reconnecting with backoff)",
+                     s->w->id, st == STEP_BROKER ? "broker" : "database", s->why);
+        nap(backoff_delay_ms(failures, PAUSE_MIN_MS, s->c->reconnect_max_ms,
+                             BACKOFF_JITTER_EQUAL, &s->rng));
         if (sig_stop_requested())
             return false;
     }
 }
 
-/* Classifies a whole-call failure into the step it leads to. */
-static enum step call_failed(struct session *s, const struct ledger_db_error *e,
-                             const char *what)
+/* ---- settling on the broker (settle.c's io) ---- */
+
+static idemq_err_t io_delay(void *ctx, const struct job *j, long delay_ms, int attempt)
 {
-    enum classify_class cls = classify_sqlstate(e->sqlstate, e->conn_lost, &s->c->rules);
-    snprintf(s->why, sizeof s->why, "%s: %s %s", what, e->sqlstate, e->message);
-    s->last_call = *e;
-    switch (cls) {
-    case CLASS_INFRA: return STEP_INFRA;
-    case CLASS_FATAL: return STEP_FATAL;
-    case CLASS_TRANSIENT: return STEP_RETRY;
-    case CLASS_PERMANENT: return STEP_SPLIT;
-    case CLASS_NONE: break;
-    }
-    return STEP_SPLIT;
+    struct session *s = ctx;
+    return republish_delay(s->b, &s->c->inputs[j->input], j, delay_ms, attempt);
 }
 
-static void plan_clear(struct plan *p)
+static idemq_err_t io_dead(void *ctx, const struct job *j, const json_t *park)
 {
-    json_decref(p->park);
-    memset(p, 0, sizeof *p);
+    struct session *s = ctx;
+    return republish_dead(s->b, &s->c->inputs[j->input], j, park);
 }
 
-/*
- * Decides what a failed job's attempt leads to and records it (inside the
- * transaction): a durable retry schedule and a delay, or a park.
- */
-static enum step plan_failure(struct session *s, struct job *j, struct ledger_result *r,
-                              struct plan *p)
+static idemq_err_t io_wait(void *ctx)
 {
-    struct ledger_db_error e;
-    enum classify_class cls = classify_sqlstate(r->sqlstate, false, &s->c->rules);
-    int used = r->attempt - r->base; /* attempts of this generation's budget */
-    idemq_err_t code = IDEMQ_ERR_EFFECT;
-    bool park;
-
-    if (cls == CLASS_FATAL) {
-        snprintf(s->why, sizeof s->why, "effect of %s failed with %s %s (%s)", j->key,
-                 r->sqlstate, r->message, classify_name(cls));
-        return STEP_FATAL;
-    }
-    if (cls == CLASS_INFRA || cls == CLASS_NONE)
-        cls = CLASS_TRANSIENT;
-    atomic_fetch_add(&s->w->stats.by_class[cls], 1);
-    park = cls == CLASS_PERMANENT || used >= s->c->max_attempts;
-    if (cls == CLASS_TRANSIENT && park)
-        code = IDEMQ_ERR_RETRIES_EXHAUSTED;
-    p->attempt = r->attempt;
-    p->delay_ms = park ? 0
-                       : topology_clamp_delay(s->c, backoff_delay_ms(used, s->c->base_delay_ms,
-                                                                     s->c->max_delay_ms,
-                                                                     s->c->jitter_mode, &s->rng));
-    if (ledger_txn_record_failure(s->lt, j, r, classify_name(cls), idemq_err_name(code), park,
-                                  p->delay_ms, &e))
-        return call_failed(s, &e, "record_failure");
-    if (park && !r->park) {
-        snprintf(s->why, sizeof s->why, "record_failure returned no park facts for %s", j->key);
-        return STEP_SPLIT;
-    }
-    if (park && is_ordered(s, j)) {
-        if (ledger_lanes_parked(s->db, s->c, j, &e))
-            return call_failed(s, &e, "lane_parked");
-        s->drain_hint = true;
-    }
-    log_job(park ? LOG_LVL_WARN : LOG_LVL_INFO, j->key, j->tag, r->attempt,
-            "%s error %s: %s -> %s (%ld ms)%s", classify_name(cls), r->sqlstate, r->message,
-            park ? "parked" : "retry in", p->delay_ms,
-            !park && is_ordered(s, j) ? (j->deferred_id ? ", from the ledger" : ", in place")
-                                      : "");
-    p->how = park ? SETTLE_DEAD : SETTLE_DELAY;
-    if (!park && is_ordered(s, j)) /* retried in place: later jobs must not overtake it */
-        p->how = j->deferred_id ? SETTLE_NONE : SETTLE_HOLD;
-    if (park)
-        p->park = json_incref(r->park);
-    return STEP_OK;
+    struct session *s = ctx;
+    return broker_wait_confirms(s->b, REPUBLISH_CONFIRM_MS);
 }
 
-/*
- * One transaction over jobs[0..n): claims and applies the decodable ones,
- * records failures, parks the rest, commits. Fills plans[0..n). On any
- * non-OK return the transaction is rolled back and nothing may be settled.
- */
-static enum step run_txn(struct session *s, struct job *jobs, int n, struct plan *plans)
+static idemq_err_t io_settle(void *ctx, uint64_t tag)
 {
-    struct ledger_db_error e;
-    int ngood = 0;
-    enum step st;
-
-    for (int i = 0; i < n; i++) {
-        plan_clear(&plans[i]);
-        if (jobs[i].decode_err == IDEMQ_OK)
-            s->good[ngood++] = &jobs[i];
-    }
-    if (ledger_txn_begin(s->lt, &e))
-        return call_failed(s, &e, "BEGIN");
-    if (ngood && ledger_txn_apply(s->lt, s->good, ngood, s->res, &e)) {
-        st = call_failed(s, &e, "apply_batch");
-        goto rollback;
-    }
-    for (int g = 0, i = 0; g < ngood; g++, i++) {
-        struct ledger_result *r = &s->res[g];
-        struct plan *p;
-
-        while (&jobs[i] != s->good[g])
-            i++;
-        p = &plans[i];
-        p->outcome = r->outcome;
-        p->attempt = r->attempt;
-        switch (r->outcome) {
-        case LEDGER_APPLIED:
-            if (jobs[i].has_order_key)
-                s->drain_hint = true; /* a deferred successor may be next */
-            break;
-        case LEDGER_DUPLICATE:
-            break;
-        case LEDGER_DEFERRED:
-            if (jobs[i].deferred_id) {
-                p->how = SETTLE_NONE; /* still not its turn */
-                break;
-            }
-            if (ledger_lanes_defer(s->db, s->c, &jobs[i], r->message, &e)) {
-                st = call_failed(s, &e, "defer_job");
-                goto rollback;
-            }
-            log_job(LOG_LVL_INFO, jobs[i].key, jobs[i].tag, r->attempt, "deferred: %s",
-                    r->message);
-            break; /* stored in the ledger: acknowledge */
-        case LEDGER_HELD:
-            p->how = jobs[i].deferred_id ? SETTLE_NONE : SETTLE_HOLD;
-            p->delay_ms = 0;
-            break;
-        case LEDGER_EARLY:
-            if (is_ordered(s, &jobs[i])) { /* wait in place, never overtaken */
-                p->how = jobs[i].deferred_id ? SETTLE_NONE : SETTLE_HOLD;
-                p->delay_ms = r->delay_ms;
-                break;
-            }
-            p->how = SETTLE_DELAY;
-            p->delay_ms = topology_clamp_delay(s->c, r->delay_ms);
-            log_job(LOG_LVL_INFO, jobs[i].key, jobs[i].tag, r->attempt,
-                    "back before its retry time: waiting %ld ms more", p->delay_ms);
-            break;
-        case LEDGER_REPARK:
-            p->how = SETTLE_DEAD;
-            p->park = json_incref(r->park);
-            break;
-        case LEDGER_ERROR:
-            if ((st = plan_failure(s, &jobs[i], r, p)) != STEP_OK)
-                goto rollback;
-            break;
-        }
-    }
-    for (int i = 0; i < n; i++) {
-        if (jobs[i].decode_err == IDEMQ_OK)
-            continue;
-        if (ledger_txn_park_message(s->lt, &jobs[i], &plans[i].park, &e)) {
-            st = call_failed(s, &e, "park_message");
-            goto rollback;
-        }
-        if (!plans[i].park) {
-            snprintf(s->why, sizeof s->why, "park_message returned no park facts");
-            st = STEP_SPLIT;
-            goto rollback;
-        }
-        if (is_ordered(s, &jobs[i]) && jobs[i].has_key &&
-            ledger_lanes_parked(s->db, s->c, &jobs[i], &e)) { /* drops a deferred copy */
-            st = call_failed(s, &e, "lane_parked");
-            goto rollback;
-        }
-        plans[i].how = SETTLE_DEAD;
-        plans[i].attempt = 1;
-        log_job(LOG_LVL_WARN, jobs[i].has_key ? jobs[i].key : NULL, jobs[i].tag, 1,
-                "parked %s: %s", idemq_err_name(jobs[i].decode_err), jobs[i].reason);
-    }
-#ifdef IDEMQ_TEST_HOOKS
-    if (s->crash == CRASH_BEFORE_COMMIT) {
-        log_warn("test hook: SIGKILL before commit");
-        kill(getpid(), SIGKILL);
-    }
-#endif
-    if (ledger_txn_commit(s->lt, &e))
-        return call_failed(s, &e, "COMMIT");
-    return STEP_OK;
-rollback:
-    ledger_txn_rollback(s->lt);
-    return st;
+    struct session *s = ctx;
+    return broker_settle(s->b, tag);
 }
 
-/*
- * One transaction for a job whose own apply call failed as a whole (e.g. a
- * statement timeout, which PL/pgSQL cannot catch per job): claims the key,
- * then records the failure like any effect error, so the attempt counts and
- * the job retries or parks by its class.
- */
-static enum step run_failed_txn(struct session *s, struct job *j, struct plan *p,
-                                const struct ledger_db_error *failure)
+static idemq_err_t io_reject(void *ctx, uint64_t tag)
 {
-    struct ledger_db_error e;
-    struct ledger_result *r = &s->res[0];
-    enum step st;
-
-    plan_clear(p);
-    if (ledger_txn_begin(s->lt, &e))
-        return call_failed(s, &e, "BEGIN");
-    if (ledger_txn_claim_failed(s->lt, j, r, &e)) {
-        st = call_failed(s, &e, "claim_failed");
-        goto rollback;
-    }
-    p->outcome = r->outcome;
-    p->attempt = r->attempt;
-    if (r->outcome == LEDGER_ERROR) {
-        snprintf(r->sqlstate, sizeof r->sqlstate, "%s", failure->sqlstate);
-        snprintf(r->message, sizeof r->message, "%s", failure->message);
-        if ((st = plan_failure(s, j, r, p)) != STEP_OK)
-            goto rollback;
-    }
-    if (ledger_txn_commit(s->lt, &e))
-        return call_failed(s, &e, "COMMIT");
-    return STEP_OK;
-rollback:
-    ledger_txn_rollback(s->lt);
-    return st;
+    struct session *s = ctx;
+    return broker_reject(s->b, tag);
 }
 
-/* Waits ms while keeping the broker connection serviced (heartbeats). */
-static void serviced_nap(struct session *s, long ms)
+static idemq_err_t io_flush(void *ctx)
 {
-    if (!s->b || broker_service(s->b, (int)ms) != IDEMQ_OK)
-        nap(ms);
+    struct session *s = ctx;
+    return broker_flush_acks(s->b);
 }
 
 static void count(struct session *s, const struct plan *plans, int n)
@@ -531,7 +305,8 @@ static void count(struct session *s, const struct plan *plans, int n)
     for (int i = 0; i < n; i++) {
         switch (plans[i].how) {
         case SETTLE_DELAY: atomic_fetch_add(&ws->retried, 1); break;
-        case SETTLE_DEAD: atomic_fetch_add(&ws->parked, 1); break;
+        case SETTLE_DEAD:
+        case SETTLE_REJECT: atomic_fetch_add(&ws->parked, 1); break;
         case SETTLE_HOLD:
         case SETTLE_NONE:
             if (plans[i].outcome == LEDGER_ERROR)
@@ -540,6 +315,8 @@ static void count(struct session *s, const struct plan *plans, int n)
         case SETTLE_ACK:
             if (plans[i].outcome == LEDGER_APPLIED)
                 atomic_fetch_add(&ws->applied, 1);
+            else if (plans[i].outcome == LEDGER_DEFERRED)
+                atomic_fetch_add(&ws->deferred, 1);
             else
                 atomic_fetch_add(&ws->duplicates, 1);
             break;
@@ -548,27 +325,21 @@ static void count(struct session *s, const struct plan *plans, int n)
 }
 
 /*
- * Settles a committed transaction's deliveries: publishes the retries and
- * parks (mandatory, confirmed), and only when every confirm arrived
- * acknowledges the lot with one multiple ack. If a republish is not
- * confirmed, only the deliveries that needed none are acknowledged; the
- * others stay unacknowledged and return to the queue when the connection is
- * dropped (the ledger makes the redelivery harmless).
+ * Settles the committed jobs[0..n): held deliveries go back to their lanes
+ * (unacknowledged, in order), the rest through settle_batch. Then notes the
+ * confirmed dead-letter copies in the ledger.
  */
-static enum step settle_batch(struct session *s, struct job *jobs, int n, struct plan *plans)
+static enum step settle_committed(struct session *s, int n)
 {
-    uint64_t top = 0;
-    int republished = 0, parks = 0;
+    struct job *jobs = s->bt.jobs;
+    struct plan *plans = s->bt.plans;
+    struct settle_io io = {s, io_delay, io_dead, io_wait, io_settle, io_reject, io_flush};
     struct ledger_db_error e;
+    int parks = 0;
 
-#ifdef IDEMQ_TEST_HOOKS
-    if (s->crash == CRASH_AFTER_COMMIT) {
-        log_warn("test hook: SIGKILL after commit, before ack");
-        kill(getpid(), SIGKILL);
-    }
-#endif
-    /* Ordered lanes first: held deliveries go back to their lane, in order,
-     * unacknowledged (before the ack below can cover them). */
+    count(s, plans, n);
+    atomic_fetch_add(&s->w->stats.batches, 1);
+    lane_settle_begin(s->lanes);
     for (int i = 0; i < n; i++) {
         if (plans[i].how != SETTLE_HOLD)
             continue;
@@ -577,37 +348,13 @@ static enum step settle_batch(struct session *s, struct job *jobs, int n, struct
             return STEP_BROKER;
         }
     }
-    for (int i = 0; i < n; i++) {
-        const struct conf_input *in = &s->c->inputs[jobs[i].input];
-        idemq_err_t err = IDEMQ_OK;
-        if (plans[i].how == SETTLE_HOLD || plans[i].how == SETTLE_NONE)
-            continue;
-        if (jobs[i].tag > top)
-            top = jobs[i].tag;
-        if (plans[i].how == SETTLE_DELAY)
-            err = republish_delay(s->b, in, &jobs[i], plans[i].delay_ms, plans[i].attempt);
-        else if (plans[i].how == SETTLE_DEAD)
-            err = republish_dead(s->b, in, &jobs[i], plans[i].park);
-        else
-            continue;
-        republished++;
-        if (err)
-            goto unconfirmed;
-    }
-    if (republished && broker_wait_confirms(s->b, REPUBLISH_CONFIRM_MS))
-        goto unconfirmed;
-    if (top && lane_min_tag(s->lanes) && lane_min_tag(s->lanes) < top) {
-        /* a lane holds an earlier delivery: a multiple ack would cover it */
-        for (int i = 0; i < n; i++) {
-            if (!jobs[i].tag || plans[i].how == SETTLE_HOLD || plans[i].how == SETTLE_NONE)
-                continue;
-            if (broker_ack(s->b, jobs[i].tag, false)) {
-                snprintf(s->why, sizeof s->why, "ack after commit: %s", broker_error(s->b));
-                return STEP_BROKER;
-            }
-        }
-    } else if (top && broker_ack(s->b, top, true)) {
-        snprintf(s->why, sizeof s->why, "ack after commit: %s", broker_error(s->b));
+    switch (settle_batch(&io, jobs, plans, n, s->why, sizeof s->why)) {
+    case SETTLE_DONE:
+        break;
+    case SETTLE_UNCONFIRMED:
+    case SETTLE_BROKER_FAILED:
+        snprintf(s->why + strlen(s->why), sizeof s->why - strlen(s->why), " (%s)",
+                 broker_error(s->b));
         return STEP_BROKER;
     }
     atomic_fetch_add(&s->w->stats.settled, n);
@@ -619,85 +366,35 @@ static enum step settle_batch(struct session *s, struct job *jobs, int n, struct
         log_warn("worker %d: dead-letter publish confirmed but not noted in the ledger (%s); "
                  "a later duplicate would publish it again", s->w->id, e.message);
     return STEP_OK;
-unconfirmed:
-    snprintf(s->why, sizeof s->why, "republish not confirmed (%s): originals left "
-             "unacknowledged for redelivery", broker_error(s->b));
-    for (int i = 0; i < n; i++)
-        if (plans[i].how == SETTLE_ACK && jobs[i].tag && broker_ack(s->b, jobs[i].tag, false))
-            break;
-    return STEP_BROKER;
 }
 
-/* Decodes and processes the collected batch s->jobs[0..s->n). */
-static enum step process_batch(struct session *s)
+/* Waits ms while keeping the broker connection serviced (heartbeats). */
+static void serviced_nap(void *ctx, long ms)
 {
-    enum step st = STEP_RETRY;
+    struct session *s = ctx;
+    if (!s->b || broker_service(s->b, (int)ms) != IDEMQ_OK)
+        nap(ms);
+}
 
-    lane_settle_begin(s->lanes);
-    for (int i = 0; i < s->n; i++) {
-        struct job *j = &s->jobs[i];
-        if (j->input < 0 || j->input >= s->c->n_inputs)
-            IDEMQ_PANIC("delivery tag %llu from an unknown consumer", (unsigned long long)j->tag);
-        job_decode(j, &s->c->inputs[j->input]);
-    }
-    for (int tries = 0; tries < BATCH_RETRIES && st == STEP_RETRY; tries++) {
-        if (tries)
-            serviced_nap(s, backoff_delay_ms(tries, 20, 1000, BACKOFF_JITTER_FULL, &s->rng));
-        st = run_txn(s, s->jobs, s->n, s->plans);
-        if (st == STEP_RETRY && strcmp(s->last_call.sqlstate, "57014") == 0)
-            break; /* a timeout will not pass by retrying the whole batch */
-    }
-    if (st == STEP_OK) {
-        atomic_fetch_add(&s->w->stats.batches, 1);
-        count(s, s->plans, s->n);
-        return settle_batch(s, s->jobs, s->n, s->plans);
-    }
-    if (st != STEP_RETRY && st != STEP_SPLIT)
+/* Runs the collected batch s->bt.jobs[0..n) and settles what committed. */
+static enum step process(struct session *s)
+{
+    int committed = 0;
+    enum batch_step bs = batch_process(&s->bt, &committed);
+    enum step st = STEP_OK;
+
+    if (bs != BATCH_OK)
+        snprintf(s->why, sizeof s->why, "%s", s->bt.why);
+    /* What committed is settled even when the batch stopped part way. */
+    if (committed && s->b && (st = settle_committed(s, committed)) != STEP_OK)
         return st;
-    /* Isolate: each job in its own transaction; one whose call still fails
-     * as a whole has that failure recorded as its attempt (retry or park by
-     * class). Settling one by one keeps earlier deliveries settled first. */
-    log_warn("worker %d: batch of %d failed as a whole (%s); isolating job by job", s->w->id,
-             s->n, s->why);
-    for (int i = 0; i < s->n; i++) {
-        struct job *j = &s->jobs[i];
-        struct plan *p = &s->plans[i];
-        int lid = lane_id(j);
-        bool behind = false; /* an earlier job of its lane was held here */
-        for (int k = 0; k < i && lid; k++)
-            behind = behind || s->plans[k].held_lane == lid;
-        if (behind) {
-            plan_clear(p);
-            p->how = SETTLE_HOLD;
-            p->held_lane = lid;
-            if ((st = settle_batch(s, j, 1, p)) != STEP_OK)
-                return st;
-            continue;
-        }
-        st = STEP_RETRY;
-        for (int tries = 0; tries < BATCH_RETRIES && st == STEP_RETRY; tries++) {
-            if (tries)
-                serviced_nap(s, backoff_delay_ms(tries, 20, 1000, BACKOFF_JITTER_FULL, &s->rng));
-            st = run_txn(s, j, 1, p);
-            if (st == STEP_RETRY && strcmp(s->last_call.sqlstate, "57014") == 0)
-                break;
-        }
-        if ((st == STEP_RETRY || st == STEP_SPLIT) && j->decode_err == IDEMQ_OK) {
-            struct ledger_db_error failure = s->last_call;
-            log_job(LOG_LVL_WARN, j->key, j->tag, 0, "call failed as a whole: %s %s",
-                    failure.sqlstate, failure.message);
-            st = run_failed_txn(s, j, p, &failure);
-        }
-        if (st != STEP_OK)
-            return st;
-        atomic_fetch_add(&s->w->stats.batches, 1);
-        count(s, p, 1);
-        if (p->how == SETTLE_HOLD) /* remember its lane (the job moves out) */
-            p->held_lane = lid;
-        if ((st = settle_batch(s, j, 1, p)) != STEP_OK)
-            return st;
+    switch (bs) {
+    case BATCH_OK: s->redelivers = 0; return STEP_OK;
+    case BATCH_INFRA: return STEP_INFRA;
+    case BATCH_FATAL: return STEP_FATAL;
+    case BATCH_REDELIVER: return STEP_REDELIVER;
     }
-    return STEP_OK;
+    return STEP_REDELIVER;
 }
 
 /* Deliveries come from the head of their queue: the age of the one just
@@ -714,21 +411,24 @@ static void note_age(struct worker *w, const struct job *j)
 }
 
 /* Collects up to batch_max deliveries: waits up to wait_ms for the first,
- * then up to batch_wait_ms for the rest. */
+ * then up to batch_wait_ms for the rest. A delivery the library could not
+ * decode ends the batch (the connection cannot read past it). */
 static enum step collect(struct session *s, int wait_ms)
 {
-    /* s->n may start above 0: held deliveries of lanes whose wait is over */
-    long long fill_deadline = s->n ? now_ms() + s->c->batch_wait_ms : 0;
+    struct batch *bt = &s->bt;
+    /* bt->n may start above 0: held deliveries of lanes whose wait is over */
+    long long fill_deadline = bt->n ? now_ms() + s->c->batch_wait_ms : 0;
     long long first_deadline = now_ms() + wait_ms;
-    while (s->n < s->batch_limit) {
+    while (bt->n < s->batch_limit) {
         /* After the first delivery, take what has arrived and sleep in
          * FILL_TICK_MS steps until the deadline: one wake-up per tick, not
          * one per delivery. */
         long long first_left = first_deadline - now_ms();
-        idemq_err_t err = broker_next(s->b, &s->jobs[s->n],
-                                      s->n == 0 ? (int)(first_left > 0 ? first_left : 0) : 0);
+        struct job *j = &bt->jobs[bt->n];
+        idemq_err_t err = broker_next(s->b, j, bt->n == 0 ? (int)(first_left > 0 ? first_left : 0)
+                                                          : 0);
         if (err == IDEMQ_ERR_TIMEOUT) {
-            long long left = s->n ? fill_deadline - now_ms() : 0;
+            long long left = bt->n ? fill_deadline - now_ms() : 0;
             struct timespec ts = {0, 0};
             if (left <= 0)
                 break;
@@ -741,21 +441,46 @@ static enum step collect(struct session *s, int wait_ms)
             return STEP_BROKER;
         }
         atomic_fetch_add(&s->w->stats.received, 1);
-        s->jobs[s->n].received_ns = now_ns();
-        if (lane_blocked(s->lanes, &s->jobs[s->n], now_ms())) {
+        j->received_ns = now_ns();
+        if (lane_blocked(s->lanes, j, now_ms())) {
             /* its lane waits: keep it behind the lane's earlier deliveries */
-            if (lane_append(s->lanes, &s->jobs[s->n])) {
+            if (lane_append(s->lanes, j)) {
                 snprintf(s->why, sizeof s->why, "out of memory holding a lane");
                 return STEP_BROKER;
             }
             continue;
         }
-        if (s->n == 0)
+        if (bt->n == 0)
             fill_deadline = now_ms() + s->c->batch_wait_ms;
-        note_age(s->w, &s->jobs[s->n]);
-        s->n++;
+        note_age(s->w, j);
+        bt->n++;
+        if (!broker_readable(s->b))
+            break; /* an undecodable delivery: process what we have */
     }
     return STEP_OK;
+}
+
+/* ---- throughput: shared rate gate, delivery -> ack latency ---- */
+
+/* Largest batch under consumer.max_rate: about 50 ms worth of jobs, so the
+ * wait for one batch's tokens stays short (and heartbeats stay serviced). */
+static int batch_limit(const struct conf *c)
+{
+    int lim = c->max_rate > 0 ? c->max_rate / 20 : c->batch_max;
+    return lim < 1 ? 1 : lim > c->batch_max ? c->batch_max : lim;
+}
+
+/* Waits until the shared gate grants n jobs, keeping the broker serviced
+ * (wakes on stop: the batch in flight is then still processed, as a
+ * drain). */
+static void gate_wait(struct session *s, int n)
+{
+    int64_t wait_ns;
+    if (!s->w->gate || n == 0)
+        return;
+    wait_ns = rate_gate_reserve(s->w->gate, n, now_ns());
+    if (wait_ns > 0)
+        serviced_nap(s, (long)((wait_ns + 999999) / 1000000));
 }
 
 /*
@@ -763,7 +488,8 @@ static enum step collect(struct session *s, int wait_ms)
  * was applied (taken from the ledger, applied like deliveries, in order),
  * and reports deferred jobs that wait too long. Runs after a batch applied
  * or parked an ordered job, and every DRAIN_MS anyway (another replica may
- * have applied the predecessor).
+ * have applied the predecessor). Between its transactions the broker is
+ * serviced (heartbeats) and the rate gate is honoured.
  */
 static enum step lanes_housekeeping(struct session *s)
 {
@@ -774,81 +500,69 @@ static enum step lanes_housekeeping(struct session *s)
 
     if (!s->lanes_keyed)
         return STEP_OK;
-    if (s->drain_hint || now - s->last_drain >= DRAIN_MS) {
+    if (s->bt.drain_hint || now - s->last_drain >= DRAIN_MS) {
         s->last_drain = now;
         for (int round = 0; round < DRAIN_ROUNDS && !sig_stop_requested(); round++) {
-            s->drain_hint = false;
-            if (ledger_lanes_take(s->db, s->c, s->jobs, s->c->batch_max, &s->n, &e)) {
-                st = call_failed(s, &e, "take_deferred");
+            s->bt.drain_hint = false;
+            if (round && s->b && broker_service(s->b, 1) != IDEMQ_OK) {
+                snprintf(s->why, sizeof s->why, "%s", broker_error(s->b));
+                st = STEP_BROKER;
                 break;
             }
-            if (s->n == 0)
+            if (ledger_lanes_take(s->db, s->c, s->bt.jobs, s->batch_limit, &s->bt.n, &e)) {
+                snprintf(s->why, sizeof s->why, "take_deferred: %s %s", e.sqlstate, e.message);
+                st = e.conn_lost ? STEP_INFRA : STEP_OK;
+                if (st == STEP_OK)
+                    log_warn("worker %d: deferred jobs: %s", s->w->id, s->why);
                 break;
-            if ((st = process_batch(s)) != STEP_OK || !s->drain_hint)
+            }
+            if (s->bt.n == 0)
+                break;
+            atomic_fetch_add(&s->w->stats.from_ledger, s->bt.n);
+            gate_wait(s, s->bt.n);
+            if ((st = process(s)) != STEP_OK || !s->bt.drain_hint)
                 break;
         }
-        s->n = 0;
+        s->bt.n = 0;
     }
     if (st == STEP_OK && now - s->last_report >= REPORT_MS) {
         s->last_report = now;
-        if (ledger_lanes_report(s->db, s->c, &reported, &e))
-            st = call_failed(s, &e, "report_deferred");
-    }
-    if (st == STEP_RETRY || st == STEP_SPLIT) { /* try again on the next round */
-        log_warn("worker %d: deferred jobs: %s", s->w->id, s->why);
-        st = STEP_OK;
+        if (ledger_lanes_report(s->db, s->c, &reported, &e)) {
+            if (e.conn_lost) {
+                snprintf(s->why, sizeof s->why, "report_deferred: %s", e.message);
+                return STEP_INFRA;
+            }
+            log_warn("worker %d: reporting deferred jobs: %s %s", s->w->id, e.sqlstate,
+                     e.message);
+        }
     }
     return st;
 }
 
-/* ---- throughput (issue 5): shared rate gate, delivery -> ack latency ---- */
-
-/* Largest batch under consumer.max_rate: about 50 ms worth of jobs, so the
- * wait for one batch's tokens stays short (and heartbeats stay serviced). */
-static int batch_limit(const struct conf *c)
-{
-    int lim = c->max_rate > 0 ? c->max_rate / 20 : c->batch_max;
-    return lim < 1 ? 1 : lim > c->batch_max ? c->batch_max : lim;
-}
-
-/* Waits until the shared gate grants the collected batch (wakes on stop:
- * the batch in flight is then still processed, as a drain). */
-static void gate_wait(struct session *s)
-{
-    int64_t wait_ns;
-    if (!s->w->gate || s->n == 0)
-        return;
-    wait_ns = rate_gate_reserve(s->w->gate, s->n, now_ns());
-    if (wait_ns > 0)
-        nap((long)((wait_ns + 999999) / 1000000));
-}
-
 /* Records delivery -> settlement (the ack, or the requeue of a transient
- * failure) of a batch s->jobs[0..n) that process_batch settled. */
+ * failure) of a batch s->bt.jobs[0..n) that was settled. */
 static void note_acked(struct session *s)
 {
     long long now = now_ns();
-    for (int i = 0; i < s->n; i++)
-        if (s->jobs[i].received_ns) /* 0: held in its lane (moved out), not settled yet */
-            latency_record(&s->w->latency, (uint64_t)(now - s->jobs[i].received_ns) / 1000u);
-    if (s->jobs[0].received_ns &&
-        (!s->w->first_delivery_ns || s->jobs[0].received_ns < s->w->first_delivery_ns))
-        s->w->first_delivery_ns = s->jobs[0].received_ns;
+    struct job *jobs = s->bt.jobs;
+    for (int i = 0; i < s->bt.n; i++)
+        if (jobs[i].received_ns) /* 0: held in its lane (moved out), not settled yet */
+            latency_record(&s->w->latency, (uint64_t)(now - jobs[i].received_ns) / 1000u);
+    if (jobs[0].received_ns &&
+        (!s->w->first_delivery_ns || jobs[0].received_ns < s->w->first_delivery_ns))
+        s->w->first_delivery_ns = jobs[0].received_ns;
     s->w->last_ack_ns = now;
 }
 
 static bool session_alloc(struct session *s)
 {
     int m = s->c->batch_max;
-    s->jobs = calloc((size_t)m, sizeof *s->jobs);
-    s->good = calloc((size_t)m, sizeof *s->good);
-    s->res = calloc((size_t)m, sizeof *s->res);
-    s->plans = calloc((size_t)m, sizeof *s->plans);
-    s->park_ids = calloc((size_t)m, sizeof *s->park_ids);
-    if (!s->jobs || !s->good || !s->res || !s->plans || !s->park_ids)
+    if (!batch_init(&s->bt, s->c, m, s->w->stats.by_class, s->rng ^ 0x5bd1e995u))
         return false;
-    for (int i = 0; i < m; i++)
-        job_init(&s->jobs[i]);
+    s->bt.nap = serviced_nap;
+    s->bt.nap_ctx = s;
+    if (!(s->park_ids = calloc((size_t)m, sizeof *s->park_ids)))
+        return false;
     if (!(s->lanes = lane_set_new(s->c)))
         return false;
     s->lanes_keyed = ledger_lanes_any(s->c);
@@ -859,34 +573,65 @@ static void session_free(struct session *s)
 {
     drop_broker(s);
     drop_db(s);
-    for (int i = 0; s->jobs && i < s->c->batch_max; i++) {
-        job_destroy(&s->jobs[i]);
-        ledger_txn_result_clear(&s->res[i]);
-        plan_clear(&s->plans[i]);
-    }
-    free(s->jobs);
-    free(s->good);
-    free(s->res);
-    free(s->plans);
+    batch_free(&s->bt);
     free(s->park_ids);
     lane_set_free(s->lanes);
+}
+
+/* What the loop does after a step that was not OK. */
+static void recover(struct session *s, enum step st)
+{
+    struct worker *w = s->w;
+    long pause;
+
+    switch (st) {
+    case STEP_OK:
+        break;
+    case STEP_BROKER:
+        log_warn("worker %d: broker failure: %s; reconnecting (unacked deliveries return "
+                 "to the queue)", w->id, s->why);
+        drop_broker(s);
+        break;
+    case STEP_INFRA:
+        set_ready(w, false, s->why);
+        atomic_fetch_add(&w->stats.by_class[CLASS_INFRA], 1);
+        log_warn("worker %d: NOT READY: database failure: %s; unacknowledged deliveries "
+                 "return to the queue, reconnecting", w->id, s->why);
+        drop_broker(s);
+        drop_db(s);
+        break;
+    case STEP_FATAL:
+        set_ready(w, false, s->why);
+        atomic_fetch_add(&w->stats.by_class[CLASS_FATAL], 1);
+        log_error("worker %d: NOT READY: %s: deploy or configuration problem, no job parked; "
+                  "stopping consumption until it is fixed", w->id, s->why);
+        drop_broker(s);
+        drop_db(s);
+        break;
+    case STEP_REDELIVER:
+        s->redelivers++;
+        pause = backoff_delay_ms(s->redelivers, PAUSE_MIN_MS, s->c->reconnect_max_ms,
+                                 BACKOFF_JITTER_EQUAL, &s->rng);
+        set_ready(w, false, s->why);
+        atomic_fetch_add(&w->stats.by_class[CLASS_TRANSIENT], 1);
+        log_warn("worker %d: NOT READY: %s; giving the unsettled deliveries back to the broker "
+                 "and pausing %ld ms", w->id, s->why, pause);
+        drop_broker(s);
+        nap(pause);
+        break;
+    }
 }
 
 idemq_err_t worker_run(struct worker *w)
 {
     struct session s;
     long long last_delivery = now_ms();
-    const char *crash = getenv("IDEMQ_TEST_CRASH");
 
     memset(&s, 0, sizeof s);
     s.w = w;
     s.c = w->conf;
     s.rng = (uint64_t)now_ms() * 2654435761u + (uint64_t)w->id + 1;
     s.batch_limit = batch_limit(s.c);
-    if (crash && strcmp(crash, "after_commit") == 0)
-        s.crash = CRASH_AFTER_COMMIT;
-    else if (crash && strcmp(crash, "before_commit") == 0)
-        s.crash = CRASH_BEFORE_COMMIT;
     w->result = IDEMQ_OK;
     if (!session_alloc(&s)) {
         snprintf(w->error, sizeof w->error, "out of memory allocating a batch of %d",
@@ -894,6 +639,15 @@ idemq_err_t worker_run(struct worker *w)
         w->result = IDEMQ_ERR_NOMEM;
         goto out;
     }
+#ifdef IDEMQ_TEST_HOOKS
+    {
+        const char *crash = getenv("IDEMQ_TEST_CRASH");
+        if (crash && strcmp(crash, "after_commit") == 0)
+            s.bt.crash = BATCH_CRASH_AFTER_COMMIT;
+        else if (crash && strcmp(crash, "before_commit") == 0)
+            s.bt.crash = BATCH_CRASH_BEFORE_COMMIT;
+    }
+#endif
     while (!sig_stop_requested()) {
         enum step st;
         bool reconnected;
@@ -916,49 +670,31 @@ idemq_err_t worker_run(struct worker *w)
         {
             long long now = now_ms(), ready;
             int wait = POLL_MS;
-            s.n = lane_take_ready(s.lanes, s.jobs, s.batch_limit, now);
+            s.bt.n = lane_take_ready(s.lanes, s.bt.jobs, s.batch_limit, now);
             ready = lane_next_ready(s.lanes);
             if (ready && ready - now < wait)
                 wait = ready > now ? (int)(ready - now) : 0;
             st = collect(&s, wait);
         }
-        if (st == STEP_OK && s.n > 0) {
+        if (st == STEP_OK && s.bt.n == 0)
+            atomic_store(&w->stats.head_age_ms, 0); /* nothing ready: the queue is idle */
+        if (st == STEP_OK && s.bt.n > 0) {
             last_delivery = now_ms();
-            gate_wait(&s);
-            st = process_batch(&s);
+            gate_wait(&s, s.bt.n);
+            st = process(&s);
             if (st == STEP_OK)
                 note_acked(&s);
         }
+        if (st == STEP_OK && s.b && !broker_readable(s.b)) {
+            /* an undecodable delivery was rejected: the connection cannot
+             * read past it, a new one continues after it */
+            log_info("worker %d: reconnecting after an undecodable delivery", w->id);
+            drop_broker(&s);
+            continue;
+        }
         if (st == STEP_OK)
             st = lanes_housekeeping(&s);
-        switch (st) {
-        case STEP_OK:
-            break;
-        case STEP_BROKER:
-            log_warn("worker %d: broker failure: %s; reconnecting (unacked deliveries return "
-                     "to the queue)", w->id, s.why);
-            drop_broker(&s);
-            break;
-        case STEP_INFRA:
-            set_ready(w, false, s.why);
-            atomic_fetch_add(&w->stats.by_class[CLASS_INFRA], 1);
-            log_warn("worker %d: database failure: %s; nothing acknowledged, reconnecting",
-                     w->id, s.why);
-            drop_broker(&s);
-            drop_db(&s);
-            break;
-        case STEP_FATAL:
-            set_ready(w, false, s.why);
-            atomic_fetch_add(&w->stats.by_class[CLASS_FATAL], 1);
-            log_error("worker %d: %s: deploy or configuration problem, no job parked; "
-                      "stopping consumption until it is fixed", w->id, s.why);
-            drop_broker(&s);
-            drop_db(&s);
-            break;
-        case STEP_RETRY:
-        case STEP_SPLIT:
-            IDEMQ_PANIC("unhandled step %d", (int)st);
-        }
+        recover(&s, st);
     }
 out:
     set_ready(w, false, "stopped");

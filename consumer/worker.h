@@ -23,10 +23,12 @@
 #include "rate_gate.h"
 
 struct worker_stats {
-    atomic_long received;
+    atomic_long received;    /* deliveries taken off the connection */
+    atomic_long from_ledger; /* deferred jobs taken from idemq.deferred (no delivery) */
     atomic_long settled; /* acknowledged after commit */
     atomic_long applied;
     atomic_long duplicates;
+    atomic_long deferred;    /* ordered lanes: stored in the ledger to wait for a predecessor */
     atomic_long retried;
     atomic_long parked;
     atomic_long batches;

@@ -12,6 +12,8 @@ DROP FUNCTION IF EXISTS idemq.record_failure(text, integer, text, text, text, te
     timestamptz, timestamptz, text, text, text, boolean, integer, text, bytea, jsonb, jsonb);
 DROP FUNCTION IF EXISTS idemq.park_message(text, text, text, text, bytea, jsonb, jsonb, text,
     text, text);
+DROP FUNCTION IF EXISTS idemq.park_message(text, text, text, text, bytea, jsonb, jsonb, text,
+    text, text, text, bigint, boolean);
 
 -- What the worker needs to dead-letter a parked message: the park row's
 -- facts, as the x-idemq-* headers show them.
@@ -22,7 +24,7 @@ LANGUAGE sql STABLE AS $fn$
         'park_id', p.id, 'key', p.key, 'error_class', p.error_class,
         'error_code', p.error_code, 'sqlstate', p.sqlstate, 'reason', p.reason,
         'attempts', p.attempts, 'generation', p.generation,
-        'payload_sha256', p.payload_sha256,
+        'payload_sha256', p.payload_sha256, 'redrivable', p.redrivable,
         'first_attempt_at', p.first_attempt_at, 'last_attempt_at', p.last_attempt_at,
         'parked_at', p.parked_at)
       FROM idemq.parked p WHERE p.id = p_id;
@@ -382,26 +384,31 @@ END
 $fn$;
 
 -- Parks a message that could not be decoded into a job (bad JSON, no key,
--- too large): no job row is claimed, the raw message is kept. Returns the
--- park's facts.
+-- too large, undecodable), or a job that failed in every mode
+-- (unprocessable): no job row is claimed, what is known of the message is
+-- kept: p_body (the whole body, or a prefix when p_body_size is larger),
+-- p_sha (SHA-256 of the whole body as received; NULL = of p_body). Returns
+-- the park's facts.
 CREATE OR REPLACE FUNCTION idemq.park_message(
     p_key text, p_queue text, p_exchange text, p_routing_key text, p_body bytea,
-    p_headers jsonb, p_properties jsonb, p_code text, p_reason text, p_consumer text)
+    p_headers jsonb, p_properties jsonb, p_code text, p_reason text, p_consumer text,
+    p_sha text, p_body_size bigint, p_redrivable boolean)
 RETURNS jsonb
 LANGUAGE sql AS $fn$
     WITH p AS (
         INSERT INTO idemq.parked (key, source_queue, exchange, routing_key, body, headers,
             properties, payload_sha256, error_class, error_code, reason, attempts,
-            first_attempt_at, last_attempt_at, consumer_id)
+            first_attempt_at, last_attempt_at, consumer_id, body_size, redrivable)
         VALUES (p_key, p_queue, p_exchange, p_routing_key, p_body, p_headers, p_properties,
-            encode(sha256(p_body), 'hex'), 'permanent', p_code, p_reason, 1,
-            clock_timestamp(), clock_timestamp(), p_consumer)
+            coalesce(p_sha, encode(sha256(p_body), 'hex')), 'permanent', p_code, p_reason, 1,
+            clock_timestamp(), clock_timestamp(), p_consumer,
+            coalesce(p_body_size, octet_length(p_body)), p_redrivable)
         RETURNING *)
     SELECT jsonb_build_object(
         'park_id', p.id, 'key', p.key, 'error_class', p.error_class,
         'error_code', p.error_code, 'sqlstate', p.sqlstate, 'reason', p.reason,
         'attempts', p.attempts, 'generation', p.generation,
-        'payload_sha256', p.payload_sha256,
+        'payload_sha256', p.payload_sha256, 'redrivable', p.redrivable,
         'first_attempt_at', p.first_attempt_at, 'last_attempt_at', p.last_attempt_at,
         'parked_at', p.parked_at)
       FROM p;
@@ -497,3 +504,4 @@ LANGUAGE sql AS $fn$
       FROM r LEFT JOIN idemq.order_keys k USING (source_queue, order_key)
      ORDER BY r.deferred_at;
 $fn$;
+

@@ -348,30 +348,38 @@ idemq_err_t ledger_txn_record_failure(struct ledger_txn *lt, const struct job *j
     return err;
 }
 
-idemq_err_t ledger_txn_park_message(struct ledger_txn *lt, const struct job *j, json_t **park,
+idemq_err_t ledger_txn_park_message(struct ledger_txn *lt, const struct job *j, const char *code,
+                                    const char *reason, bool with_headers, json_t **park,
                                     struct ledger_db_error *e)
 {
     const struct conf_input *in = &lt->conf->inputs[j->input];
-    char *headers = dump(j->headers), *props = dump(j->props);
-    const char *vals[10];
-    int lens[10] = {0}, fmts[10] = {0};
+    char *headers = with_headers ? dump(j->headers) : NULL, *props = dump(j->props);
+    char size[24];
+    bool whole = j->body_size <= j->body_len && j->wire_err != IDEMQ_ERR_UNDECODABLE;
+    const char *vals[13];
+    int lens[13] = {0}, fmts[13] = {0};
     idemq_err_t err;
 
+    snprintf(size, sizeof size, "%llu", (unsigned long long)j->body_size);
     vals[0] = j->has_key ? j->key : NULL;
     vals[1] = in->queue;
     vals[2] = j->exchange;
     vals[3] = j->routing_key;
-    vals[4] = (const char *)j->body;
+    vals[4] = (const char *)(j->body ? j->body : (const unsigned char *)"");
     lens[4] = (int)j->body_len;
     fmts[4] = 1;
     vals[5] = headers;
     vals[6] = props;
-    vals[7] = idemq_err_name(j->decode_err);
-    vals[8] = j->reason;
+    vals[7] = code;
+    vals[8] = reason;
     vals[9] = lt->conf->consumer_id;
+    vals[10] = j->sha256_hex[0] ? j->sha256_hex : NULL;
+    vals[11] = size;
+    vals[12] = whole ? "true" : "false";
     err = exec_params(lt,
-                      "SELECT idemq.park_message($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)", 10,
-                      vals, lens, fmts, park, e);
+                      "SELECT idemq.park_message($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, "
+                      "$12, $13)",
+                      13, vals, lens, fmts, park, e);
     free(headers);
     free(props);
     return err;
@@ -408,12 +416,19 @@ idemq_err_t ledger_txn_claim_failed(struct ledger_txn *lt, const struct job *j,
                                     struct ledger_result *r, struct ledger_db_error *e)
 {
     const char *vals[3] = {j->key, lt->conf->inputs[j->input].queue, j->sha256_hex};
-    PGresult *res = PQexecParams(lt->db,
-                                 "SELECT r_state, r_attempt, r_base, clock_timestamp() "
-                                 "FROM idemq.claim_failed($1, $2, $3)",
-                                 3, NULL, vals, NULL, NULL, 0);
+    PGresult *res;
     const char *state;
+    /* The claim belongs to the transaction that records the failure: a
+     * pending BEGIN goes first, or the claim would commit on its own and
+     * release its row lock before the failure is recorded. */
+    idemq_err_t err = flush_begin(lt, e);
 
+    if (err)
+        return err;
+    res = PQexecParams(lt->db,
+                       "SELECT r_state, r_attempt, r_base, clock_timestamp() "
+                       "FROM idemq.claim_failed($1, $2, $3)",
+                       3, NULL, vals, NULL, NULL, 0);
     if (PQresultStatus(res) != PGRES_TUPLES_OK || PQntuples(res) != 1) {
         ledger_db_error_from(lt->db, res, e);
         PQclear(res);

@@ -101,10 +101,17 @@ idemq_err_t ledger_txn_claim_failed(struct ledger_txn *lt, const struct job *j,
                                     struct ledger_result *r,
                                     struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
-/* Inside txn. Parks a message that failed decoding (j->decode_err), keeping
- * its raw body, headers, properties, key if any and reason. *park receives
- * the park's facts (caller json_decrefs). */
-idemq_err_t ledger_txn_park_message(struct ledger_txn *lt, const struct job *j, json_t **park,
+/*
+ * Inside txn. Parks message j without claiming its key: one that failed
+ * decoding, or one that failed in every mode. Keeps what is known: the key
+ * if any, the body as held (a prefix when body_size is larger), the full
+ * body's size and SHA-256, properties, the headers when with_headers, the
+ * code (an idemq_err_name) and reason. The park is redrivable only if the
+ * whole body is held and the delivery was decodable. *park receives the
+ * park's facts (caller json_decrefs).
+ */
+idemq_err_t ledger_txn_park_message(struct ledger_txn *lt, const struct job *j, const char *code,
+                                    const char *reason, bool with_headers, json_t **park,
                                     struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
 /* Outside txn (autocommit). Notes that the broker confirmed the dead-letter

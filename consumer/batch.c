@@ -1,0 +1,487 @@
+/*
+ * batch: one batch's transactions and the ladder of fallbacks that makes
+ * every job end committed in some plan (see batch.h).
+ */
+#include "batch.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "backoff.h"
+#include "classify.h"
+#include "ledger_lanes.h"
+#include "log.h"
+#include "topology.h"
+
+#define CALL_RETRIES 3 /* whole-call transient failures retried in place */
+
+/* What one transaction came to. */
+enum step {
+    STEP_OK = 0,
+    STEP_INFRA,  /* database gone */
+    STEP_FATAL,  /* deploy/config problem */
+    STEP_RETRY,  /* the whole call failed transiently */
+    STEP_SPLIT,  /* the whole call failed permanently */
+};
+
+bool batch_init(struct batch *bt, const struct conf *c, int cap, atomic_long *by_class,
+                uint64_t seed)
+{
+    memset(bt, 0, sizeof *bt);
+    bt->c = c;
+    bt->cap = cap;
+    bt->by_class = by_class;
+    bt->rng = seed ? seed : 1;
+    bt->jobs = calloc((size_t)cap, sizeof *bt->jobs);
+    bt->plans = calloc((size_t)cap, sizeof *bt->plans);
+    bt->good = calloc((size_t)cap, sizeof *bt->good);
+    bt->res = calloc((size_t)cap, sizeof *bt->res);
+    if (!bt->jobs || !bt->plans || !bt->good || !bt->res)
+        return false;
+    for (int i = 0; i < cap; i++)
+        job_init(&bt->jobs[i]);
+    return true;
+}
+
+void batch_free(struct batch *bt)
+{
+    for (int i = 0; bt->jobs && i < bt->cap; i++)
+        job_destroy(&bt->jobs[i]);
+    for (int i = 0; bt->plans && i < bt->cap; i++)
+        settle_plan_clear(&bt->plans[i]);
+    for (int i = 0; bt->res && i < bt->cap; i++)
+        ledger_txn_result_clear(&bt->res[i]);
+    free(bt->jobs);
+    free(bt->plans);
+    free(bt->good);
+    free(bt->res);
+    memset(bt, 0, sizeof *bt);
+}
+
+static bool is_ordered(const struct batch *bt, const struct job *j)
+{
+    return CONF_INPUT_ORDERED(&bt->c->inputs[j->input]);
+}
+
+/* A lane's id for comparisons: > 0 for a delivery of an ordered input. */
+static int lane_id(const struct job *j)
+{
+    return j->lane >= 0 && !j->deferred_id ? j->input * 100 + j->lane + 1 : 0;
+}
+
+static void count_class(struct batch *bt, enum classify_class cls)
+{
+    if (bt->by_class)
+        atomic_fetch_add(&bt->by_class[cls], 1);
+}
+
+/* Classifies a whole-call failure into the step it leads to. */
+static enum step call_failed(struct batch *bt, const struct ledger_db_error *e, const char *what)
+{
+    enum classify_class cls = classify_sqlstate(e->sqlstate, e->conn_lost, &bt->c->rules);
+    snprintf(bt->why, sizeof bt->why, "%s: %s %s", what, e->sqlstate, e->message);
+    bt->last_call = *e;
+    switch (cls) {
+    case CLASS_INFRA: return STEP_INFRA;
+    case CLASS_FATAL: return STEP_FATAL;
+    case CLASS_TRANSIENT: return STEP_RETRY;
+    case CLASS_PERMANENT: return STEP_SPLIT;
+    case CLASS_NONE: break;
+    }
+    return STEP_SPLIT;
+}
+
+/* Statement timeouts do not pass by running the same call again at once. */
+static bool timed_out(const struct batch *bt)
+{
+    return strcmp(bt->last_call.sqlstate, "57014") == 0;
+}
+
+/*
+ * Decides what a failed job's attempt leads to and records it (inside the
+ * transaction): a durable retry schedule and a delay, or a park.
+ */
+static enum step plan_failure(struct batch *bt, struct job *j, struct ledger_result *r,
+                              struct plan *p)
+{
+    struct ledger_db_error e;
+    enum classify_class cls = classify_sqlstate(r->sqlstate, false, &bt->c->rules);
+    int used = r->attempt - r->base; /* attempts of this generation's budget */
+    idemq_err_t code = IDEMQ_ERR_EFFECT;
+    bool park;
+
+    if (cls == CLASS_FATAL) {
+        snprintf(bt->why, sizeof bt->why, "effect of %s failed with %s %s (%s)", j->key,
+                 r->sqlstate, r->message, classify_name(cls));
+        return STEP_FATAL;
+    }
+    if (cls == CLASS_INFRA || cls == CLASS_NONE)
+        cls = CLASS_TRANSIENT;
+    count_class(bt, cls);
+    park = cls == CLASS_PERMANENT || used >= bt->c->max_attempts;
+    if (cls == CLASS_TRANSIENT && park)
+        code = IDEMQ_ERR_RETRIES_EXHAUSTED;
+    p->attempt = r->attempt;
+    p->delay_ms = park ? 0
+                       : topology_clamp_delay(bt->c, backoff_delay_ms(used, bt->c->base_delay_ms,
+                                                                      bt->c->max_delay_ms,
+                                                                      bt->c->jitter_mode, &bt->rng));
+    if (ledger_txn_record_failure(bt->lt, j, r, classify_name(cls), idemq_err_name(code), park,
+                                  p->delay_ms, &e))
+        return call_failed(bt, &e, "record_failure");
+    if (park && !r->park) {
+        snprintf(bt->why, sizeof bt->why, "record_failure returned no park facts for %s", j->key);
+        return STEP_SPLIT;
+    }
+    if (park && is_ordered(bt, j)) {
+        if (ledger_lanes_parked(bt->db, bt->c, j, &e))
+            return call_failed(bt, &e, "lane_parked");
+        bt->drain_hint = true;
+    }
+    log_job(park ? LOG_LVL_WARN : LOG_LVL_INFO, j->key, j->tag, r->attempt,
+            "%s error %s: %s -> %s (%ld ms)%s", classify_name(cls), r->sqlstate, r->message,
+            park ? "parked" : "retry in", p->delay_ms,
+            !park && is_ordered(bt, j) ? (j->deferred_id ? ", from the ledger" : ", in place")
+                                       : "");
+    p->how = park ? SETTLE_DEAD : SETTLE_DELAY;
+    if (!park && is_ordered(bt, j)) /* retried in place: later jobs must not overtake it */
+        p->how = j->deferred_id ? SETTLE_NONE : SETTLE_HOLD;
+    if (park)
+        p->park = json_incref(r->park);
+    return STEP_OK;
+}
+
+/* Parks job j, which failed decoding, inside the open transaction. */
+static enum step park_undecoded(struct batch *bt, struct job *j, struct plan *p)
+{
+    struct ledger_db_error e;
+    if (ledger_txn_park_message(bt->lt, j, idemq_err_name(j->decode_err), j->reason, true,
+                                &p->park, &e))
+        return call_failed(bt, &e, "park_message");
+    if (!p->park) {
+        snprintf(bt->why, sizeof bt->why, "park_message returned no park facts");
+        return STEP_SPLIT;
+    }
+    if (is_ordered(bt, j) && j->has_key &&
+        ledger_lanes_parked(bt->db, bt->c, j, &e)) /* drops a deferred copy */
+        return call_failed(bt, &e, "lane_parked");
+    /* What the client library could not decode cannot be republished: the
+     * broker dead-letters it from the queue itself (basic.reject). */
+    p->how = j->decode_err == IDEMQ_ERR_UNDECODABLE ? SETTLE_REJECT : SETTLE_DEAD;
+    p->attempt = 1;
+    log_job(LOG_LVL_WARN, j->has_key ? j->key : NULL, j->tag, 1, "parked %s: %s",
+            idemq_err_name(j->decode_err), j->reason);
+    return STEP_OK;
+}
+
+static enum step commit(struct batch *bt)
+{
+    struct ledger_db_error e;
+#ifdef IDEMQ_TEST_HOOKS
+    if (bt->crash == BATCH_CRASH_BEFORE_COMMIT) {
+        log_warn("test hook: SIGKILL before commit");
+        kill(getpid(), SIGKILL);
+    }
+#endif
+    if (ledger_txn_commit(bt->lt, &e))
+        return call_failed(bt, &e, "COMMIT");
+#ifdef IDEMQ_TEST_HOOKS
+    if (bt->crash == BATCH_CRASH_AFTER_COMMIT) {
+        log_warn("test hook: SIGKILL after commit, before ack");
+        kill(getpid(), SIGKILL);
+    }
+#endif
+    return STEP_OK;
+}
+
+/*
+ * One transaction over jobs[0..n): claims and applies the decodable ones,
+ * records failures, parks the rest, commits. Fills plans[0..n). On any
+ * non-OK return the transaction is rolled back and nothing may be settled.
+ */
+static enum step run_txn(struct batch *bt, struct job *jobs, int n, struct plan *plans)
+{
+    struct ledger_db_error e;
+    int ngood = 0;
+    enum step st;
+
+    for (int i = 0; i < n; i++) {
+        settle_plan_clear(&plans[i]);
+        if (jobs[i].decode_err == IDEMQ_OK)
+            bt->good[ngood++] = &jobs[i];
+    }
+    if (ledger_txn_begin(bt->lt, &e))
+        return call_failed(bt, &e, "BEGIN");
+    if (ngood && ledger_txn_apply(bt->lt, bt->good, ngood, bt->res, &e)) {
+        st = call_failed(bt, &e, "apply_batch");
+        goto rollback;
+    }
+    for (int g = 0, i = 0; g < ngood; g++, i++) {
+        struct ledger_result *r = &bt->res[g];
+        struct plan *p;
+
+        while (&jobs[i] != bt->good[g])
+            i++;
+        p = &plans[i];
+        p->outcome = r->outcome;
+        p->attempt = r->attempt;
+        switch (r->outcome) {
+        case LEDGER_APPLIED:
+            if (jobs[i].has_order_key)
+                bt->drain_hint = true; /* a deferred successor may be next */
+            break;
+        case LEDGER_DUPLICATE:
+            break;
+        case LEDGER_DEFERRED:
+            if (jobs[i].deferred_id) {
+                p->how = SETTLE_NONE; /* still not its turn */
+                break;
+            }
+            if (ledger_lanes_defer(bt->db, bt->c, &jobs[i], r->message, &e)) {
+                st = call_failed(bt, &e, "defer_job");
+                goto rollback;
+            }
+            log_job(LOG_LVL_INFO, jobs[i].key, jobs[i].tag, r->attempt, "deferred: %s",
+                    r->message);
+            break; /* stored in the ledger: acknowledge */
+        case LEDGER_HELD:
+            p->how = jobs[i].deferred_id ? SETTLE_NONE : SETTLE_HOLD;
+            p->delay_ms = 0;
+            break;
+        case LEDGER_EARLY:
+            if (is_ordered(bt, &jobs[i])) { /* wait in place, never overtaken */
+                p->how = jobs[i].deferred_id ? SETTLE_NONE : SETTLE_HOLD;
+                p->delay_ms = r->delay_ms;
+                break;
+            }
+            p->how = SETTLE_DELAY;
+            p->delay_ms = topology_clamp_delay(bt->c, r->delay_ms);
+            log_job(LOG_LVL_INFO, jobs[i].key, jobs[i].tag, r->attempt,
+                    "back before its retry time: waiting %ld ms more", p->delay_ms);
+            break;
+        case LEDGER_REPARK:
+            p->how = SETTLE_DEAD;
+            p->park = json_incref(r->park);
+            break;
+        case LEDGER_ERROR:
+            if ((st = plan_failure(bt, &jobs[i], r, p)) != STEP_OK)
+                goto rollback;
+            break;
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        if (jobs[i].decode_err != IDEMQ_OK && (st = park_undecoded(bt, &jobs[i], &plans[i])))
+            goto rollback;
+    }
+    return commit(bt);
+rollback:
+    ledger_txn_rollback(bt->lt);
+    return st;
+}
+
+/* Runs txn() up to CALL_RETRIES times while its whole call fails
+ * transiently (not for timeouts), with a short serviced backoff. */
+static enum step with_retries(struct batch *bt, enum step (*txn)(struct batch *, int), int arg)
+{
+    enum step st = STEP_RETRY;
+    for (int tries = 0; tries < CALL_RETRIES && st == STEP_RETRY; tries++) {
+        if (tries && bt->nap)
+            bt->nap(bt->nap_ctx, backoff_delay_ms(tries, 20, 1000, BACKOFF_JITTER_FULL, &bt->rng));
+        st = txn(bt, arg);
+        if (st == STEP_RETRY && timed_out(bt))
+            break;
+    }
+    return st;
+}
+
+static enum step whole_batch(struct batch *bt, int unused)
+{
+    (void)unused;
+    return run_txn(bt, bt->jobs, bt->n, bt->plans);
+}
+
+static enum step one_job(struct batch *bt, int i)
+{
+    return run_txn(bt, &bt->jobs[i], 1, &bt->plans[i]);
+}
+
+/*
+ * Rung 2: one transaction for a job whose own apply call failed as a whole
+ * (e.g. a statement timeout, which PL/pgSQL cannot catch per job): claims
+ * the key (inside the transaction, holding its row lock), then records the
+ * failure like any effect error, so the attempt counts and the job retries
+ * or parks by its class.
+ */
+static enum step failed_txn(struct batch *bt, int i)
+{
+    struct ledger_db_error e;
+    struct job *j = &bt->jobs[i];
+    struct plan *p = &bt->plans[i];
+    struct ledger_result *r = &bt->res[0];
+    enum step st;
+
+    settle_plan_clear(p);
+    if (ledger_txn_begin(bt->lt, &e))
+        return call_failed(bt, &e, "BEGIN");
+    if (ledger_txn_claim_failed(bt->lt, j, r, &e)) {
+        st = call_failed(bt, &e, "claim_failed");
+        goto rollback;
+    }
+    p->outcome = r->outcome;
+    p->attempt = r->attempt;
+    if (r->outcome == LEDGER_ERROR) {
+        snprintf(r->sqlstate, sizeof r->sqlstate, "%s", bt->failure.sqlstate);
+        snprintf(r->message, sizeof r->message, "%s", bt->failure.message);
+        if ((st = plan_failure(bt, j, r, p)) != STEP_OK)
+            goto rollback;
+    }
+    return commit(bt);
+rollback:
+    ledger_txn_rollback(bt->lt);
+    return st;
+}
+
+/*
+ * Rung 3: the job failed in every mode, and even recording its failure
+ * failed. Parks what can be stored: key (if any), the body prefix the
+ * transport kept (its size and full SHA-256), no headers (they may be what
+ * broke), the reason; its dead-letter copy is marked not redrivable when
+ * the body is incomplete.
+ */
+static enum step unprocessable_txn(struct batch *bt, int i)
+{
+    struct ledger_db_error e;
+    struct job *j = &bt->jobs[i];
+    struct plan *p = &bt->plans[i];
+    char reason[700];
+    enum step st;
+
+    settle_plan_clear(p);
+    snprintf(reason, sizeof reason, "failed in every mode; last: %s", bt->why);
+    if (ledger_txn_begin(bt->lt, &e))
+        return call_failed(bt, &e, "BEGIN");
+    if (ledger_txn_park_message(bt->lt, j, idemq_err_name(IDEMQ_ERR_UNPROCESSABLE), reason,
+                                false, &p->park, &e)) {
+        st = call_failed(bt, &e, "park_message (unprocessable)");
+        goto rollback;
+    }
+    if (!p->park) {
+        snprintf(bt->why, sizeof bt->why, "park_message returned no park facts");
+        st = STEP_SPLIT;
+        goto rollback;
+    }
+    p->how = j->wire_err == IDEMQ_ERR_UNDECODABLE ? SETTLE_REJECT : SETTLE_DEAD;
+    p->attempt = 1;
+    count_class(bt, CLASS_PERMANENT);
+    log_job(LOG_LVL_ERROR, j->has_key ? j->key : NULL, j->tag, 1,
+            "parked unprocessable: %s", reason);
+    return commit(bt);
+rollback:
+    ledger_txn_rollback(bt->lt);
+    return st;
+}
+
+static enum batch_step to_batch_step(enum step st)
+{
+    switch (st) {
+    case STEP_OK: return BATCH_OK;
+    case STEP_INFRA: return BATCH_INFRA;
+    case STEP_FATAL: return BATCH_FATAL;
+    case STEP_RETRY: /* contention that outlived its retries */
+    case STEP_SPLIT: break;
+    }
+    return BATCH_REDELIVER;
+}
+
+/*
+ * Isolates job i: its own transaction; then rung 2; then rung 3; then a
+ * reject to the broker's dead-letter path. Returns STEP_OK with plans[i]
+ * committed, or the step that stops the batch.
+ */
+static enum step isolate(struct batch *bt, int i)
+{
+    struct job *j = &bt->jobs[i];
+    struct plan *p = &bt->plans[i];
+    enum step st = with_retries(bt, one_job, i);
+
+    if (st != STEP_RETRY && st != STEP_SPLIT)
+        return st;
+    if (j->decode_err == IDEMQ_OK) { /* rung 2: record the failure as an attempt */
+        bt->failure = bt->last_call;
+        log_job(LOG_LVL_WARN, j->key, j->tag, 0, "call failed as a whole: %s %s",
+                bt->failure.sqlstate, bt->failure.message);
+        bt->ladder_depth = bt->ladder_depth > 2 ? bt->ladder_depth : 2;
+        st = with_retries(bt, failed_txn, i);
+        if (st == STEP_RETRY) { /* cannot even record it now: contention */
+            log_job(LOG_LVL_WARN, j->key, j->tag, 0,
+                    "cannot record the failure (%s): leaving it to the broker to redeliver",
+                    bt->why);
+            return st;
+        }
+        if (st != STEP_SPLIT)
+            return st;
+    }
+    /* rung 3: park with what can be stored */
+    bt->ladder_depth = bt->ladder_depth > 3 ? bt->ladder_depth : 3;
+    st = with_retries(bt, unprocessable_txn, i);
+    if (st != STEP_SPLIT)
+        return st;
+    /* rung 4: not even a park row: the broker dead-letters it */
+    bt->ladder_depth = 4;
+    settle_plan_clear(p);
+    p->how = SETTLE_REJECT;
+    p->attempt = 1;
+    log_job(LOG_LVL_ERROR, j->has_key ? j->key : NULL, j->tag, 1,
+            "cannot park in the ledger (%s): rejecting it to the queue's dead-letter exchange",
+            bt->why);
+    return STEP_OK;
+}
+
+enum batch_step batch_process(struct batch *bt, int *committed)
+{
+    enum step st;
+
+    *committed = 0;
+    bt->ladder_depth = 0;
+    for (int i = 0; i < bt->n; i++) {
+        struct job *j = &bt->jobs[i];
+        if (j->input < 0 || j->input >= bt->c->n_inputs) {
+            /* the transport never hands these out; stay total anyway */
+            j->input = 0;
+            j->wire_err = IDEMQ_ERR_UNDECODABLE;
+            snprintf(j->wire_reason, sizeof j->wire_reason, "delivery of an unknown consumer");
+        }
+        job_decode(j, &bt->c->inputs[j->input]);
+    }
+    st = with_retries(bt, whole_batch, 0);
+    if (st == STEP_OK) {
+        *committed = bt->n;
+        return BATCH_OK;
+    }
+    if (st != STEP_RETRY && st != STEP_SPLIT)
+        return to_batch_step(st);
+    /* Isolate: each job in its own transaction, in order. A job behind a
+     * held job of its own lane is held too (order within a lane). */
+    log_warn("batch of %d failed as a whole (%s); isolating job by job", bt->n, bt->why);
+    bt->ladder_depth = 1;
+    for (int i = 0; i < bt->n; i++) {
+        int lid = lane_id(&bt->jobs[i]);
+        bool behind = false;
+        for (int k = 0; k < i && lid; k++)
+            behind = behind || bt->plans[k].held_lane == lid;
+        if (behind) {
+            settle_plan_clear(&bt->plans[i]);
+            bt->plans[i].how = SETTLE_HOLD;
+            bt->plans[i].held_lane = lid;
+        } else if ((st = isolate(bt, i)) != STEP_OK) {
+            return to_batch_step(st);
+        } else if (bt->plans[i].how == SETTLE_HOLD) {
+            bt->plans[i].held_lane = lid;
+        }
+        *committed = i + 1;
+    }
+    return BATCH_OK;
+}
