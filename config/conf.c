@@ -44,7 +44,8 @@ static const struct conf_key global_keys[] = {
     {"broker.heartbeat", CT_INT, G(heartbeat), 0, 600, NULL, 30, 0,
      "AMQP heartbeat in seconds (0 disables); database work stays well inside it"},
     {"broker.prefetch", CT_INT, G(prefetch), 1, 65535, NULL, 1000, 0,
-     "unacknowledged deliveries per worker (basic.qos)"},
+     "unacknowledged deliveries per consumer (basic.qos, not global): a worker has one "
+     "consumer per standard input and per partition"},
     {"broker.connect_timeout_ms", CT_INT, G(connect_timeout_ms), 100, 600000, NULL, 5000, 0,
      "TCP connect timeout per URL"},
     {"broker.reconnect_max_ms", CT_INT, G(reconnect_max_ms), 250, 600000, NULL, 5000, 0,
@@ -54,6 +55,9 @@ static const struct conf_key global_keys[] = {
      "libpq connection string; IDEMQ_PG_DSN overrides"},
     {"database.statement_timeout_ms", CT_INT, G(statement_timeout_ms), 0, 3600000, NULL, 10000, 0,
      "statement_timeout of each worker session (0 = none)"},
+    {"database.client_timeout_ms", CT_INT, G(client_timeout_ms), 0, 3600000, NULL, 0, 0,
+     "client-side deadline of each database call: past it the worker abandons the connection "
+     "(a frozen or vanished server); 0 = statement_timeout_ms + 5000 (none if that is 0)"},
     {"consumer.workers", CT_INT, G(workers), 1, 64, NULL, 1, 0,
      "worker threads, each with its own AMQP and PostgreSQL connection"},
     {"consumer.batch_max", CT_INT, G(batch_max), 1, 10000, NULL, 100, 0,
@@ -62,6 +66,9 @@ static const struct conf_key global_keys[] = {
      "how long a worker waits to fill a batch after its first delivery"},
     {"consumer.max_rate", CT_INT, G(max_rate), 0, 10000000, NULL, 0, 0,
      "jobs per second over all workers at most (a shared token bucket); 0 = no limit"},
+    {"consumer.max_buffered_mib", CT_INT, G(max_buffered_mib), 1, 1048576, NULL, 4096, 0,
+     "refuse a config whose worst-case deliveries held by one worker (broker.prefetch x "
+     "consumers x max_body_bytes) exceed this"},
     {"consumer.id", CT_STR, G(consumer_id), 0, 200, "", 0, 0,
      "consumer id recorded on attempts; empty = hostname:pid"},
     {"retry.max_attempts", CT_INT, G(max_attempts), 1, 1000, NULL, 5, 0,
@@ -625,6 +632,45 @@ static idemq_err_t validate_retry(struct conf *c, const char *file, char *errbuf
     return IDEMQ_OK;
 }
 
+/* Derived limits: the database call deadline, and the memory that
+ * unacknowledged deliveries may take in one worker. Prefetch is per
+ * consumer (basic.qos global=0: RabbitMQ 4.3 refuses global QoS), and a
+ * worker holds one consumer per standard input and per partition. */
+static idemq_err_t validate_limits(struct conf *c, const config_t *cfg, const char *file,
+                                   char *errbuf, size_t errlen)
+{
+    long long worst = 0;
+    if (c->client_timeout_ms) {
+        if (c->statement_timeout_ms && c->client_timeout_ms <= c->statement_timeout_ms) {
+            const config_setting_t *s = config_lookup(cfg, "database.client_timeout_ms");
+            errf(errbuf, errlen, "%s:%d: database.client_timeout_ms (%d) must exceed "
+                 "database.statement_timeout_ms (%d), or the server's own timeout could never "
+                 "answer first", file, s ? config_setting_source_line(s) : 0,
+                 c->client_timeout_ms, c->statement_timeout_ms);
+            return IDEMQ_ERR_CONFIG;
+        }
+        c->call_timeout_ms = c->client_timeout_ms;
+    } else {
+        c->call_timeout_ms = c->statement_timeout_ms ? c->statement_timeout_ms + 5000 : 0;
+    }
+    for (int i = 0; i < c->n_inputs; i++) {
+        const struct conf_input *in = &c->inputs[i];
+        worst += (long long)c->prefetch * (in->partitions > 0 ? in->partitions : 1) *
+                 in->max_body_bytes;
+    }
+    c->buffered_worst = worst;
+    if (worst > (long long)c->max_buffered_mib * 1024 * 1024) {
+        const config_setting_t *s = config_lookup(cfg, "broker.prefetch");
+        errf(errbuf, errlen, "%s:%d: broker.prefetch (%d) x consumers x max_body_bytes allows "
+             "%lld MiB of unacknowledged deliveries in one worker, over "
+             "consumer.max_buffered_mib (%d): lower prefetch or max_body_bytes, or raise the "
+             "bound", file, s ? config_setting_source_line(s) : 0, c->prefetch,
+             worst / (1024 * 1024), c->max_buffered_mib);
+        return IDEMQ_ERR_CONFIG;
+    }
+    return IDEMQ_OK;
+}
+
 static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char *errbuf,
                         size_t errlen)
 {
@@ -669,6 +715,8 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
     if ((err = validate_retry(c, file, errbuf, errlen)) != IDEMQ_OK)
         goto fail;
     if ((err = read_inputs(cfg, c, file, errbuf, errlen)) != IDEMQ_OK)
+        goto fail;
+    if ((err = validate_limits(c, cfg, file, errbuf, errlen)) != IDEMQ_OK)
         goto fail;
     if ((err = apply_env(c, errbuf, errlen)) != IDEMQ_OK)
         goto fail;

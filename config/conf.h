@@ -80,11 +80,16 @@ struct conf {
     /* database */
     char *dsn;
     int statement_timeout_ms;
+    int client_timeout_ms; /* as configured; 0 = derived */
+    int call_timeout_ms;   /* derived: client-side deadline of each database call
+                            * (statement_timeout_ms + 5000 by default; 0 = none) */
     /* consumer */
     int workers;
     int batch_max;
     int batch_wait_ms;
     int max_rate; /* jobs/s over all workers; 0 = no limit */
+    int max_buffered_mib; /* bound of prefetch x consumers x max_body_bytes per worker */
+    long long buffered_worst; /* derived: that product, in bytes */
     char *consumer_id;
     /* retry */
     int max_attempts;

@@ -178,7 +178,11 @@ static int cmd_migrate(const struct conf *c)
 {
     char err[512];
     int applied;
-    PGconn *db = connect_db(c);
+    /* Not the workers' statement_timeout: migrate sets its own timeouts
+     * (no statement timeout, a lock_timeout; ledger_migrate_run). */
+    PGconn *db = ledger_db_connect(c->dsn, "idemq migrate", 0, err, sizeof err);
+    if (!db)
+        log_error("%s", err);
     if (!db)
         return EXIT_CONNECT;
     if (ledger_migrate_run(db, &applied, err, sizeof err)) {

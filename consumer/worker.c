@@ -632,6 +632,7 @@ idemq_err_t worker_run(struct worker *w)
     s.c = w->conf;
     s.rng = (uint64_t)now_ms() * 2654435761u + (uint64_t)w->id + 1;
     s.batch_limit = batch_limit(s.c);
+    ledger_db_set_call_timeout(s.c->call_timeout_ms); /* this thread's sessions */
     w->result = IDEMQ_OK;
     if (!session_alloc(&s)) {
         snprintf(w->error, sizeof w->error, "out of memory allocating a batch of %d",

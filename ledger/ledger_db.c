@@ -1,16 +1,33 @@
 /*
- * ledger_db: thin, error-capturing wrappers over libpq for the ledger code.
+ * ledger_db: thin, error-capturing wrappers over libpq for the ledger code,
+ * every call under a client-side deadline (see ledger_db.h).
  */
 #include "ledger_db.h"
 
+#include <errno.h>
+#include <poll.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+/* The calling thread's deadline per call (0: none), and the deadline that
+ * abandoned its last connection (for the error text). */
+static _Thread_local int call_timeout_ms;
+static _Thread_local int expired_ms;
+
+void ledger_db_set_call_timeout(int ms) { call_timeout_ms = ms > 0 ? ms : 0; }
 
 PGconn *ledger_db_connect(const char *dsn, const char *app_name, int statement_timeout_ms,
                           char *errbuf, size_t errlen)
 {
-    const char *keys[] = {"dbname", "application_name", "connect_timeout", NULL};
-    const char *vals[] = {dsn, app_name, "10", NULL};
+    /* Keywords are processed in order and the last value wins: the defaults
+     * come before the DSN (dbname, expanded), so the DSN's own settings
+     * (connect_timeout, keepalives, sslmode ...) override them. */
+    const char *keys[] = {"connect_timeout", "keepalives", "keepalives_idle",
+                          "keepalives_interval", "keepalives_count", "tcp_user_timeout",
+                          "dbname", "application_name", NULL};
+    const char *vals[] = {"10", "1", "10", "5", "3", "30000", dsn, app_name, NULL};
     PGconn *db = PQconnectdbParams(keys, vals, 1);
     char set[64];
     PGresult *res;
@@ -25,8 +42,11 @@ PGconn *ledger_db_connect(const char *dsn, const char *app_name, int statement_t
         PQfinish(db);
         return NULL;
     }
+    /* Nonblocking sends: a large batch to a frozen server must not block
+     * in send() past the deadline. */
+    PQsetnonblocking(db, 1);
     snprintf(set, sizeof set, "SET statement_timeout = %d", statement_timeout_ms);
-    res = PQexec(db, set);
+    res = ledger_db_exec_raw(db, set);
     if (PQresultStatus(res) != PGRES_COMMAND_OK) {
         snprintf(errbuf, errlen, "cannot set statement_timeout: %s", PQerrorMessage(db));
         PQclear(res);
@@ -35,6 +55,103 @@ PGconn *ledger_db_connect(const char *dsn, const char *app_name, int statement_t
     }
     PQclear(res);
     return db;
+}
+
+static long long now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Gives up on a connection whose server did not answer in time: later
+ * calls on it fail at once as a lost connection. */
+static void abandon(PGconn *db)
+{
+    int fd = PQsocket(db);
+    expired_ms = call_timeout_ms;
+    if (fd >= 0)
+        shutdown(fd, SHUT_RDWR);
+    PQconsumeInput(db); /* reads the EOF: libpq marks the connection bad */
+}
+
+/* Sends what is queued and waits until a result can be read without
+ * blocking, up to the deadline. false when the connection failed or the
+ * deadline passed (then it is abandoned). */
+static bool wait_result(PGconn *db)
+{
+    long long deadline = call_timeout_ms ? now_ms() + call_timeout_ms : 0;
+    for (;;) {
+        struct pollfd pfd;
+        int flush = PQflush(db), rc;
+        long long left;
+        if (flush < 0)
+            return false;
+        if (flush == 0 && !PQisBusy(db))
+            return true;
+        pfd.fd = PQsocket(db);
+        pfd.events = POLLIN | (flush ? POLLOUT : 0);
+        pfd.revents = 0;
+        if (pfd.fd < 0)
+            return false;
+        left = deadline ? deadline - now_ms() : 1000;
+        if (deadline && left <= 0) {
+            abandon(db);
+            return false;
+        }
+        rc = poll(&pfd, 1, (int)(left > 1000 ? 1000 : left));
+        if (rc < 0 && errno != EINTR)
+            return false;
+        if (rc > 0 && (pfd.revents & (POLLIN | POLLERR | POLLHUP)) && !PQconsumeInput(db))
+            return false;
+    }
+}
+
+PGresult *ledger_db_get_result(PGconn *db)
+{
+    return wait_result(db) ? PQgetResult(db) : NULL;
+}
+
+/* After a successful send: every result of the query, the last one kept. */
+static PGresult *collect(PGconn *db)
+{
+    PGresult *last = NULL, *r;
+    while ((r = ledger_db_get_result(db))) {
+        PQclear(last);
+        last = r;
+        if (PQresultStatus(r) == PGRES_COPY_IN || PQresultStatus(r) == PGRES_COPY_OUT ||
+            PQstatus(db) != CONNECTION_OK)
+            break;
+    }
+    if (PQstatus(db) != CONNECTION_OK) {
+        PQclear(last);
+        return NULL;
+    }
+    return last;
+}
+
+PGresult *ledger_db_exec_raw(PGconn *db, const char *sql)
+{
+    return PQsendQuery(db, sql) ? collect(db) : NULL;
+}
+
+PGresult *ledger_db_exec_params(PGconn *db, const char *sql, int n, const Oid *types,
+                                const char *const *vals, const int *lens, const int *fmts,
+                                int result_fmt)
+{
+    return PQsendQueryParams(db, sql, n, types, vals, lens, fmts, result_fmt) ? collect(db)
+                                                                             : NULL;
+}
+
+PGresult *ledger_db_exec_prepared(PGconn *db, const char *stmt, int n, const char *const *vals,
+                                  const int *lens, const int *fmts, int result_fmt)
+{
+    return PQsendQueryPrepared(db, stmt, n, vals, lens, fmts, result_fmt) ? collect(db) : NULL;
+}
+
+PGresult *ledger_db_prepare(PGconn *db, const char *stmt, const char *sql, int n)
+{
+    return PQsendPrepare(db, stmt, sql, n, NULL) ? collect(db) : NULL;
 }
 
 void ledger_db_error_from(PGconn *db, const PGresult *res, struct ledger_db_error *e)
@@ -46,6 +163,13 @@ void ledger_db_error_from(PGconn *db, const PGresult *res, struct ledger_db_erro
     snprintf(e->message, sizeof e->message, "%s", msg ? msg : PQerrorMessage(db));
     e->message[strcspn(e->message, "\n")] = '\0';
     e->conn_lost = PQstatus(db) != CONNECTION_OK;
+    if (e->conn_lost && expired_ms) {
+        snprintf(e->message, sizeof e->message,
+                 "PostgreSQL did not answer within %d ms (client-side deadline); connection "
+                 "abandoned",
+                 expired_ms);
+        expired_ms = 0;
+    }
 }
 
 idemq_err_t ledger_db_err(const struct ledger_db_error *e)
@@ -55,7 +179,7 @@ idemq_err_t ledger_db_err(const struct ledger_db_error *e)
 
 idemq_err_t ledger_db_exec(PGconn *db, const char *sql, struct ledger_db_error *e)
 {
-    PGresult *res = PQexec(db, sql);
+    PGresult *res = ledger_db_exec_raw(db, sql);
     ExecStatusType st = PQresultStatus(res);
     idemq_err_t err = IDEMQ_OK;
 
@@ -70,7 +194,7 @@ idemq_err_t ledger_db_exec(PGconn *db, const char *sql, struct ledger_db_error *
 PGresult *ledger_db_query(PGconn *db, const char *sql, int nparams, const char *const *params,
                           struct ledger_db_error *e)
 {
-    PGresult *res = PQexecParams(db, sql, nparams, NULL, params, NULL, NULL, 0);
+    PGresult *res = ledger_db_exec_params(db, sql, nparams, NULL, params, NULL, NULL, 0);
     ExecStatusType st = PQresultStatus(res);
 
     if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK) {

@@ -1,8 +1,17 @@
 /*
  * ledger_db: PostgreSQL session plumbing for the ledger: connecting a worker
- * session (application_name, statement_timeout), running statements, and
- * turning a failed result into a struct ledger_db_error (SQLSTATE, message,
- * whether the connection is gone) for classify.
+ * session (application_name, statement_timeout, TCP keepalives and user
+ * timeout), running statements under a client-side deadline, and turning a
+ * failed result into a struct ledger_db_error (SQLSTATE, message, whether
+ * the connection is gone) for classify.
+ *
+ * Deadlines: a frozen server (stopped, or a peer that vanished while the
+ * kernel still answers) never answers, and TCP cannot tell. Every call
+ * below sends its statement asynchronously and polls the socket until a
+ * deadline a little above statement_timeout; past it the connection is
+ * abandoned (shut down) and the call fails as a lost connection, which the
+ * worker handles as an infrastructure failure. The deadline is per thread
+ * (ledger_db_set_call_timeout), so command-line tools keep waiting.
  */
 #ifndef IDEMQ_LEDGER_DB_H
 #define IDEMQ_LEDGER_DB_H
@@ -21,11 +30,35 @@ struct ledger_db_error {
 
 /*
  * Opens a session. Returns the connection (the caller owns it; PQfinish),
- * or NULL with errbuf set. statement_timeout_ms 0 means none. Any thread;
- * one connection per thread.
+ * or NULL with errbuf set. statement_timeout_ms 0 means none. TCP
+ * keepalives (idle 10 s, interval 5 s, 3 probes), tcp_user_timeout 30 s and
+ * connect_timeout 10 s are defaults the DSN may override. Any thread; one
+ * connection per thread.
  */
 PGconn *ledger_db_connect(const char *dsn, const char *app_name, int statement_timeout_ms,
                           char *errbuf, size_t errlen);
+
+/* Sets the client-side deadline of every call below made by the calling
+ * thread: ms > 0, or 0 to wait as long as libpq does. */
+void ledger_db_set_call_timeout(int ms);
+
+/* As PQexec / PQexecParams / PQexecPrepared / PQprepare / PQgetResult,
+ * under the calling thread's deadline (see the top of this file): the
+ * result (caller PQclears; for several statements, the last one's), or
+ * NULL when the connection failed or the deadline passed (the connection
+ * is then abandoned: PQstatus is CONNECTION_BAD, and ledger_db_error_from
+ * says so). */
+PGresult *ledger_db_exec_raw(PGconn *db, const char *sql);
+PGresult *ledger_db_exec_params(PGconn *db, const char *sql, int n, const Oid *types,
+                                const char *const *vals, const int *lens, const int *fmts,
+                                int result_fmt);
+PGresult *ledger_db_exec_prepared(PGconn *db, const char *stmt, int n, const char *const *vals,
+                                  const int *lens, const int *fmts, int result_fmt);
+PGresult *ledger_db_prepare(PGconn *db, const char *stmt, const char *sql, int n);
+/* The next result of a query sent with PQsend* (pipelines): waits for it
+ * under the deadline. NULL at the end of a query's results, or on failure
+ * (then PQstatus is CONNECTION_BAD). */
+PGresult *ledger_db_get_result(PGconn *db);
 
 /* Fills e from a failed result (res may be NULL) and the connection state. */
 void ledger_db_error_from(PGconn *db, const PGresult *res, struct ledger_db_error *e);

@@ -57,7 +57,7 @@ idemq_err_t ledger_lanes_defer(PGconn *db, const struct conf *c, const struct jo
     fmts[8] = 1;
     vals[9] = headers;
     vals[10] = props;
-    r = PQexecParams(db, "SELECT idemq.defer_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+    r = ledger_db_exec_params(db, "SELECT idemq.defer_job($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
                      11, NULL, vals, lens, fmts, 0);
     if (PQresultStatus(r) != PGRES_TUPLES_OK) {
         ledger_db_error_from(db, r, e);
@@ -135,7 +135,7 @@ idemq_err_t ledger_lanes_take(PGconn *db, const struct conf *c, struct job *jobs
     vals[0] = queues;
     vals[1] = lim;
     /* body as binary (column 6): the raw bytes, not bytea text */
-    r = PQexecParams(db,
+    r = ledger_db_exec_params(db,
                      "SELECT r_id, r_key, r_queue, r_lane, r_exchange, r_routing_key, r_body, "
                      "r_headers, r_properties FROM idemq.take_deferred("
                      "ARRAY(SELECT jsonb_array_elements_text($1::jsonb)), $2::integer)",

@@ -80,18 +80,50 @@ static idemq_err_t apply_functions(PGconn *db, char *errbuf, size_t errlen)
     return IDEMQ_OK;
 fail:
     snprintf(errbuf, errlen, "ledger functions failed: %s %s", e.sqlstate, e.message);
-    PQclear(PQexec(db, "ROLLBACK"));
+    PQclear(ledger_db_exec_raw(db, "ROLLBACK"));
     return err;
 }
 
+static idemq_err_t migrate_once(PGconn *db, int *applied, char *errbuf, size_t errlen,
+                                struct ledger_db_error *e_out);
+
+/* A migration that cannot get a lock within lock_timeout gives up rather
+ * than queue every worker's statement behind its ACCESS EXCLUSIVE request;
+ * it is tried again a few times, then reported. */
+#define MIGRATE_SETTINGS                                                                   \
+    "SET statement_timeout = 0; SET lock_timeout = '5s'; SET client_min_messages = warning"
+#define MIGRATE_TRIES 5
+
 idemq_err_t ledger_migrate_run(PGconn *db, int *applied, char *errbuf, size_t errlen)
 {
-    struct ledger_db_error e;
+    struct ledger_db_error e = {{0}, {0}, false};
+    idemq_err_t err;
+
+    *applied = 0;
+    if ((err = ledger_db_exec(db, MIGRATE_SETTINGS, &e)) != IDEMQ_OK) {
+        snprintf(errbuf, errlen, "migration settings failed: %s %s", e.sqlstate, e.message);
+        return err;
+    }
+    for (int tries = 1;; tries++) {
+        int n = 0;
+        err = migrate_once(db, &n, errbuf, errlen, &e);
+        *applied += n;
+        if (!err || strcmp(e.sqlstate, "55P03") != 0 || tries == MIGRATE_TRIES)
+            return err;
+        log_warn("ledger: migration waited too long for a lock (%s); trying again (%d of %d)",
+                 e.message, tries + 1, MIGRATE_TRIES);
+    }
+}
+
+static idemq_err_t migrate_once(PGconn *db, int *applied, char *errbuf, size_t errlen,
+                                struct ledger_db_error *e_out)
+{
+    struct ledger_db_error e = {{0}, {0}, false};
     idemq_err_t err;
 
     *applied = 0;
     if ((err = ledger_db_exec(db,
-                              "SET client_min_messages = warning; BEGIN; " MIGRATE_LOCK "; "
+                              "BEGIN; " MIGRATE_LOCK "; "
                               "CREATE SCHEMA IF NOT EXISTS idemq; "
                               "CREATE TABLE IF NOT EXISTS idemq.schema_migrations ("
                               " version integer PRIMARY KEY, name text NOT NULL,"
@@ -145,11 +177,13 @@ idemq_err_t ledger_migrate_run(PGconn *db, int *applied, char *errbuf, size_t er
 rollback:
     snprintf(errbuf, errlen, "migration failed: %s %s", e.sqlstate, e.message);
 rollback_kept:
-    PQclear(PQexec(db, "ROLLBACK"));
+    *e_out = e;
+    PQclear(ledger_db_exec_raw(db, "ROLLBACK"));
     return err;
 fail:
     snprintf(errbuf, errlen, "migration failed: %s %s", e.sqlstate, e.message);
-    PQclear(PQexec(db, "ROLLBACK"));
+    *e_out = e;
+    PQclear(ledger_db_exec_raw(db, "ROLLBACK"));
     return err;
 }
 

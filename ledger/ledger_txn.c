@@ -52,10 +52,10 @@ struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf
         strcat(lt->effects, "\"");
     }
     strcat(lt->effects, "}");
-    res = PQprepare(db, "idemq_apply", APPLY_SQL, 3, NULL);
+    res = ledger_db_prepare(db, "idemq_apply", APPLY_SQL, 3);
     if (PQresultStatus(res) == PGRES_COMMAND_OK) {
         PQclear(res);
-        res = PQprepare(db, "idemq_apply_fast", APPLY_FAST_SQL, 3, NULL);
+        res = ledger_db_prepare(db, "idemq_apply_fast", APPLY_FAST_SQL, 3);
     }
     if (PQresultStatus(res) != PGRES_COMMAND_OK) {
         snprintf(errbuf, errlen, "cannot prepare the apply statement: %s", PQerrorMessage(db));
@@ -107,7 +107,7 @@ idemq_err_t ledger_txn_commit(struct ledger_txn *lt, struct ledger_db_error *e)
         lt->begin_pending = false;
         return IDEMQ_OK;
     }
-    res = PQexec(lt->db, "COMMIT");
+    res = ledger_db_exec_raw(lt->db, "COMMIT");
     /* A COMMIT of an aborted transaction answers ROLLBACK without error. */
     if (PQresultStatus(res) != PGRES_COMMAND_OK || strcmp(PQcmdStatus(res), "COMMIT") != 0) {
         ledger_db_error_from(lt->db, res, e);
@@ -128,7 +128,7 @@ void ledger_txn_rollback(struct ledger_txn *lt)
         return;
     }
     if (PQstatus(lt->db) == CONNECTION_OK)
-        PQclear(PQexec(lt->db, "ROLLBACK"));
+        PQclear(ledger_db_exec_raw(lt->db, "ROLLBACK"));
 }
 
 /*
@@ -143,7 +143,7 @@ static PGresult *exec_apply(struct ledger_txn *lt, const char *stmt, const char 
     int nth = 0;
 
     if (!lt->begin_pending)
-        return PQexecPrepared(lt->db, stmt, 3, params, NULL, NULL, 0);
+        return ledger_db_exec_prepared(lt->db, stmt, 3, params, NULL, NULL, 0);
     lt->begin_pending = false;
     if (!PQenterPipelineMode(lt->db) ||
         !PQsendQueryParams(lt->db, "BEGIN", 0, NULL, NULL, NULL, NULL, 0) ||
@@ -156,7 +156,7 @@ static PGresult *exec_apply(struct ledger_txn *lt, const char *stmt, const char 
      * rest come as PGRES_PIPELINE_ABORTED; the first error is kept. */
     for (;;) {
         ExecStatusType st;
-        if (!(r = PQgetResult(lt->db))) {
+        if (!(r = ledger_db_get_result(lt->db))) {
             if (PQstatus(lt->db) != CONNECTION_OK || ++nth > 2)
                 break;
             continue;
@@ -269,7 +269,7 @@ static idemq_err_t exec_params(struct ledger_txn *lt, const char *sql, int n,
     idemq_err_t err = flush_begin(lt, e);
     if (err)
         return err;
-    r = PQexecParams(lt->db, sql, n, NULL, vals, lens, fmts, 0);
+    r = ledger_db_exec_params(lt->db, sql, n, NULL, vals, lens, fmts, 0);
     if (PQresultStatus(r) != PGRES_TUPLES_OK && PQresultStatus(r) != PGRES_COMMAND_OK) {
         ledger_db_error_from(lt->db, r, e);
         err = ledger_db_err(e);
@@ -425,7 +425,7 @@ idemq_err_t ledger_txn_claim_failed(struct ledger_txn *lt, const struct job *j,
 
     if (err)
         return err;
-    res = PQexecParams(lt->db,
+    res = ledger_db_exec_params(lt->db,
                        "SELECT r_state, r_attempt, r_base, clock_timestamp() "
                        "FROM idemq.claim_failed($1, $2, $3)",
                        3, NULL, vals, NULL, NULL, 0);
