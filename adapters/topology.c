@@ -174,3 +174,18 @@ idemq_err_t topology_verify(struct broker *b, const struct conf *c, const struct
                  broker_error(b));
     return err;
 }
+
+bool topology_is_input_queue(const struct conf_input *in, const char *queue)
+{
+    char q[TOPOLOGY_NAME_MAX];
+    if (!queue)
+        return false;
+    if (!CONF_INPUT_ORDERED(in))
+        return strcmp(queue, in->queue) == 0;
+    for (int k = 0; k < in->partitions; k++) {
+        topology_partition_queue(in, k, q, sizeof q);
+        if (strcmp(queue, q) == 0)
+            return true;
+    }
+    return false;
+}

@@ -55,4 +55,8 @@ idemq_err_t topology_declare(struct broker *b, const struct conf *c,
 idemq_err_t topology_verify(struct broker *b, const struct conf *c, const struct conf_input *in,
                             char *errbuf, size_t errlen) IDEMQ_MUSTCHECK;
 
+/* True if queue (may be NULL) is one of in's own queues: its queue, or one
+ * of its partition queues for a partitioned input. */
+bool topology_is_input_queue(const struct conf_input *in, const char *queue);
+
 #endif

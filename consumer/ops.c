@@ -49,22 +49,31 @@ int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
     tl = PQexecParams(
         db,
         "SELECT at, what FROM ("
-        " SELECT started_at AS at, 1 AS ord, id,"
-        "  format('attempt %s (generation %s): %s%s%s%s%s  [queue %s, redelivered %s%s, %s]',"
-        "   attempt, generation, outcome,"
+        /* Attempts in id order (the order their transactions committed:
+         * a duplicate waits for the applier's claim), so a duplicate never
+         * shows before the attempt that applied; the running max keeps the
+         * sort key of attempts monotonic in id order. */
+        " SELECT max(finished_at) OVER (ORDER BY id) AS at, 1 AS ord, id,"
+        "  format('%s%s%s%s%s%s  [started %s, queue %s, redelivered %s%s, %s]',"
+        "   CASE WHEN outcome = 'duplicate' THEN 'duplicate delivery, no effect'"
+        "        ELSE format('attempt %s (generation %s): %s', attempt, generation, outcome)"
+        "   END,"
         "   coalesce(' ' || error_class, ''), coalesce(' ' || error_code, ''),"
         "   coalesce(' SQLSTATE ' || sqlstate, ''), coalesce(': ' || message, '')"
         "   || CASE WHEN outcome = 'transient_error' THEN ' (retry in ' || delay_ms || ' ms)'"
         "           WHEN outcome = 'delayed' THEN ' (early; waits ' || delay_ms || ' ms more)'"
         "           ELSE '' END,"
-        "   queue, redelivered, coalesce(', delivery count ' || delivery_count, ''),"
+        "   CASE WHEN outcome = 'applied' THEN '  <== the effect was applied here' ELSE '' END,"
+        "   started_at, queue, redelivered, coalesce(', delivery count ' || delivery_count, ''),"
         "   consumer_id) AS what"
         " FROM idemq.attempts WHERE key = $1"
         " UNION ALL"
         " SELECT parked_at, 2, id, format('parked #%s (generation %s): %s %s%s: %s; %s attempts;"
-        " dead-lettered %s', id, generation, error_class, error_code,"
+        " dead-lettered %s%s', id, generation, error_class, error_code,"
         "   coalesce(' SQLSTATE ' || sqlstate, ''), reason, attempts,"
-        "   coalesce(dlq_published_at::text, 'not confirmed yet'))"
+        "   coalesce(dlq_published_at::text, 'not confirmed yet'),"
+        "   CASE WHEN redrivable THEN '' ELSE format('; not redrivable (body %s of %s bytes kept)',"
+        "        octet_length(body), coalesce(body_size, octet_length(body))) END)"
         " FROM idemq.parked WHERE key = $1"
         " UNION ALL"
         " SELECT redriven_at, 3, id, format('redrive to generation %s by %s (park #%s): fresh"
@@ -100,7 +109,7 @@ int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
     } else {
         fprintf(out, "  (no job row: the message never decoded into a job)\n");
     }
-    fprintf(out, "history (oldest first):\n");
+    fprintf(out, "history (in commit order):\n");
     for (int i = 0; i < PQntuples(tl); i++)
         fprintf(out, "  %s  %s\n", val(tl, i, 0), val(tl, i, 1));
     if (PQntuples(job) == 1 && !PQgetisnull(job, 0, 7))
@@ -225,14 +234,73 @@ static void who(char *buf, size_t len)
     snprintf(buf, len, "idemq redrive (%s@%s)", pw ? pw->pw_name : "?", host);
 }
 
-/* Redrives one input's dead-letter queue. */
-static int redrive_input(struct broker *b, const struct conf_input *in,
-                         const struct ops_filter *f, long long since_id, long *moved,
-                         long *kept, FILE *out)
+/* The queue a dead letter of input `in` goes back to: its
+ * x-idemq-origin-queue (or, for a message the broker dead-lettered itself,
+ * the queue of its first x-death record), and only if that queue is the
+ * input's own (its queue or one of its partitions): a producer-supplied
+ * header must not steer a publish with idemq's credentials. NULL, with
+ * *why set, when there is none or it is refused. */
+static const char *origin_of(const struct job *j, const struct conf_input *in, const char **why)
 {
-    char dlq[TOPOLOGY_NAME_MAX], by[300];
-    uint64_t *held = NULL;
-    size_t nheld = 0, cap = 0;
+    const char *o = json_string_value(json_object_get(j->headers, "x-idemq-origin-queue"));
+    if (!o)
+        o = json_string_value(json_object_get(j->headers, "x-first-death-queue"));
+    if (!o) {
+        *why = "no x-idemq-origin-queue or x-death record";
+        return NULL;
+    }
+    if (topology_is_input_queue(in, o))
+        return o;
+    *why = "its origin queue is not one of this input's queues (refused)";
+    return NULL;
+}
+
+/* Connections parked on a message the client library cannot decode: each
+ * holds its message unacknowledged until the end (it then returns to the
+ * head of the queue), so the redrive can go on past it on a new one. */
+#define REDRIVE_MAX_UNDECODABLE 16
+
+struct redrive {
+    struct broker *b;
+    struct broker *stuck[REDRIVE_MAX_UNDECODABLE];
+    int n_stuck;
+    uint64_t *held;
+    size_t nheld, cap;
+};
+
+static bool hold(struct redrive *r, uint64_t tag)
+{
+    if (r->nheld == r->cap) {
+        size_t cap = r->cap ? r->cap * 2 : 64;
+        uint64_t *nh = realloc(r->held, cap * sizeof *nh);
+        if (!nh)
+            return false;
+        r->held = nh;
+        r->cap = cap;
+    }
+    r->held[r->nheld++] = tag;
+    return true;
+}
+
+/* Gives every held message back (requeued, in order) and, on the stuck
+ * connections, the undecodable ones. */
+static void release(struct redrive *r)
+{
+    for (size_t i = 0; i < r->nheld; i++)
+        if (broker_nack(r->b, r->held[i], true))
+            break; /* the channel is gone: the broker requeues them anyway */
+    r->nheld = 0;
+    for (int i = 0; i < r->n_stuck; i++)
+        broker_close(r->stuck[i]);
+    r->n_stuck = 0;
+}
+
+/* Redrives one input's dead-letter queue; *left counts what stays there. */
+static int redrive_input(const struct conf *c, struct redrive *r, const struct conf_input *in,
+                         const struct ops_filter *f, long long since_id, long *moved,
+                         long *left, FILE *out)
+{
+    char dlq[TOPOLOGY_NAME_MAX], by[300], err[512];
     struct job j;
     int rc = 0;
 
@@ -240,40 +308,71 @@ static int redrive_input(struct broker *b, const struct conf_input *in,
     who(by, sizeof by);
     job_init(&j);
     for (;;) {
-        const char *origin;
-        idemq_err_t err;
+        const char *origin, *why = NULL;
+        idemq_err_t e;
+        json_t *redrivable;
         if (f->limit > 0 && *moved >= f->limit)
             break;
-        err = broker_get(b, dlq, &j, false);
-        if (err == IDEMQ_ERR_TIMEOUT)
+        e = broker_get(r->b, dlq, &j, false);
+        if (e == IDEMQ_ERR_TIMEOUT)
             break;
-        if (err) {
-            log_error("reading %s: %s", dlq, broker_error(b));
+        if (e == IDEMQ_ERR_UNDECODABLE) {
+            /* This connection cannot read past it: keep it (and the message)
+             * aside and go on with a new one. */
+            log_warn("%s: delivery %llu cannot be decoded by the client library (parked as "
+                     "undecodable, not redrivable); left in place",
+                     dlq, (unsigned long long)j.tag);
+            (*left)++;
+            if (r->n_stuck == REDRIVE_MAX_UNDECODABLE) {
+                log_error("%s: more than %d undecodable messages; stopping here", dlq,
+                          REDRIVE_MAX_UNDECODABLE);
+                rc = 1;
+                break;
+            }
+            /* what this connection holds stays held with it until the end */
+            r->nheld = 0;
+            r->stuck[r->n_stuck++] = r->b;
+            if (broker_open(c, "idemq redrive", true, &r->b, err, sizeof err)) {
+                log_error("%s", err);
+                r->b = NULL;
+                rc = 4;
+                break;
+            }
+            continue;
+        }
+        if (e) {
+            log_error("reading %s: %s", dlq, broker_error(r->b));
             rc = 1;
             break;
         }
-        origin = json_string_value(json_object_get(j.headers, "x-idemq-origin-queue"));
-        if (!matches(&j, f, since_id) || !origin || f->dry_run) {
-            if (matches(&j, f, since_id)) {
-                if (!origin)
-                    log_warn("%s: message without x-idemq-origin-queue left in place", dlq);
-                else
-                    fprintf(out, "would redrive %s (%s) to %s\n",
-                            hdr(&j, "x-idemq-key", "(no key)"),
-                            hdr(&j, "x-idemq-error-class", "?"), origin);
-                if (origin)
-                    (*moved)++;
+        if (!matches(&j, f, since_id)) {
+            (*left)++;
+            if (!hold(r, j.tag)) {
+                rc = 1;
+                break;
             }
-            if (nheld == cap) {
-                uint64_t *nh = realloc(held, (cap = cap ? cap * 2 : 64) * sizeof *held);
-                if (!nh) {
-                    rc = 1;
-                    break;
-                }
-                held = nh;
+            continue;
+        }
+        origin = origin_of(&j, in, &why);
+        redrivable = json_object_get(j.headers, "x-idemq-redrivable");
+        if (origin && json_is_false(redrivable)) {
+            origin = NULL;
+            why = "not redrivable: the park does not hold the whole message";
+        }
+        if (!origin || f->dry_run) {
+            if (!origin)
+                log_warn("%s: %s (%s) left in place: %s", dlq, hdr(&j, "x-idemq-key", "(no key)"),
+                         hdr(&j, "x-idemq-error-class", "?"), why);
+            else {
+                fprintf(out, "would redrive %s (%s) to %s\n", hdr(&j, "x-idemq-key", "(no key)"),
+                        hdr(&j, "x-idemq-error-class", "?"), origin);
+                (*moved)++;
             }
-            held[nheld++] = j.tag;
-            (*kept)++;
+            (*left)++;
+            if (!hold(r, j.tag)) {
+                rc = 1;
+                break;
+            }
             continue;
         }
         {
@@ -281,10 +380,10 @@ static int redrive_input(struct broker *b, const struct conf_input *in,
             json_object_set_new(j.headers, "x-idemq-redriven-by", json_string(by));
             /* Straight to the origin queue (default exchange): an origin
              * fanout exchange would copy it to other queues too. */
-            if (broker_publish(b, "", origin, j.body, j.body_len, &p) ||
-                broker_wait_confirms(b, 10000) || broker_ack(b, j.tag, false)) {
+            if (broker_publish(r->b, "", origin, j.body, j.body_len, &p) ||
+                broker_wait_confirms(r->b, 10000) || broker_ack(r->b, j.tag, false)) {
                 log_error("redrive to %s not confirmed: %s (the dead-letter copy stays)", origin,
-                          broker_error(b));
+                          broker_error(r->b));
                 rc = 1;
                 break;
             }
@@ -296,22 +395,19 @@ static int redrive_input(struct broker *b, const struct conf_input *in,
             nanosleep(&ts, NULL);
         }
     }
-    for (size_t i = 0; i < nheld; i++)
-        if (broker_nack(b, held[i], true))
-            break; /* the channel is gone: the broker requeues them anyway */
-    free(held);
     job_destroy(&j);
     return rc;
 }
 
 int ops_redrive(const struct conf *c, const struct ops_filter *f, FILE *out)
 {
-    struct broker *b;
+    struct redrive r;
     char err[512];
     long long since_id = 0;
-    long moved = 0, kept = 0;
+    long moved = 0, left = 0;
     int rc = 0, found = 0;
 
+    memset(&r, 0, sizeof r);
     if (f->since) {
         PGconn *db = connect(c);
         if (!db)
@@ -321,23 +417,31 @@ int ops_redrive(const struct conf *c, const struct ops_filter *f, FILE *out)
         if (rc)
             return rc;
     }
-    if (broker_open(c, "idemq redrive", true, &b, err, sizeof err)) {
+    if (f->input) {
+        for (int i = 0; i < c->n_inputs; i++)
+            found += strcmp(f->input, c->inputs[i].name) == 0;
+        if (!found) {
+            fprintf(stderr, "idemq: no input named %s\n", f->input);
+            return 2;
+        }
+    }
+    if (broker_open(c, "idemq redrive", true, &r.b, err, sizeof err)) {
         log_error("%s", err);
         return 4;
     }
-    for (int i = 0; i < c->n_inputs && rc == 0; i++) {
+    for (int i = 0; i < c->n_inputs && rc == 0 && r.b; i++) {
         if (f->input && strcmp(f->input, c->inputs[i].name) != 0)
             continue;
-        found++;
-        rc = redrive_input(b, &c->inputs[i], f, since_id, &moved, &kept, out);
+        rc = redrive_input(c, &r, &c->inputs[i], f, since_id, &moved, &left, out);
     }
-    broker_close(b);
-    if (!found) {
-        fprintf(stderr, "idemq: no input named %s\n", f->input);
-        return 2;
-    }
-    fprintf(out, "%s %ld message%s; left %ld in the dead-letter queue%s\n",
+    if (r.b)
+        release(&r);
+    broker_close(r.b);
+    free(r.held);
+    fprintf(out, "%s %ld message%s; %ld %s in the dead-letter queue%s%s%s\n",
             f->dry_run ? "would redrive" : "redrove", moved, moved == 1 ? "" : "s",
-            kept - (f->dry_run ? moved : 0), kept == 1 ? "" : "s");
+            left, f->dry_run ? "stay (dry run: nothing was moved)" : "left",
+            f->input ? " of input " : "s", f->input ? f->input : "",
+            f->input ? " (other inputs not looked at)" : "");
     return rc;
 }

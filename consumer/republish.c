@@ -27,7 +27,10 @@ static json_t *clean_headers(const struct job *j, const struct conf_input *in)
             continue;
         json_object_set(h, k, v);
     }
-    if (!json_object_get(h, "x-idemq-origin-queue")) {
+    if (!topology_is_input_queue(in, json_string_value(json_object_get(h,
+                                                                       "x-idemq-origin-queue")))) {
+        /* None yet, or one a producer made up: the origin is where this
+         * delivery came from. */
         char origin[TOPOLOGY_NAME_MAX];
         /* An ordered input's jobs go back to their partition queue (a job
          * taken from idemq.deferred remembers its lane; the sequence guard
@@ -80,6 +83,11 @@ json_t *republish_dead_headers(const struct job *j, const struct conf_input *in,
     copy_field(h, "x-idemq-first-attempt-at", park, "first_attempt_at");
     copy_field(h, "x-idemq-last-attempt-at", park, "last_attempt_at");
     copy_field(h, "x-idemq-parked-at", park, "parked_at");
+    if (json_is_false(json_object_get(park, "redrivable"))) {
+        /* the copy holds a prefix of the body (or nothing): never redriven */
+        json_object_set_new(h, "x-idemq-redrivable", json_false());
+        json_object_set_new(h, "x-idemq-body-size", json_integer((json_int_t)j->body_size));
+    }
     if (reason) {
         /* Cut on a UTF-8 boundary: the header must stay valid text. */
         n = strlen(reason);
