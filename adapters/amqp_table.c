@@ -79,7 +79,7 @@ static json_t *table(const amqp_table_t *t, int depth, struct budget *b)
         const amqp_table_entry_t *e = &t->entries[i];
         char *name;
         json_t *val;
-        if (!job_utf8_valid(e->key.bytes, e->key.len) || e->key.len == 0) {
+        if (!job_utf8_valid(e->key.bytes, e->key.len)) {
             b->rep->skipped_names++;
             continue;
         }

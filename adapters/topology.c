@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "log.h"
+
 void topology_delay_exchange(const struct conf_input *in, char *buf, size_t len)
 {
     snprintf(buf, len, "%s.retry", in->queue);
@@ -49,9 +51,15 @@ long topology_bucket(long delay_ms)
     return b;
 }
 
+/* Work queues dead-letter into the input's dead-letter path: what idemq
+ * rejects (a delivery the client library cannot decode) lands in
+ * <queue>.dead like every park. */
 static json_t *work_queue_args(const struct conf_input *in)
 {
-    return json_pack("{s:s}", "x-queue-type", in->queue_type);
+    char dlx[TOPOLOGY_NAME_MAX];
+    topology_dlx(in, dlx, sizeof dlx);
+    return json_pack("{s:s,s:s,s:s}", "x-queue-type", in->queue_type, "x-dead-letter-exchange",
+                     dlx, "x-dead-letter-routing-key", in->queue);
 }
 
 static json_t *bucket_args(const struct conf_input *in)
@@ -77,6 +85,36 @@ static idemq_err_t queue(struct broker *b, const char *name, json_t *args, bool 
     if (!err)
         err = broker_declare_queue(b, name, args, false);
     json_decref(args);
+    return err;
+}
+
+/* A work queue: as queue(), but when verifying, a queue an older idemq
+ * declared without the dead-letter arguments (queue arguments cannot
+ * change) is accepted with a warning: a policy can add them. */
+static idemq_err_t work_queue(struct broker *b, const struct conf_input *in, const char *name,
+                              json_t *args, bool verify)
+{
+    idemq_err_t err;
+    json_t *legacy = verify ? json_deep_copy(args) : NULL;
+
+    if (legacy) {
+        json_object_del(legacy, "x-dead-letter-exchange");
+        json_object_del(legacy, "x-dead-letter-routing-key");
+    }
+    err = queue(b, name, args, verify);
+    if (err && legacy && strstr(broker_error(b), "406") &&
+        broker_declare_queue(b, name, legacy, false) == IDEMQ_OK) {
+        char dlx[TOPOLOGY_NAME_MAX];
+        topology_dlx(in, dlx, sizeof dlx);
+        log_warn("queue %s was declared without x-dead-letter-exchange (by an older idemq): a "
+                 "delivery the client library cannot decode is rejected and would be dropped "
+                 "unless a policy dead-letters it, e.g. rabbitmqctl set_policy %s-dlx '^%s$' "
+                 "'{\"dead-letter-exchange\":\"%s\",\"dead-letter-routing-key\":\"%s\"}' "
+                 "--apply-to queues",
+                 name, in->queue, name, dlx, in->queue);
+        err = IDEMQ_OK;
+    }
+    json_decref(legacy);
     return err;
 }
 
@@ -118,10 +156,9 @@ static idemq_err_t walk_partitioned(struct broker *b, const struct conf_input *i
     json_decref(xargs);
     for (int k = 0; !err && k < in->partitions; k++) {
         topology_partition_queue(in, k, name, sizeof name);
-        err = queue(b, name,
-                    json_pack("{s:s,s:b}", "x-queue-type", in->queue_type,
-                              "x-single-active-consumer", 1),
-                    verify);
+        json_t *args = work_queue_args(in);
+        json_object_set_new(args, "x-single-active-consumer", json_true());
+        err = work_queue(b, in, name, args, verify);
         if (!err)
             err = broker_bind(b, name, in->exchange, "1", NULL); /* equal weights */
     }
@@ -140,7 +177,7 @@ static idemq_err_t walk(struct broker *b, const struct conf *c, const struct con
         return walk_partitioned(b, in, verify);
     if (in->exchange[0] && (err = exchange(b, in->exchange, in->exchange_type, verify)))
         return err;
-    if ((err = queue(b, in->queue, work_queue_args(in), verify)))
+    if ((err = work_queue(b, in, in->queue, work_queue_args(in), verify)))
         return err;
     if (in->exchange[0] && (err = broker_bind(b, in->queue, in->exchange, in->routing_key, NULL)))
         return err;

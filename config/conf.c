@@ -104,7 +104,7 @@ static const struct conf_key input_keys[] = {
     {"effect_function", CT_STR, I(effect_function), 1, 127, NULL, 0, CF_REQUIRED,
      "SQL function fn(key text, payload jsonb, meta jsonb) RETURNS jsonb"},
     /* ordered lanes */
-    {"partitions", CT_INT, I(partitions), 0, 64, NULL, 0, 0,
+    {"partitions", CT_INT, I(partitions), 0, 1024, NULL, 0, 0,
      "0 = standard queue; N >= 1 = consistent-hash exchange over queues <queue>.p0..pN-1"},
     {"hash_header", CT_STR, I(hash_header), 0, 255, "", 0, 0,
      "partitioned inputs: header the exchange hashes; empty = the routing key"},

@@ -419,7 +419,9 @@ static enum step isolate(struct batch *bt, int i)
             log_job(LOG_LVL_WARN, j->key, j->tag, 0,
                     "cannot record the failure (%s): leaving it to the broker to redeliver",
                     bt->why);
-            return st;
+            settle_plan_clear(p);
+            p->how = SETTLE_RELEASE;
+            return STEP_OK;
         }
         if (st != STEP_SPLIT)
             return st;
@@ -427,6 +429,11 @@ static enum step isolate(struct batch *bt, int i)
     /* rung 3: park with what can be stored */
     bt->ladder_depth = bt->ladder_depth > 3 ? bt->ladder_depth : 3;
     st = with_retries(bt, unprocessable_txn, i);
+    if (st == STEP_RETRY) { /* contention again: give it back */
+        settle_plan_clear(p);
+        p->how = SETTLE_RELEASE;
+        return STEP_OK;
+    }
     if (st != STEP_SPLIT)
         return st;
     /* rung 4: not even a park row: the broker dead-letters it */
@@ -443,6 +450,7 @@ static enum step isolate(struct batch *bt, int i)
 enum batch_step batch_process(struct batch *bt, int *committed)
 {
     enum step st;
+    char released[sizeof bt->why] = "";
 
     *committed = 0;
     bt->ladder_depth = 0;
@@ -478,10 +486,16 @@ enum batch_step batch_process(struct batch *bt, int *committed)
             bt->plans[i].held_lane = lid;
         } else if ((st = isolate(bt, i)) != STEP_OK) {
             return to_batch_step(st);
-        } else if (bt->plans[i].how == SETTLE_HOLD) {
-            bt->plans[i].held_lane = lid;
+        } else if (bt->plans[i].how == SETTLE_HOLD || bt->plans[i].how == SETTLE_RELEASE) {
+            bt->plans[i].held_lane = lid; /* later jobs of its lane wait behind it */
+            if (bt->plans[i].how == SETTLE_RELEASE)
+                snprintf(released, sizeof released, "%s", bt->why);
         }
         *committed = i + 1;
+    }
+    if (released[0]) {
+        snprintf(bt->why, sizeof bt->why, "%s", released);
+        return BATCH_REDELIVER;
     }
     return BATCH_OK;
 }

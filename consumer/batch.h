@@ -10,9 +10,11 @@
  * be parked in the ledger either is rejected to the broker's dead-letter
  * path. Only the database or the deploy being broken (infra, fatal) and
  * contention that outlives its retries (lock or statement timeouts,
- * deadlocks, serialization failures while recording a failure) stop the
- * ladder: then nothing more is committed and the caller drops the broker
- * connection so the broker redelivers.
+ * deadlocks, serialization failures while recording a failure) do not end
+ * in a commit: the first two stop the batch (nothing more is committed);
+ * contention releases just that job (SETTLE_RELEASE) while its batch-mates
+ * go on, and the caller then drops the broker connection so the broker
+ * redelivers it, and backs off.
  *
  * API: batch_init -> per batch: fill jobs[0..n) -> batch_process ->
  *      settle plans[0..committed) -> ... -> batch_free. One worker thread.
@@ -37,8 +39,9 @@ enum batch_step {
     BATCH_OK = 0,      /* plans[0..n) committed */
     BATCH_INFRA,       /* database gone: reconnect both, nothing more committed */
     BATCH_FATAL,       /* deploy/config problem: stop consuming until fixed */
-    BATCH_REDELIVER,   /* contention outlived its retries: drop the broker
-                        * connection (the broker redelivers), back off */
+    BATCH_REDELIVER,   /* plans[0..n) committed, but some job is SETTLE_RELEASE
+                        * (contention outlived its retries): settle, then drop
+                        * the broker connection (it redelivers), back off */
 };
 
 enum batch_crash { BATCH_CRASH_NONE = 0, BATCH_CRASH_BEFORE_COMMIT, BATCH_CRASH_AFTER_COMMIT };

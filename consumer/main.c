@@ -25,6 +25,10 @@
 #include "sig.h"
 #include "worker.h"
 
+/* Worker thread stack (see cmd_run): 16 MiB of address space, touched only
+ * as deep as the calls go. */
+#define WORKER_STACK_BYTES (16u * 1024 * 1024)
+
 /* Exit codes (documented in the README and --help). */
 enum {
     EXIT_OK = 0,
@@ -280,13 +284,21 @@ static int cmd_run(const struct conf *c, long until_idle_s)
         free(ws);
         return EXIT_RUNTIME;
     }
-    log_info("idemq %s: %d worker(s), %d input(s), batch_max %d, consumer %s", IDEMQ_VERSION,
-             c->workers, c->n_inputs, c->batch_max, c->consumer_id);
+    log_info("idemq %s: %d worker(s), %d input(s), batch_max %d, consumer %s; worst case of "
+             "deliveries held per worker %lld MiB", IDEMQ_VERSION, c->workers, c->n_inputs,
+             c->batch_max, c->consumer_id, c->buffered_worst / (1024 * 1024));
+    /* A known stack size: librabbitmq-c 0.11 decodes nested header tables
+     * recursively (fixed in 0.14); a header frame is bounded by frame_max
+     * (128 KiB), which bounds that depth to what this stack holds. */
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, WORKER_STACK_BYTES);
     for (int i = 0; i < c->workers; i++) {
         worker_init(&ws[i], i, c, (int)(until_idle_s * 1000));
         ws[i].gate = gate;
-        if (pthread_create(&ws[i].thread, NULL, worker_thread, &ws[i]) != 0) {
+        if (pthread_create(&ws[i].thread, &attr, worker_thread, &ws[i]) != 0) {
             log_error("cannot start worker thread %d", i);
+            pthread_attr_destroy(&attr);
             sig_request_stop();
             for (int k = 0; k < i; k++)
                 pthread_join(ws[k].thread, NULL);
@@ -295,6 +307,7 @@ static int cmd_run(const struct conf *c, long until_idle_s)
             return EXIT_RUNTIME;
         }
     }
+    pthread_attr_destroy(&attr);
     if (c->metrics_listen[0]) {
         char err[256];
         if (metrics_start(c, ws, c->workers, &metrics, err, sizeof err))

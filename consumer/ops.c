@@ -438,10 +438,10 @@ int ops_redrive(const struct conf *c, const struct ops_filter *f, FILE *out)
         release(&r);
     broker_close(r.b);
     free(r.held);
-    fprintf(out, "%s %ld message%s; %ld %s in the dead-letter queue%s%s%s\n",
-            f->dry_run ? "would redrive" : "redrove", moved, moved == 1 ? "" : "s",
-            left, f->dry_run ? "stay (dry run: nothing was moved)" : "left",
-            f->input ? " of input " : "s", f->input ? f->input : "",
-            f->input ? " (other inputs not looked at)" : "");
+    fprintf(out, "%s %ld message%s; %ld %s in the dead-letter queue%s%s%s%s\n",
+            f->dry_run ? "would redrive" : "redrove", moved, moved == 1 ? "" : "s", left,
+            f->dry_run ? "stay" : "left", f->input ? " of input " : "s",
+            f->input ? f->input : "", f->input ? " (other inputs not looked at)" : "",
+            f->dry_run ? " (dry run: nothing was moved)" : "");
     return rc;
 }

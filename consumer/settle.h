@@ -18,6 +18,9 @@
  *   SETTLE_REJECT commit (park row), then basic.reject without requeue: the
  *                 broker dead-letters what idemq could not decode
  *   SETTLE_HOLD   hold in place, unacknowledged (an ordered lane's retry)
+ *   SETTLE_RELEASE nothing committed for it (contention outlived its
+ *                 retries): left unacknowledged; the caller then drops the
+ *                 connection so the broker redelivers it, and backs off
  *   SETTLE_NONE   nothing on the broker (a job taken from the ledger)
  *
  * API: settle_batch (after the commit) -> settle_count.
@@ -39,6 +42,7 @@ enum settle_how {
     SETTLE_DEAD,
     SETTLE_REJECT,
     SETTLE_HOLD,
+    SETTLE_RELEASE,
     SETTLE_NONE,
 };
 

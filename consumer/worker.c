@@ -307,6 +307,8 @@ static void count(struct session *s, const struct plan *plans, int n)
         case SETTLE_DELAY: atomic_fetch_add(&ws->retried, 1); break;
         case SETTLE_DEAD:
         case SETTLE_REJECT: atomic_fetch_add(&ws->parked, 1); break;
+        case SETTLE_RELEASE:
+            break;
         case SETTLE_HOLD:
         case SETTLE_NONE:
             if (plans[i].outcome == LEDGER_ERROR)

@@ -14,6 +14,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <amqp.h>
+#include <amqp_tcp_socket.h>
+#include <dirent.h>
+#include <fcntl.h>
+
 #include "ledger_db.h"
 #include "ledger_migrate.h"
 #include "topology.h"
@@ -349,3 +354,152 @@ int itest_http_get(const char *url, char *out, size_t outlen)
     }
     return code;
 }
+
+pid_t itest_spawn_log(const char *cfg_path, int idle_s, const char *const *env,
+                      const char *log_path)
+{
+    pid_t pid;
+    char idle[16];
+    snprintf(idle, sizeof idle, "%d", idle_s);
+    fflush(NULL);
+    pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        int fd = open(log_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+            close(fd);
+        }
+        for (int i = 0; env && env[i]; i++)
+            putenv((char *)env[i]);
+        execl(IDEMQ_BINARY, IDEMQ_BINARY, "run", "-c", cfg_path, "--until-idle", idle,
+              (char *)NULL);
+        fprintf(stderr, "exec %s: %s\n", IDEMQ_BINARY, strerror(errno));
+        _exit(127);
+    }
+    return pid;
+}
+
+int itest_count_lines(const char *path, const char *needle)
+{
+    FILE *f = fopen(path, "r");
+    char line[8192];
+    int n = 0;
+    if (!f)
+        return 0;
+    while (fgets(line, sizeof line, f))
+        n += strstr(line, needle) != NULL;
+    fclose(f);
+    return n;
+}
+
+struct itest_raw {
+    amqp_connection_state_t conn;
+    uint64_t seq;
+};
+
+struct itest_raw *itest_raw_open(void)
+{
+    struct itest_raw *r = calloc(1, sizeof *r);
+    struct amqp_connection_info ci;
+    char *url = strdup(getenv("IDEMQ_AMQP_URL")), *comma;
+    amqp_socket_t *sock;
+    amqp_rpc_reply_t rep;
+
+    ck_assert_ptr_nonnull(r);
+    ck_assert_ptr_nonnull(url);
+    if ((comma = strchr(url, ',')))
+        *comma = '\0';
+    amqp_default_connection_info(&ci);
+    ck_assert_int_eq(amqp_parse_url(url, &ci), AMQP_STATUS_OK);
+    r->conn = amqp_new_connection();
+    sock = amqp_tcp_socket_new(r->conn);
+    ck_assert_int_eq(amqp_socket_open(sock, ci.host, ci.port), AMQP_STATUS_OK);
+    rep = amqp_login(r->conn, ci.vhost, 0, AMQP_DEFAULT_FRAME_SIZE, 0, AMQP_SASL_METHOD_PLAIN,
+                     ci.user, ci.password);
+    ck_assert_int_eq(rep.reply_type, AMQP_RESPONSE_NORMAL);
+    amqp_channel_open(r->conn, 1);
+    ck_assert_int_eq(amqp_get_rpc_reply(r->conn).reply_type, AMQP_RESPONSE_NORMAL);
+    amqp_confirm_select(r->conn, 1);
+    ck_assert_int_eq(amqp_get_rpc_reply(r->conn).reply_type, AMQP_RESPONSE_NORMAL);
+    free(url);
+    return r;
+}
+
+void itest_raw_publish(struct itest_raw *r, const char *exchange, const void *rk, size_t rklen,
+                       const void *body, size_t len, const void *props)
+{
+    amqp_bytes_t key = {rklen, (void *)rk}, data = {len, (void *)body};
+    amqp_frame_t f;
+    ck_assert_int_eq(amqp_basic_publish(r->conn, 1, amqp_cstring_bytes(exchange), key, 0, 0,
+                                        props, data),
+                     AMQP_STATUS_OK);
+    r->seq++;
+    /* wait for this publish's confirm (one at a time keeps it simple) */
+    for (;;) {
+        struct timeval tv = {10, 0};
+        ck_assert_int_eq(amqp_simple_wait_frame_noblock(r->conn, &f, &tv), AMQP_STATUS_OK);
+        if (f.frame_type == AMQP_FRAME_METHOD && f.payload.method.id == AMQP_BASIC_ACK_METHOD)
+            break;
+        ck_assert_msg(!(f.frame_type == AMQP_FRAME_METHOD &&
+                        f.payload.method.id == AMQP_BASIC_NACK_METHOD),
+                      "raw publish nacked");
+        ck_assert_msg(!(f.frame_type == AMQP_FRAME_METHOD &&
+                        (f.payload.method.id == AMQP_CHANNEL_CLOSE_METHOD ||
+                         f.payload.method.id == AMQP_CONNECTION_CLOSE_METHOD)),
+                      "raw publish: broker closed the channel");
+    }
+    amqp_maybe_release_buffers(r->conn);
+}
+
+void itest_raw_close(struct itest_raw *r)
+{
+    amqp_channel_close(r->conn, 1, AMQP_REPLY_SUCCESS);
+    amqp_connection_close(r->conn, AMQP_REPLY_SUCCESS);
+    amqp_destroy_connection(r->conn);
+    free(r);
+}
+
+int itest_pg_signal(int sig)
+{
+    char path[600], dir[512] = "", pidfile[700];
+    FILE *f;
+    long pm = 0;
+    int n = 0;
+    DIR *proc;
+    struct dirent *de;
+
+    snprintf(path, sizeof path, "%s/pg-dir", getenv("IDEMQ_STATE_DIR"));
+    ck_assert_msg((f = fopen(path, "r")) != NULL, "cannot read %s", path);
+    ck_assert_ptr_nonnull(fgets(dir, sizeof dir, f));
+    fclose(f);
+    dir[strcspn(dir, "\n")] = '\0';
+    snprintf(pidfile, sizeof pidfile, "%s/data/postmaster.pid", dir);
+    ck_assert_msg((f = fopen(pidfile, "r")) != NULL, "cannot read %s", pidfile);
+    ck_assert_int_eq(fscanf(f, "%ld", &pm), 1);
+    fclose(f);
+    /* the postmaster, then every process whose parent it is */
+    n += kill((pid_t)pm, sig) == 0;
+    proc = opendir("/proc");
+    ck_assert_ptr_nonnull(proc);
+    while ((de = readdir(proc))) {
+        char stat[300], buf[512];
+        long pid = atol(de->d_name), ppid = 0;
+        FILE *sf;
+        char *close_paren;
+        if (pid <= 0)
+            continue;
+        snprintf(stat, sizeof stat, "/proc/%ld/stat", pid);
+        if (!(sf = fopen(stat, "r")))
+            continue;
+        if (fgets(buf, sizeof buf, sf) && (close_paren = strrchr(buf, ')')))
+            sscanf(close_paren + 2, "%*c %ld", &ppid);
+        fclose(sf);
+        if (ppid == pm)
+            n += kill((pid_t)pid, sig) == 0;
+    }
+    closedir(proc);
+    return n;
+}
+

@@ -94,4 +94,25 @@ long itest_queue_consumers(struct itest *t, const char *queue);
  * returns the exit code. */
 int itest_idemq(struct itest *t, const char *args, char *out, size_t outlen);
 
+/* Starts `idemq run -c cfg --until-idle idle_s` like itest_spawn, with
+ * stdout and stderr written to log_path. */
+pid_t itest_spawn_log(const char *cfg_path, int idle_s, const char *const *env,
+                      const char *log_path);
+
+/* Lines of file path that contain needle (0 if the file is missing). */
+int itest_count_lines(const char *path, const char *needle);
+
+/* A raw AMQP publisher (librabbitmq-c directly, not idemq's adapter), for
+ * hostile messages idemq itself would never build: any properties, any
+ * header table, any routing key bytes. Publishes are confirmed. */
+struct itest_raw;
+struct itest_raw *itest_raw_open(void);
+void itest_raw_publish(struct itest_raw *r, const char *exchange, const void *rk, size_t rklen,
+                       const void *body, size_t len, const void *props /* amqp_basic_properties_t */);
+void itest_raw_close(struct itest_raw *r);
+
+/* Sends sig to every process of the test PostgreSQL (postmaster and
+ * backends), found from $IDEMQ_STATE_DIR/pg-dir. Returns how many. */
+int itest_pg_signal(int sig);
+
 #endif
