@@ -722,6 +722,333 @@ START_TEST(test_jobs_show_order)
 }
 END_TEST
 
+/* ---- resuming after a broker restart ---- */
+
+/*
+ * After a RabbitMQ restart the reconnect backoff had grown to 11-17 s and
+ * its ceiling was neither documented nor configurable. With
+ * broker.reconnect_max_ms = 2000, a job published once the broker is back
+ * is applied within about that.
+ */
+START_TEST(test_broker_restart_resume)
+{
+    struct itest t;
+    char log[300], key[200], body[512];
+    pid_t pid;
+    int st;
+    long long t0, waited;
+    struct timespec a, b;
+
+    itest_setup(&t, "resume", "idemq_test.record", "", "");
+    { /* the reconnect ceiling lives in the broker group */
+        char cmd[600];
+        snprintf(cmd, sizeof cmd, "sed -i 's/^broker: { heartbeat = 10; };/broker: { heartbeat = "
+                                  "10; reconnect_max_ms = 2000; };/' %s",
+                 t.cfg_path);
+        ck_assert_int_eq(system(cmd), 0);
+    }
+    snprintf(log, sizeof log, "/tmp/%s.log", t.name);
+    publish_keys(&t, "before", 5, NULL);
+    pid = itest_spawn_log(t.cfg_path, 30, NULL, log);
+    ck_assert_int_eq(wait_count(&t, EFFECTS_LIKE, t.name, 5, itest_ms(20000)), 5);
+    ck_assert_int_eq(itest_services("rabbit-stop"), 0);
+    sleep_ms(8000); /* long enough for the backoff to reach its ceiling */
+    ck_assert_int_eq(itest_services("rabbit-start"), 0);
+    snprintf(key, sizeof key, "%s:after", t.name);
+    payout(body, sizeof body, key, NULL);
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    itest_publish(&t, (const char *[]){body}, 1);
+    t0 = a.tv_sec * 1000LL + a.tv_nsec / 1000000;
+    ck_assert_int_eq(wait_count(&t, EFFECTS_FOR, key, 1, itest_ms(30000)), 1);
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    waited = b.tv_sec * 1000LL + b.tv_nsec / 1000000 - t0;
+    ck_assert_msg(waited < itest_ms(2000 + 4000), "applied %lld ms after the broker was back",
+                  waited);
+    kill(pid, SIGTERM);
+    st = itest_wait(pid, itest_ms(30000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    unlink(log);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* ---- oldest-ready age goes back to 0 ---- */
+
+/* idemq_oldest_ready_age_seconds kept the age of the last delivery forever
+ * once a queue went idle. */
+START_TEST(test_oldest_age_resets)
+{
+    struct itest t;
+    struct itest_raw *raw;
+    amqp_basic_properties_t p;
+    char body[512], key[200], out[16384], log[300];
+    const struct conf_input *in;
+    pid_t pid;
+    int st;
+    double age = -2;
+    char *m;
+
+    itest_extra_conf = "metrics: { listen = \"127.0.0.1:19389\"; };";
+    itest_setup(&t, "age", "idemq_test.record", "", "");
+    itest_extra_conf = NULL;
+    in = &t.conf->inputs[0];
+    snprintf(log, sizeof log, "/tmp/%s.log", t.name);
+    raw = itest_raw_open();
+    memset(&p, 0, sizeof p);
+    p._flags = AMQP_BASIC_TIMESTAMP_FLAG;
+    p.timestamp = (uint64_t)time(NULL) - 3600; /* produced an hour ago */
+    snprintf(key, sizeof key, "%s:old", t.name);
+    payout(body, sizeof body, key, NULL);
+    itest_raw_publish(raw, in->exchange, in->routing_key, strlen(in->routing_key), body,
+                      strlen(body), &p);
+    itest_raw_close(raw);
+    pid = itest_spawn_log(t.cfg_path, 30, NULL, log);
+    ck_assert_int_eq(wait_count(&t, EFFECTS_FOR, key, 1, itest_ms(20000)), 1);
+    /* idle now: the age drops to 0 */
+    for (int i = 0; i < 100; i++) {
+        ck_assert_int_eq(itest_http_get("http://127.0.0.1:19389/metrics", out, sizeof out), 200);
+        m = strstr(out, "\nidemq_oldest_ready_age_seconds ");
+        ck_assert_ptr_nonnull(m);
+        age = atof(m + strlen("\nidemq_oldest_ready_age_seconds "));
+        if (age == 0)
+            break;
+        sleep_ms(100);
+    }
+    ck_assert_msg(age == 0, "oldest-ready age stays %g with the queue idle", age);
+    kill(pid, SIGTERM);
+    st = itest_wait(pid, itest_ms(30000));
+    ck_assert_msg(st != -1 && WIFEXITED(st), "status 0x%x", st);
+    unlink(log);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* ---- a hostile producer ---- */
+
+struct hostile {
+    const char *code;  /* expected park code, NULL = applied */
+    int count;
+};
+
+/*
+ * A few hundred hostile deliveries interleaved with good jobs over two
+ * workers: headers nested deep and wide and near frame_max, every AMQP
+ * field type, invalid UTF-8 and control characters in keys, headers and
+ * routing keys, bodies over the limit, empty bodies, odd content types
+ * and encodings, duplicate fields, non-objects. The process never exits
+ * early; every bad one is parked with its named code; every good one is
+ * applied exactly once.
+ */
+START_TEST(test_hostile_producer)
+{
+    struct itest t;
+    struct itest_raw *raw;
+    amqp_pool_t pool;
+    char log[300], key[400], body[8192], fanout[200];
+    const struct conf_input *in;
+    const char *odd_rk = "\xff\xfe\x01rk\n";
+    int good = 0, expect_dup = 0, expect_bad = 0, expect_large = 0, expect_deep = 0,
+        expect_wide = 0, expect_notobj = 0, expect_null = 0, expect_missing = 0,
+        expect_empty = 0, expect_long = 0, expect_invalid = 0;
+
+    itest_setup(&t, "hostile", "idemq_test.record", "workers = 2; batch_max = 50;",
+                "max_body_bytes = 4096;");
+    in = &t.conf->inputs[0];
+    snprintf(log, sizeof log, "/tmp/%s.log", t.name);
+    snprintf(fanout, sizeof fanout, "%s.fan", t.name);
+    {
+        /* a fanout exchange delivers whatever the routing key's bytes */
+        struct broker *b;
+        char err[512];
+        ck_assert_int_eq(broker_open(t.conf, "itest bind", false, &b, err, sizeof err),
+                         IDEMQ_OK);
+        ck_assert_int_eq(broker_declare_exchange(b, fanout, "fanout", false, NULL), IDEMQ_OK);
+        ck_assert_int_eq(broker_bind(b, in->queue, fanout, "", NULL), IDEMQ_OK);
+        broker_close(b);
+    }
+    raw = itest_raw_open();
+    init_amqp_pool(&pool, 1 << 16);
+    for (int round = 0; round < 20; round++) {
+        amqp_basic_properties_t p;
+        amqp_table_entry_t *e = amqp_pool_alloc(&pool, 20 * sizeof *e);
+        amqp_field_value_t *arr = amqp_pool_alloc(&pool, 3 * sizeof *arr);
+        static const char bin[] = {'\0', '\xff', '\x80', 'z'};
+        int ne = 0;
+#define RAW(rk, b, n, pp)                                                                     \
+    itest_raw_publish(raw, in->exchange, (rk), strlen(rk), (b), (n), (pp))
+        /* 1. good, with every AMQP field type in its headers */
+        memset(&p, 0, sizeof p);
+        p._flags = AMQP_BASIC_HEADERS_FLAG | AMQP_BASIC_CONTENT_TYPE_FLAG |
+                   AMQP_BASIC_CONTENT_ENCODING_FLAG | AMQP_BASIC_TIMESTAMP_FLAG |
+                   AMQP_BASIC_PRIORITY_FLAG | AMQP_BASIC_CORRELATION_ID_FLAG;
+        p.content_type = amqp_cstring_bytes("application/x-odd; charset=latin1");
+        p.content_encoding = amqp_cstring_bytes("identity\x01");
+        p.correlation_id.bytes = (void *)bin;
+        p.correlation_id.len = sizeof bin;
+        p.timestamp = 1;
+        p.priority = 9;
+#define FIELD(name, k)                                                                        \
+    e[ne].key = amqp_cstring_bytes(name);                                                     \
+    e[ne].value.kind = (k)
+        FIELD("t", AMQP_FIELD_KIND_BOOLEAN); e[ne++].value.value.boolean = 1;
+        FIELD("b", AMQP_FIELD_KIND_I8); e[ne++].value.value.i8 = -8;
+        FIELD("B", AMQP_FIELD_KIND_U8); e[ne++].value.value.u8 = 250;
+        FIELD("s", AMQP_FIELD_KIND_I16); e[ne++].value.value.i16 = -16;
+        FIELD("u", AMQP_FIELD_KIND_U16); e[ne++].value.value.u16 = 65000;
+        FIELD("I", AMQP_FIELD_KIND_I32); e[ne++].value.value.i32 = -32;
+        FIELD("i", AMQP_FIELD_KIND_U32); e[ne++].value.value.u32 = 4000000000u;
+        FIELD("l", AMQP_FIELD_KIND_I64); e[ne++].value.value.i64 = -64;
+        FIELD("f", AMQP_FIELD_KIND_F32); e[ne++].value.value.f32 = 1.5f;
+        FIELD("d", AMQP_FIELD_KIND_F64); e[ne++].value.value.f64 = 1e300;
+        FIELD("D", AMQP_FIELD_KIND_DECIMAL); e[ne].value.value.decimal.decimals = 2;
+        e[ne++].value.value.decimal.value = 12345;
+        FIELD("S", AMQP_FIELD_KIND_UTF8); e[ne++].value.value.bytes = amqp_cstring_bytes("ctl\x01\x1b[31m\n");
+        FIELD("x", AMQP_FIELD_KIND_BYTES); e[ne].value.value.bytes.bytes = (void *)bin;
+        e[ne++].value.value.bytes.len = sizeof bin;
+        FIELD("T", AMQP_FIELD_KIND_TIMESTAMP); e[ne++].value.value.u64 = 1700000000;
+        FIELD("V", AMQP_FIELD_KIND_VOID); ne++;
+        FIELD("A", AMQP_FIELD_KIND_ARRAY); e[ne].value.value.array.num_entries = 3;
+        e[ne++].value.value.array.entries = arr;
+        arr[0].kind = AMQP_FIELD_KIND_UTF8;
+        arr[0].value.bytes = amqp_cstring_bytes("\xc3\x28"); /* invalid UTF-8 value */
+        arr[1].kind = AMQP_FIELD_KIND_I64;
+        arr[1].value.i64 = 1;
+        arr[2].kind = AMQP_FIELD_KIND_VOID;
+        e[ne].key.bytes = (void *)"\xfe\xff"; /* a name that is not UTF-8 */
+        e[ne].key.len = 2;
+        e[ne].value.kind = AMQP_FIELD_KIND_I8;
+        e[ne++].value.value.i8 = 1;
+#undef FIELD
+        p.headers.num_entries = ne;
+        p.headers.entries = e;
+        snprintf(key, sizeof key, "%s:types%d", t.name, round);
+        payout(body, sizeof body, key, NULL);
+        RAW(in->routing_key, body, strlen(body), &p);
+        good++;
+        /* 2. good, control characters and an escape sequence in the key,
+         * routed by a routing key of arbitrary bytes */
+        snprintf(key, sizeof key, "%s:ctl\\u0001\\n\\u001b[2Jforged %d", t.name, round);
+        snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"amount_minor\":1}", key);
+        itest_raw_publish(raw, fanout, odd_rk, strlen(odd_rk), body, strlen(body), NULL);
+        good++;
+        /* 3. invalid UTF-8 in the key: bad_json */
+        snprintf(body, sizeof body, "{\"job_id\":\"%s:\xff\xfe%d\"}", t.name, round);
+        RAW(in->routing_key, body, strlen(body), NULL);
+        expect_bad++;
+        /* 4. empty body; 5. gzip-looking bytes; 6. trailing garbage: bad_json */
+        RAW(in->routing_key, "", 0, NULL);
+        RAW(in->routing_key, "\x1f\x8b\x08\x00\x00", 5, NULL);
+        RAW(in->routing_key, "{\"job_id\":\"x\"} tail", strlen("{\"job_id\":\"x\"} tail"), NULL);
+        expect_bad += 3;
+        /* 7. over max_body_bytes */
+        memset(body, ' ', 6000);
+        snprintf(body, 40, "{\"job_id\":\"%s:big%d\",\"p\":\"", t.name, round);
+        body[strlen(body)] = 'x';
+        RAW(in->routing_key, body, 6000, NULL);
+        expect_large++;
+        /* 8. headers nested too deep (but a good body) */
+        raw_props(&p, nested_table(&pool, 50 + round));
+        snprintf(key, sizeof key, "%s:deep%d", t.name, round);
+        payout(body, sizeof body, key, NULL);
+        RAW(in->routing_key, body, strlen(body), &p);
+        expect_deep++;
+        /* 9. near frame_max: one 120 KB header value */
+        {
+            char *v = amqp_pool_alloc(&pool, 120001);
+            amqp_table_entry_t *w = amqp_pool_alloc(&pool, sizeof *w);
+            memset(v, 'v', 120000);
+            v[120000] = '\0';
+            w->key = amqp_cstring_bytes("huge");
+            w->value.kind = AMQP_FIELD_KIND_UTF8;
+            w->value.value.bytes = amqp_cstring_bytes(v);
+            raw_props(&p, (amqp_table_t){1, w});
+            snprintf(key, sizeof key, "%s:wide%d", t.name, round);
+            payout(body, sizeof body, key, NULL);
+            RAW(in->routing_key, body, strlen(body), &p);
+            expect_wide++;
+        }
+        /* 10. not an object; 11. key null; 12. key missing; 13. key empty;
+         * 14. key too long; 15. key of the wrong type; 16. duplicate key */
+        RAW(in->routing_key, "[1,2,3]", strlen("[1,2,3]"), NULL);
+        expect_notobj++;
+        RAW(in->routing_key, "{\"job_id\":null}", strlen("{\"job_id\":null}"), NULL);
+        expect_null++;
+        RAW(in->routing_key, "{\"id\":1}", strlen("{\"id\":1}"), NULL);
+        expect_missing++;
+        RAW(in->routing_key, "{\"job_id\":\"\"}", strlen("{\"job_id\":\"\"}"), NULL);
+        expect_empty++;
+        {
+            int n = snprintf(body, sizeof body, "{\"job_id\":\"");
+            memset(body + n, 'k', 300);
+            snprintf(body + n + 300, sizeof body - (size_t)n - 300, "%d\"}", round);
+            RAW(in->routing_key, body, strlen(body), NULL);
+            expect_long++;
+        }
+        RAW(in->routing_key, "{\"job_id\":{\"a\":1}}", strlen("{\"job_id\":{\"a\":1}}"), NULL);
+        expect_invalid++;
+        snprintf(body, sizeof body, "{\"job_id\":\"%s:a%d\",\"job_id\":\"%s:b%d\"}",
+                 t.name, round, t.name, round);
+        RAW(in->routing_key, body, strlen(body), NULL);
+        expect_dup++;
+        /* 17. plain good ones between */
+        for (int k = 0; k < 3; k++) {
+            snprintf(key, sizeof key, "%s:good%d_%d", t.name, round, k);
+            payout(body, sizeof body, key, NULL);
+            RAW(in->routing_key, body, strlen(body), NULL);
+            good++;
+        }
+#undef RAW
+    }
+    itest_raw_close(raw);
+    empty_amqp_pool(&pool);
+
+    ck_assert_int_eq(run_logged(&t, 3, log, 180000), 0);
+    ck_assert_int_eq(itest_count_lines(log, "PANIC"), 0);
+    /* every good one applied exactly once */
+    ck_assert_int_eq(itest_long(&t, EFFECTS_LIKE, t.name), good);
+    ck_assert_int_eq(itest_long(&t,
+                                "SELECT count(*) FROM (SELECT key FROM idemq_test.effects WHERE "
+                                "key LIKE $1 || ':%' GROUP BY key HAVING count(*) > 1) d",
+                                t.name),
+                     0);
+    /* every bad one parked with its named code */
+    {
+        struct {
+            const char *code;
+            int n;
+        } want[] = {{"bad_json", expect_bad},         {"body_too_large", expect_large},
+                    {"headers_too_deep", expect_deep}, {"headers_too_large", expect_wide},
+                    {"not_object", expect_notobj},     {"key_null", expect_null},
+                    {"key_missing", expect_missing},   {"key_empty", expect_empty},
+                    {"key_too_long", expect_long},     {"key_invalid", expect_invalid},
+                    {"duplicate_field", expect_dup}};
+        long total = 0;
+        for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+            char sql[300];
+            snprintf(sql, sizeof sql, PARKED_CODE "'%s'", want[i].code);
+            ck_assert_msg(itest_long(&t, sql, t.name) == want[i].n, "%s: %ld parked, want %d",
+                          want[i].code, itest_long(&t, sql, t.name), want[i].n);
+            total += want[i].n;
+        }
+        ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE "
+                                        "source_queue = $1",
+                                    t.name),
+                         total);
+    }
+    ck_assert_int_eq(itest_queue_ready(&t, t.name), 0);
+    {
+        struct broker *b;
+        char err[512];
+        ck_assert_int_eq(broker_open(t.conf, "itest cleanup", false, &b, err, sizeof err),
+                         IDEMQ_OK);
+        ck_assert_int_eq(broker_delete_exchange(b, fanout), IDEMQ_OK);
+        broker_close(b);
+    }
+    unlink(log);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("total");
@@ -739,6 +1066,9 @@ int main(void)
     tcase_add_test(tc, test_frozen_database);
     tcase_add_test(tc, test_many_partitions);
     tcase_add_test(tc, test_jobs_show_order);
+    tcase_add_test(tc, test_oldest_age_resets);
+    tcase_add_test(tc, test_hostile_producer);
+    tcase_add_test(tc, test_broker_restart_resume);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
