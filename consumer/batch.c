@@ -373,6 +373,10 @@ static enum step unprocessable_txn(struct batch *bt, int i)
         st = STEP_SPLIT;
         goto rollback;
     }
+    if (is_ordered(bt, j) && j->has_key && ledger_lanes_parked(bt->db, bt->c, j, &e)) {
+        st = call_failed(bt, &e, "lane_parked (unprocessable)");
+        goto rollback;
+    }
     p->how = j->wire_err == IDEMQ_ERR_UNDECODABLE ? SETTLE_REJECT : SETTLE_DEAD;
     p->attempt = 1;
     count_class(bt, CLASS_PERMANENT);

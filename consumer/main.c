@@ -55,7 +55,7 @@ static void usage(FILE *out)
             "  publish [--input NAME] [--routing-key KEY]\n"
             "                              publish stdin lines as messages (confirmed) to the\n"
             "                              input's exchange; for demos and tests\n"
-            "  jobs show KEY               the full story of one business key, oldest first\n"
+            "  jobs show KEY               the full story of one business key, in commit order\n"
             "  parked list [FILTERS]       parked messages and a count by error class\n"
             "  redrive [FILTERS] [--dry-run] [--rate N]\n"
             "                              move dead-lettered messages back to their origin\n"

@@ -80,7 +80,8 @@ static size_t header(uint8_t *buf, uint64_t body_size, uint16_t flags, const uin
         buf[n++] = (uint8_t)(body_size >> (8 * i));
     buf[n++] = (uint8_t)(flags >> 8);
     buf[n++] = (uint8_t)flags;
-    memcpy(buf + n, props, plen);
+    if (plen)
+        memcpy(buf + n, props, plen);
     return n + plen;
 }
 

@@ -92,7 +92,7 @@ END_TEST
 START_TEST(test_acks_random)
 {
     uint64_t rng = 0x9e3779b97f4a7c15ULL + (uint64_t)_i;
-    for (int round = 0; round < 40; round++) {
+    for (int round = 0; round < 20; round++) {
         static struct model m;
         struct acks a;
         uint64_t next = 1;
@@ -218,7 +218,7 @@ END_TEST
 START_TEST(test_confirms_random)
 {
     uint64_t rng = 0x1234567ULL + (uint64_t)_i;
-    for (int round = 0; round < 100; round++) {
+    for (int round = 0; round < 50; round++) {
         struct confirms c;
         uint64_t first, last, s;
         int n = 1 + (int)(backoff_rand(&rng) % 40);
