@@ -27,6 +27,17 @@ const char *idemq_err_name(idemq_err_t err)
     case IDEMQ_ERR_INTERNAL: return "internal";
     case IDEMQ_ERR_RETRIES_EXHAUSTED: return "retries_exhausted";
     case IDEMQ_ERR_SEQUENCE_INVALID: return "sequence_invalid";
+    case IDEMQ_ERR_KEY_INVALID_HEADER: return "key_invalid_header";
+    case IDEMQ_ERR_PROVIDER_BUSY: return "provider_busy";
+    case IDEMQ_ERR_PROVIDER_REJECTED: return "provider_rejected";
+    case IDEMQ_ERR_PROVIDER_UNKNOWN: return "provider_unknown";
+    case IDEMQ_ERR_PROVIDER_WAITS: return "provider_waits_exhausted";
+    case IDEMQ_ERR_PROVIDER_RATE_LIMITED: return "provider_rate_limited";
+    case IDEMQ_ERR_KEY_WINDOW_EXPIRED: return "key_window_expired";
+    case IDEMQ_ERR_PROVIDER_NO_RECORD: return "provider_no_record";
+    case IDEMQ_ERR_PROVIDER_BAD_RESPONSE: return "provider_bad_response";
+    case IDEMQ_ERR_PROVIDER_NOT_SENT: return "provider_not_sent";
+    case IDEMQ_ERR_KEY_CONFLICT: return "key_conflict";
     }
     return "unknown";
 }
@@ -54,6 +65,19 @@ const char *idemq_err_str(idemq_err_t err)
     case IDEMQ_ERR_INTERNAL: return "internal invariant failed";
     case IDEMQ_ERR_RETRIES_EXHAUSTED: return "transient failures used the whole attempt budget";
     case IDEMQ_ERR_SEQUENCE_INVALID: return "sequence number absent or not a positive integer";
+    case IDEMQ_ERR_KEY_INVALID_HEADER:
+        return "idempotency key is not a valid HTTP header value (control, non-ASCII or edge blank)";
+    case IDEMQ_ERR_PROVIDER_BUSY: return "the input's provider calls in flight are at the cap";
+    case IDEMQ_ERR_PROVIDER_REJECTED: return "the provider rejected the request (4xx)";
+    case IDEMQ_ERR_PROVIDER_UNKNOWN: return "the provider call's outcome is unknown";
+    case IDEMQ_ERR_PROVIDER_WAITS: return "the provider kept answering 409/429 past the wait ceiling";
+    case IDEMQ_ERR_PROVIDER_RATE_LIMITED: return "the provider asked to wait longer than allowed";
+    case IDEMQ_ERR_KEY_WINDOW_EXPIRED:
+        return "the key's first request is older than the provider's key window";
+    case IDEMQ_ERR_PROVIDER_NO_RECORD: return "the provider has no record of the request";
+    case IDEMQ_ERR_PROVIDER_BAD_RESPONSE: return "the provider answered 2xx without a reference";
+    case IDEMQ_ERR_PROVIDER_NOT_SENT: return "the request never reached the provider";
+    case IDEMQ_ERR_KEY_CONFLICT: return "the key belongs to a job of a non-provider input";
     }
     return "unknown error";
 }
