@@ -68,6 +68,7 @@ static struct {
     bool non_idempotent;
     long key_window_ms;
     char ref_field[64];
+    char auth[256];        /* --auth: the Authorization value required, "" = none */
     char fault[FAULT_MAX]; /* switch fault */
     long fault_count;      /* requests left to fault; -1 = until cleared */
     volatile sig_atomic_t stop;
@@ -477,6 +478,11 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
     }
     if (rq->too_large)
         return answer(conn, 413, "{\"error\":\"too_large\"}", NULL, NULL);
+    if (P.auth[0] && strncmp(url, "/_", 2) != 0) {
+        const char *a = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Authorization");
+        if (!a || strcmp(a, P.auth) != 0)
+            return answer(conn, 401, "{\"error\":\"unauthorized\"}", NULL, NULL);
+    }
     if (strcmp(method, "POST") == 0 && strcmp(url, "/_control") == 0)
         return post_control(conn, rq);
     if (strcmp(method, "GET") == 0 && strcmp(url, "/_stats") == 0)
@@ -544,11 +550,13 @@ static void usage(FILE *out)
     fprintf(out,
             "usage: idemq-test-provider [--port N] [--key-window-s N] [--non-idempotent]\n"
             "                           [--reference-field NAME] [--tls-cert PEM --tls-key PEM]\n"
+            "                           [--auth VALUE]\n"
             "  --port N           listen on 127.0.0.1:N (0 = any free port; the default)\n"
             "  --key-window-s N   how long an idempotency key is kept (default 86400)\n"
             "  --non-idempotent   ignore Idempotency-Key: every POST is a new charge\n"
             "  --reference-field  body field holding the client reference (default reference)\n"
             "  --tls-cert/--tls-key  serve HTTPS with this certificate\n"
+            "  --auth VALUE       answer 401 unless Authorization is VALUE (not on /_ routes)\n"
             "Prints 'listening on URL' on stdout once ready; stops on SIGTERM or SIGINT.\n");
 }
 
@@ -561,6 +569,7 @@ int main(int argc, char **argv)
         {"reference-field", required_argument, NULL, 'r'},
         {"tls-cert", required_argument, NULL, 'c'},
         {"tls-key", required_argument, NULL, 'k'},
+        {"auth", required_argument, NULL, 'a'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0}};
     struct sockaddr_in sa;
@@ -582,6 +591,7 @@ int main(int argc, char **argv)
         case 'r': snprintf(P.ref_field, sizeof P.ref_field, "%s", optarg); break;
         case 'c': cert_path = optarg; break;
         case 'k': key_path = optarg; break;
+        case 'a': snprintf(P.auth, sizeof P.auth, "%s", optarg); break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
