@@ -17,6 +17,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "job.h"
 #include "log.h"
 
 #ifndef IDEMQ_VERSION
@@ -737,6 +738,31 @@ int effect_http_in_flight(const struct effect_http *h, int input)
     for (int i = 0; i < h->conf->n_inputs; i++)
         n += h->p[i].in_flight;
     return n;
+}
+
+char *effect_http_answer_json(const struct effect_http_result *r)
+{
+    json_t *body = NULL, *o;
+    char *s;
+
+    if (r->body && r->body_len)
+        body = json_loadb(r->body, r->body_len, JSON_DECODE_ANY, NULL);
+    if (!body && r->body && r->body_len) {
+        char *copy = strndup(r->body, r->body_len);
+        if (!copy)
+            return NULL;
+        job_utf8_sanitize(copy);
+        body = json_string(copy);
+        free(copy);
+    }
+    o = json_pack("{s:i, s:o*, s:s, s:s, s:b, s:I, s:I, s:b}", "status", (int)r->status, "body",
+                  body, "detail", r->detail, "class", effect_http_class_name(r->cls),
+                  "truncated", r->body_truncated, "elapsed_ms", (json_int_t)r->elapsed_ms,
+                  "retry_after_ms", (json_int_t)r->retry_after_ms, "transient_error",
+                  r->transient_header);
+    s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    return s;
 }
 
 void effect_http_result_clear(struct effect_http_result *r)

@@ -135,6 +135,12 @@ int effect_http_poll(struct effect_http *h, int timeout_ms, struct effect_http_r
 /* Requests of input in flight (not yet returned by poll); input < 0: all. */
 int effect_http_in_flight(const struct effect_http *h, int input);
 
+/* The answer as JSON text for the ledger: {"status", "body" (the answer
+ * parsed as JSON, else as a string, invalid UTF-8 replaced), "detail",
+ * "class", "truncated", "elapsed_ms", "retry_after_ms", "transient_error"}.
+ * Returns a new string (caller frees) or NULL on no memory. Pure. */
+char *effect_http_answer_json(const struct effect_http_result *r);
+
 /* Frees what a result owns and zeroes it. */
 void effect_http_result_clear(struct effect_http_result *r);
 
