@@ -169,7 +169,8 @@ static void decide(struct provider_flow *f, struct pf_job *p, enum provider_deci
                    const char *reason)
 {
     struct provider_decision *d;
-    char shown[CONF_KEY_MAX_BYTES + 1];
+    char shown_buf[CONF_KEY_MAX_BYTES + 1];
+    const char *shown = shown_buf;
     if (f->n_ready == f->cap_ready) {
         int cap = f->cap_ready ? f->cap_ready * 2 : 16;
         struct provider_decision *nr = realloc(f->ready, sizeof *nr * (size_t)cap);
@@ -192,13 +193,14 @@ static void decide(struct provider_flow *f, struct pf_job *p, enum provider_deci
     d->fail_class = kind == PROVIDER_FLOW_FAIL ? CLASS_INFRA : CLASS_NONE;
     snprintf(d->outcome, sizeof d->outcome, "%s", outcome);
     snprintf(d->reason, sizeof d->reason, "%s", reason ? reason : "");
-    snprintf(shown, sizeof shown, "%s", p->key);
-    for (char *c = shown; *c; c++) /* a key can hold CR/LF: keep log lines whole */
+    snprintf(shown_buf, sizeof shown_buf, "%s", p->key);
+    for (char *c = shown_buf; *c; c++) /* a key can hold CR/LF: keep log lines whole */
         if ((unsigned char)*c < 0x20 || *c == 0x7f)
             *c = '?';
     log_job(kind == PROVIDER_FLOW_PARK || kind == PROVIDER_FLOW_FAIL ? LOG_LVL_WARN
                                                                       : LOG_LVL_INFO,
-            shown, (unsigned long long)p->redelivery_tag, attempt, "provider: %s (%s)%s%s",
+            shown, (unsigned long long)p->redelivery_tag, attempt,
+            "provider: %s (%s)%s%s",
             provider_flow_kind_name(kind), outcome, reason && reason[0] ? ": " : "",
             reason ? reason : "");
     if (!p->queued && f->active[p->input] > 0)
