@@ -423,8 +423,8 @@ BEGIN
             RETURN NEXT;
             RETURN;
         END IF;
-        IF v_int.state = 'parked' AND NOT ((p_opts->>'lookup_key')::boolean
-                                           OR (p_opts->>'lookup_ref')::boolean) THEN
+        IF v_int.state = 'parked' AND v_int.provider_ref IS NULL
+           AND NOT ((p_opts->>'lookup_key')::boolean OR (p_opts->>'lookup_ref')::boolean) THEN
             -- Uncertain and nothing can settle it: back to the dead letters.
             RETURN QUERY SELECT 'park'::text, v_job.attempts, NULL::integer, NULL::integer,
                 idemq.park_info(p.id), 'the outcome is unknown: settle it with idemq resolve '
@@ -446,10 +446,11 @@ BEGIN
          WHERE j.key = v_key;
         UPDATE idemq.intents i SET generation = i.generation + 1, unknowns = 0, waits = 0,
                failures = 0, updated_at = v_now, run_after = NULL,
-               -- uncertain parks are looked up first; the others are resent
-               uncertain = (i.state = 'parked'),
-               state = CASE i.state WHEN 'parked' THEN 'unknown'
-                                    WHEN 'confirmed' THEN 'confirmed' ELSE 'waiting' END
+               -- a recorded reference: the local effect runs again; uncertain
+               -- parks are looked up first; the others are resent
+               uncertain = (i.state = 'parked' AND i.provider_ref IS NULL),
+               state = CASE WHEN i.provider_ref IS NOT NULL THEN 'confirmed'
+                            WHEN i.state = 'parked' THEN 'unknown' ELSE 'waiting' END
          WHERE i.key = v_key;
         RETURN QUERY SELECT * FROM idemq.provider_step(v_key, p_opts, v_meta, p_consumer, false);
         RETURN;
@@ -757,10 +758,13 @@ BEGIN
            last_error_class = p_class
      WHERE j.key = p_key RETURNING j.attempts INTO r_attempt;
     IF p_class <> 'transient' OR v_int.failures >= (p_opts->>'max_attempts')::integer THEN
+        -- The intent parks with its reference kept: a redrive runs the local
+        -- effect again (no request), idemq resolve --applied settles it.
         r_park := idemq.provider_park(p_key, p_class, p_code,
             format('provider reference %s is recorded, but the local effect failed: %s %s. '
-                   'Fix it, then idemq resolve %s --applied %s', v_int.provider_ref,
-                   p_sqlstate, p_message, p_key, v_int.provider_ref), NULL, p_consumer, p_meta);
+                   'Fix it, then redrive, or idemq resolve %s --applied %s', v_int.provider_ref,
+                   p_sqlstate, p_message, p_key, v_int.provider_ref), 'parked', p_consumer,
+            p_meta);
         UPDATE idemq.parked p SET sqlstate = p_sqlstate WHERE p.id = (r_park->>'park_id')::bigint;
         r_park := r_park || jsonb_build_object('sqlstate', p_sqlstate);
         r_action := 'park';
@@ -807,8 +811,8 @@ DECLARE
     v_meta jsonb;
 BEGIN
     FOR v_key IN
-        SELECT i.key FROM idemq.intents i
-         WHERE i.input = p_opts->>'input'
+        SELECT i.key FROM idemq.intents i JOIN idemq.jobs j ON j.key = i.key
+         WHERE i.input = p_opts->>'input' AND j.state <> 'parked'
            AND i.state IN ('pending', 'unknown', 'waiting', 'confirmed')
            AND ((i.state = 'pending' AND i.lease_until < v_now
                  AND greatest(i.last_request_at, i.updated_at) < v_now - v_age)

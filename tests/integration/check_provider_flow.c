@@ -20,6 +20,7 @@
 #include "ledger_migrate.h"
 #include "ledger_provider.h"
 #include "provider_flow.h"
+#include "reconcile.h"
 #include "tprov.h"
 
 static struct {
@@ -106,10 +107,11 @@ static void setup_with(const char *const *prov_args, const char *extra, const ch
              "retry: { max_attempts = 4; base_delay_ms = 100; max_delay_ms = 2000; "
              "jitter = \"none\"; };\n"
              "consumer: { id = \"%s\"; };\n"
-             "inputs = ( { name = \"pay\"; queue = \"%s.q\"; %s%s%s\n"
+             "inputs = ( { name = \"%s\"; queue = \"%s.q\"; %s%s%s\n"
              "  provider: { url = \"%s\"; path = \"/charges\"; timeout_ms = %d; "
              "retry_after_max_ms = 2000; reconcile_after_s = 60; %s }; } );\n",
-             T.prefix, T.prefix, effect ? "effect_function = \"" : "", effect ? effect : "",
+             T.prefix, T.prefix, T.prefix, effect ? "effect_function = \"" : "",
+             effect ? effect : "",
              effect ? "\";" : "", T.p.url, 3000 * mult(), extra ? extra : "");
     ck_assert_msg(conf_load_string(text, &T.c, err, sizeof err) == IDEMQ_OK, "%s\n%s", err, text);
     T.f = provider_flow_new(T.c, 0, err, sizeof err);
@@ -785,6 +787,343 @@ START_TEST(test_in_flight_cap)
 }
 END_TEST
 
+/* ---- the reconciler and the operator commands ---- */
+
+/* Pretends the intent's request went out long ago and no one came back:
+ * its lease ran out and nothing has happened for hours. */
+static void age_intent(const char *key)
+{
+    const char *p[1] = {key};
+    PGresult *r = PQexecParams(T.db,
+                               "UPDATE idemq.intents SET lease_until = least(lease_until, "
+                               "now() - interval '1 s'), last_request_at = last_request_at - "
+                               "interval '2 hours', updated_at = now() - interval '2 hours', "
+                               "run_after = least(run_after, now() - interval '2 hours') "
+                               "WHERE key = $1",
+                               1, NULL, p, NULL, NULL, 0);
+    ck_assert_int_eq(PQresultStatus(r), PGRES_COMMAND_OK);
+    ck_assert_str_eq(PQcmdTuples(r), "1");
+    PQclear(r);
+}
+
+/* Runs the sweep until it has nothing in flight. */
+static struct reconcile_counts sweep(void)
+{
+    struct reconcile_counts n;
+    struct ledger_db_error e;
+    char err[512];
+    struct reconcile_sweep *s = reconcile_sweep_new(T.c, "check_provider_flow reconciler", NULL,
+                                                    err, sizeof err);
+    ck_assert_msg(s != NULL, "%s", err);
+    memset(&n, 0, sizeof n);
+    for (int i = 0; i < 100; i++) {
+        ck_assert_msg(reconcile_sweep_step(s, T.db, 0, 200, &n, &e) == IDEMQ_OK, "%s %s",
+                      e.sqlstate, e.message);
+        if (!reconcile_sweep_busy(s))
+            break;
+    }
+    ck_assert(!reconcile_sweep_busy(s));
+    reconcile_sweep_free(s);
+    return n;
+}
+
+/* Leaves a key pending at the provider's side: the call was made (the
+ * provider holds the answer after charging when hold), then the worker
+ * vanished with the message. */
+static void orphan_call(struct job *j, const char *fault)
+{
+    struct provider_decision d;
+    char ctl[128];
+    snprintf(ctl, sizeof ctl, "{\"fault\":\"%s\",\"count\":1}", fault);
+    tprov_control(&T.p, ctl);
+    ck_assert_int_eq(provider_flow_start(T.f, T.db, j, j), IDEMQ_OK);
+    for (int i = 0; i < 100 && tprov_stat(&T.p, NULL, "requests") == 0; i++)
+        ck_assert_int_eq(provider_flow_poll(T.f, T.db, 20, &d, 1), 0);
+    provider_flow_abandon(T.f);
+}
+
+/* Issue test 6: a stale pending intent with no message left -> the sweep
+ * reconciles it: looked up and converged on the one reference. */
+START_TEST(test_sweep_stale_pending)
+{
+    struct job j;
+    struct reconcile_counts n;
+    char key[300], b[512];
+
+    teardown();
+    setup_with(NULL, "lookup_key_path = \"/charges/by-idempotency-key/{key}\";",
+               "idemq_test.record");
+    make_job(&j, "stale", NULL, key, sizeof key);
+    orphan_call(&j, "hold=300");
+    nap_ms(400);
+    ck_assert_int_eq(tprov_stat(&T.p, key, "key_charges"), 1);
+    n = sweep(); /* not overdue yet: nothing taken */
+    ck_assert_int_eq(n.taken, 0);
+    age_intent(key);
+    n = sweep();
+    ck_assert_int_eq(n.taken, 1);
+    ck_assert_int_eq(n.looked_up, 1);
+    ck_assert_int_eq(n.applied, 1);
+    ck_assert_str_eq(val(JOB_STATE, key, b, sizeof b), "applied");
+    ck_assert_str_eq(val(INTENT_REF, key, b, sizeof b), "ch_000001");
+    ck_assert_int_eq(num(EFFECTS, key), 1);
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 1);
+    ck_assert_int_eq(num("SELECT count(*) FROM idemq.attempts WHERE key = $1 AND consumer_id = "
+                         "'check_provider_flow reconciler'", key), 4);
+    /* the message shows up after all: a duplicate */
+    {
+        struct provider_decision d;
+        deliver(&j, &d);
+        ck_assert_int_eq(d.kind, PROVIDER_FLOW_ACK);
+        ck_assert_str_eq(d.outcome, "duplicate");
+        provider_flow_decision_clear(&d);
+    }
+    job_destroy(&j);
+}
+END_TEST
+
+/* Without a lookup, a provider that deduplicates is asked again under the
+ * same key inside its window: the sweep resends the stored request. */
+START_TEST(test_sweep_resends_same_key)
+{
+    struct job j;
+    struct reconcile_counts n;
+    char key[300], b[512];
+
+    make_job(&j, "stale-resend", NULL, key, sizeof key);
+    orphan_call(&j, "hold=200");
+    nap_ms(300);
+    age_intent(key);
+    n = sweep();
+    ck_assert_int_eq(n.resent, 1);
+    ck_assert_int_eq(n.applied, 1);
+    ck_assert_str_eq(val(JOB_STATE, key, b, sizeof b), "applied");
+    ck_assert_int_eq(tprov_stat(&T.p, key, "key_charges"), 1);
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 2);
+    job_destroy(&j);
+}
+END_TEST
+
+/* Issue test 8 / the deadline: the provider has no record of a request of a
+ * provider without keys: parked no_record; with no lookup and the key
+ * window over: parked unknown_outcome. */
+START_TEST(test_sweep_parks_no_record)
+{
+    const char *args[] = {"--non-idempotent", NULL};
+    struct job j;
+    struct provider_decision d;
+    struct reconcile_counts n;
+    char key[300], b[512];
+
+    teardown();
+    setup_with(args,
+               "idempotent = false; lookup_reference_path = \"/charges?reference={key}\"; "
+               "body_template = \"{\\\"reference\\\": {{key}}}\";",
+               "idemq_test.record");
+    make_job(&j, "norecord", NULL, key, sizeof key);
+    tprov_control(&T.p, "{\"fault\":\"status=503\",\"count\":1}");
+    deliver(&j, &d); /* unknown; the message is then lost */
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_RETRY);
+    provider_flow_decision_clear(&d);
+    age_intent(key);
+    n = sweep();
+    ck_assert_int_eq(n.looked_up, 1);
+    ck_assert_int_eq(n.parked, 1);
+    ck_assert_str_eq(val(JOB_STATE, key, b, sizeof b), "parked");
+    ck_assert_str_eq(val("SELECT error_class || ' ' || error_code FROM idemq.parked WHERE "
+                         "key = $1", key, b, sizeof b), "no_record provider_no_record");
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 1);
+    ck_assert_int_eq(tprov_stat(&T.p, key, "key_charges"), 0);
+    job_destroy(&j);
+
+    teardown();
+    setup();
+    make_job(&j, "window-sweep", NULL, key, sizeof key);
+    orphan_call(&j, "hold=200");
+    nap_ms(300);
+    age_intent(key);
+    {
+        const char *p[1] = {key};
+        PQclear(PQexecParams(T.db, "UPDATE idemq.intents SET first_request_at = first_request_at"
+                                   " - interval '2 days' WHERE key = $1",
+                             1, NULL, p, NULL, NULL, 0));
+    }
+    n = sweep();
+    ck_assert_int_eq(n.parked, 1);
+    ck_assert_str_eq(val("SELECT error_class || ' ' || error_code FROM idemq.parked WHERE "
+                         "key = $1", key, b, sizeof b), "unknown_outcome key_window_expired");
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 1); /* not resent */
+    job_destroy(&j);
+}
+END_TEST
+
+/* Runs the real idemq binary with a config for this test; output to out. */
+static int idemq_cmd(const char *args, char *out, size_t outlen)
+{
+    char cfg[256], cmd[2048];
+    FILE *fp;
+    size_t n = 0;
+    int st;
+    snprintf(cfg, sizeof cfg, "/tmp/%s.cfg", T.prefix);
+    fp = fopen(cfg, "w");
+    ck_assert_ptr_nonnull(fp);
+    conf_print(T.c, fp);
+    fclose(fp);
+    snprintf(cmd, sizeof cmd, "%s %s -c %s 2>&1", IDEMQ_BINARY, args, cfg);
+    fp = popen(cmd, "r");
+    ck_assert_ptr_nonnull(fp);
+    while (n + 1 < outlen) {
+        size_t r = fread(out + n, 1, outlen - n - 1, fp);
+        if (!r)
+            break;
+        n += r;
+    }
+    out[n] = '\0';
+    st = pclose(fp);
+    unlink(cfg);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/* idemq reconcile settles an overdue intent; idemq resolve --not-applied
+ * makes a parked key redrivable (the redrive resends under the same key),
+ * --discard makes a redrive a duplicate; jobs show tells the story. */
+START_TEST(test_commands_reconcile_resolve_show)
+{
+    struct job j, k, r;
+    struct provider_decision d;
+    char key[300], key2[300], out[16384], args[512], b[512];
+
+    make_job(&j, "cmd", NULL, key, sizeof key);
+    orphan_call(&j, "hold=200");
+    nap_ms(300);
+    age_intent(key);
+    ck_assert_int_eq(idemq_cmd("reconcile", out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "applied: converged on the provider's reference"), "%s", out);
+    ck_assert_msg(strstr(out, "reconciled 1 intent: 1 applied"), "%s", out);
+    ck_assert_str_eq(val(JOB_STATE, key, b, sizeof b), "applied");
+
+    /* a 4xx park, settled by hand as not applied, then redriven */
+    make_job(&k, "cmd-4xx", NULL, key2, sizeof key2);
+    tprov_control(&T.p, "{\"fault\":\"status=402\",\"count\":1}");
+    deliver(&k, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_PARK);
+    provider_flow_decision_clear(&d);
+    snprintf(args, sizeof args, "resolve '%s' --not-applied", key2);
+    ck_assert_int_eq(idemq_cmd(args, out, sizeof out), 2); /* no --reason */
+    snprintf(args, sizeof args, "resolve '%s' --not-applied --reason 'card fixed, retry'", key2);
+    ck_assert_msg(idemq_cmd(args, out, sizeof out) == 0, "%s", out);
+    ck_assert_msg(strstr(out, "not applied (intent was rejected)"), "%s", out);
+    /* the redrive: the park's generation in x-idemq-generation */
+    job_init(&r);
+    ck_assert_int_eq(job_set_body(&r, k.body, k.body_len), IDEMQ_OK);
+    r.input = 0;
+    json_object_set_new(r.headers, "x-idemq-generation", json_integer(0));
+    ck_assert_int_eq(job_decode(&r, &T.c->inputs[0]), IDEMQ_OK);
+    deliver(&r, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_ACK);
+    ck_assert_str_eq(d.outcome, "applied");
+    ck_assert_int_eq(tprov_stat(&T.p, key2, "key_charges"), 1);
+    provider_flow_decision_clear(&d);
+    snprintf(args, sizeof args, "jobs show '%s'", key2);
+    ck_assert_int_eq(idemq_cmd(args, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "provider intent: applied"), "%s", out);
+    ck_assert_msg(strstr(out, "resolution "), "%s", out);
+    ck_assert_msg(strstr(out, "not_applied"), "%s", out);
+    ck_assert_msg(strstr(out, "card fixed, retry"), "%s", out);
+    ck_assert_msg(strstr(out, "redrive to generation 1"), "%s", out);
+    ck_assert_msg(strstr(out, "provider_request"), "%s", out);
+    /* resolve refuses what is not parked */
+    snprintf(args, sizeof args, "resolve '%s' --discard --reason x", key2);
+    ck_assert_int_eq(idemq_cmd(args, out, sizeof out), 1);
+    ck_assert_msg(strstr(out, "not parked"), "%s", out);
+    job_destroy(&j);
+    job_destroy(&k);
+    job_destroy(&r);
+}
+END_TEST
+
+/* An uncertain park without any lookup is not redriven blindly: the
+ * redrive goes back to the dead letters until an operator resolves it;
+ * --discard turns later redrives into duplicates. */
+START_TEST(test_uncertain_park_redrive_refused)
+{
+    const char *args[] = {"--non-idempotent", NULL};
+    struct job j, r;
+    struct provider_decision d;
+    char key[300], cmd[512], out[4096];
+
+    teardown();
+    setup_with(args, "idempotent = false;", "idemq_test.record");
+    make_job(&j, "uncertain", NULL, key, sizeof key);
+    tprov_control(&T.p, "{\"fault\":\"drop\",\"count\":1}");
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_PARK);
+    provider_flow_decision_clear(&d);
+    job_init(&r);
+    ck_assert_int_eq(job_set_body(&r, j.body, j.body_len), IDEMQ_OK);
+    r.input = 0;
+    json_object_set_new(r.headers, "x-idemq-generation", json_integer(0));
+    ck_assert_int_eq(job_decode(&r, &T.c->inputs[0]), IDEMQ_OK);
+    deliver(&r, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_PARK);
+    ck_assert_ptr_nonnull(strstr(d.reason, "idemq resolve"));
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 1);
+    provider_flow_decision_clear(&d);
+    snprintf(cmd, sizeof cmd, "resolve '%s' --discard --reason 'refunded by hand'", key);
+    ck_assert_msg(idemq_cmd(cmd, out, sizeof out) == 0, "%s", out);
+    deliver(&r, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_ACK);
+    ck_assert_str_eq(d.outcome, "duplicate");
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 1);
+    provider_flow_decision_clear(&d);
+    job_destroy(&j);
+    job_destroy(&r);
+}
+END_TEST
+
+/* The provider gauges: counts and ages of unsettled intents and the
+ * request -> confirmation latency, in a form promtool accepts. */
+START_TEST(test_gauges_promtool)
+{
+    struct job j, k;
+    struct provider_decision d;
+    struct ledger_db_error e;
+    char key[300], key2[300], text[8192], path[128], cmd[256];
+    FILE *fp;
+
+    make_job(&j, "gauge-ok", NULL, key, sizeof key);
+    deliver(&j, &d);
+    provider_flow_decision_clear(&d);
+    make_job(&k, "gauge-unknown", NULL, key2, sizeof key2);
+    tprov_control(&T.p, "{\"fault\":\"status=503\",\"count\":1}");
+    deliver(&k, &d);
+    provider_flow_decision_clear(&d);
+    ck_assert_int_eq(reconcile_gauges_refresh(T.db, &e), IDEMQ_OK);
+    reconcile_metrics_render(text, sizeof text);
+    {
+        char want[256];
+        snprintf(want, sizeof want, "idemq_provider_intents{input=\"%s\",state=\"unknown\"} 1",
+                 T.prefix);
+        ck_assert_msg(strstr(text, want), "%s", text);
+        snprintf(want, sizeof want,
+                 "idemq_provider_confirm_latency_seconds{input=\"%s\",stat=\"p50\"}", T.prefix);
+        ck_assert_msg(strstr(text, want), "%s", text);
+        snprintf(want, sizeof want, "idemq_provider_confirmed_recent{input=\"%s\"} 1", T.prefix);
+        ck_assert_msg(strstr(text, want), "%s", text);
+    }
+    snprintf(path, sizeof path, "/tmp/%s.prom", T.prefix);
+    fp = fopen(path, "w");
+    ck_assert_ptr_nonnull(fp);
+    fputs(text, fp);
+    fclose(fp);
+    snprintf(cmd, sizeof cmd, "promtool check metrics < %s", path);
+    ck_assert_msg(system(cmd) == 0, "promtool rejects:\n%s", text);
+    unlink(path);
+    job_destroy(&j);
+    job_destroy(&k);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("provider_flow");
@@ -806,6 +1145,16 @@ int main(void)
     tcase_add_test(tc, test_local_effect_failure);
     tcase_add_test(tc, test_crash_between_call_and_commit);
     tcase_add_test(tc, test_in_flight_cap);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("reconcile");
+    tcase_set_timeout(tc, 120 * mult());
+    tcase_add_checked_fixture(tc, setup, teardown);
+    tcase_add_test(tc, test_sweep_stale_pending);
+    tcase_add_test(tc, test_sweep_resends_same_key);
+    tcase_add_test(tc, test_sweep_parks_no_record);
+    tcase_add_test(tc, test_commands_reconcile_resolve_show);
+    tcase_add_test(tc, test_uncertain_park_redrive_refused);
+    tcase_add_test(tc, test_gauges_promtool);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
