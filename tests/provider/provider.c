@@ -11,7 +11,9 @@
  *   POST /_control                  switches: faults, mode, key window, reset
  *
  * Faults, per request (header X-Test-Fault) or by switch (POST /_control
- * {"fault": "...", "count": N}), comma-separated:
+ * {"fault": "...", "count": N, "key": K}: the next N requests, of key K
+ * when given; several switches may wait, the first match applies;
+ * {"fault": ""} clears them), comma-separated:
  *   latency=MS     wait before processing (the key is in flight meanwhile)
  *   hold=MS        apply the charge, then hold the answer (still in flight)
  *   status=NNN     answer NNN without applying anything
@@ -69,8 +71,12 @@ static struct {
     long key_window_ms;
     char ref_field[64];
     char auth[256];        /* --auth: the Authorization value required, "" = none */
-    char fault[FAULT_MAX]; /* switch fault */
-    long fault_count;      /* requests left to fault; -1 = until cleared */
+    struct {
+        char fault[FAULT_MAX];
+        char key[256];     /* "" = any request; else only this Idempotency-Key */
+        long count;        /* requests left to fault; -1 = until cleared */
+    } sw[16];              /* switch faults, the first match applies */
+    int n_sw;
     volatile sig_atomic_t stop;
 } P = {.lock = PTHREAD_MUTEX_INITIALIZER, .key_window_ms = 86400000L};
 
@@ -144,8 +150,9 @@ static void parse_fault(const char *text, struct fault *f)
     }
 }
 
-/* The fault of this request: its header, else the switch (counted down). */
-static void take_fault(struct MHD_Connection *conn, struct fault *f)
+/* The fault of this request: its header, else the first matching switch
+ * (counted down; a spent switch goes). */
+static void take_fault(struct MHD_Connection *conn, const char *key, struct fault *f)
 {
     const char *h = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "X-Test-Fault");
     char sw[FAULT_MAX] = "";
@@ -154,10 +161,15 @@ static void take_fault(struct MHD_Connection *conn, struct fault *f)
         return;
     }
     pthread_mutex_lock(&P.lock);
-    if (P.fault[0] && P.fault_count != 0) {
-        snprintf(sw, sizeof sw, "%s", P.fault);
-        if (P.fault_count > 0 && --P.fault_count == 0)
-            P.fault[0] = '\0';
+    for (int i = 0; i < P.n_sw; i++) {
+        if (P.sw[i].key[0] && (!key || strcmp(P.sw[i].key, key) != 0))
+            continue;
+        snprintf(sw, sizeof sw, "%s", P.sw[i].fault);
+        if (P.sw[i].count > 0 && --P.sw[i].count == 0) {
+            memmove(&P.sw[i], &P.sw[i + 1], sizeof P.sw[0] * (size_t)(P.n_sw - i - 1));
+            P.n_sw--;
+        }
+        break;
     }
     pthread_mutex_unlock(&P.lock);
     parse_fault(sw, f);
@@ -276,7 +288,7 @@ static enum MHD_Result post_charge(struct MHD_Connection *conn, const struct req
     int idx;
     bool dedupe;
 
-    take_fault(conn, &f);
+    take_fault(conn, hkey, &f);
     if (f.rate_s > 0) {
         snprintf(retry, sizeof retry, "%ld", f.rate_s);
         return answer(conn, 429, "{\"error\":\"rate_limited\"}", "Retry-After", retry);
@@ -395,10 +407,10 @@ static enum MHD_Result get_stats(struct MHD_Connection *conn)
     for (int i = 0; key && i < P.n_charges; i++)
         if (strcmp(P.charges[i].key, key) == 0 || strcmp(P.charges[i].reference, key) == 0)
             key_charges++;
-    j = json_pack("{s:i, s:I, s:I, s:b, s:I, s:s}", "charges", P.n_charges, "requests",
+    j = json_pack("{s:i, s:I, s:I, s:b, s:I, s:i}", "charges", P.n_charges, "requests",
                   (json_int_t)P.requests, "key_charges", (json_int_t)key_charges,
                   "non_idempotent", P.non_idempotent, "key_window_ms",
-                  (json_int_t)P.key_window_ms, "fault", P.fault);
+                  (json_int_t)P.key_window_ms, "switches", P.n_sw);
     pthread_mutex_unlock(&P.lock);
     return answer_json(conn, 200, j, NULL, NULL);
 }
@@ -416,8 +428,7 @@ static void reset_all(void)
     }
     P.n_charges = P.n_keys = 0;
     P.requests = 0;
-    P.fault[0] = '\0';
-    P.fault_count = 0;
+    P.n_sw = 0;
 }
 
 static enum MHD_Result post_control(struct MHD_Connection *conn, const struct req *rq)
@@ -431,9 +442,17 @@ static enum MHD_Result post_control(struct MHD_Connection *conn, const struct re
     if (json_is_true(json_object_get(root, "reset")))
         reset_all();
     if ((v = json_object_get(root, "fault"))) {
-        snprintf(P.fault, sizeof P.fault, "%s", json_string_value(v) ? json_string_value(v) : "");
-        v = json_object_get(root, "count");
-        P.fault_count = json_is_integer(v) ? (long)json_integer_value(v) : -1;
+        const char *fault = json_string_value(v) ? json_string_value(v) : "";
+        const char *key = json_string_value(json_object_get(root, "key"));
+        json_t *count = json_object_get(root, "count");
+        if (!fault[0]) {
+            P.n_sw = 0; /* "": clears every switch */
+        } else if (P.n_sw < (int)(sizeof P.sw / sizeof P.sw[0])) {
+            snprintf(P.sw[P.n_sw].fault, sizeof P.sw[0].fault, "%s", fault);
+            snprintf(P.sw[P.n_sw].key, sizeof P.sw[0].key, "%s", key ? key : "");
+            P.sw[P.n_sw].count = json_is_integer(count) ? (long)json_integer_value(count) : -1;
+            P.n_sw++;
+        }
     }
     if ((v = json_object_get(root, "non_idempotent")))
         P.non_idempotent = json_is_true(v);
