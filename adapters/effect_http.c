@@ -638,10 +638,14 @@ idemq_err_t effect_http_submit(struct effect_http *h, int input, enum effect_htt
     curl_easy_setopt(k->easy, CURLOPT_SSL_VERIFYHOST, p->verify_tls ? 2L : 0L);
     if (p->ca_file[0])
         curl_easy_setopt(k->easy, CURLOPT_CAINFO, p->ca_file);
-    /* A provider that ignores keys must never see a request twice: libcurl
-     * may resend a request on a reused connection that turned out dead. */
-    if (!p->idempotent)
+    /* A call goes out on a connection of its own: on a reused connection
+     * that turns out dead, libcurl would resend the request by itself, a
+     * request the ledger never hears of (and that a provider without keys
+     * would apply twice). Lookups are plain GETs and may reuse. */
+    if (op == EFFECT_HTTP_CALL) {
+        curl_easy_setopt(k->easy, CURLOPT_FRESH_CONNECT, 1L);
         curl_easy_setopt(k->easy, CURLOPT_FORBID_REUSE, 1L);
+    }
     curl_easy_setopt(k->easy, CURLOPT_WRITEFUNCTION, on_body);
     curl_easy_setopt(k->easy, CURLOPT_WRITEDATA, k);
     curl_easy_setopt(k->easy, CURLOPT_HEADERFUNCTION, on_header);

@@ -242,7 +242,7 @@ START_TEST(test8_key_window)
     /* the first delivery records an unknown outcome and is delayed; the key
      * ages past the window before the retry comes back */
     {
-        pid_t pid = itest_spawn(&T, T.cfg_path, 2, NULL);
+        pid_t pid = itest_spawn(&T, T.cfg_path, 8, NULL);
         for (int i = 0; i < 200; i++) {
             if (itest_long(&T, "SELECT count(*) FROM idemq.intents WHERE key = $1 AND state = "
                                "'unknown'", key) == 1)
