@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "classify.h"
+#include <jansson.h>
 #include "effect_http.h"
 #include "ledger_provider.h"
 #include "log.h"
@@ -244,7 +245,7 @@ static idemq_err_t scan(struct reconcile_sweep *s, PGconn *db, struct reconcile_
         }
     }
     if (err == IDEMQ_OK)
-        err = reconcile_gauges_refresh(db, e);
+        err = reconcile_gauges_refresh(db, s->c, e);
     return err;
 }
 
@@ -392,19 +393,41 @@ static struct {
     } lat[GAUGE_ROWS];
 } gauges = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
-idemq_err_t reconcile_gauges_refresh(PGconn *db, struct ledger_db_error *e)
+idemq_err_t reconcile_gauges_refresh(PGconn *db, const struct conf *c,
+                                     struct ledger_db_error *e)
 {
-    PGresult *a = ledger_db_query(db,
-                                  "SELECT r_input, r_state, r_count, r_oldest_s "
-                                  "FROM idemq.provider_gauges()",
-                                  0, NULL, e);
-    PGresult *b;
-    if (!a)
+    json_t *names = json_array();
+    char *list = NULL;
+    const char *params[1];
+    PGresult *a, *b;
+
+    for (int i = 0; names && i < c->n_inputs; i++)
+        if (CONF_INPUT_PROVIDER(&c->inputs[i]))
+            json_array_append_new(names, json_string(c->inputs[i].name));
+    if (!names || !(list = json_dumps(names, JSON_COMPACT))) {
+        json_decref(names);
+        snprintf(e->sqlstate, sizeof e->sqlstate, "%s", "");
+        snprintf(e->message, sizeof e->message, "out of memory");
+        e->conn_lost = false;
+        return IDEMQ_ERR_NOMEM;
+    }
+    json_decref(names);
+    params[0] = list;
+    a = ledger_db_query(db,
+                        "SELECT r_input, r_state, r_count, r_oldest_s FROM idemq.provider_gauges() "
+                        "WHERE r_input IN (SELECT jsonb_array_elements_text($1::jsonb))",
+                        1, params, e);
+    if (!a) {
+        free(list);
         return ledger_db_err(e);
-    if (!(b = ledger_db_query(db,
-                              "SELECT r_input, r_count, r_p50_s, r_p99_s, r_max_s "
-                              "FROM idemq.provider_latency(600)",
-                              0, NULL, e))) {
+    }
+    b = ledger_db_query(db,
+                        "SELECT r_input, r_count, r_p50_s, r_p99_s, r_max_s "
+                        "FROM idemq.provider_latency(600) "
+                        "WHERE r_input IN (SELECT jsonb_array_elements_text($1::jsonb))",
+                        1, params, e);
+    free(list);
+    if (!b) {
         PQclear(a);
         return ledger_db_err(e);
     }
@@ -431,10 +454,18 @@ idemq_err_t reconcile_gauges_refresh(PGconn *db, struct ledger_db_error *e)
     return IDEMQ_OK;
 }
 
+/* Appends a whole line or nothing: a cut line would break the text format. */
 #define ADD(...)                                                                             \
     do {                                                                                     \
-        if (off < len)                                                                       \
-            off += (size_t)snprintf(buf + off, len - off, __VA_ARGS__);                      \
+        if (!full) {                                                                         \
+            int w_ = snprintf(buf + off, len - off, __VA_ARGS__);                            \
+            if (w_ < 0 || (size_t)w_ >= len - off) {                                         \
+                buf[off] = '\0';                                                             \
+                full = true;                                                                 \
+            } else {                                                                         \
+                off += (size_t)w_;                                                           \
+            }                                                                                \
+        }                                                                                    \
     } while (0)
 
 /* A label value with \, " and newlines escaped (Prometheus text format). */
@@ -460,6 +491,7 @@ size_t reconcile_metrics_render(char *buf, size_t len)
 {
     char l[160];
     size_t off = 0;
+    bool full = false;
     if (!len)
         return 0;
     buf[0] = '\0';

@@ -92,8 +92,10 @@ int reconcile_cmd(const struct conf *c, int age_s, FILE *out);
  */
 size_t reconcile_metrics_render(char *buf, size_t len);
 
-/* Refreshes the gauges from the ledger now (the sweep does it every scan).
- * Outside any transaction. */
-idemq_err_t reconcile_gauges_refresh(PGconn *db, struct ledger_db_error *e) IDEMQ_MUSTCHECK;
+/* Refreshes the gauges of the provider inputs of c from the ledger now (the
+ * sweep does it every scan). Outside any transaction. IDEMQ_OK, or
+ * IDEMQ_ERR_DB_CONN / IDEMQ_ERR_SQL / IDEMQ_ERR_NOMEM with e filled. */
+idemq_err_t reconcile_gauges_refresh(PGconn *db, const struct conf *c,
+                                     struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
 #endif
