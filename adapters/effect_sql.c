@@ -10,7 +10,12 @@ idemq_err_t effect_sql_check(PGconn *db, const struct conf_input *in, char *errb
                              size_t errlen, struct ledger_db_error *e)
 {
     const char *params[1] = {in->effect_signature};
-    PGresult *r = ledger_db_query(
+    PGresult *r;
+    idemq_err_t err = IDEMQ_OK;
+
+    if (!in->effect_signature)
+        return IDEMQ_OK; /* a provider input without SQL effect (issue 9) */
+    r = ledger_db_query(
         db,
         "SELECT p.oid IS NOT NULL, "
         "       coalesce(format_type(pr.prorettype, NULL), ''), "
@@ -18,8 +23,6 @@ idemq_err_t effect_sql_check(PGconn *db, const struct conf_input *in, char *errb
         "FROM (SELECT to_regprocedure($1)::oid AS oid) p "
         "LEFT JOIN pg_proc pr ON pr.oid = p.oid",
         1, params, e);
-    idemq_err_t err = IDEMQ_OK;
-
     if (!r)
         return ledger_db_err(e);
     if (strcmp(PQgetvalue(r, 0, 0), "t") != 0) {

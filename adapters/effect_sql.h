@@ -17,7 +17,8 @@
 
 /*
  * IDEMQ_OK if in->effect_signature resolves to a function returning jsonb
- * that the session may execute. Otherwise IDEMQ_ERR_CONFIG with errbuf
+ * that the session may execute, or if the input has none (a provider input
+ * without SQL effect). Otherwise IDEMQ_ERR_CONFIG with errbuf
  * naming the input and the problem, or IDEMQ_ERR_DB_CONN / IDEMQ_ERR_SQL
  * with e filled. Must not run inside an open transaction.
  */

@@ -5,6 +5,7 @@
  */
 #include "conf.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <libconfig.h>
 #include <stdarg.h>
@@ -17,7 +18,7 @@
 #include "classify.h"
 #include "log.h"
 
-enum conf_type { CT_INT, CT_STR, CT_STRLIST };
+enum conf_type { CT_INT, CT_STR, CT_STRLIST, CT_BOOL };
 
 #define CF_SENSITIVE 0x1 /* never printed or logged as is */
 #define CF_REQUIRED 0x2  /* no default: must be set */
@@ -101,8 +102,9 @@ static const struct conf_key input_keys[] = {
      "idempotency key: json:<field>, header:<name> or message_id"},
     {"max_body_bytes", CT_INT, I(max_body_bytes), 2, 64 * 1024 * 1024, NULL, 256 * 1024, 0,
      "larger bodies are parked as body_too_large"},
-    {"effect_function", CT_STR, I(effect_function), 1, 127, NULL, 0, CF_REQUIRED,
-     "SQL function fn(key text, payload jsonb, meta jsonb) RETURNS jsonb"},
+    {"effect_function", CT_STR, I(effect_function), 0, 127, "", 0, 0,
+     "SQL function fn(key text, payload jsonb, meta jsonb) RETURNS jsonb; required unless "
+     "provider.url is set"},
     /* ordered lanes */
     {"partitions", CT_INT, I(partitions), 0, 1024, NULL, 0, 0,
      "0 = standard queue; N >= 1 = consistent-hash exchange over queues <queue>.p0..pN-1"},
@@ -116,6 +118,51 @@ static const struct conf_key input_keys[] = {
      "after a job of an ordered lane parks: continue, or hold_key (hold its order key)"},
     {"deferred_report_after_s", CT_INT, I(deferred_report_after_s), 1, 86400 * 30, NULL, 300, 0,
      "deferred jobs (waiting for a predecessor) older than this are reported"},
+    /* provider effects (issue 9): keep these rows together */
+    {"provider.url", CT_STR, I(provider.url), 0, 1024, "", 0, 0,
+     "provider base URL (http:// or https://); non-empty makes the effect a provider call"},
+    {"provider.name", CT_STR, I(provider.name), 0, 64, "", 0, 0,
+     "provider name recorded on intents; empty = the input's name"},
+    {"provider.method", CT_STR, I(provider.method), 1, 8, "POST", 0, 0, "POST, PUT or PATCH"},
+    {"provider.path", CT_STR, I(provider.path), 0, 1024, "", 0, 0,
+     "path appended to the URL for the call (empty or starting with /)"},
+    {"provider.body_template", CT_STR, I(provider.body_template), 0, 16384, "", 0, 0,
+     "request body; empty = the payload as is; {{key}}, {{payload}}, {{payload.FIELD}} as JSON"},
+    {"provider.content_type", CT_STR, I(provider.content_type), 1, 128, "application/json", 0, 0,
+     "Content-Type of the request body"},
+    {"provider.connect_timeout_ms", CT_INT, I(provider.connect_timeout_ms), 100, 600000, NULL,
+     3000, 0, "TCP and TLS connect timeout"},
+    {"provider.timeout_ms", CT_INT, I(provider.timeout_ms), 100, 600000, NULL, 10000, 0,
+     "the whole call; past it the outcome is unknown"},
+    {"provider.ca_file", CT_STR, I(provider.ca_file), 0, 1024, "", 0, 0,
+     "PEM file of CAs to verify the provider with; empty = the system store"},
+    {"provider.verify_tls", CT_BOOL, I(provider.verify_tls), 0, 1, NULL, 1, 0,
+     "verify the provider's certificate and host name (https)"},
+    {"provider.auth_header", CT_STR, I(provider.auth_header), 1, 64, "Authorization", 0, 0,
+     "header that carries the credential"},
+    {"provider.auth_env", CT_STR, I(provider.auth_env), 0, 128, "", 0, 0,
+     "environment variable holding the credential header's value (never logged)"},
+    {"provider.auth_file", CT_STR, I(provider.auth_file), 0, 1024, "", 0, 0,
+     "file holding the credential header's value (never logged)"},
+    {"provider.reference_field", CT_STR, I(provider.reference_field), 1, 128, "id", 0, 0,
+     "JSON field (dotted path) of a 2xx answer holding the provider reference"},
+    {"provider.key_window_s", CT_INT, I(provider.key_window_s), 60, 366 * 86400, NULL, 86400, 0,
+     "how long the provider keeps an idempotency key; older keys are never resent"},
+    {"provider.idempotent", CT_BOOL, I(provider.idempotent), 0, 1, NULL, 1, 0,
+     "the provider deduplicates on Idempotency-Key; false = never resend after an unknown "
+     "outcome"},
+    {"provider.lookup_key_path", CT_STR, I(provider.lookup_key_path), 0, 1024, "", 0, 0,
+     "GET path with {key} that finds a charge by idempotency key; empty = none"},
+    {"provider.lookup_reference_path", CT_STR, I(provider.lookup_reference_path), 0, 1024, "", 0,
+     0, "GET path with {key} that finds a charge by the client reference sent; empty = none"},
+    {"provider.max_in_flight", CT_INT, I(provider.max_in_flight), 1, 1000, NULL, 8, 0,
+     "provider calls in flight per worker at most"},
+    {"provider.wait_max", CT_INT, I(provider.wait_max), 1, 1000, NULL, 20, 0,
+     "409/429 answers per generation before the job parks (apart from retry.max_attempts)"},
+    {"provider.retry_after_max_ms", CT_INT, I(provider.retry_after_max_ms), 100, 86400000, NULL,
+     60000, 0, "a 429 asking to wait longer parks the job; at most retry.max_delay_ms"},
+    {"provider.reconcile_after_s", CT_INT, I(provider.reconcile_after_s), 1, 30 * 86400, NULL,
+     300, 0, "intents left pending/unknown this long are looked up by the reconciler"},
 };
 
 #define N_GLOBAL ((int)(sizeof global_keys / sizeof global_keys[0]))
@@ -221,6 +268,7 @@ static idemq_err_t apply_defaults(const struct conf_key *keys, int n, void *base
             continue;
         switch (k->type) {
         case CT_INT: *(int *)slot = (int)k->def_int; break;
+        case CT_BOOL: *(bool *)slot = k->def_int != 0; break;
         case CT_STR:
             if (set_string(strlist_slot(base, k->offset), k->def_str) != IDEMQ_OK)
                 return IDEMQ_ERR_NOMEM;
@@ -269,6 +317,14 @@ static idemq_err_t read_value(const struct conf_key *k, const config_setting_t *
         *(int *)slot = (int)v;
         return IDEMQ_OK;
     }
+    case CT_BOOL:
+        if (t != CONFIG_TYPE_BOOL) {
+            errf(errbuf, errlen, "%s:%d: %s must be true or false, not %s", file, line, path,
+                 type_name(t));
+            return IDEMQ_ERR_CONFIG;
+        }
+        *(bool *)slot = config_setting_get_bool(s) != 0;
+        return IDEMQ_OK;
     case CT_STR: {
         const char *v;
         size_t len;
@@ -487,6 +543,14 @@ static idemq_err_t validate_input(struct conf_input *in, int line, const char *f
     }
     if (in->key_kind != CONF_KEY_MESSAGE_ID && !in->key_name)
         return IDEMQ_ERR_NOMEM;
+    if (!fn[0]) {
+        if (CONF_INPUT_PROVIDER(in))
+            return IDEMQ_OK; /* a provider call alone is the effect */
+        errf(errbuf, errlen, "%s:%d: input %s: effect_function is required (SQL function "
+             "fn(key text, payload jsonb, meta jsonb) RETURNS jsonb) unless provider.url is set",
+             file, line, in->name);
+        return IDEMQ_ERR_CONFIG;
+    }
     if (dot ? !(is_lower_ident(fn, (size_t)(dot - fn)) && is_lower_ident(dot + 1, strlen(dot + 1)))
             : !is_lower_ident(fn, strlen(fn))) {
         errf(errbuf, errlen,
@@ -498,6 +562,119 @@ static idemq_err_t validate_input(struct conf_input *in, int line, const char *f
     snprintf(sig, sizeof sig, "%s(text,jsonb,jsonb)", fn);
     if (!(in->effect_signature = strdup(sig)))
         return IDEMQ_ERR_NOMEM;
+    return IDEMQ_OK;
+}
+
+/* ---- provider effects (issue 9) ---- */
+
+/* True if a {{...}} placeholder list of a body template is well formed:
+ * {{key}}, {{payload}} or {{payload.FIELD}} (FIELD of [A-Za-z0-9_-]). */
+static bool template_ok(const char *t, char *bad, size_t badlen)
+{
+    for (const char *p = strstr(t, "{{"); p; p = strstr(p + 2, "{{")) {
+        const char *end = strstr(p + 2, "}}");
+        size_t n = end ? (size_t)(end - p - 2) : strlen(p + 2);
+        const char *name = p + 2;
+        bool ok = end && ((n == 3 && strncmp(name, "key", 3) == 0) ||
+                          (n == 7 && strncmp(name, "payload", 7) == 0));
+        if (end && !ok && n > 8 && strncmp(name, "payload.", 8) == 0) {
+            ok = true;
+            for (size_t i = 8; i < n; i++)
+                ok = ok && (isalnum((unsigned char)name[i]) || name[i] == '_' || name[i] == '-');
+        }
+        if (!ok) {
+            snprintf(bad, badlen, "%.*s", (int)(n > 40 ? 40 : n) + (end ? 4 : 2), p);
+            return false;
+        }
+    }
+    return true;
+}
+
+/* A lookup path: empty, or "/..." holding {key} exactly once. */
+static bool lookup_path_ok(const char *p)
+{
+    const char *k = strstr(p, "{key}");
+    return !p[0] || (p[0] == '/' && k && !strstr(k + 5, "{key}"));
+}
+
+/* An HTTP token (header names, methods). */
+static bool http_token(const char *s)
+{
+    if (!*s)
+        return false;
+    for (; *s; s++)
+        if (!(isalnum((unsigned char)*s) || strchr("!#$%&'*+-.^_`|~", *s)))
+            return false;
+    return true;
+}
+
+/* The provider settings of one input and their combinations. */
+static idemq_err_t validate_provider(const struct conf *c, struct conf_input *in, int line,
+                                     const char *file, char *errbuf, size_t errlen)
+{
+    const struct conf_provider *p = &in->provider;
+    char bad[64];
+
+#define PROVIDER_ERR(...)                                                                    \
+    do {                                                                                     \
+        errf(errbuf, errlen, __VA_ARGS__);                                                   \
+        return IDEMQ_ERR_CONFIG;                                                             \
+    } while (0)
+    if (!CONF_INPUT_PROVIDER(in))
+        return IDEMQ_OK;
+    if (strncmp(p->url, "http://", 7) && strncmp(p->url, "https://", 8))
+        PROVIDER_ERR("%s:%d: input %s: provider.url \"%s\" must start with http:// or https://",
+                     file, line, in->name, p->url);
+    if (strpbrk(p->url, " \t\r\n") || strpbrk(p->path, " \t\r\n") ||
+        strpbrk(p->lookup_key_path, " \t\r\n") || strpbrk(p->lookup_reference_path, " \t\r\n"))
+        PROVIDER_ERR("%s:%d: input %s: provider URLs and paths must not contain blanks", file,
+                     line, in->name);
+    if (strcmp(p->method, "POST") && strcmp(p->method, "PUT") && strcmp(p->method, "PATCH"))
+        PROVIDER_ERR("%s:%d: input %s: provider.method must be POST, PUT or PATCH, not \"%s\"",
+                     file, line, in->name, p->method);
+    if (p->path[0] && p->path[0] != '/')
+        PROVIDER_ERR("%s:%d: input %s: provider.path must be empty or start with /", file, line,
+                     in->name);
+    if (!template_ok(p->body_template, bad, sizeof bad))
+        PROVIDER_ERR("%s:%d: input %s: provider.body_template: placeholder %s is not {{key}}, "
+                     "{{payload}} or {{payload.FIELD}}", file, line, in->name, bad);
+    if (!http_token(p->auth_header))
+        PROVIDER_ERR("%s:%d: input %s: provider.auth_header \"%s\" is not a header name", file,
+                     line, in->name, p->auth_header);
+    if (p->auth_env[0] && p->auth_file[0])
+        PROVIDER_ERR("%s:%d: input %s: set provider.auth_env or provider.auth_file, not both",
+                     file, line, in->name);
+    if (!lookup_path_ok(p->lookup_key_path) || !lookup_path_ok(p->lookup_reference_path))
+        PROVIDER_ERR("%s:%d: input %s: provider.lookup_key_path and lookup_reference_path must be "
+                     "empty or a path starting with / that holds {key} once", file, line,
+                     in->name);
+    if (!p->idempotent && p->lookup_key_path[0])
+        PROVIDER_ERR("%s:%d: input %s: provider.lookup_key_path needs provider.idempotent = true "
+                     "(a provider that ignores keys cannot find a charge by key); use "
+                     "lookup_reference_path", file, line, in->name);
+    if (p->timeout_ms < p->connect_timeout_ms)
+        PROVIDER_ERR("%s:%d: input %s: provider.timeout_ms (%d) must not be below "
+                     "provider.connect_timeout_ms (%d)", file, line, in->name, p->timeout_ms,
+                     p->connect_timeout_ms);
+    if ((long long)p->key_window_s * 1000 <= 2LL * p->timeout_ms)
+        PROVIDER_ERR("%s:%d: input %s: provider.key_window_s (%d s) must exceed twice "
+                     "provider.timeout_ms", file, line, in->name, p->key_window_s);
+    if (p->retry_after_max_ms > c->max_delay_ms)
+        PROVIDER_ERR("%s:%d: input %s: provider.retry_after_max_ms (%d) must not exceed "
+                     "retry.max_delay_ms (%d): a retry waits in a delay bucket of at most that",
+                     file, line, in->name, p->retry_after_max_ms, c->max_delay_ms);
+    if ((long long)p->reconcile_after_s * 1000 < p->timeout_ms)
+        PROVIDER_ERR("%s:%d: input %s: provider.reconcile_after_s (%d s) must not be below "
+                     "provider.timeout_ms (a call in flight is not reconciled)", file, line,
+                     in->name, p->reconcile_after_s);
+    if (CONF_INPUT_ORDERED(in))
+        PROVIDER_ERR("%s:%d: input %s: provider inputs must be standard queues (partitions = 0)",
+                     file, line, in->name);
+    for (const char *f = p->reference_field; *f; f++)
+        if (!(isalnum((unsigned char)*f) || *f == '_' || *f == '-' || *f == '.'))
+            PROVIDER_ERR("%s:%d: input %s: provider.reference_field \"%s\" must be a field name "
+                         "or a dotted path (data.id)", file, line, in->name, p->reference_field);
+#undef PROVIDER_ERR
     return IDEMQ_OK;
 }
 
@@ -549,6 +726,8 @@ static idemq_err_t read_inputs(const config_t *cfg, struct conf *c, const char *
         if ((err = validate_input(in, line, file, errbuf, errlen)) != IDEMQ_OK)
             return err;
         if ((err = validate_lanes(c, in, line, file, errbuf, errlen)) != IDEMQ_OK)
+            return err;
+        if ((err = validate_provider(c, in, line, file, errbuf, errlen)) != IDEMQ_OK)
             return err;
         for (int j = 0; j < i; j++) {
             if (strcmp(c->inputs[j].name, in->name) == 0 ||
@@ -860,6 +1039,18 @@ char *conf_redact(const char *s, char *buf, size_t buflen)
     return buf;
 }
 
+/* Writes s as a libconfig string literal: quoted, with \\ and \" escaped. */
+static void print_string(FILE *out, const char *s)
+{
+    fputc('"', out);
+    for (; *s; s++) {
+        if (*s == '"' || *s == '\\')
+            fputc('\\', out);
+        fputc(*s, out);
+    }
+    fputc('"', out);
+}
+
 static void print_key(FILE *out, const struct conf_key *k, const void *base, const char *name,
                       const char *indent)
 {
@@ -869,18 +1060,24 @@ static void print_key(FILE *out, const struct conf_key *k, const void *base, con
     case CT_INT:
         fprintf(out, "%s%s = %d;\n", indent, name, *(const int *)slot);
         break;
+    case CT_BOOL:
+        fprintf(out, "%s%s = %s;\n", indent, name, *(const bool *)slot ? "true" : "false");
+        break;
     case CT_STR: {
         const char *v = *(char *const *)slot;
-        fprintf(out, "%s%s = \"%s\";\n", indent, name,
-                (k->flags & CF_SENSITIVE) ? conf_redact(v, red, sizeof red) : v);
+        fprintf(out, "%s%s = ", indent, name);
+        print_string(out, (k->flags & CF_SENSITIVE) ? conf_redact(v, red, sizeof red) : v);
+        fprintf(out, ";\n");
         break;
     }
     case CT_STRLIST: {
         const struct conf_strlist *l = slot;
         fprintf(out, "%s%s = [", indent, name);
-        for (int i = 0; i < l->n; i++)
-            fprintf(out, "%s\"%s\"", i ? ", " : " ",
-                    (k->flags & CF_SENSITIVE) ? conf_redact(l->v[i], red, sizeof red) : l->v[i]);
+        for (int i = 0; i < l->n; i++) {
+            fputs(i ? ", " : " ", out);
+            print_string(out, (k->flags & CF_SENSITIVE) ? conf_redact(l->v[i], red, sizeof red)
+                                                        : l->v[i]);
+        }
         fprintf(out, " ];\n");
         break;
     }
@@ -908,7 +1105,16 @@ void conf_print(const struct conf *c, FILE *out)
     for (int j = 0; j < c->n_inputs; j++) {
         fprintf(out, "  {\n");
         for (int i = 0; i < N_INPUT; i++)
-            print_key(out, &input_keys[i], &c->inputs[j], input_keys[i].path, "    ");
+            if (strncmp(input_keys[i].path, "provider.", 9) != 0)
+                print_key(out, &input_keys[i], &c->inputs[j], input_keys[i].path, "    ");
+        if (CONF_INPUT_PROVIDER(&c->inputs[j])) { /* a nested group, provider inputs only */
+            fprintf(out, "    provider: {\n");
+            for (int i = 0; i < N_INPUT; i++)
+                if (strncmp(input_keys[i].path, "provider.", 9) == 0)
+                    print_key(out, &input_keys[i], &c->inputs[j], input_keys[i].path + 9,
+                              "      ");
+            fprintf(out, "    };\n");
+        }
         fprintf(out, "  }%s\n", j + 1 < c->n_inputs ? "," : "");
     }
     fprintf(out, ");\n");

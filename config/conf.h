@@ -37,6 +37,40 @@ enum conf_on_park {
     CONF_ON_PARK_HOLD_KEY,     /* later jobs of the same order key wait in the ledger */
 };
 
+/*
+ * Provider effect settings of one input (issue 9): the job's effect is an
+ * HTTP call to a payments provider with `Idempotency-Key: <business key>`,
+ * see adapters/effect_http.h and consumer/provider_flow.h. An input is a
+ * provider input when url is not empty.
+ */
+struct conf_provider {
+    char *url;             /* base URL, http:// or https:// ("" = not a provider input) */
+    char *name;            /* recorded on intents; "" = the input's name */
+    char *method;          /* POST, PUT or PATCH */
+    char *path;            /* appended to url for the call */
+    char *body_template;   /* "" = the payload as is; else {{key}} {{payload}} {{payload.F}} */
+    char *content_type;
+    int connect_timeout_ms;
+    int timeout_ms;        /* the whole call */
+    char *ca_file;         /* "" = the system CA store */
+    bool verify_tls;
+    char *auth_header;     /* header name of the credential */
+    char *auth_env;        /* environment variable holding the header value */
+    char *auth_file;       /* file holding the header value */
+    char *reference_field; /* JSON field (dotted path) of the answer: the provider reference */
+    int key_window_s;      /* how long the provider keeps an idempotency key */
+    bool idempotent;       /* false: the provider ignores Idempotency-Key */
+    char *lookup_key_path;       /* GET path with {key}: a charge by idempotency key */
+    char *lookup_reference_path; /* GET path with {key}: a charge by client reference */
+    int max_in_flight;     /* calls in flight per worker at most */
+    int wait_max;          /* 409/429 waits per generation before parking */
+    int retry_after_max_ms; /* a longer Retry-After parks the job */
+    int reconcile_after_s; /* intents left pending/unknown this long are reconciled */
+};
+
+/* True for an input whose effect is a provider call. */
+#define CONF_INPUT_PROVIDER(in) ((in)->provider.url && (in)->provider.url[0] != '\0')
+
 /* One configured input: a queue and how its messages become effects. */
 struct conf_input {
     char *name;
@@ -55,10 +89,13 @@ struct conf_input {
     char *sequence_source;
     char *on_park;
     int deferred_report_after_s;
+    /* provider effects (issue 9) */
+    struct conf_provider provider;
     /* derived by validation */
     enum conf_key_kind key_kind;
     char *key_name;        /* field or header name; NULL for message_id */
-    char *effect_signature; /* "schema.fn(text,jsonb,jsonb)" */
+    char *effect_signature; /* "schema.fn(text,jsonb,jsonb)"; NULL for a provider
+                             * input without effect_function */
     enum conf_key_kind order_kind; /* CONF_KEY_NONE if no order_key_source */
     char *order_name;              /* field or header name, or NULL */
     char *seq_name;                /* json field of sequence_source, or NULL */

@@ -100,6 +100,21 @@ enum classify_class classify_err(idemq_err_t err)
     case IDEMQ_ERR_UNPROCESSABLE:
     case IDEMQ_ERR_ORIGIN_REFUSED:
         return CLASS_PERMANENT;
+    case IDEMQ_ERR_KEY_INVALID_HEADER:
+    case IDEMQ_ERR_PROVIDER_REJECTED:
+    case IDEMQ_ERR_KEY_CONFLICT:
+        return CLASS_PERMANENT;
+    /* Provider outcomes that are not the job's fault. A park for an
+     * uncertain one is recorded with its own class by the ledger
+     * (unknown_outcome, no_record: see ledger/functions_provider.sql). */
+    case IDEMQ_ERR_PROVIDER_BUSY:
+    case IDEMQ_ERR_PROVIDER_UNKNOWN:
+    case IDEMQ_ERR_PROVIDER_WAITS:
+    case IDEMQ_ERR_PROVIDER_RATE_LIMITED:
+    case IDEMQ_ERR_KEY_WINDOW_EXPIRED:
+    case IDEMQ_ERR_PROVIDER_NO_RECORD:
+    case IDEMQ_ERR_PROVIDER_BAD_RESPONSE:
+    case IDEMQ_ERR_PROVIDER_NOT_SENT:
     case IDEMQ_ERR_RETRIES_EXHAUSTED:
         return CLASS_TRANSIENT;
     case IDEMQ_ERR_TIMEOUT:

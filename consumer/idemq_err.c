@@ -34,6 +34,17 @@ const char *idemq_err_name(idemq_err_t err)
     case IDEMQ_ERR_UNDECODABLE: return "undecodable";
     case IDEMQ_ERR_UNPROCESSABLE: return "unprocessable";
     case IDEMQ_ERR_ORIGIN_REFUSED: return "origin_refused";
+    case IDEMQ_ERR_KEY_INVALID_HEADER: return "key_invalid_header";
+    case IDEMQ_ERR_PROVIDER_BUSY: return "provider_busy";
+    case IDEMQ_ERR_PROVIDER_REJECTED: return "provider_rejected";
+    case IDEMQ_ERR_PROVIDER_UNKNOWN: return "provider_unknown";
+    case IDEMQ_ERR_PROVIDER_WAITS: return "provider_waits_exhausted";
+    case IDEMQ_ERR_PROVIDER_RATE_LIMITED: return "provider_rate_limited";
+    case IDEMQ_ERR_KEY_WINDOW_EXPIRED: return "key_window_expired";
+    case IDEMQ_ERR_PROVIDER_NO_RECORD: return "provider_no_record";
+    case IDEMQ_ERR_PROVIDER_BAD_RESPONSE: return "provider_bad_response";
+    case IDEMQ_ERR_PROVIDER_NOT_SENT: return "provider_not_sent";
+    case IDEMQ_ERR_KEY_CONFLICT: return "key_conflict";
     }
     return "unknown";
 }
@@ -68,6 +79,19 @@ const char *idemq_err_str(idemq_err_t err)
     case IDEMQ_ERR_UNDECODABLE: return "the AMQP client library could not decode the delivery";
     case IDEMQ_ERR_UNPROCESSABLE: return "the job failed in every processing mode";
     case IDEMQ_ERR_ORIGIN_REFUSED: return "dead letter names an origin queue that is not a configured input";
+    case IDEMQ_ERR_KEY_INVALID_HEADER:
+        return "idempotency key is not a valid HTTP header value (control, non-ASCII or edge blank)";
+    case IDEMQ_ERR_PROVIDER_BUSY: return "the input's provider calls in flight are at the cap";
+    case IDEMQ_ERR_PROVIDER_REJECTED: return "the provider rejected the request (4xx)";
+    case IDEMQ_ERR_PROVIDER_UNKNOWN: return "the provider call's outcome is unknown";
+    case IDEMQ_ERR_PROVIDER_WAITS: return "the provider kept answering 409/429 past the wait ceiling";
+    case IDEMQ_ERR_PROVIDER_RATE_LIMITED: return "the provider asked to wait longer than allowed";
+    case IDEMQ_ERR_KEY_WINDOW_EXPIRED:
+        return "the key's first request is older than the provider's key window";
+    case IDEMQ_ERR_PROVIDER_NO_RECORD: return "the provider has no record of the request";
+    case IDEMQ_ERR_PROVIDER_BAD_RESPONSE: return "the provider answered 2xx without a reference";
+    case IDEMQ_ERR_PROVIDER_NOT_SENT: return "the request never reached the provider";
+    case IDEMQ_ERR_KEY_CONFLICT: return "the key belongs to a job of a non-provider input";
     }
     return "unknown error";
 }

@@ -36,6 +36,18 @@ typedef enum {
     IDEMQ_ERR_UNDECODABLE,           /* delivery the client library cannot decode */
     IDEMQ_ERR_UNPROCESSABLE,         /* job failed as a whole in every mode */
     IDEMQ_ERR_ORIGIN_REFUSED,        /* redrive origin not a configured input */
+    /* provider effects (issue 9) */
+    IDEMQ_ERR_KEY_INVALID_HEADER, /* key is not a valid Idempotency-Key header value */
+    IDEMQ_ERR_PROVIDER_BUSY,      /* the input's provider calls in flight are at the cap */
+    IDEMQ_ERR_PROVIDER_REJECTED,  /* provider answered 4xx (not 409/429): not applied */
+    IDEMQ_ERR_PROVIDER_UNKNOWN,   /* outcome unknown (timeout, reset, 5xx) and no way to settle it */
+    IDEMQ_ERR_PROVIDER_WAITS,     /* 409/429 waits used their own ceiling */
+    IDEMQ_ERR_PROVIDER_RATE_LIMITED, /* 429 asked to wait longer than retry_after_max_ms */
+    IDEMQ_ERR_KEY_WINDOW_EXPIRED, /* first request older than the provider's key window */
+    IDEMQ_ERR_PROVIDER_NO_RECORD, /* the provider has no record of the request after the deadline */
+    IDEMQ_ERR_PROVIDER_BAD_RESPONSE, /* 2xx without the configured reference field */
+    IDEMQ_ERR_PROVIDER_NOT_SENT,  /* the request never reached the provider (connect, TLS) */
+    IDEMQ_ERR_KEY_CONFLICT,       /* the key belongs to a job of a non-provider input */
 } idemq_err_t;
 
 /* Stable snake_case name ("bad_json"), stored in the ledger. Never NULL. */

@@ -1,6 +1,6 @@
 /*
  * main: the idemq command line: run, migrate, declare, check-config,
- * publish. Owns start-up checks and exit codes; the work itself is in
+ * publish, and the operator commands (ops.c, reconcile.c, resolve.c). Owns start-up checks and exit codes; the work itself is in
  * worker.c (consuming), ledger/ (the database) and adapters/ (transports).
  */
 #include <errno.h>
@@ -21,6 +21,9 @@
 #include "run_report.h"
 #include "metrics.h"
 #include "ops.h"
+#include "effect_http.h"
+#include "reconcile.h"
+#include "resolve.h"
 #include "topology.h"
 #include "sig.h"
 #include "worker.h"
@@ -61,6 +64,12 @@ static void usage(FILE *out)
             "                              move dead-lettered messages back to their origin\n"
             "                              queue (confirmed, then acked), N per second\n"
             "  FILTERS: --input NAME --key KEY --class CLASS --since TIMESTAMP --limit N\n"
+            "  reconcile [--age SECONDS]   look up provider intents left pending or unknown\n"
+            "                              longer than provider.reconcile_after_s (or SECONDS)\n"
+            "                              and settle them\n"
+            "  resolve KEY (--applied REF | --not-applied | --discard) --reason TEXT\n"
+            "                              settle a parked provider key by hand (records the\n"
+            "                              OS user and the reason)\n"
             "\n"
             "options: -c, --config FILE; -h, --help; -V, --version\n"
             "environment: IDEMQ_AMQP_URL and IDEMQ_PG_DSN override broker.url and database.dsn\n"
@@ -79,6 +88,10 @@ struct opts {
     const char *input;
     const char *routing_key;
     struct ops_filter filter;
+    long age_s;              /* reconcile --age; -1 = the config's */
+    const char *resolution;  /* resolve: applied, not_applied or discard */
+    const char *reference;   /* resolve --applied REF */
+    const char *reason;      /* resolve --reason TEXT */
 };
 
 static int parse_long(const char *opt, const char *s, long min, long max, long *out)
@@ -102,11 +115,16 @@ static int parse_args(int argc, char **argv, struct opts *o)
         {"key", required_argument, NULL, 'k'},     {"class", required_argument, NULL, 'C'},
         {"since", required_argument, NULL, 's'},   {"limit", required_argument, NULL, 'l'},
         {"dry-run", no_argument, NULL, 'd'},       {"rate", required_argument, NULL, 'R'},
+        /* provider effects (issue 9): reconcile and resolve */
+        {"age", required_argument, NULL, 'A'},     {"applied", required_argument, NULL, 'P'},
+        {"not-applied", no_argument, NULL, 'N'},   {"discard", no_argument, NULL, 'D'},
+        {"reason", required_argument, NULL, 'W'},
         {NULL, 0, NULL, 0}};
     int c;
     long v;
 
     memset(o, 0, sizeof o[0]);
+    o->age_s = -1;
     while ((c = getopt_long(argc, argv, "c:hV", longopts, NULL)) != -1) {
         switch (c) {
         case 'c': o->config = optarg; break;
@@ -131,6 +149,21 @@ static int parse_args(int argc, char **argv, struct opts *o)
                 return -1;
             o->filter.rate = (double)v;
             break;
+        case 'A':
+            if (parse_long("--age", optarg, 0, 86400L * 366, &o->age_s))
+                return -1;
+            break;
+        case 'P':
+        case 'N':
+        case 'D':
+            if (o->resolution) {
+                fprintf(stderr, "idemq: give one of --applied REF, --not-applied, --discard\n");
+                return -1;
+            }
+            o->resolution = c == 'P' ? "applied" : c == 'N' ? "not_applied" : "discard";
+            o->reference = c == 'P' ? optarg : NULL;
+            break;
+        case 'W': o->reason = optarg; break;
         default: return -1;
         }
     }
@@ -153,6 +186,26 @@ static int parse_args(int argc, char **argv, struct opts *o)
             }
             o->arg = argv[optind++];
         }
+    }
+    if (strcmp(o->cmd, "resolve") == 0) {
+        if (optind >= argc) {
+            fprintf(stderr, "idemq: resolve needs a KEY\n");
+            return -1;
+        }
+        o->arg = argv[optind++];
+        if (!o->resolution || !o->reason || !*o->reason) {
+            fprintf(stderr, "idemq: resolve KEY needs one of --applied REF, --not-applied, "
+                            "--discard, and --reason TEXT\n");
+            return -1;
+        }
+    } else if (o->resolution || o->reason) {
+        fprintf(stderr, "idemq: --applied, --not-applied, --discard and --reason go with "
+                        "resolve\n");
+        return -1;
+    }
+    if (o->age_s >= 0 && strcmp(o->cmd, "reconcile") != 0) {
+        fprintf(stderr, "idemq: --age goes with reconcile\n");
+        return -1;
     }
     if (optind < argc) {
         fprintf(stderr, "idemq: unexpected argument '%s'\n", argv[optind]);
@@ -274,9 +327,19 @@ static int cmd_run(const struct conf *c, long until_idle_s)
     struct metrics_server *metrics = NULL;
     long applied = 0, dups = 0, parked = 0, retried = 0, received = 0, from_ledger = 0,
          deferred = 0;
-    int rc = preflight(c);
+    int rc;
 
-    if (rc)
+    /* Issue 9, phase 1: the worker loop does not drive consumer/provider_flow
+     * yet; without this its apply path would park every provider job. */
+    for (int i = 0; i < c->n_inputs; i++) {
+        if (CONF_INPUT_PROVIDER(&c->inputs[i])) {
+            log_error("input %s: provider inputs are not wired into `idemq run` yet "
+                      "(see consumer/provider_flow.h); `idemq reconcile` settles their intents",
+                      c->inputs[i].name);
+            return EXIT_CONFIG;
+        }
+    }
+    if ((rc = preflight(c)))
         return rc;
     if (!(ws = calloc((size_t)c->workers, sizeof *ws)) ||
         (c->max_rate > 0 && !(gate = rate_gate_new(c->max_rate, c->max_rate / 20 + 1)))) {
@@ -423,7 +486,8 @@ int main(int argc, char **argv)
     }
     if (strcmp(o.cmd, "run") && strcmp(o.cmd, "migrate") && strcmp(o.cmd, "declare") &&
         strcmp(o.cmd, "check-config") && strcmp(o.cmd, "publish") && strcmp(o.cmd, "jobs") &&
-        strcmp(o.cmd, "parked") && strcmp(o.cmd, "redrive")) {
+        strcmp(o.cmd, "parked") && strcmp(o.cmd, "redrive") && strcmp(o.cmd, "reconcile") &&
+        strcmp(o.cmd, "resolve")) {
         fprintf(stderr, "idemq: unknown command '%s'\n", o.cmd);
         usage(stderr);
         return EXIT_USAGE;
@@ -435,9 +499,16 @@ int main(int argc, char **argv)
     log_current_level = log_level_parse(c->log_level);
     sig_install();
     if (strcmp(o.cmd, "check-config") == 0) {
-        printf("# %s is valid; effective configuration:\n", o.config);
-        conf_print(c, stdout);
-        rc = EXIT_OK;
+        struct effect_http *h = NULL; /* provider credentials and CA files, issue 9 */
+        if (effect_http_new(c, &h, err, sizeof err) != IDEMQ_OK) {
+            fprintf(stderr, "idemq: %s: %s\n", o.config, err);
+            rc = EXIT_CONFIG;
+        } else {
+            printf("# %s is valid; effective configuration:\n", o.config);
+            conf_print(c, stdout);
+            rc = EXIT_OK;
+        }
+        effect_http_free(h);
     } else if (strcmp(o.cmd, "migrate") == 0) {
         rc = cmd_migrate(c);
     } else if (strcmp(o.cmd, "declare") == 0) {
@@ -450,6 +521,10 @@ int main(int argc, char **argv)
         rc = ops_parked_list(c, &o.filter, stdout);
     } else if (strcmp(o.cmd, "redrive") == 0) {
         rc = ops_redrive(c, &o.filter, stdout);
+    } else if (strcmp(o.cmd, "reconcile") == 0) {
+        rc = reconcile_cmd(c, (int)o.age_s, stdout);
+    } else if (strcmp(o.cmd, "resolve") == 0) {
+        rc = resolve_cmd(c, o.arg, o.resolution, o.reference, o.reason, stdout);
     } else {
         rc = cmd_run(c, o.until_idle_s);
     }

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "classify.h"
+#include "reconcile.h"
 
 struct metrics_server {
     struct MHD_Daemon *d;
@@ -74,6 +75,8 @@ size_t metrics_render(struct worker *ws, int n, char *buf, size_t len)
     ADD("# HELP idemq_workers_ready workers consuming\n# TYPE idemq_workers_ready gauge\n"
         "idemq_workers_ready %ld\nidemq_workers %d\n",
         ready, n);
+    if (off < len) /* provider intents, refreshed by the reconciler's sweep (issue 9) */
+        off += reconcile_metrics_render(buf + off, len - off);
     return off < len ? off : len - 1;
 }
 
@@ -82,7 +85,7 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
                               size_t *upload_len, void **state)
 {
     struct metrics_server *m = cls;
-    char buf[8192];
+    char buf[32768]; /* the provider gauges add lines per input (issue 9) */
     size_t len = 0;
     unsigned status = MHD_HTTP_OK;
     struct MHD_Response *r;

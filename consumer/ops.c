@@ -13,6 +13,7 @@
 #include "broker.h"
 #include "ledger_db.h"
 #include "log.h"
+#include "resolve.h"
 #include "topology.h"
 
 static PGconn *connect(const struct conf *c)
@@ -114,6 +115,7 @@ int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
         fprintf(out, "  %s  %s\n", val(tl, i, 0), val(tl, i, 1));
     if (PQntuples(job) == 1 && !PQgetisnull(job, 0, 7))
         fprintf(out, "result: %s\n", val(job, 0, 7));
+    resolve_show(db, key, out); /* provider intent and resolutions (issue 9) */
 out:
     PQclear(job);
     PQclear(tl);

@@ -41,15 +41,19 @@ struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf
     lt->db = db;
     lt->conf = c;
     ledger_doc_init(&lt->doc);
-    for (int i = 0; i < c->n_inputs; i++)
-        need += strlen(c->inputs[i].effect_signature) + 3;
+    for (int i = 0; i < c->n_inputs; i++) /* NULL: a provider input without SQL effect */
+        need += (c->inputs[i].effect_signature ? strlen(c->inputs[i].effect_signature) : 4) + 3;
     if (!(lt->effects = malloc(need)))
         goto nomem;
     strcpy(lt->effects, "{");
     for (int i = 0; i < c->n_inputs; i++) {
-        strcat(lt->effects, i ? ",\"" : "\"");
-        strcat(lt->effects, c->inputs[i].effect_signature);
-        strcat(lt->effects, "\"");
+        const char *sig = c->inputs[i].effect_signature;
+        strcat(lt->effects, i ? "," : "");
+        strcat(lt->effects, sig ? "\"" : "NULL");
+        if (sig) {
+            strcat(lt->effects, sig);
+            strcat(lt->effects, "\"");
+        }
     }
     strcat(lt->effects, "}");
     res = ledger_db_prepare(db, "idemq_apply", APPLY_SQL, 3);

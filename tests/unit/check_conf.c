@@ -167,6 +167,55 @@ START_TEST(test_print_roundtrip)
 }
 END_TEST
 
+/* Provider inputs (issue 9): defaults, booleans, an optional effect_function,
+ * and a check-config print that is itself a valid config. */
+START_TEST(test_provider_settings)
+{
+    struct conf *c, *c2;
+    char err[512];
+    char *out = NULL;
+    size_t len = 0;
+    FILE *f;
+    unsetenv("IDEMQ_AMQP_URL");
+    unsetenv("IDEMQ_PG_DSN");
+    ck_assert_msg(conf_load(CASES "/good_provider.cfg", &c, err, sizeof err) == IDEMQ_OK, "%s", err);
+    ck_assert(CONF_INPUT_PROVIDER(&c->inputs[0]));
+    ck_assert_ptr_null(c->inputs[0].effect_signature);
+    ck_assert_str_eq(c->inputs[0].provider.method, "POST");
+    ck_assert_str_eq(c->inputs[0].provider.reference_field, "data.id");
+    ck_assert(c->inputs[0].provider.idempotent);
+    ck_assert(c->inputs[0].provider.verify_tls);
+    ck_assert_int_eq(c->inputs[0].provider.timeout_ms, 10000);
+    ck_assert_int_eq(c->inputs[0].provider.max_in_flight, 8);
+    ck_assert_int_eq(c->inputs[0].provider.wait_max, 20);
+    ck_assert_int_eq(c->inputs[0].provider.reconcile_after_s, 300);
+    ck_assert(!c->inputs[1].provider.idempotent);
+    ck_assert_str_eq(c->inputs[1].effect_signature, "public.record_payout(text,jsonb,jsonb)");
+    f = open_memstream(&out, &len);
+    conf_print(c, f);
+    fclose(f);
+    ck_assert_ptr_nonnull(strstr(out, "    provider: {\n      url = \"https://api.example.com\";"));
+    ck_assert_ptr_nonnull(strstr(out, "idempotent = false;"));
+    ck_assert_msg(conf_load_string(out, &c2, err, sizeof err) == IDEMQ_OK, "%s\n%s", err, out);
+    ck_assert_str_eq(c2->inputs[0].provider.body_template, c->inputs[0].provider.body_template);
+    ck_assert_str_eq(c2->inputs[1].provider.lookup_reference_path, "/charges?reference={key}");
+    ck_assert(!c2->inputs[1].provider.idempotent);
+    conf_free(c2);
+    free(out);
+    out = NULL;
+    conf_free(c);
+    /* a standard input prints no provider group */
+    ck_assert_int_eq(conf_load(CASES "/good_minimal.cfg", &c, err, sizeof err), IDEMQ_OK);
+    ck_assert(!CONF_INPUT_PROVIDER(&c->inputs[0]));
+    f = open_memstream(&out, &len);
+    conf_print(c, f);
+    fclose(f);
+    ck_assert_ptr_null(strstr(out, "provider"));
+    free(out);
+    conf_free(c);
+}
+END_TEST
+
 /* The shipped sample loads and documents every setting of the table. */
 START_TEST(test_sample_documents_every_key)
 {
@@ -200,6 +249,7 @@ int main(void)
     tcase_add_test(tc, test_redact);
     tcase_add_test(tc, test_print_roundtrip);
     tcase_add_test(tc, test_sample_documents_every_key);
+    tcase_add_test(tc, test_provider_settings);
     suite_add_tcase(s, tc);
     return check_run(s);
 }

@@ -1,0 +1,143 @@
+/*
+ * resolve: idemq resolve and the provider lines of jobs show (see resolve.h).
+ */
+#include "resolve.h"
+
+#include <pwd.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ledger_db.h"
+#include "ledger_provider.h"
+#include "log.h"
+
+void resolve_who(char *buf, size_t len)
+{
+    char host[128] = "host";
+    struct passwd *pw = getpwuid(getuid());
+    const char *sudo = getenv("SUDO_USER");
+    gethostname(host, sizeof host - 1);
+    if (sudo && *sudo)
+        snprintf(buf, len, "%s@%s (sudo by %s)", pw ? pw->pw_name : "?", host, sudo);
+    else
+        snprintf(buf, len, "%s@%s", pw ? pw->pw_name : "?", host);
+}
+
+int resolve_cmd(const struct conf *c, const char *key, const char *action, const char *ref,
+                const char *reason, FILE *out)
+{
+    struct ledger_db_error e;
+    const char *params[1] = {key};
+    char err[512], who[300], prior[32], input[128];
+    char *opts = NULL;
+    PGconn *db;
+    PGresult *r;
+    int idx = -1, rc = 0;
+
+    if (!reason || !*reason || (strcmp(action, "applied") == 0 && (!ref || !*ref))) {
+        fprintf(stderr, "idemq: resolve needs --reason TEXT%s\n",
+                strcmp(action, "applied") == 0 ? " and a reference (--applied REF)" : "");
+        return 2;
+    }
+    if (!(db = ledger_db_connect(c->dsn, "idemq resolve", c->statement_timeout_ms, err,
+                                 sizeof err))) {
+        log_error("%s", err);
+        return 4;
+    }
+    r = ledger_db_query(db, "SELECT input FROM idemq.intents WHERE key = $1", 1, params, &e);
+    if (!r) {
+        log_error("cannot read the ledger: %s %s", e.sqlstate, e.message);
+        rc = e.conn_lost ? 4 : 1;
+        goto out;
+    }
+    if (PQntuples(r) == 0) {
+        PQclear(r);
+        fprintf(stderr, "idemq: key %s has no provider intent: resolve settles parked keys of "
+                        "provider inputs\n", key);
+        rc = 1;
+        goto out;
+    }
+    snprintf(input, sizeof input, "%s", PQgetvalue(r, 0, 0));
+    PQclear(r);
+    for (int i = 0; i < c->n_inputs; i++)
+        if (strcmp(c->inputs[i].name, input) == 0 && CONF_INPUT_PROVIDER(&c->inputs[i]))
+            idx = i;
+    if (idx < 0) {
+        fprintf(stderr, "idemq: key %s belongs to provider input %s, which %s does not "
+                        "configure\n", key, input, c->path);
+        rc = 1;
+        goto out;
+    }
+    if (!(opts = ledger_provider_opts(c, idx))) {
+        log_error("out of memory");
+        rc = 1;
+        goto out;
+    }
+    resolve_who(who, sizeof who);
+    if (ledger_provider_resolve(db, key, action, strcmp(action, "applied") == 0 ? ref : NULL,
+                                who, reason, opts, prior, sizeof prior, &e) != IDEMQ_OK) {
+        fprintf(stderr, "idemq: not resolved: %s%s%s\n", e.message, e.sqlstate[0] ? " SQLSTATE " : "",
+                e.sqlstate);
+        rc = e.conn_lost ? 4 : 1;
+        goto out;
+    }
+    if (strcmp(action, "applied") == 0)
+        fprintf(out, "resolved %s: applied with provider reference %s (intent was %s), by %s: "
+                     "%s\n", key, ref, prior, who, reason);
+    else if (strcmp(action, "not_applied") == 0)
+        fprintf(out, "resolved %s: not applied (intent was %s), by %s: %s\nA redrive of it "
+                     "(idemq redrive --key '%s') now sends it again under the same key.\n",
+                key, prior, who, reason, key);
+    else
+        fprintf(out, "resolved %s: discarded (intent was %s), by %s: %s\nA redrive of it is "
+                     "now a duplicate; nothing will be sent.\n", key, prior, who, reason);
+out:
+    free(opts);
+    PQfinish(db);
+    return rc;
+}
+
+static const char *v(const PGresult *r, int row, int col)
+{
+    return PQgetisnull(r, row, col) ? "-" : PQgetvalue(r, row, col);
+}
+
+void resolve_show(PGconn *db, const char *key, FILE *out)
+{
+    const char *params[1] = {key};
+    PGresult *r = PQexecParams(
+        db,
+        "SELECT state, provider, input, idempotent, generation, requests, unknowns, waits, "
+        "lookups, lease_no, first_request_at, last_request_at, lease_until, run_after, "
+        "provider_ref, confirmed_at, idemq.provider_answer_text(last_response), "
+        "request_sha256, resolved_by, resolved_at, resolve_reason, uncertain "
+        "FROM idemq.intents WHERE key = $1",
+        1, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1) {
+        fprintf(out, "provider intent: %s (%s), provider %s of input %s, idempotent %s\n",
+                v(r, 0, 0), strcmp(v(r, 0, 21), "t") == 0 ? "outcome uncertain" : "certain",
+                v(r, 0, 1), v(r, 0, 2), strcmp(v(r, 0, 3), "t") == 0 ? "yes" : "no");
+        fprintf(out, "  %s requests, %s unknown outcomes, %s waits (409/429), %s lookups; "
+                     "lease %s until %s; next step after %s\n",
+                v(r, 0, 5), v(r, 0, 6), v(r, 0, 7), v(r, 0, 8), v(r, 0, 9), v(r, 0, 12),
+                v(r, 0, 13));
+        fprintf(out, "  first request %s (the key window counts from here), last request %s\n",
+                v(r, 0, 10), v(r, 0, 11));
+        fprintf(out, "  provider reference %s, confirmed %s; request sha256 %s\n", v(r, 0, 14),
+                v(r, 0, 15), v(r, 0, 17));
+        fprintf(out, "  last answer: %s\n", v(r, 0, 16));
+        if (!PQgetisnull(r, 0, 18))
+            fprintf(out, "  resolved by %s at %s: %s\n", v(r, 0, 18), v(r, 0, 19), v(r, 0, 20));
+    }
+    PQclear(r);
+    r = PQexecParams(db,
+                     "SELECT resolved_at, action, coalesce(provider_ref, '-'), prior_state, "
+                     "resolved_by, reason FROM idemq.resolutions WHERE key = $1 ORDER BY id",
+                     1, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(r) == PGRES_TUPLES_OK)
+        for (int i = 0; i < PQntuples(r); i++)
+            fprintf(out, "  resolution %s: %s (reference %s; was %s) by %s: %s\n", v(r, i, 0),
+                    v(r, i, 1), v(r, i, 2), v(r, i, 3), v(r, i, 4), v(r, i, 5));
+    PQclear(r);
+}
