@@ -329,16 +329,6 @@ static int cmd_run(const struct conf *c, long until_idle_s)
          deferred = 0;
     int rc;
 
-    /* Issue 9, phase 1: the worker loop does not drive consumer/provider_flow
-     * yet; without this its apply path would park every provider job. */
-    for (int i = 0; i < c->n_inputs; i++) {
-        if (CONF_INPUT_PROVIDER(&c->inputs[i])) {
-            log_error("input %s: provider inputs are not wired into `idemq run` yet "
-                      "(see consumer/provider_flow.h); `idemq reconcile` settles their intents",
-                      c->inputs[i].name);
-            return EXIT_CONFIG;
-        }
-    }
     if ((rc = preflight(c)))
         return rc;
     if (!(ws = calloc((size_t)c->workers, sizeof *ws)) ||

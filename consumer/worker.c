@@ -26,7 +26,9 @@
 #include "ledger_migrate.h"
 #include "ledger_txn.h"
 #include "log.h"
+#include "provider_flow.h"
 #include "rate_gate.h"
+#include "reconcile.h"
 #include "republish.h"
 #include "settle.h"
 #include "sig.h"
@@ -39,6 +41,10 @@
 #define DRAIN_ROUNDS 8    /* drain transactions per loop iteration at most */
 #define REPORT_MS 1000    /* ordered lanes: report old deferred jobs this often */
 #define FILL_TICK_MS 1    /* sleep step while a batch fills */
+#define PROVIDER_POLL_MS 20 /* provider answers waited for per loop, at most */
+#define PROVIDER_DECISIONS 64 /* provider decisions settled per poll */
+#define SWEEP_SCAN_MS 5000 /* the reconciler looks for overdue intents this often */
+#define PROVIDER_DRAIN_MS 30000 /* a stop waits this long for provider answers */
 
 /* What a loop step came to. */
 enum step {
@@ -48,6 +54,13 @@ enum step {
     STEP_BROKER,     /* broker gone (or a republish unconfirmed): reconnect it */
     STEP_REDELIVER,  /* a job met contention it could not outlast: give it back to
                       * the broker (drop the connection), back off, not ready */
+};
+
+/* A delivery of a provider input between provider_flow_start and its
+ * decision: the job is kept whole (a retry or park republishes it). */
+struct pending {
+    struct pending *next, *prev;
+    struct job job;
 };
 
 struct session {
@@ -65,6 +78,11 @@ struct session {
     struct lane_set *lanes;
     bool lanes_keyed;         /* some ordered input has an ordering key */
     long long last_drain, last_report;
+    /* provider inputs (issue 9) */
+    struct provider_flow *pf;      /* NULL without provider inputs */
+    struct reconcile_sweep *sweep; /* worker 0 only */
+    struct pending pending;        /* list head of deliveries awaiting a decision */
+    struct provider_decision *decisions;
     char why[512];            /* reason of the last non-OK step */
 };
 
@@ -141,11 +159,26 @@ static void drop_db(struct session *s)
     s->bt.lt = NULL;
 }
 
+static void pending_free(struct pending *p)
+{
+    p->prev->next = p->next;
+    p->next->prev = p->prev;
+    job_destroy(&p->job);
+    free(p);
+}
+
 static void drop_broker(struct session *s)
 {
     broker_close(s->b); /* unacknowledged deliveries go back to the queue */
     s->b = NULL;
     lane_clear(s->lanes); /* held deliveries too: their tags died with the channel */
+    if (s->pf) {
+        /* provider jobs too: their intents keep their leases; a redelivery
+         * waits for the lease, then looks the call up or resends it */
+        provider_flow_abandon(s->pf);
+        while (s->pending.next != &s->pending)
+            pending_free(s->pending.next);
+    }
 }
 
 /* Connects the database session and checks schema and effects. */
@@ -378,13 +411,182 @@ static void serviced_nap(void *ctx, long ms)
         nap(ms);
 }
 
+/* ---- provider inputs (issue 9): deliveries driven by provider_flow ---- */
+
+/*
+ * Moves the decodable deliveries of provider inputs out of the collected
+ * batch into the provider flow (their decisions come later, from
+ * provider_settle); the rest of the batch stays, compacted. A delivery
+ * the flow cannot take stays unsettled and *release is set: the caller
+ * gives it back to the broker.
+ */
+static void provider_take(struct session *s, bool *release)
+{
+    struct batch *bt = &s->bt;
+    int w = 0;
+    for (int i = 0; i < bt->n; i++) {
+        struct job *j = &bt->jobs[i];
+        struct pending *p;
+        if (j->input < 0 || j->input >= s->c->n_inputs ||
+            !CONF_INPUT_PROVIDER(&s->c->inputs[j->input]) ||
+            job_decode(j, &s->c->inputs[j->input]) != IDEMQ_OK) {
+            if (w != i) { /* keep it: compact */
+                struct job tmp = bt->jobs[w];
+                bt->jobs[w] = *j;
+                *j = tmp;
+            }
+            w++;
+            continue;
+        }
+        if (!(p = calloc(1, sizeof *p))) {
+            *release = true;
+            snprintf(s->why, sizeof s->why, "out of memory holding a provider job");
+            continue; /* its slot is reused: the tag stays unsettled */
+        }
+        p->job = *j; /* the pending entry owns the job now */
+        job_init(j);
+        p->next = s->pending.next;
+        p->prev = &s->pending;
+        s->pending.next->prev = p;
+        s->pending.next = p;
+        if (provider_flow_start(s->pf, s->db, &p->job, p) != IDEMQ_OK) {
+            *release = true;
+            snprintf(s->why, sizeof s->why, "the provider flow cannot take %s", p->job.key);
+            pending_free(p);
+        }
+    }
+    bt->n = w;
+}
+
+/*
+ * Polls the provider flow (up to wait_ms) and settles the deliveries it
+ * decided, through the same settle rules as a batch: ack; retry or wait
+ * via a delay bucket, confirmed, then ack; park via the dead-letter
+ * exchange, confirmed, then ack. A FAIL decision stops like a failed
+ * transaction (infra or fatal).
+ */
+static enum step provider_settle(struct session *s, int wait_ms)
+{
+    struct settle_io io = {s, io_delay, io_dead, io_wait, io_settle, io_reject, io_flush};
+    struct job jobs[PROVIDER_DECISIONS];
+    struct plan plans[PROVIDER_DECISIONS];
+    struct pending *owner[PROVIDER_DECISIONS];
+    struct ledger_db_error e;
+    enum step st = STEP_OK;
+    int n, parks = 0;
+    long long now = now_ns();
+
+    if (!s->pf || !provider_flow_pending(s->pf))
+        return STEP_OK;
+    n = provider_flow_poll(s->pf, s->db, wait_ms, s->decisions, PROVIDER_DECISIONS);
+    memset(plans, 0, sizeof plans);
+    for (int i = 0; i < n; i++) {
+        struct provider_decision *d = &s->decisions[i];
+        struct plan *pl = &plans[i];
+        owner[i] = d->cookie;
+        jobs[i] = owner[i]->job; /* a view: the pending entry keeps owning it */
+        switch (d->kind) {
+        case PROVIDER_FLOW_ACK:
+            pl->how = SETTLE_ACK;
+            pl->outcome = strcmp(d->outcome, "applied") == 0 ? LEDGER_APPLIED : LEDGER_DUPLICATE;
+            break;
+        case PROVIDER_FLOW_RETRY:
+        case PROVIDER_FLOW_WAIT:
+            pl->how = SETTLE_DELAY;
+            pl->delay_ms = topology_clamp_delay(s->c, d->delay_ms);
+            pl->attempt = d->attempt;
+            pl->outcome = d->kind == PROVIDER_FLOW_RETRY ? LEDGER_ERROR : LEDGER_EARLY;
+            log_job(LOG_LVL_INFO, d->key, jobs[i].tag, d->attempt,
+                    "provider %s (%s): again in %ld ms", provider_flow_kind_name(d->kind),
+                    d->outcome, pl->delay_ms);
+            break;
+        case PROVIDER_FLOW_PARK:
+            pl->how = SETTLE_DEAD;
+            pl->park = json_incref(d->park);
+            pl->attempt = d->attempt;
+            log_job(LOG_LVL_WARN, d->key, jobs[i].tag, d->attempt, "provider job parked (%s): %s",
+                    d->outcome, d->reason);
+            break;
+        case PROVIDER_FLOW_FAIL:
+            pl->how = SETTLE_RELEASE; /* settle nothing for it */
+            snprintf(s->why, sizeof s->why, "provider job %s: %s", d->key, d->reason);
+            st = d->fail_class == CLASS_FATAL ? STEP_FATAL : STEP_INFRA;
+            break;
+        }
+    }
+    if (n && s->b) {
+        count(s, plans, n);
+        switch (settle_batch(&io, jobs, plans, n, s->why, sizeof s->why)) {
+        case SETTLE_DONE:
+            for (int i = 0; i < n; i++) {
+                if (plans[i].how == SETTLE_DEAD && plans[i].park)
+                    s->park_ids[parks++] = (long long)json_integer_value(
+                        json_object_get(plans[i].park, "park_id"));
+                if (plans[i].how != SETTLE_RELEASE && jobs[i].received_ns)
+                    latency_record(&s->w->latency,
+                                   (uint64_t)(now - jobs[i].received_ns) / 1000u);
+            }
+            atomic_fetch_add(&s->w->stats.settled, n);
+            s->w->last_ack_ns = now;
+            break;
+        case SETTLE_UNCONFIRMED:
+        case SETTLE_BROKER_FAILED:
+            if (st == STEP_OK)
+                st = STEP_BROKER;
+            break;
+        }
+    }
+    if (parks && ledger_txn_mark_dead_lettered(s->lt, s->park_ids, parks, &e))
+        log_warn("worker %d: dead-letter publish confirmed but not noted in the ledger (%s)",
+                 s->w->id, e.message);
+    for (int i = 0; i < n; i++) {
+        settle_plan_clear(&plans[i]);
+        if (plans[i].how != SETTLE_RELEASE || st == STEP_OK)
+            pending_free(owner[i]);
+        provider_flow_decision_clear(&s->decisions[i]);
+    }
+    return st;
+}
+
+/* The reconciler's short step (worker 0): overdue intents looked up. */
+static enum step sweep_step(struct session *s)
+{
+    struct ledger_db_error e;
+    if (!s->sweep || !s->db)
+        return STEP_OK;
+    if (reconcile_sweep_step(s->sweep, s->db, SWEEP_SCAN_MS, 0, NULL, &e) == IDEMQ_OK)
+        return STEP_OK;
+    snprintf(s->why, sizeof s->why, "reconciler: %s %s", e.sqlstate, e.message);
+    if (e.conn_lost)
+        return STEP_INFRA;
+    log_warn("worker %d: %s", s->w->id, s->why);
+    return STEP_OK;
+}
+
+/* Work that keeps `--until-idle` from finishing: provider jobs awaiting a
+ * decision, a reconciler with requests in flight. */
+static bool provider_busy(const struct session *s)
+{
+    return (s->pf && provider_flow_pending(s->pf)) ||
+           (s->sweep && reconcile_sweep_busy(s->sweep));
+}
+
 /* Runs the collected batch s->bt.jobs[0..n) and settles what committed. */
 static enum step process(struct session *s)
 {
     int committed = 0;
-    enum batch_step bs = batch_process(&s->bt, &committed);
+    enum batch_step bs = BATCH_OK;
     enum step st = STEP_OK;
+    bool release = false;
 
+    if (s->pf)
+        provider_take(s, &release); /* provider jobs leave the batch */
+    if (s->bt.n)
+        bs = batch_process(&s->bt, &committed);
+    if (release && bs == BATCH_OK) {
+        bs = BATCH_REDELIVER;
+        snprintf(s->bt.why, sizeof s->bt.why, "%s", s->why);
+    }
     if (bs != BATCH_OK)
         snprintf(s->why, sizeof s->why, "%s", s->bt.why);
     /* What committed is settled even when the batch stopped part way. */
@@ -568,12 +770,43 @@ static bool session_alloc(struct session *s)
     if (!(s->lanes = lane_set_new(s->c)))
         return false;
     s->lanes_keyed = ledger_lanes_any(s->c);
+    s->pending.next = s->pending.prev = &s->pending;
     return true;
+}
+
+/* The provider flow (and, on worker 0, the reconciler) when some input
+ * calls a provider. false with w->error set when its credentials or CA
+ * file cannot be used (a configuration error). */
+static bool provider_alloc(struct session *s)
+{
+    bool any = false;
+    char who[300];
+    for (int i = 0; i < s->c->n_inputs; i++)
+        any = any || CONF_INPUT_PROVIDER(&s->c->inputs[i]);
+    if (!any)
+        return true;
+    if (!(s->decisions = calloc(PROVIDER_DECISIONS, sizeof *s->decisions)))
+        goto nomem;
+    if (!(s->pf = provider_flow_new(s->c, s->w->id, s->w->error, sizeof s->w->error)))
+        return false;
+    snprintf(who, sizeof who, "%s reconciler", s->c->consumer_id);
+    if (s->w->id == 0 &&
+        !(s->sweep = reconcile_sweep_new(s->c, who, NULL, s->w->error, sizeof s->w->error)))
+        return false;
+    return true;
+nomem:
+    snprintf(s->w->error, sizeof s->w->error, "out of memory");
+    return false;
 }
 
 static void session_free(struct session *s)
 {
     drop_broker(s);
+    provider_flow_free(s->pf);
+    s->pf = NULL;
+    reconcile_sweep_free(s->sweep);
+    s->sweep = NULL;
+    free(s->decisions);
     drop_db(s);
     batch_free(&s->bt);
     free(s->park_ids);
@@ -642,6 +875,11 @@ idemq_err_t worker_run(struct worker *w)
         w->result = IDEMQ_ERR_NOMEM;
         goto out;
     }
+    if (!provider_alloc(&s)) {
+        log_error("worker %d: provider inputs: %s", w->id, w->error);
+        w->result = IDEMQ_ERR_CONFIG;
+        goto out;
+    }
 #ifdef IDEMQ_TEST_HOOKS
     {
         const char *crash = getenv("IDEMQ_TEST_CRASH");
@@ -658,6 +896,8 @@ idemq_err_t worker_run(struct worker *w)
             break;
         if (reconnected)
             last_delivery = now_ms(); /* an outage does not count as idle time */
+        if (provider_busy(&s))
+            last_delivery = now_ms(); /* provider calls or lookups in flight: not idle */
         if (w->until_idle_ms > 0 && now_ms() - last_delivery >= w->until_idle_ms &&
             !lane_held(s.lanes)) {
             struct ledger_db_error e;
@@ -677,6 +917,8 @@ idemq_err_t worker_run(struct worker *w)
             ready = lane_next_ready(s.lanes);
             if (ready && ready - now < wait)
                 wait = ready > now ? (int)(ready - now) : 0;
+            if (s.pf && provider_flow_pending(s.pf))
+                wait = 0; /* provider answers are waited for below */
             st = collect(&s, wait);
         }
         if (st == STEP_OK && s.bt.n == 0)
@@ -697,8 +939,18 @@ idemq_err_t worker_run(struct worker *w)
         }
         if (st == STEP_OK)
             st = lanes_housekeeping(&s);
+        if (st == STEP_OK)
+            st = provider_settle(&s, PROVIDER_POLL_MS);
+        if (st == STEP_OK)
+            st = sweep_step(&s);
         recover(&s, st);
     }
+    /* A drain: provider calls in flight get their answers (within their
+     * timeout) and are settled before the connections close. */
+    for (long long end = now_ms() + PROVIDER_DRAIN_MS;
+         s.b && s.db && s.pf && provider_flow_pending(s.pf) && now_ms() < end;)
+        if (provider_settle(&s, 100) != STEP_OK)
+            break;
 out:
     set_ready(w, false, "stopped");
     session_free(&s);

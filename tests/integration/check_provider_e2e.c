@@ -1,9 +1,6 @@
 /* Issue 9's end-to-end tests 1-10: provider inputs through `idemq run` with
- * a real RabbitMQ, PostgreSQL and idemq-test-provider. CTest label
- * provider-e2e: scripts/test does not run them until the worker loop drives
- * consumer/provider_flow (phase 2 of issue 9; until then `idemq run`
- * refuses provider inputs and every test here fails at its first run).
- * Run them with: ctest --test-dir build -L provider-e2e --output-on-failure */
+ * a real RabbitMQ, PostgreSQL and idemq-test-provider (the worker loop
+ * drives consumer/provider_flow). */
 #include <check.h>
 
 #include "check_run.h"
