@@ -412,6 +412,7 @@ int main(int argc, char **argv)
         return EXIT_CONFIG;
     }
     log_current_level = log_level_parse(c->log_level);
+    log_configure(strcmp(c->log_format, "json") == 0, c->consumer_id);
     sig_install();
     if (strcmp(o.cmd, "check-config") == 0) {
         printf("# %s is valid; effective configuration:\n", o.config);

@@ -358,11 +358,24 @@ static enum step plan_failure(struct session *s, struct job *j, struct ledger_re
             return call_failed(s, &e, "lane_parked");
         s->drain_hint = true;
     }
-    log_job(park ? LOG_LVL_WARN : LOG_LVL_INFO, j->key, j->tag, r->attempt,
-            "%s error %s: %s -> %s (%ld ms)%s", classify_name(cls), r->sqlstate, r->message,
-            park ? "parked" : "retry in", p->delay_ms,
-            !park && is_ordered(s, j) ? (j->deferred_id ? ", from the ledger" : ", in place")
-                                      : "");
+    {
+        struct log_fields lf = LOG_FIELDS_NONE;
+        lf.event = park ? "park" : "retry";
+        lf.input = s->c->inputs[j->input].name;
+        lf.key = j->key;
+        lf.tag = j->tag;
+        lf.attempt = r->attempt;
+        lf.outcome = park ? "parked" : "retry";
+        lf.error_class = classify_name(cls);
+        lf.code = idemq_err_name(code);
+        lf.sqlstate = r->sqlstate;
+        lf.duration_ms = j->received_ns ? (double)(now_ns() - j->received_ns) / 1e6 : -1.0;
+        LOG_FIELDS(park ? LOG_LVL_WARN : LOG_LVL_INFO, &lf, "%s error %s: %s -> %s (%ld ms)%s",
+                   classify_name(cls), r->sqlstate, r->message, park ? "parked" : "retry in",
+                   p->delay_ms,
+                   !park && is_ordered(s, j) ? (j->deferred_id ? ", from the ledger" : ", in place")
+                                             : "");
+    }
     p->how = park ? SETTLE_DEAD : SETTLE_DELAY;
     if (!park && is_ordered(s, j)) /* retried in place: later jobs must not overtake it */
         p->how = j->deferred_id ? SETTLE_NONE : SETTLE_HOLD;
@@ -465,8 +478,19 @@ static enum step run_txn(struct session *s, struct job *jobs, int n, struct plan
         }
         plans[i].how = SETTLE_DEAD;
         plans[i].attempt = 1;
-        log_job(LOG_LVL_WARN, jobs[i].has_key ? jobs[i].key : NULL, jobs[i].tag, 1,
-                "parked %s: %s", idemq_err_name(jobs[i].decode_err), jobs[i].reason);
+        {
+            struct log_fields lf = LOG_FIELDS_NONE;
+            lf.event = "park";
+            lf.input = s->c->inputs[jobs[i].input].name;
+            lf.key = jobs[i].has_key ? jobs[i].key : NULL;
+            lf.tag = jobs[i].tag;
+            lf.attempt = 1;
+            lf.outcome = "parked";
+            lf.error_class = "permanent";
+            lf.code = idemq_err_name(jobs[i].decode_err);
+            LOG_FIELDS(LOG_LVL_WARN, &lf, "parked %s: %s", idemq_err_name(jobs[i].decode_err),
+                       jobs[i].reason);
+        }
     }
 #ifdef IDEMQ_TEST_HOOKS
     if (s->crash == CRASH_BEFORE_COMMIT) {
@@ -879,6 +903,7 @@ idemq_err_t worker_run(struct worker *w)
     const char *crash = getenv("IDEMQ_TEST_CRASH");
 
     memset(&s, 0, sizeof s);
+    log_set_worker(w->id); /* JSON lines of this thread carry "worker" */
     s.w = w;
     s.c = w->conf;
     s.rng = (uint64_t)now_ms() * 2654435761u + (uint64_t)w->id + 1;
