@@ -15,6 +15,7 @@
 #include "job.h"
 #include "conf.h"
 #include "ledger_db.h"
+#include "ledger_grants.h"
 #include "ledger_migrate.h"
 #include "log.h"
 #include "rate_gate.h"
@@ -44,7 +45,10 @@ static void usage(FILE *out)
             "commands:\n"
             "  run [--until-idle SECONDS]  consume and apply jobs (until stopped, or until no\n"
             "                              delivery arrived for SECONDS)\n"
-            "  migrate                     apply the ledger schema migrations (idempotent)\n"
+            "  migrate [--grant ROLE | --print-grants ROLE]\n"
+            "                              apply the ledger schema migrations (idempotent);\n"
+            "                              then grant ROLE what `run` needs and nothing more,\n"
+            "                              or only print those GRANTs (no database needed)\n"
             "  declare                     declare the exchanges, queues and bindings of the inputs\n"
             "  check-config                validate FILE and print the effective configuration\n"
             "                              (secrets redacted)\n"
@@ -75,6 +79,8 @@ struct opts {
     const char *input;
     const char *routing_key;
     struct ops_filter filter;
+    const char *grant_role; /* migrate --grant ROLE */
+    const char *print_role; /* migrate --print-grants ROLE */
 };
 
 static int parse_long(const char *opt, const char *s, long min, long max, long *out)
@@ -98,6 +104,7 @@ static int parse_args(int argc, char **argv, struct opts *o)
         {"key", required_argument, NULL, 'k'},     {"class", required_argument, NULL, 'C'},
         {"since", required_argument, NULL, 's'},   {"limit", required_argument, NULL, 'l'},
         {"dry-run", no_argument, NULL, 'd'},       {"rate", required_argument, NULL, 'R'},
+        {"grant", required_argument, NULL, 'G'},   {"print-grants", required_argument, NULL, 'P'},
         {NULL, 0, NULL, 0}};
     int c;
     long v;
@@ -122,6 +129,8 @@ static int parse_args(int argc, char **argv, struct opts *o)
                 return -1;
             break;
         case 'd': o->filter.dry_run = true; break;
+        case 'G': o->grant_role = optarg; break;
+        case 'P': o->print_role = optarg; break;
         case 'R':
             if (parse_long("--rate", optarg, 1, 100000, &v))
                 return -1;
@@ -162,6 +171,20 @@ static int parse_args(int argc, char **argv, struct opts *o)
         fprintf(stderr, "idemq: --until-idle goes with run\n");
         return -1;
     }
+    if ((o->grant_role || o->print_role) && strcmp(o->cmd, "migrate") != 0) {
+        fprintf(stderr, "idemq: --grant and --print-grants go with migrate\n");
+        return -1;
+    }
+    if (o->grant_role && o->print_role) {
+        fprintf(stderr, "idemq: --grant or --print-grants, not both\n");
+        return -1;
+    }
+    if ((o->grant_role && !ledger_grants_role_ok(o->grant_role)) ||
+        (o->print_role && !ledger_grants_role_ok(o->print_role))) {
+        fprintf(stderr, "idemq: a role name has 1 to 63 characters, none of them control "
+                        "characters\n");
+        return -1;
+    }
     return 0;
 }
 
@@ -174,12 +197,17 @@ static PGconn *connect_db(const struct conf *c)
     return db;
 }
 
-static int cmd_migrate(const struct conf *c)
+static int cmd_migrate(const struct conf *c, const char *grant_role, const char *print_role)
 {
     char err[512];
     int applied;
-    PGconn *db = connect_db(c);
-    if (!db)
+    PGconn *db;
+
+    if (print_role) { /* for review: no database needed */
+        ledger_grants_print(c, print_role, stdout);
+        return EXIT_OK;
+    }
+    if (!(db = connect_db(c)))
         return EXIT_CONNECT;
     if (ledger_migrate_run(db, &applied, err, sizeof err)) {
         log_error("%s", err);
@@ -188,6 +216,17 @@ static int cmd_migrate(const struct conf *c)
     }
     printf("ledger schema at version %d (%d migration%s applied)\n", ledger_migrate_latest(),
            applied, applied == 1 ? "" : "s");
+    if (grant_role) {
+        if (ledger_grants_apply(db, c, grant_role, err, sizeof err)) {
+            int rc = PQstatus(db) == CONNECTION_OK ? EXIT_RUNTIME : EXIT_CONNECT;
+            log_error("%s", err);
+            PQfinish(db);
+            return rc;
+        }
+        printf("role %s may now run idemq: SELECT on the ledger, EXECUTE on its functions and "
+               "on the %d input effect(s); no INSERT, UPDATE, DELETE or DDL\n",
+               grant_role, c->n_inputs);
+    }
     PQfinish(db);
     return EXIT_OK;
 }
@@ -419,7 +458,7 @@ int main(int argc, char **argv)
         conf_print(c, stdout);
         rc = EXIT_OK;
     } else if (strcmp(o.cmd, "migrate") == 0) {
-        rc = cmd_migrate(c);
+        rc = cmd_migrate(c, o.grant_role, o.print_role);
     } else if (strcmp(o.cmd, "declare") == 0) {
         rc = cmd_declare(c);
     } else if (strcmp(o.cmd, "publish") == 0) {
