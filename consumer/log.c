@@ -83,6 +83,13 @@ static json_t *jstr(const char *s)
     return json_string(tmp);
 }
 
+/* "worker.c" of "/src/consumer/worker.c": stable across build directories. */
+static const char *base(const char *file)
+{
+    const char *slash = strrchr(file, '/');
+    return slash ? slash + 1 : file;
+}
+
 static void stamp(char *buf, size_t len)
 {
     struct timespec ts;
@@ -104,7 +111,7 @@ static void write_json(int level, const char *file, int line, const struct log_f
 
     if (!f)
         f = &none;
-    snprintf(src, sizeof src, "%s:%d", file, line);
+    snprintf(src, sizeof src, "%s:%d", base(file), line);
     json_object_set_new(o, "ts", json_string(ts));
     json_object_set_new(o, "level", json_string(level_names[level]));
     json_object_set_new(o, "event", jstr(f->event ? f->event : "log"));
@@ -141,7 +148,7 @@ static void write_text(int level, const char *file, int line, const struct log_f
     char esc[LOG_MSG_MAX * 2], key[CONF_KEY_MAX_BYTES * 4 + 1];
     fprintf(stderr, "%s idemq[%s]", ts, level_tags[level]);
     if (level == LOG_LVL_DEBUG || level == LOG_LVL_ERROR)
-        fprintf(stderr, " %s:%d", file, line);
+        fprintf(stderr, " %s:%d", base(file), line);
     fputs(" ", stderr);
     if (f && (f->key || f->tag || f->attempt >= 0))
         fprintf(stderr, "key=%s tag=%llu attempt=%d: ",

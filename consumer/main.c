@@ -20,7 +20,9 @@
 #include "log.h"
 #include "rate_gate.h"
 #include "run_report.h"
+#include "gauges.h"
 #include "metrics.h"
+#include "sdnotify.h"
 #include "ops.h"
 #include "topology.h"
 #include "sig.h"
@@ -303,6 +305,8 @@ static int cmd_run(const struct conf *c, long until_idle_s)
     struct worker *ws;
     struct rate_gate *gate = NULL;
     struct metrics_server *metrics = NULL;
+    struct gauges *gauges = NULL;
+    struct sdnotify *notify = NULL;
     long applied = 0, dups = 0, parked = 0, retried = 0, received = 0;
     int rc = preflight(c);
 
@@ -331,10 +335,18 @@ static int cmd_run(const struct conf *c, long until_idle_s)
     }
     if (c->metrics_listen[0]) {
         char err[256];
-        if (metrics_start(c, ws, c->workers, &metrics, err, sizeof err))
+        if (gauges_start(c, &gauges, err, sizeof err))
+            log_error("%s (running without the deferred gauges)", err);
+        if (metrics_start(c, ws, c->workers, gauges, &metrics, err, sizeof err))
             log_error("%s (running without the metrics endpoint)", err);
         else
-            log_info("metrics and readiness on http://%s/metrics and /ready", c->metrics_listen);
+            log_info("metrics, readiness and liveness on http://%s/metrics, /ready and /live",
+                     c->metrics_listen);
+    }
+    {
+        char err[256];
+        if (sdnotify_start(c, ws, c->workers, &notify, err, sizeof err))
+            log_error("%s (running without systemd notifications)", err);
     }
     for (int i = 0; i < c->workers; i++) {
         pthread_join(ws[i].thread, NULL);
@@ -348,10 +360,17 @@ static int cmd_run(const struct conf *c, long until_idle_s)
         parked += atomic_load(&ws[i].stats.parked);
         retried += atomic_load(&ws[i].stats.retried);
     }
-    log_info("stopped: received %ld, applied %ld, duplicates %ld, retried %ld, parked %ld",
-             received, applied, dups, retried, parked);
+    sdnotify_stop(notify);
+    {
+        struct log_fields lf = LOG_FIELDS_NONE;
+        lf.event = "stopped";
+        LOG_FIELDS(LOG_LVL_INFO, &lf,
+                   "stopped: received %ld, applied %ld, duplicates %ld, retried %ld, parked %ld",
+                   received, applied, dups, retried, parked);
+    }
     run_report_log(ws, c->workers);
     metrics_stop(metrics);
+    gauges_stop(gauges);
     for (int i = 0; i < c->workers; i++)
         worker_destroy(&ws[i]);
     free(ws);

@@ -138,6 +138,7 @@ void worker_init(struct worker *w, int id, const struct conf *conf, int until_id
     w->conf = conf;
     w->until_idle_ms = until_idle_ms;
     atomic_store(&w->stats.head_age_ms, -1);
+    worker_progress(w);
     pthread_mutex_init(&w->lock, NULL);
     snprintf(w->status, sizeof w->status, "starting");
 }
@@ -269,7 +270,9 @@ static bool ensure_connected(struct session *s, bool *reconnected)
     int failures = 0;
     *reconnected = !s->b || !s->db;
     for (;;) {
-        enum step st = connect_db(s);
+        enum step st;
+        worker_progress(s->w); /* a reconnect attempt is progress */
+        st = connect_db(s);
         if (st == STEP_OK)
             st = connect_broker(s);
         if (st == STEP_OK) {
@@ -288,7 +291,13 @@ static bool ensure_connected(struct session *s, bool *reconnected)
         else
             log_warn("worker %d: %s unavailable: %s (reconnecting with backoff)", s->w->id,
                      st == STEP_BROKER ? "broker" : "database", s->why);
-        nap(backoff_delay_ms(failures, 250, PAUSE_MAX_MS, BACKOFF_JITTER_EQUAL, &s->rng));
+        /* backing off is waiting by design, not being stuck: progress in steps */
+        for (long left = backoff_delay_ms(failures, 250, PAUSE_MAX_MS, BACKOFF_JITTER_EQUAL,
+                                          &s->rng);
+             left > 0 && !sig_stop_requested(); left -= 1000) {
+            nap(left < 1000 ? left : 1000);
+            worker_progress(s->w);
+        }
         if (sig_stop_requested())
             return false;
     }
@@ -500,6 +509,7 @@ static enum step run_txn(struct session *s, struct job *jobs, int n, struct plan
 #endif
     if (ledger_txn_commit(s->lt, &e))
         return call_failed(s, &e, "COMMIT");
+    worker_progress(s->w); /* a transaction finished */
     return STEP_OK;
 rollback:
     ledger_txn_rollback(s->lt);
@@ -922,6 +932,7 @@ idemq_err_t worker_run(struct worker *w)
     while (!sig_stop_requested()) {
         enum step st;
         bool reconnected;
+        worker_progress(w); /* each round polls the broker (a frame read or a timeout) */
         if (!ensure_connected(&s, &reconnected))
             break;
         if (reconnected)
@@ -960,6 +971,7 @@ idemq_err_t worker_run(struct worker *w)
         case STEP_OK:
             break;
         case STEP_BROKER:
+            set_ready(w, false, s.why); /* e.g. a consumer the broker cancelled */
             log_warn("worker %d: broker failure: %s; reconnecting (unacked deliveries return "
                      "to the queue)", w->id, s.why);
             drop_broker(&s);
