@@ -245,7 +245,12 @@ static int cmd_declare(const struct conf *c)
     }
     for (int i = 0; i < c->n_inputs && rc == EXIT_OK; i++) {
         if (topology_declare(b, c, &c->inputs[i])) {
-            log_error("input %s: %s", c->inputs[i].name, broker_error(b));
+            log_error("input %s: %s%s", c->inputs[i].name, broker_error(b),
+                      strstr(broker_error(b), "403")
+                          ? " (idemq declare needs configure permission on these names: run it "
+                            "as an administrator; run itself can do with read and write, with "
+                            "topology.verify = \"passive\")"
+                          : "");
             rc = EXIT_TOPOLOGY;
         } else if (CONF_INPUT_ORDERED(&c->inputs[i])) {
             const struct conf_input *in = &c->inputs[i];
