@@ -6,7 +6,8 @@
  *   2. GET /live turns 503 while this run's PostgreSQL is stopped (SIGSTOP)
  *      and 200 after SIGCONT; the systemd watchdog pings stop meanwhile;
  *      the notifications arrive in order on a socket standing in for
- *      NOTIFY_SOCKET; promtool accepts a live scrape;
+ *      NOTIFY_SOCKET; promtool accepts a live scrape, and the alert rules
+ *      (unit-tested) and the Grafana dashboard name only its metrics;
  *   3. run under a RabbitMQ user without configure permission and a
  *      PostgreSQL role without DDL rights applies, retries and parks jobs;
  *      the same user cannot run declare;
@@ -470,6 +471,10 @@ START_TEST(test_liveness_and_systemd)
     fclose(f);
     ck_assert_msg(sh("promtool check metrics < %s", scrape) == 0,
                   "promtool check metrics refused the scrape:\n%s", body);
+    /* the alert rules (checked, unit-tested) and the dashboard name only
+     * metrics this scrape declares */
+    ck_assert_msg(sh("%s/scripts/check-monitoring %s", IDEMQ_SOURCE_DIR, scrape) == 0,
+                  "scripts/check-monitoring failed (its output is above)");
     unlink(scrape);
 
     /* PostgreSQL stops: the next job blocks the worker inside the database */
