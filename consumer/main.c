@@ -323,8 +323,13 @@ static int cmd_run(const struct conf *c, long until_idle_s)
         free(ws);
         return EXIT_RUNTIME;
     }
-    log_info("idemq %s: %d worker(s), %d input(s), batch_max %d, consumer %s", IDEMQ_VERSION,
-             c->workers, c->n_inputs, c->batch_max, c->consumer_id);
+    {
+        struct log_fields lf = LOG_FIELDS_NONE;
+        lf.event = "start";
+        LOG_FIELDS(LOG_LVL_INFO, &lf, "idemq %s: %d worker(s), %d input(s), batch_max %d, "
+                   "consumer %s", IDEMQ_VERSION, c->workers, c->n_inputs, c->batch_max,
+                   c->consumer_id);
+    }
     for (int i = 0; i < c->workers; i++) {
         worker_init(&ws[i], i, c, (int)(until_idle_s * 1000));
         ws[i].gate = gate;

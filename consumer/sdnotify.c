@@ -40,11 +40,20 @@ static long long mono_ms(void)
     return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+/* Sends msg (assignments, one per line). Texts put in it went through
+ * one_line(), so no worker status (which may quote a business key) can add
+ * an assignment of its own. */
 static void notify(const char *msg)
 {
     int rc = sd_notify(0, msg);
     if (rc < 0)
         log_debug("sd_notify: %s", strerror(-rc));
+}
+
+/* s with control characters escaped, so it stays one assignment. */
+static const char *one_line(const char *s, char *buf, size_t len)
+{
+    return log_escape_text(s, buf, len);
 }
 
 /* The readiness part of STATUS= (what changes it is sent at once). */
@@ -54,7 +63,8 @@ static bool all_ready(struct sdnotify *s, char *why, size_t len)
         if (!atomic_load(&s->ws[i].ready)) {
             char st[512];
             worker_status(&s->ws[i], st, sizeof st);
-            snprintf(why, len, "not ready: worker %d: %s", i, st);
+            char esc[600];
+            snprintf(why, len, "not ready: worker %d: %s", i, one_line(st, esc, sizeof esc));
             return false;
         }
     }
@@ -83,8 +93,9 @@ static void tick(struct sdnotify *s)
         s->last_status_ms = now;
     }
     if (!s->stopping_sent) {
+        char esc[600];
         if (!ok)
-            snprintf(status, sizeof status, "STUCK: %s", live);
+            snprintf(status, sizeof status, "STUCK: %s", one_line(live, esc, sizeof esc));
         else
             snprintf(status, sizeof status, "%s; applied %ld, duplicates %ld, retried %ld, "
                      "parked %ld", head, applied, dups, retried, parked);

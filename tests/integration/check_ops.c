@@ -279,6 +279,22 @@ static long notify_last(const struct notify_sock *n, const char *s)
     return pos;
 }
 
+/* Assignments (lines of the messages) that start with s. */
+static int notify_lines(const struct notify_sock *n, const char *s)
+{
+    int c = 0;
+    size_t len = strlen(s);
+    for (const char *p = n->log; *p;) {
+        size_t line = strcspn(p, "\n|");
+        if (line >= len && strncmp(p, s, len) == 0)
+            c++;
+        p += line;
+        if (*p)
+            p++;
+    }
+    return c;
+}
+
 static int count_of(const char *hay, const char *needle)
 {
     int c = 0;
@@ -504,6 +520,38 @@ START_TEST(test_liveness_and_systemd)
     notify_read(&ns, 1000);
     ck_assert_int_gt(count_of(ns.log, "WATCHDOG=1"), before_stop); /* pings again */
 
+    /* a worker status quoting a hostile key cannot add assignments of its
+     * own: a fatal error (42501) pauses the worker, STATUS= says why */
+    snprintf(key, sizeof key, "%s:k\nREADY=1\nSTATUS=forged", t.name);
+    {
+        json_t *o = json_pack("{s:s}", "job_id", key);
+        char *txt = json_dumps(o, JSON_COMPACT);
+        const char *params[1] = {key};
+        PGresult *r = PQexecParams(t.db, "INSERT INTO idemq_test.failing VALUES ($1, '42501')",
+                                   1, NULL, params, NULL, NULL, 0);
+        ck_assert_int_eq(PQresultStatus(r), PGRES_COMMAND_OK);
+        PQclear(r);
+        snprintf(b, sizeof b, "%s", txt);
+        free(txt);
+        json_decref(o);
+    }
+    itest_publish(&t, bodies, 1);
+    for (int i = 0; i < 100 && !strstr(ns.log, "forged"); i++)
+        notify_read(&ns, 100);
+    ck_assert_msg(strstr(ns.log, "STATUS=not ready: worker 0: ") != NULL, "%s", ns.log);
+    ck_assert_int_eq(notify_lines(&ns, "READY=1"), 1);
+    ck_assert_int_eq(notify_lines(&ns, "STATUS=forged"), 0);
+    {
+        const char *params[1] = {key};
+        PGresult *r = PQexecParams(t.db, "DELETE FROM idemq_test.failing WHERE key = $1", 1,
+                                   NULL, params, NULL, NULL, 0);
+        ck_assert_int_eq(PQresultStatus(r), PGRES_COMMAND_OK);
+        PQclear(r);
+    }
+    for (int i = 0; i < 300 && itest_long(&t, EFFECTS_FOR, key) < 1; i++)
+        usleep(100000);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+
     /* SIGTERM drains: STOPPING=1, then the last status */
     kill(pid, SIGTERM);
     st = itest_wait(pid, itest_ms(30000));
@@ -513,8 +561,8 @@ START_TEST(test_liveness_and_systemd)
     ck_assert_msg(strlen(ns.log) > 15 &&
                       strcmp(ns.log + strlen(ns.log) - 15, "STATUS=stopped|") == 0,
                   "%s", ns.log);
-    ck_assert_int_eq(count_of(ns.log, "READY=1"), 1);
-    ck_assert_int_eq(count_of(ns.log, "STOPPING=1"), 1);
+    ck_assert_int_eq(notify_lines(&ns, "READY=1"), 1);
+    ck_assert_int_eq(notify_lines(&ns, "STOPPING=1"), 1);
     notify_close(&ns);
     itest_teardown(&t);
 }
