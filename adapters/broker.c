@@ -24,6 +24,7 @@
 #include "amqp_table.h"
 #include "confirms.h"
 #include "delivery.h"
+#include "broker_tls.h"
 #include "log.h"
 
 #define CHANNEL 1
@@ -165,21 +166,18 @@ static idemq_err_t connect_url(struct broker *b, const struct conf *c, const cha
         set_err(b, "out of memory");
         goto out;
     }
-    if (ci.ssl) {
-        sock = amqp_ssl_socket_new(b->conn);
-        if (sock) {
-            amqp_ssl_socket_set_verify_peer(sock, 1);
-            amqp_ssl_socket_set_verify_hostname(sock, 1);
-        }
-    } else {
-        sock = amqp_tcp_socket_new(b->conn);
-    }
-    if (!sock) {
+    if (ci.ssl) { /* broker.tls settings (issue 11) */
+        if (!(sock = broker_tls_socket(b->conn, c, b->err, sizeof b->err)))
+            goto out;
+    } else if (!(sock = amqp_tcp_socket_new(b->conn))) {
         set_err(b, "cannot create socket");
         goto out;
     }
     if ((rc = amqp_socket_open_noblock(sock, ci.host, ci.port, &tv)) != AMQP_STATUS_OK) {
-        set_err(b, "cannot connect to %s:%d: %s", ci.host, ci.port, amqp_error_string2(rc));
+        char tls[sizeof b->err];
+        set_err(b, "cannot connect to %s:%d: %s", ci.host, ci.port,
+                ci.ssl ? broker_tls_explain(rc, ci.host, c, tls, sizeof tls)
+                       : amqp_error_string2(rc));
         goto out;
     }
     cap_entries[0].key = amqp_cstring_bytes("connection.blocked");
@@ -204,8 +202,11 @@ static idemq_err_t connect_url(struct broker *b, const struct conf *c, const cha
                   amqp_login_with_properties(b->conn, c->vhost[0] ? c->vhost : ci.vhost, 0,
                                              AMQP_DEFAULT_FRAME_SIZE, c->heartbeat, &props,
                                              AMQP_SASL_METHOD_PLAIN, ci.user, ci.password),
-                  "login"))
+                  "login")) {
+        if (ci.ssl) /* e.g. a client certificate the broker wanted (TLS 1.3) */
+            broker_tls_explain_login(c, b->err, sizeof b->err);
         goto out;
+    }
     err = open_channel(b);
 out:
     free(copy);

@@ -4,6 +4,9 @@
  */
 #include "topology.h"
 
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -51,164 +54,220 @@ long topology_bucket(long delay_ms)
     return b;
 }
 
-/* Work queues dead-letter into the input's dead-letter path: what idemq
- * rejects (a delivery the client library cannot decode) lands in
- * <queue>.dead like every park. */
-static json_t *work_queue_args(const struct conf_input *in)
+/*
+ * Queue arguments. Quorum queues (issue 11) carry an explicit delivery
+ * limit (RabbitMQ 4.x defaults to 20 and then drops or dead-letters behind
+ * idemq's back) and dead-letter at-least-once into <queue>.dlx, so the
+ * broker's last resort lands in the same <queue>.dead as idemq's parks.
+ * The legacy form is what idemq declared before: an existing queue keeps
+ * its arguments, so it is still accepted (with a warning).
+ */
+static json_t *work_queue_args(const struct conf_input *in, bool legacy)
 {
     char dlx[TOPOLOGY_NAME_MAX];
+    json_t *a = json_pack("{s:s}", "x-queue-type", in->queue_type);
+    if (legacy)
+        return a;
+    /* Every work queue dead-letters into <queue>.dlx: what idemq rejects
+     * (a delivery the client library cannot decode) lands in <queue>.dead
+     * like every park (issue 8). */
     topology_dlx(in, dlx, sizeof dlx);
-    return json_pack("{s:s,s:s,s:s}", "x-queue-type", in->queue_type, "x-dead-letter-exchange",
-                     dlx, "x-dead-letter-routing-key", in->queue);
+    json_object_set_new(a, "x-dead-letter-exchange", json_string(dlx));
+    json_object_set_new(a, "x-dead-letter-routing-key", json_string(in->queue));
+    if (strcmp(in->queue_type, "quorum") != 0)
+        return a;
+    json_object_set_new(a, "x-delivery-limit", json_integer(in->delivery_limit));
+    json_object_set_new(a, "x-dead-letter-strategy", json_string("at-least-once"));
+    json_object_set_new(a, "x-overflow", json_string("reject-publish"));
+    return a;
 }
 
-static json_t *bucket_args(const struct conf_input *in)
+static json_t *partition_args(const struct conf_input *in, bool legacy)
+{
+    json_t *a = work_queue_args(in, legacy);
+    json_object_set_new(a, "x-single-active-consumer", json_true());
+    return a;
+}
+
+static json_t *bucket_args(const struct conf_input *in, bool legacy)
 {
     /* Classic: per-message TTL is what makes a bucket; expired messages go
      * straight back to the work queue (not via the work exchange, which
      * might fan out). */
+    (void)legacy;
     return json_pack("{s:s,s:s,s:s}", "x-queue-type", "classic", "x-dead-letter-exchange", "",
                      "x-dead-letter-routing-key", in->queue);
 }
 
-static json_t *dlq_args(const struct conf_input *in)
+static json_t *dlq_args(const struct conf_input *in, bool legacy)
 {
-    return json_pack("{s:s}", "x-queue-type", in->queue_type);
+    json_t *a = json_pack("{s:s}", "x-queue-type", in->queue_type);
+    /* Tools browse <queue>.dead (get, then requeue), which counts as a
+     * delivery of a quorum queue: no practical limit there. */
+    if (!legacy && strcmp(in->queue_type, "quorum") == 0)
+        json_object_set_new(a, "x-delivery-limit", json_integer(TOPOLOGY_DLQ_DELIVERY_LIMIT));
+    return a;
 }
 
-/* Declares (or, when verify, checks then redeclares) one queue. */
-static idemq_err_t queue(struct broker *b, const char *name, json_t *args, bool verify)
+enum mode { MODE_DECLARE, MODE_VERIFY, MODE_PASSIVE };
+
+/* Warns once per process and queue that it lacks the arguments of this
+ * version (declared by an older idemq). Any thread. */
+static void warn_legacy(const char *name)
+{
+    static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+    static char warned[64][TOPOLOGY_NAME_MAX];
+    static int n;
+    bool seen = false;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < n && !seen; i++)
+        seen = strcmp(warned[i], name) == 0;
+    if (!seen && n < 64)
+        snprintf(warned[n++], sizeof warned[0], "%s", name);
+    pthread_mutex_unlock(&lock);
+    if (!seen)
+        log_warn("queue %s was declared without dead-lettering into its .dlx (and, for a "
+                 "quorum queue, without x-delivery-limit) by an older idemq: a delivery idemq "
+                 "rejects would be dropped, and a quorum queue gets the broker's delivery limit "
+                 "(RabbitMQ 4.x: 20, then dropped or dead-lettered); set them with a policy, "
+                 "see README \"Quorum delivery limits\"",
+                 name);
+}
+
+/*
+ * Declares (or, when verifying, checks then redeclares; passive: only
+ * checks) one queue. args(in, legacy) builds the arguments; a queue that
+ * exists with the legacy arguments is accepted with a warning.
+ */
+static idemq_err_t queue(struct broker *b, const struct conf_input *in, const char *name,
+                         json_t *(*args)(const struct conf_input *, bool), enum mode m)
 {
     idemq_err_t err = IDEMQ_OK;
-    if (verify)
+    json_t *a, *old;
+    if (m != MODE_DECLARE)
         err = broker_declare_queue(b, name, NULL, true);
-    if (!err)
-        err = broker_declare_queue(b, name, args, false);
-    json_decref(args);
-    return err;
-}
-
-/* A work queue: as queue(), but when verifying, a queue an older idemq
- * declared without the dead-letter arguments (queue arguments cannot
- * change) is accepted with a warning: a policy can add them. */
-static idemq_err_t work_queue(struct broker *b, const struct conf_input *in, const char *name,
-                              json_t *args, bool verify)
-{
-    idemq_err_t err;
-    json_t *legacy = verify ? json_deep_copy(args) : NULL;
-
-    if (legacy) {
-        json_object_del(legacy, "x-dead-letter-exchange");
-        json_object_del(legacy, "x-dead-letter-routing-key");
-    }
-    err = queue(b, name, args, verify);
-    if (err && legacy && strstr(broker_error(b), "406") &&
-        broker_declare_queue(b, name, legacy, false) == IDEMQ_OK) {
-        char dlx[TOPOLOGY_NAME_MAX];
-        topology_dlx(in, dlx, sizeof dlx);
-        log_warn("queue %s was declared without x-dead-letter-exchange (by an older idemq): a "
-                 "delivery the client library cannot decode is rejected and would be dropped "
-                 "unless a policy dead-letters it, e.g. rabbitmqctl set_policy %s-dlx '^%s$' "
-                 "'{\"dead-letter-exchange\":\"%s\",\"dead-letter-routing-key\":\"%s\"}' "
-                 "--apply-to queues",
-                 name, in->queue, name, dlx, in->queue);
+    if (err || m == MODE_PASSIVE)
+        return err;
+    a = args(in, false);
+    old = args(in, true);
+    err = broker_declare_queue(b, name, a, false);
+    if (err && strstr(broker_error(b), "406") && !json_equal(a, old) &&
+        broker_declare_queue(b, name, old, false) == IDEMQ_OK) {
+        warn_legacy(name);
         err = IDEMQ_OK;
     }
-    json_decref(legacy);
+    json_decref(a);
+    json_decref(old);
     return err;
 }
 
-static idemq_err_t exchange(struct broker *b, const char *name, const char *type, bool verify)
+static idemq_err_t exchange(struct broker *b, const char *name, const char *type, json_t *args,
+                           enum mode m)
 {
     idemq_err_t err = IDEMQ_OK;
-    if (verify)
+    if (m != MODE_DECLARE)
         err = broker_declare_exchange(b, name, type, true, NULL);
-    if (!err)
-        err = broker_declare_exchange(b, name, type, false, NULL);
+    if (!err && m != MODE_PASSIVE)
+        err = broker_declare_exchange(b, name, type, false, args);
     return err;
 }
 
-static idemq_err_t dead_objects(struct broker *b, const struct conf_input *in, bool verify)
+/* queue.bind, except in passive mode (binding needs permissions the
+ * least-privileged user lacks, and re-binding would undo an operator). */
+static idemq_err_t bind(struct broker *b, const char *queue, const char *ex, const char *key,
+                        enum mode m)
+{
+    return m == MODE_PASSIVE ? IDEMQ_OK : broker_bind(b, queue, ex, key, NULL);
+}
+
+static idemq_err_t dead_objects(struct broker *b, const struct conf_input *in, enum mode m)
 {
     char name[TOPOLOGY_NAME_MAX], ex[TOPOLOGY_NAME_MAX];
     idemq_err_t err;
     topology_dlx(in, ex, sizeof ex);
     topology_dlq(in, name, sizeof name);
-    if ((err = exchange(b, ex, "direct", verify)))
+    if ((err = exchange(b, ex, "direct", NULL, m)))
         return err;
-    if ((err = queue(b, name, dlq_args(in), verify)))
+    if ((err = queue(b, in, name, dlq_args, m)))
         return err;
-    return broker_bind(b, name, ex, in->queue, NULL);
+    return bind(b, name, ex, in->queue, m);
 }
 
 /* Ordered lanes: the consistent-hash exchange and its partition queues. */
-static idemq_err_t walk_partitioned(struct broker *b, const struct conf_input *in, bool verify)
+static idemq_err_t walk_partitioned(struct broker *b, const struct conf_input *in, enum mode m)
 {
     char name[TOPOLOGY_NAME_MAX];
     json_t *xargs = in->hash_header[0] ? json_pack("{s:s}", "hash-header", in->hash_header)
                                        : NULL;
-    idemq_err_t err = IDEMQ_OK;
+    idemq_err_t err = exchange(b, in->exchange, "x-consistent-hash", xargs, m);
 
-    if (verify)
-        err = broker_declare_exchange(b, in->exchange, "x-consistent-hash", true, NULL);
-    if (!err)
-        err = broker_declare_exchange(b, in->exchange, "x-consistent-hash", false, xargs);
     json_decref(xargs);
     for (int k = 0; !err && k < in->partitions; k++) {
         topology_partition_queue(in, k, name, sizeof name);
-        json_t *args = work_queue_args(in);
-        json_object_set_new(args, "x-single-active-consumer", json_true());
-        err = work_queue(b, in, name, args, verify);
+        err = queue(b, in, name, partition_args, m);
         if (!err)
-            err = broker_bind(b, name, in->exchange, "1", NULL); /* equal weights */
+            err = bind(b, name, in->exchange, "1", m); /* equal weights */
     }
     if (!err)
-        err = dead_objects(b, in, verify);
+        err = dead_objects(b, in, m);
     return err;
 }
 
 static idemq_err_t walk(struct broker *b, const struct conf *c, const struct conf_input *in,
-                        bool verify)
+                        enum mode m)
 {
     char name[TOPOLOGY_NAME_MAX], ex[TOPOLOGY_NAME_MAX], key[32];
     idemq_err_t err;
 
     if (CONF_INPUT_ORDERED(in))
-        return walk_partitioned(b, in, verify);
-    if (in->exchange[0] && (err = exchange(b, in->exchange, in->exchange_type, verify)))
+        return walk_partitioned(b, in, m);
+    if (in->exchange[0] && (err = exchange(b, in->exchange, in->exchange_type, NULL, m)))
         return err;
-    if ((err = work_queue(b, in, in->queue, work_queue_args(in), verify)))
+    if ((err = queue(b, in, in->queue, work_queue_args, m)))
         return err;
-    if (in->exchange[0] && (err = broker_bind(b, in->queue, in->exchange, in->routing_key, NULL)))
+    if (in->exchange[0] && (err = bind(b, in->queue, in->exchange, in->routing_key, m)))
         return err;
 
     topology_delay_exchange(in, ex, sizeof ex);
-    if ((err = exchange(b, ex, "direct", verify)))
+    if ((err = exchange(b, ex, "direct", NULL, m)))
         return err;
     for (long bucket = TOPOLOGY_MIN_DELAY_MS; bucket <= c->max_delay_ms; bucket *= 2) {
         topology_bucket_queue(in, bucket, name, sizeof name);
         snprintf(key, sizeof key, "%ld", bucket);
-        if ((err = queue(b, name, bucket_args(in), verify)))
+        if ((err = queue(b, in, name, bucket_args, m)))
             return err;
-        if ((err = broker_bind(b, name, ex, key, NULL)))
+        if ((err = bind(b, name, ex, key, m)))
             return err;
     }
 
-    return dead_objects(b, in, verify);
+    return dead_objects(b, in, m);
 }
 
 idemq_err_t topology_declare(struct broker *b, const struct conf *c, const struct conf_input *in)
 {
-    return walk(b, c, in, false);
+    return walk(b, c, in, MODE_DECLARE);
 }
 
 idemq_err_t topology_verify(struct broker *b, const struct conf *c, const struct conf_input *in,
                             char *errbuf, size_t errlen)
 {
-    idemq_err_t err = walk(b, c, in, true);
-    if (err)
-        snprintf(errbuf, errlen, "input %s: unsafe topology: %s; run `idemq declare`", in->name,
-                 broker_error(b));
+    static atomic_int said_passive;
+    idemq_err_t err = walk(b, c, in, c->topology_passive ? MODE_PASSIVE : MODE_VERIFY);
+    if (err) {
+        const char *e = broker_error(b);
+        snprintf(errbuf, errlen, "input %s: unsafe topology: %s; run `idemq declare`%s", in->name,
+                 e,
+                 strstr(e, "403") && !c->topology_passive
+                     ? " (a user without configure permission can run with topology.verify "
+                       "= \"passive\")"
+                     : "");
+    } else if (c->topology_passive && !atomic_exchange(&said_passive, 1)) {
+        log_info("topology.verify = passive: checked that every exchange and queue of the "
+                 "inputs exists; NOT checked: queue arguments (x-queue-type, x-delivery-limit, "
+                 "dead-lettering, single active consumer) and bindings (that needs configure "
+                 "permission: run `idemq declare` as an administrator, or compare them in the "
+                 "management UI or API)");
+    }
     return err;
 }
 

@@ -24,6 +24,9 @@
 
 #define TOPOLOGY_MIN_DELAY_MS 100L
 #define TOPOLOGY_NAME_MAX 300
+/* x-delivery-limit of a quorum input's <queue>.dead: tools browse it with
+ * get and requeue, which counts as a delivery; effectively no limit. */
+#define TOPOLOGY_DLQ_DELIVERY_LIMIT 1000000
 
 void topology_delay_exchange(const struct conf_input *in, char *buf, size_t len);
 void topology_bucket_queue(const struct conf_input *in, long bucket_ms, char *buf, size_t len);
@@ -40,6 +43,9 @@ long topology_bucket(long delay_ms);
 
 /*
  * Declares the input's work, delay and dead-letter objects (idempotent).
+ * Quorum queues get x-delivery-limit (in->delivery_limit) and at-least-once
+ * dead-lettering into <queue>.dlx. A queue declared earlier without those
+ * arguments is accepted with a warning (a policy sets them; README).
  * IDEMQ_ERR_BROKER with broker_error(b) naming the object on failure, e.g.
  * an existing queue with other arguments.
  */
@@ -47,10 +53,13 @@ idemq_err_t topology_declare(struct broker *b, const struct conf *c,
                              const struct conf_input *in) IDEMQ_MUSTCHECK;
 
 /*
- * Checks before consuming that the input's objects exist (passive) and that
- * the queues carry the configured arguments (a redeclare, which the broker
- * refuses on a mismatch), and re-asserts the bindings. On failure errbuf
- * says what is wrong and to run `idemq declare`. Leaves b usable.
+ * Checks before consuming that the input's objects exist (passive). With
+ * topology.verify = full it also checks that the queues carry the
+ * configured arguments (a redeclare, which the broker refuses on a
+ * mismatch) and re-asserts the bindings; with passive it does neither
+ * (no configure permission needed) and logs once per process what it did
+ * not check. On failure errbuf says what is wrong and to run `idemq
+ * declare`. Leaves b usable. Any thread (own b).
  */
 idemq_err_t topology_verify(struct broker *b, const struct conf *c, const struct conf_input *in,
                             char *errbuf, size_t errlen) IDEMQ_MUSTCHECK;

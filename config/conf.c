@@ -87,6 +87,21 @@ static const struct conf_key global_keys[] = {
     {"metrics.listen", CT_STR, G(metrics_listen), 0, 64, "", 0, 0,
      "IPv4:port for GET /metrics and /ready of `idemq run`; empty = off"},
     {"log.level", CT_STR, G(log_level), 1, 10, "info", 0, 0, "error, warn, info or debug"},
+    /* operations (issue 11): TLS, least privilege, logs, liveness */
+    {"broker.tls.ca_file", CT_STR, G(tls_ca_file), 0, 4096, "/etc/ssl/certs/ca-certificates.crt",
+     0, 0, "amqps://: PEM file of the CAs the broker's certificate must chain to"},
+    {"broker.tls.cert_file", CT_STR, G(tls_cert_file), 0, 4096, "", 0, 0,
+     "amqps://: client certificate (PEM); empty = none"},
+    {"broker.tls.key_file", CT_STR, G(tls_key_file), 0, 4096, "", 0, 0,
+     "amqps://: private key of cert_file (PEM, unencrypted); empty = none"},
+    {"broker.tls.verify", CT_STR, G(tls_verify), 1, 8, "full", 0, 0,
+     "full (peer and hostname) or none (logged as a warning on every connect)"},
+    {"topology.verify", CT_STR, G(topology_verify), 1, 8, "full", 0, 0,
+     "run: full (redeclare, rebind; needs configure permission) or passive (existence only)"},
+    {"metrics.live_stall_s", CT_INT, G(live_stall_s), 1, 86400, NULL, 60, 0,
+     "GET /live and the systemd watchdog fail once a worker made no progress this long"},
+    {"log.format", CT_STR, G(log_format), 1, 8, "text", 0, 0,
+     "text, or json (one object per line)"},
 };
 
 static const struct conf_key input_keys[] = {
@@ -163,6 +178,9 @@ static const struct conf_key input_keys[] = {
      60000, 0, "a 429 asking to wait longer parks the job; at most retry.max_delay_ms"},
     {"provider.reconcile_after_s", CT_INT, I(provider.reconcile_after_s), 1, 30 * 86400, NULL,
      300, 0, "intents left pending/unknown this long are looked up by the reconciler"},
+    /* operations (issue 11) */
+    {"delivery_limit", CT_INT, I(delivery_limit), 1, 1000000, NULL, 100, 0,
+     "quorum inputs: x-delivery-limit of the queue, at least 2 x retry.max_attempts"},
 };
 
 #define N_GLOBAL ((int)(sizeof global_keys / sizeof global_keys[0]))
@@ -850,6 +868,69 @@ static idemq_err_t validate_limits(struct conf *c, const config_t *cfg, const ch
     return IDEMQ_OK;
 }
 
+/* Operations (issue 11): TLS, topology verification, log format, the
+ * liveness window and quorum delivery limits, checked against each other. */
+static idemq_err_t validate_ops(struct conf *c, const char *file, char *errbuf, size_t errlen)
+{
+    long long stall_ms = (long long)c->live_stall_s * 1000;
+
+    if (strcmp(c->tls_verify, "full") && strcmp(c->tls_verify, "none")) {
+        errf(errbuf, errlen, "%s: broker.tls.verify must be \"full\" or \"none\", not \"%s\"",
+             file, c->tls_verify);
+        return IDEMQ_ERR_CONFIG;
+    }
+    c->tls_verify_off = strcmp(c->tls_verify, "none") == 0;
+    if (!c->tls_cert_file[0] != !c->tls_key_file[0]) {
+        errf(errbuf, errlen, "%s: broker.tls.cert_file and broker.tls.key_file go together "
+             "(a client certificate needs its key)", file);
+        return IDEMQ_ERR_CONFIG;
+    }
+    if (strcmp(c->topology_verify, "full") && strcmp(c->topology_verify, "passive")) {
+        errf(errbuf, errlen, "%s: topology.verify must be \"full\" or \"passive\", not \"%s\"",
+             file, c->topology_verify);
+        return IDEMQ_ERR_CONFIG;
+    }
+    c->topology_passive = strcmp(c->topology_verify, "passive") == 0;
+    if (strcmp(c->log_format, "text") && strcmp(c->log_format, "json")) {
+        errf(errbuf, errlen, "%s: log.format must be \"text\" or \"json\", not \"%s\"", file,
+             c->log_format);
+        return IDEMQ_ERR_CONFIG;
+    }
+    /* A worker legitimately waits this long inside one call: a database
+     * call until its client-side deadline (or statement timeout), a broker
+     * read until a missed heartbeat, a connect attempt, a provider call. */
+    {
+        long long db_ms = c->call_timeout_ms ? c->call_timeout_ms : c->statement_timeout_ms;
+        long long provider_ms = 0;
+        for (int i = 0; i < c->n_inputs; i++)
+            if (CONF_INPUT_PROVIDER(&c->inputs[i]) &&
+                c->inputs[i].provider.timeout_ms > provider_ms)
+                provider_ms = c->inputs[i].provider.timeout_ms;
+        if (stall_ms <= db_ms || stall_ms <= (long long)c->heartbeat * 1000 ||
+            stall_ms <= c->connect_timeout_ms || stall_ms <= provider_ms) {
+            errf(errbuf, errlen, "%s: metrics.live_stall_s (%d s) must exceed the database "
+                 "call deadline (%lld ms: database.client_timeout_ms, or "
+                 "statement_timeout_ms + 5000), broker.heartbeat (%d s), "
+                 "broker.connect_timeout_ms (%d ms) and every provider.timeout_ms (%lld ms): "
+                 "a worker may wait that long in one call",
+                 file, c->live_stall_s, db_ms, c->heartbeat, c->connect_timeout_ms,
+                 provider_ms);
+            return IDEMQ_ERR_CONFIG;
+        }
+    }
+    for (int i = 0; i < c->n_inputs; i++) {
+        const struct conf_input *in = &c->inputs[i];
+        if (strcmp(in->queue_type, "quorum") == 0 &&
+            (long long)in->delivery_limit < 2LL * c->max_attempts) {
+            errf(errbuf, errlen, "%s: input %s: delivery_limit (%d) must be at least twice "
+                 "retry.max_attempts (%d), so idemq parks a failing job before the broker "
+                 "dead-letters it", file, in->name, in->delivery_limit, c->max_attempts);
+            return IDEMQ_ERR_CONFIG;
+        }
+    }
+    return IDEMQ_OK;
+}
+
 static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char *errbuf,
                         size_t errlen)
 {
@@ -872,9 +953,11 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
             continue;
         if (config_setting_type(s) != CONFIG_TYPE_GROUP ||
             (strcmp(name, "broker") && strcmp(name, "database") && strcmp(name, "consumer") &&
-             strcmp(name, "retry") && strcmp(name, "metrics") && strcmp(name, "log"))) {
+             strcmp(name, "retry") && strcmp(name, "metrics") && strcmp(name, "log") &&
+             strcmp(name, "topology"))) {
             errf(errbuf, errlen, "%s:%d: unknown setting %s (top level holds broker, database, "
-                 "consumer, retry, metrics, log and inputs)", file, config_setting_source_line(s), name);
+                 "consumer, retry, metrics, log, topology and inputs)", file,
+                 config_setting_source_line(s), name);
             err = IDEMQ_ERR_CONFIG;
             goto fail;
         }
@@ -898,6 +981,8 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
     if ((err = validate_limits(c, cfg, file, errbuf, errlen)) != IDEMQ_OK)
         goto fail;
     if ((err = apply_env(c, errbuf, errlen)) != IDEMQ_OK)
+        goto fail;
+    if ((err = validate_ops(c, file, errbuf, errlen)) != IDEMQ_OK)
         goto fail;
     if (!c->consumer_id[0]) {
         char host[128] = "host", id[200];
@@ -1005,13 +1090,29 @@ char *conf_redact(const char *s, char *buf, size_t buflen)
             put(buf, buflen, &o, ":***", 4);
             p = at;
         }
-        put(buf, buflen, &o, p, strlen(p));
+        while (*p) { /* and query parameters password= / sslpassword= */
+            size_t kw = strncmp(p, "password=", 9) == 0      ? 9
+                        : strncmp(p, "sslpassword=", 12) == 0 ? 12
+                                                               : 0;
+            if (kw && p > s && (p[-1] == '?' || p[-1] == '&')) {
+                put(buf, buflen, &o, p, kw);
+                put(buf, buflen, &o, "***", 3);
+                p += kw;
+                while (*p && *p != '&')
+                    p++;
+                continue;
+            }
+            put(buf, buflen, &o, p++, 1);
+        }
         buf[o] = '\0';
         return buf;
     }
-    while (*p) { /* key=value DSN: replace the value of password= */
-        if ((p == s || p[-1] == ' ') && strncmp(p, "password", 8) == 0) {
-            const char *q = p + 8;
+    while (*p) { /* key=value DSN: replace the value of password= (and sslpassword=) */
+        size_t kw = strncmp(p, "password", 8) == 0      ? 8
+                    : strncmp(p, "sslpassword", 11) == 0 ? 11
+                                                         : 0;
+        if ((p == s || p[-1] == ' ') && kw) {
+            const char *q = p + kw;
             while (*q == ' ')
                 q++;
             if (*q == '=') {
@@ -1028,7 +1129,8 @@ char *conf_redact(const char *s, char *buf, size_t buflen)
                     while (*q && *q != ' ')
                         q++;
                 }
-                put(buf, buflen, &o, "password=***", 12);
+                put(buf, buflen, &o, p, kw);
+                put(buf, buflen, &o, "=***", 4);
                 p = q;
                 continue;
             }
@@ -1084,24 +1186,60 @@ static void print_key(FILE *out, const struct conf_key *k, const void *base, con
     }
 }
 
+/* Length of the first path component of p ("broker" of "broker.tls.x"). */
+static size_t head_len(const char *p)
+{
+    const char *dot = strchr(p, '.');
+    return dot ? (size_t)(dot - p) : strlen(p);
+}
+
+/* True if row i is the first row whose path starts with the same prefix of
+ * length len as row i's. */
+static bool first_with_prefix(int i, size_t len)
+{
+    for (int k = 0; k < i; k++)
+        if (strncmp(global_keys[k].path, global_keys[i].path, len) == 0 &&
+            (global_keys[k].path[len] == '.' || global_keys[k].path[len] == '\0'))
+            return false;
+    return true;
+}
+
 void conf_print(const struct conf *c, FILE *out)
 {
-    const char *group = NULL;
-    size_t group_len = 0;
-    for (int i = 0; i < N_GLOBAL; i++) {
-        const struct conf_key *k = &global_keys[i];
-        const char *dot = strchr(k->path, '.');
-        size_t glen = (size_t)(dot - k->path);
-        if (!group || group_len != glen || strncmp(group, k->path, glen)) {
-            if (group)
-                fprintf(out, "};\n");
-            fprintf(out, "%.*s: {\n", (int)glen, k->path);
-            group = k->path;
-            group_len = glen;
+    /* Groups (and one level of subgroups, e.g. broker.tls) in order of
+     * first appearance in the table, so rows of one group need not be
+     * adjacent in it. */
+    for (int g = 0; g < N_GLOBAL; g++) {
+        const char *gp = global_keys[g].path;
+        size_t glen = head_len(gp);
+        if (!first_with_prefix(g, glen))
+            continue;
+        fprintf(out, "%.*s: {\n", (int)glen, gp);
+        for (int i = g; i < N_GLOBAL; i++) { /* leaves of the group */
+            const char *p = global_keys[i].path;
+            if (strncmp(p, gp, glen) || p[glen] != '.' || strchr(p + glen + 1, '.'))
+                continue;
+            print_key(out, &global_keys[i], c, p + glen + 1, "  ");
         }
-        print_key(out, k, c, dot + 1, "  ");
+        for (int s = g; s < N_GLOBAL; s++) { /* its subgroups */
+            const char *sp = global_keys[s].path;
+            size_t slen;
+            if (strncmp(sp, gp, glen) || sp[glen] != '.' || !strchr(sp + glen + 1, '.'))
+                continue;
+            slen = glen + 1 + head_len(sp + glen + 1);
+            if (!first_with_prefix(s, slen))
+                continue;
+            fprintf(out, "  %.*s: {\n", (int)(slen - glen - 1), sp + glen + 1);
+            for (int i = s; i < N_GLOBAL; i++) {
+                const char *p = global_keys[i].path;
+                if (strncmp(p, sp, slen) == 0 && p[slen] == '.')
+                    print_key(out, &global_keys[i], c, p + slen + 1, "    ");
+            }
+            fprintf(out, "  };\n");
+        }
+        fprintf(out, "};\n");
     }
-    fprintf(out, "};\ninputs = (\n");
+    fprintf(out, "inputs = (\n");
     for (int j = 0; j < c->n_inputs; j++) {
         fprintf(out, "  {\n");
         for (int i = 0; i < N_INPUT; i++)

@@ -91,6 +91,8 @@ struct conf_input {
     int deferred_report_after_s;
     /* provider effects (issue 9) */
     struct conf_provider provider;
+    /* operations (issue 11): quorum inputs declare x-delivery-limit */
+    int delivery_limit;
     /* derived by validation */
     enum conf_key_kind key_kind;
     char *key_name;        /* field or header name; NULL for message_id */
@@ -141,6 +143,16 @@ struct conf {
     char *metrics_listen;
     /* log */
     char *log_level;
+    /* operations (issue 11) */
+    char *tls_ca_file;     /* amqps:// trust anchors (PEM) */
+    char *tls_cert_file;   /* client certificate (PEM), "" = none */
+    char *tls_key_file;    /* its private key (PEM), "" = none */
+    char *tls_verify;      /* "full" or "none" */
+    char *topology_verify; /* "full" or "passive" */
+    int live_stall_s;      /* GET /live and the systemd watchdog */
+    char *log_format;      /* "text" or "json" */
+    bool tls_verify_off;   /* derived: tls_verify == "none" */
+    bool topology_passive; /* derived: topology_verify == "passive" */
     /* inputs */
     struct conf_input *inputs;
     int n_inputs;

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "backoff.h"
@@ -141,11 +142,29 @@ static enum step plan_failure(struct batch *bt, struct job *j, struct ledger_res
             return call_failed(bt, &e, "lane_parked");
         bt->drain_hint = true;
     }
-    log_job(park ? LOG_LVL_WARN : LOG_LVL_INFO, j->key, j->tag, r->attempt,
-            "%s error %s: %s -> %s (%ld ms)%s", classify_name(cls), r->sqlstate, r->message,
-            park ? "parked" : "retry in", p->delay_ms,
-            !park && is_ordered(bt, j) ? (j->deferred_id ? ", from the ledger" : ", in place")
-                                       : "");
+    {
+        struct log_fields lf = LOG_FIELDS_NONE;
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        lf.event = park ? "park" : "retry";
+        lf.input = bt->c->inputs[j->input].name;
+        lf.key = j->key;
+        lf.tag = j->tag;
+        lf.attempt = r->attempt;
+        lf.outcome = park ? "parked" : "retry";
+        lf.error_class = classify_name(cls);
+        lf.code = idemq_err_name(code);
+        lf.sqlstate = r->sqlstate;
+        lf.duration_ms = j->received_ns ? (double)((long long)ts.tv_sec * 1000000000LL +
+                                                   ts.tv_nsec - j->received_ns) / 1e6
+                                        : -1.0;
+        LOG_FIELDS(park ? LOG_LVL_WARN : LOG_LVL_INFO, &lf, "%s error %s: %s -> %s (%ld ms)%s",
+                   classify_name(cls), r->sqlstate, r->message, park ? "parked" : "retry in",
+                   p->delay_ms,
+                   !park && is_ordered(bt, j) ? (j->deferred_id ? ", from the ledger"
+                                                                : ", in place")
+                                              : "");
+    }
     p->how = park ? SETTLE_DEAD : SETTLE_DELAY;
     if (!park && is_ordered(bt, j)) /* retried in place: later jobs must not overtake it */
         p->how = j->deferred_id ? SETTLE_NONE : SETTLE_HOLD;
@@ -172,8 +191,18 @@ static enum step park_undecoded(struct batch *bt, struct job *j, struct plan *p)
      * broker dead-letters it from the queue itself (basic.reject). */
     p->how = j->decode_err == IDEMQ_ERR_UNDECODABLE ? SETTLE_REJECT : SETTLE_DEAD;
     p->attempt = 1;
-    log_job(LOG_LVL_WARN, j->has_key ? j->key : NULL, j->tag, 1, "parked %s: %s",
-            idemq_err_name(j->decode_err), j->reason);
+    {
+        struct log_fields lf = LOG_FIELDS_NONE;
+        lf.event = "park";
+        lf.input = bt->c->inputs[j->input].name;
+        lf.key = j->has_key ? j->key : NULL;
+        lf.tag = j->tag;
+        lf.attempt = 1;
+        lf.outcome = "parked";
+        lf.error_class = "permanent";
+        lf.code = idemq_err_name(j->decode_err);
+        LOG_FIELDS(LOG_LVL_WARN, &lf, "parked %s: %s", idemq_err_name(j->decode_err), j->reason);
+    }
     return STEP_OK;
 }
 
@@ -188,6 +217,11 @@ static enum step commit(struct batch *bt)
 #endif
     if (ledger_txn_commit(bt->lt, &e))
         return call_failed(bt, &e, "COMMIT");
+    if (bt->progress) { /* a transaction finished: the worker is alive */
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        atomic_store(bt->progress, (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000);
+    }
 #ifdef IDEMQ_TEST_HOOKS
     if (bt->crash == BATCH_CRASH_AFTER_COMMIT) {
         log_warn("test hook: SIGKILL after commit, before ack");

@@ -64,6 +64,7 @@ struct batch {
     enum batch_crash crash;  /* test builds: IDEMQ_TEST_CRASH */
     batch_nap_fn nap;
     void *nap_ctx;
+    atomic_llong *progress;  /* liveness: set to CLOCK_MONOTONIC ms at each commit */
     int ladder_depth;        /* for tests and logs: the deepest rung used */
     char why[512];           /* reason of the last non-OK step */
     struct ledger_db_error last_call; /* the last whole-call failure */

@@ -15,11 +15,14 @@
 #include "job.h"
 #include "conf.h"
 #include "ledger_db.h"
+#include "ledger_grants.h"
 #include "ledger_migrate.h"
 #include "log.h"
 #include "rate_gate.h"
 #include "run_report.h"
+#include "gauges.h"
 #include "metrics.h"
+#include "sdnotify.h"
 #include "ops.h"
 #include "effect_http.h"
 #include "reconcile.h"
@@ -51,7 +54,10 @@ static void usage(FILE *out)
             "commands:\n"
             "  run [--until-idle SECONDS]  consume and apply jobs (until stopped, or until no\n"
             "                              delivery arrived for SECONDS)\n"
-            "  migrate                     apply the ledger schema migrations (idempotent)\n"
+            "  migrate [--grant ROLE | --print-grants ROLE]\n"
+            "                              apply the ledger schema migrations (idempotent);\n"
+            "                              then grant ROLE what `run` needs and nothing more,\n"
+            "                              or only print those GRANTs (no database needed)\n"
             "  declare                     declare the exchanges, queues and bindings of the inputs\n"
             "  check-config                validate FILE and print the effective configuration\n"
             "                              (secrets redacted)\n"
@@ -92,6 +98,8 @@ struct opts {
     const char *resolution;  /* resolve: applied, not_applied or discard */
     const char *reference;   /* resolve --applied REF */
     const char *reason;      /* resolve --reason TEXT */
+    const char *grant_role; /* migrate --grant ROLE */
+    const char *print_role; /* migrate --print-grants ROLE */
 };
 
 static int parse_long(const char *opt, const char *s, long min, long max, long *out)
@@ -119,6 +127,7 @@ static int parse_args(int argc, char **argv, struct opts *o)
         {"age", required_argument, NULL, 'A'},     {"applied", required_argument, NULL, 'P'},
         {"not-applied", no_argument, NULL, 'N'},   {"discard", no_argument, NULL, 'D'},
         {"reason", required_argument, NULL, 'W'},
+        {"grant", required_argument, NULL, 'G'},   {"print-grants", required_argument, NULL, 'Q'},
         {NULL, 0, NULL, 0}};
     int c;
     long v;
@@ -144,6 +153,8 @@ static int parse_args(int argc, char **argv, struct opts *o)
                 return -1;
             break;
         case 'd': o->filter.dry_run = true; break;
+        case 'G': o->grant_role = optarg; break;
+        case 'Q': o->print_role = optarg; break;
         case 'R':
             if (parse_long("--rate", optarg, 1, 100000, &v))
                 return -1;
@@ -219,6 +230,20 @@ static int parse_args(int argc, char **argv, struct opts *o)
         fprintf(stderr, "idemq: --until-idle goes with run\n");
         return -1;
     }
+    if ((o->grant_role || o->print_role) && strcmp(o->cmd, "migrate") != 0) {
+        fprintf(stderr, "idemq: --grant and --print-grants go with migrate\n");
+        return -1;
+    }
+    if (o->grant_role && o->print_role) {
+        fprintf(stderr, "idemq: --grant or --print-grants, not both\n");
+        return -1;
+    }
+    if ((o->grant_role && !ledger_grants_role_ok(o->grant_role)) ||
+        (o->print_role && !ledger_grants_role_ok(o->print_role))) {
+        fprintf(stderr, "idemq: a role name has 1 to 63 characters, none of them control "
+                        "characters\n");
+        return -1;
+    }
     return 0;
 }
 
@@ -231,14 +256,19 @@ static PGconn *connect_db(const struct conf *c)
     return db;
 }
 
-static int cmd_migrate(const struct conf *c)
+static int cmd_migrate(const struct conf *c, const char *grant_role, const char *print_role)
 {
     char err[512];
     int applied;
+    PGconn *db;
+
+    if (print_role) { /* for review: no database needed */
+        ledger_grants_print(c, print_role, stdout);
+        return EXIT_OK;
+    }
     /* Not the workers' statement_timeout: migrate sets its own timeouts
      * (no statement timeout, a lock_timeout; ledger_migrate_run). */
-    PGconn *db = ledger_db_connect(c->dsn, "idemq migrate", 0, err, sizeof err);
-    if (!db)
+    if (!(db = ledger_db_connect(c->dsn, "idemq migrate", 0, err, sizeof err)))
         log_error("%s", err);
     if (!db)
         return EXIT_CONNECT;
@@ -249,6 +279,17 @@ static int cmd_migrate(const struct conf *c)
     }
     printf("ledger schema at version %d (%d migration%s applied)\n", ledger_migrate_latest(),
            applied, applied == 1 ? "" : "s");
+    if (grant_role) {
+        if (ledger_grants_apply(db, c, grant_role, err, sizeof err)) {
+            int rc = PQstatus(db) == CONNECTION_OK ? EXIT_RUNTIME : EXIT_CONNECT;
+            log_error("%s", err);
+            PQfinish(db);
+            return rc;
+        }
+        printf("role %s may now run idemq: SELECT on the ledger, EXECUTE on its functions and "
+               "on the %d input effect(s); no INSERT, UPDATE, DELETE or DDL\n",
+               grant_role, c->n_inputs);
+    }
     PQfinish(db);
     return EXIT_OK;
 }
@@ -265,7 +306,12 @@ static int cmd_declare(const struct conf *c)
     }
     for (int i = 0; i < c->n_inputs && rc == EXIT_OK; i++) {
         if (topology_declare(b, c, &c->inputs[i])) {
-            log_error("input %s: %s", c->inputs[i].name, broker_error(b));
+            log_error("input %s: %s%s", c->inputs[i].name, broker_error(b),
+                      strstr(broker_error(b), "403")
+                          ? " (idemq declare needs configure permission on these names: run it "
+                            "as an administrator; run itself can do with read and write, with "
+                            "topology.verify = \"passive\")"
+                          : "");
             rc = EXIT_TOPOLOGY;
         } else if (CONF_INPUT_ORDERED(&c->inputs[i])) {
             const struct conf_input *in = &c->inputs[i];
@@ -325,6 +371,8 @@ static int cmd_run(const struct conf *c, long until_idle_s)
     struct worker *ws;
     struct rate_gate *gate = NULL;
     struct metrics_server *metrics = NULL;
+    struct gauges *gauges = NULL;
+    struct sdnotify *notify = NULL;
     long applied = 0, dups = 0, parked = 0, retried = 0, received = 0, from_ledger = 0,
          deferred = 0;
     int rc;
@@ -337,9 +385,14 @@ static int cmd_run(const struct conf *c, long until_idle_s)
         free(ws);
         return EXIT_RUNTIME;
     }
-    log_info("idemq %s: %d worker(s), %d input(s), batch_max %d, consumer %s; worst case of "
-             "deliveries held per worker %lld MiB", IDEMQ_VERSION, c->workers, c->n_inputs,
-             c->batch_max, c->consumer_id, c->buffered_worst / (1024 * 1024));
+    {
+        struct log_fields lf = LOG_FIELDS_NONE;
+        lf.event = "start";
+        LOG_FIELDS(LOG_LVL_INFO, &lf, "idemq %s: %d worker(s), %d input(s), batch_max %d, "
+                   "consumer %s; worst case of deliveries held per worker %lld MiB",
+                   IDEMQ_VERSION, c->workers, c->n_inputs, c->batch_max, c->consumer_id,
+                   c->buffered_worst / (1024 * 1024));
+    }
     /* A known stack size: librabbitmq-c 0.11 decodes nested header tables
      * recursively (fixed in 0.14); a header frame is bounded by frame_max
      * (128 KiB), which bounds that depth to what this stack holds. */
@@ -363,10 +416,18 @@ static int cmd_run(const struct conf *c, long until_idle_s)
     pthread_attr_destroy(&attr);
     if (c->metrics_listen[0]) {
         char err[256];
-        if (metrics_start(c, ws, c->workers, &metrics, err, sizeof err))
+        if (gauges_start(c, &gauges, err, sizeof err))
+            log_error("%s (running without the deferred gauges)", err);
+        if (metrics_start(c, ws, c->workers, gauges, &metrics, err, sizeof err))
             log_error("%s (running without the metrics endpoint)", err);
         else
-            log_info("metrics and readiness on http://%s/metrics and /ready", c->metrics_listen);
+            log_info("metrics, readiness and liveness on http://%s/metrics, /ready and /live",
+                     c->metrics_listen);
+    }
+    {
+        char err[256];
+        if (sdnotify_start(c, ws, c->workers, &notify, err, sizeof err))
+            log_error("%s (running without systemd notifications)", err);
     }
     for (int i = 0; i < c->workers; i++) {
         pthread_join(ws[i].thread, NULL);
@@ -382,11 +443,18 @@ static int cmd_run(const struct conf *c, long until_idle_s)
         parked += atomic_load(&ws[i].stats.parked);
         retried += atomic_load(&ws[i].stats.retried);
     }
-    log_info("stopped: received %ld (+%ld from the deferred store), applied %ld, duplicates %ld, "
-             "deferred %ld, retried %ld, parked %ld",
-             received, from_ledger, applied, dups, deferred, retried, parked);
+    sdnotify_stop(notify);
+    {
+        struct log_fields lf = LOG_FIELDS_NONE;
+        lf.event = "stopped";
+        LOG_FIELDS(LOG_LVL_INFO, &lf,
+                   "stopped: received %ld (+%ld from the deferred store), applied %ld, "
+                   "duplicates %ld, deferred %ld, retried %ld, parked %ld",
+                   received, from_ledger, applied, dups, deferred, retried, parked);
+    }
     run_report_log(ws, c->workers);
     metrics_stop(metrics);
+    gauges_stop(gauges);
     for (int i = 0; i < c->workers; i++)
         worker_destroy(&ws[i]);
     free(ws);
@@ -487,6 +555,7 @@ int main(int argc, char **argv)
         return EXIT_CONFIG;
     }
     log_current_level = log_level_parse(c->log_level);
+    log_configure(strcmp(c->log_format, "json") == 0, c->consumer_id);
     sig_install();
     if (strcmp(o.cmd, "check-config") == 0) {
         struct effect_http *h = NULL; /* provider credentials and CA files, issue 9 */
@@ -500,7 +569,7 @@ int main(int argc, char **argv)
         }
         effect_http_free(h);
     } else if (strcmp(o.cmd, "migrate") == 0) {
-        rc = cmd_migrate(c);
+        rc = cmd_migrate(c, o.grant_role, o.print_role);
     } else if (strcmp(o.cmd, "declare") == 0) {
         rc = cmd_declare(c);
     } else if (strcmp(o.cmd, "publish") == 0) {

@@ -12,11 +12,14 @@
 
 #include "classify.h"
 #include "reconcile.h"
+#include "liveness.h"
 
 struct metrics_server {
     struct MHD_Daemon *d;
     struct worker *ws;
     int n;
+    struct gauges *g;
+    long long stall_ms; /* metrics.live_stall_s */
 };
 
 #define ADD(fmt, ...)                                                                        \
@@ -73,8 +76,14 @@ size_t metrics_render(struct worker *ws, int n, char *buf, size_t len)
         "# TYPE idemq_oldest_ready_age_seconds gauge\nidemq_oldest_ready_age_seconds %.3f\n",
         age < 0 ? -1.0 : (double)age / 1000.0);
     ADD("# HELP idemq_workers_ready workers consuming\n# TYPE idemq_workers_ready gauge\n"
-        "idemq_workers_ready %ld\nidemq_workers %d\n",
+        "idemq_workers_ready %ld\n# HELP idemq_workers worker threads\n"
+        "# TYPE idemq_workers gauge\nidemq_workers %d\n",
         ready, n);
+    ADD("# HELP idemq_worker_progress_age_seconds longest time since a worker made progress "
+        "(GET /live fails past metrics.live_stall_s)\n"
+        "# TYPE idemq_worker_progress_age_seconds gauge\n"
+        "idemq_worker_progress_age_seconds %.3f\n",
+        (double)liveness_max_age_ms(ws, n) / 1000.0);
     if (off < len) /* provider intents, refreshed by the reconciler's sweep (issue 9) */
         off += reconcile_metrics_render(buf + off, len - off);
     return off < len ? off : len - 1;
@@ -97,6 +106,15 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
         status = MHD_HTTP_METHOD_NOT_ALLOWED;
     } else if (strcmp(url, "/metrics") == 0) {
         len = metrics_render(m->ws, m->n, buf, sizeof buf);
+        gauges_render(m->g, buf, sizeof buf, &len);
+    } else if (strcmp(url, "/live") == 0) {
+        char why[600];
+        if (liveness_ok(m->ws, m->n, m->stall_ms, why, sizeof why)) {
+            len = (size_t)snprintf(buf, sizeof buf, "live\n");
+        } else {
+            len = (size_t)snprintf(buf, sizeof buf, "not live: %s\n", why);
+            status = MHD_HTTP_SERVICE_UNAVAILABLE;
+        }
     } else if (strcmp(url, "/ready") == 0) {
         len = (size_t)snprintf(buf, sizeof buf, "ready\n");
         for (int i = 0; i < m->n; i++) {
@@ -109,7 +127,7 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
             }
         }
     } else {
-        len = (size_t)snprintf(buf, sizeof buf, "try /ready or /metrics\n");
+        len = (size_t)snprintf(buf, sizeof buf, "try /ready, /live or /metrics\n");
         status = MHD_HTTP_NOT_FOUND;
     }
     if (len >= sizeof buf)
@@ -117,13 +135,13 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
     r = MHD_create_response_from_buffer(len, buf, MHD_RESPMEM_MUST_COPY);
     if (!r)
         return MHD_NO;
-    MHD_add_response_header(r, "Content-Type", "text/plain; version=0.0.4");
+    MHD_add_response_header(r, "Content-Type", "text/plain; version=0.0.4; charset=utf-8");
     ret = MHD_queue_response(conn, status, r);
     MHD_destroy_response(r);
     return ret;
 }
 
-idemq_err_t metrics_start(const struct conf *c, struct worker *ws, int n,
+idemq_err_t metrics_start(const struct conf *c, struct worker *ws, int n, struct gauges *g,
                           struct metrics_server **out, char *errbuf, size_t errlen)
 {
     struct metrics_server *m;
@@ -149,6 +167,8 @@ idemq_err_t metrics_start(const struct conf *c, struct worker *ws, int n,
     }
     m->ws = ws;
     m->n = n;
+    m->g = g;
+    m->stall_ms = (long long)c->live_stall_s * 1000;
     m->d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD, 0, NULL, NULL, answer, m,
                             MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa, MHD_OPTION_END);
     if (!m->d) {

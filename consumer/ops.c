@@ -123,6 +123,195 @@ out:
     return rc;
 }
 
+/* Remembers a delivery tag to requeue at the end; false when out of memory. */
+static bool hold(uint64_t **held, size_t *n, size_t *cap, uint64_t tag)
+{
+    if (*n == *cap) {
+        size_t ncap = *cap ? *cap * 2 : 64;
+        uint64_t *nh = realloc(*held, ncap * sizeof **held);
+        if (!nh)
+            return false;
+        *held = nh;
+        *cap = ncap;
+    }
+    (*held)[(*n)++] = tag;
+    return true;
+}
+
+/*
+ * What a message in <queue>.dead says about itself: from idemq's x-idemq-*
+ * headers, or, for a message the broker dead-lettered on its own (a quorum
+ * delivery limit: no x-idemq-park-id, an x-death header), from x-death and
+ * the body (the key, decoded per the input's key_source).
+ */
+struct dead_view {
+    const char *key;    /* NULL = none */
+    const char *cls;    /* error class; "broker" for broker-made */
+    const char *code;   /* error code; the x-death reason for broker-made */
+    const char *origin; /* queue to redrive to, NULL = unknown */
+    long long park_id;  /* -1 = none */
+    long long died_at;  /* broker-made: x-death time (epoch s), else -1 */
+    long count;         /* broker-made: x-death count */
+    json_t *death;      /* broker-made: the newest x-death entry, else NULL */
+    bool refused;       /* its origin header names a queue of no input (issue 8) */
+    bool not_redrivable; /* its park does not hold the whole message */
+};
+
+/* Fills v for a message j read from in's dead-letter queue (decodes j). */
+static void dead_view(struct job *j, const struct conf_input *in, struct dead_view *v)
+{
+    json_t *deaths = json_object_get(j->headers, "x-death");
+    json_t *id = json_object_get(j->headers, "x-idemq-park-id");
+    memset(v, 0, sizeof *v);
+    v->park_id = json_is_integer(id) ? (long long)json_integer_value(id) : -1;
+    v->died_at = -1;
+    if (v->park_id < 0 && json_is_array(deaths) && json_array_size(deaths) > 0 &&
+        json_is_object(json_array_get(deaths, 0))) {
+        const char *q;
+        v->death = json_array_get(deaths, 0); /* newest first */
+        q = json_string_value(json_object_get(v->death, "queue"));
+        job_decode(j, in);
+        v->key = j->has_key ? j->key : NULL;
+        v->cls = "broker";
+        v->code = json_string_value(json_object_get(v->death, "reason"));
+        if (!v->code)
+            v->code = "unknown";
+        v->origin = q && topology_is_input_queue(in, q) ? q : NULL;
+        v->died_at = json_is_integer(json_object_get(v->death, "time"))
+                         ? (long long)json_integer_value(json_object_get(v->death, "time"))
+                         : -1;
+        v->count = json_is_integer(json_object_get(v->death, "count"))
+                       ? (long)json_integer_value(json_object_get(v->death, "count"))
+                       : 0;
+        return;
+    }
+    v->key = json_string_value(json_object_get(j->headers, "x-idemq-key"));
+    v->cls = json_string_value(json_object_get(j->headers, "x-idemq-error-class"));
+    v->code = json_string_value(json_object_get(j->headers, "x-idemq-error-code"));
+    /* Only the input's own queues: a producer-supplied header must not
+     * steer a publish made with idemq's credentials. */
+    v->origin = json_string_value(json_object_get(j->headers, "x-idemq-origin-queue"));
+    if (v->origin && !topology_is_input_queue(in, v->origin)) {
+        v->origin = NULL;
+        v->refused = true;
+    }
+    v->not_redrivable = json_is_false(json_object_get(j->headers, "x-idemq-redrivable"));
+}
+
+static bool matches(const struct dead_view *v, const struct ops_filter *f, long long since_id,
+                    long long since_epoch)
+{
+    if (f->key && (!v->key || strcmp(v->key, f->key) != 0))
+        return false;
+    if (f->error_class && (!v->cls || strcmp(v->cls, f->error_class) != 0))
+        return false;
+    if (f->since && (v->park_id >= 0 ? v->park_id < since_id
+                                     : v->died_at < 0 || v->died_at < since_epoch))
+        return false;
+    return true;
+}
+
+/* Epoch seconds of a --since timestamp; -1 (and *rc = 2) if it is bad. */
+static long long since_epoch_of(PGconn *db, const char *since, int *rc)
+{
+    const char *params[1] = {since};
+    PGresult *r = PQexecParams(db, "SELECT floor(extract(epoch FROM $1::timestamptz))::bigint",
+                               1, NULL, params, NULL, NULL, 0);
+    long long t = -1;
+    if (PQresultStatus(r) != PGRES_TUPLES_OK) {
+        log_error("bad --since: %s", PQerrorMessage(db));
+        *rc = 2;
+    } else {
+        t = atoll(PQgetvalue(r, 0, 0));
+    }
+    PQclear(r);
+    return t;
+}
+
+/*
+ * parked list, second part: messages the broker dead-lettered into each
+ * input's <queue>.dead by itself, which have no park row until a redrive
+ * records them. Browses (get, then requeue everything it took). Returns 0,
+ * or 4 if the broker is unreachable; adds to *n.
+ */
+static int list_broker_dead(const struct conf *c, const struct ops_filter *f,
+                            long long since_epoch, FILE *out, long *n)
+{
+    struct broker *b;
+    char err[512], dlq[TOPOLOGY_NAME_MAX];
+    struct job j;
+    int rc = 0;
+
+    if (f->error_class && strcmp(f->error_class, "broker") != 0)
+        return 0;
+    if (broker_open(c, "idemq parked list", false, &b, err, sizeof err)) {
+        log_error("%s", err);
+        fprintf(out, "dead letters made by the broker: not listed (broker unreachable)\n");
+        return 4;
+    }
+    job_init(&j);
+    for (int i = 0; i < c->n_inputs && rc == 0; i++) {
+        const struct conf_input *in = &c->inputs[i];
+        uint64_t *held = NULL;
+        size_t nheld = 0, cap = 0;
+        uint32_t waiting = 0;
+        if (f->input && strcmp(f->input, in->name) != 0)
+            continue;
+        topology_dlq(in, dlq, sizeof dlq);
+        if (broker_queue_counts(b, dlq, &waiting, NULL)) { /* passive: keeps b usable */
+            if (!strstr(broker_error(b), "404")) {
+                log_error("checking %s: %s", dlq, broker_error(b));
+                rc = 4;
+            }
+            continue; /* no dead-letter queue: nothing the broker put there */
+        }
+        for (uint32_t seen = 0; seen < waiting; seen++) { /* what is there now */
+            struct dead_view v;
+            idemq_err_t e = broker_get(b, dlq, &j, false);
+            if (e == IDEMQ_ERR_TIMEOUT)
+                break;
+            if (e) {
+                log_error("reading %s: %s", dlq, broker_error(b));
+                rc = 4;
+                break;
+            }
+            if (!hold(&held, &nheld, &cap, j.tag)) {
+                rc = 1;
+                break;
+            }
+            dead_view(&j, in, &v);
+            if (!v.death || !matches(&v, f, 0, since_epoch))
+                continue;
+            if (f->limit > 0 && *n >= f->limit)
+                break;
+            if (*n == 0)
+                fprintf(out, "dead-lettered by the broker, no park row yet (`idemq redrive` "
+                             "records and moves them):\n");
+            (*n)++;
+            {
+                char when[32] = "-";
+                time_t t = (time_t)v.died_at;
+                struct tm tm;
+                if (v.died_at >= 0 && gmtime_r(&t, &tm))
+                    strftime(when, sizeof when, "%Y-%m-%d %H:%M:%SZ", &tm);
+                fprintf(out, "  %-20s %-32s %-10s %-18s from %s, %ld time(s); dlq %s\n", when,
+                        v.key ? v.key : "(no key)", v.cls, v.code,
+                        json_string_value(json_object_get(v.death, "queue"))
+                            ? json_string_value(json_object_get(v.death, "queue"))
+                            : "?",
+                        v.count, dlq);
+            }
+        }
+        for (size_t k = 0; k < nheld; k++)
+            if (broker_nack(b, held[k], true))
+                break; /* the channel is gone: the broker requeues them anyway */
+        free(held);
+    }
+    job_destroy(&j);
+    broker_close(b);
+    return rc;
+}
+
 int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
 {
     char limit[24], queue[300] = "";
@@ -176,12 +365,23 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
                 val(rows, i, 1), val(rows, i, 2), val(rows, i, 3), val(rows, i, 4),
                 val(rows, i, 5), val(rows, i, 6), val(rows, i, 7), val(rows, i, 8),
                 val(rows, i, 9));
-    fprintf(out, "count by error class:");
-    if (PQntuples(counts) == 0)
-        fprintf(out, " none");
-    for (int i = 0; i < PQntuples(counts); i++)
-        fprintf(out, " %s=%s", val(counts, i, 0), val(counts, i, 1));
-    fprintf(out, "\n");
+    {
+        long n_broker = 0;
+        long long since_epoch = f->since ? since_epoch_of(db, f->since, &rc) : 0;
+        if (rc == 0) {
+            int brc = list_broker_dead(c, f, since_epoch, out, &n_broker);
+            if (brc)
+                rc = brc;
+        }
+        fprintf(out, "count by error class:");
+        if (PQntuples(counts) == 0 && n_broker == 0)
+            fprintf(out, " none");
+        for (int i = 0; i < PQntuples(counts); i++)
+            fprintf(out, " %s=%s", val(counts, i, 0), val(counts, i, 1));
+        if (n_broker)
+            fprintf(out, " broker(not yet recorded)=%ld", n_broker);
+        fprintf(out, "\n");
+    }
 out:
     PQclear(rows);
     PQclear(counts);
@@ -208,26 +408,6 @@ static long long since_park_id(PGconn *db, const char *since, int *rc)
     return id;
 }
 
-static const char *hdr(const struct job *j, const char *name, const char *dflt)
-{
-    const char *v = json_string_value(json_object_get(j->headers, name));
-    return v ? v : dflt;
-}
-
-static bool matches(const struct job *j, const struct ops_filter *f, long long since_id)
-{
-    const char *key = json_string_value(json_object_get(j->headers, "x-idemq-key"));
-    const char *cls = json_string_value(json_object_get(j->headers, "x-idemq-error-class"));
-    json_t *id = json_object_get(j->headers, "x-idemq-park-id");
-    if (f->key && (!key || strcmp(key, f->key) != 0))
-        return false;
-    if (f->error_class && (!cls || strcmp(cls, f->error_class) != 0))
-        return false;
-    if (f->since && (!json_is_integer(id) || json_integer_value(id) < since_id))
-        return false;
-    return true;
-}
-
 static void who(char *buf, size_t len)
 {
     char host[128] = "host";
@@ -236,59 +416,105 @@ static void who(char *buf, size_t len)
     snprintf(buf, len, "idemq redrive (%s@%s)", pw ? pw->pw_name : "?", host);
 }
 
-/* The queue a dead letter of input `in` goes back to: its
- * x-idemq-origin-queue (or, for a message the broker dead-lettered itself,
- * the queue of its first x-death record), and only if that queue is the
- * input's own (its queue or one of its partitions): a producer-supplied
- * header must not steer a publish with idemq's credentials. NULL, with
- * *why set, when there is none or it is refused. */
-static const char *origin_of(const struct job *j, const struct conf_input *in, const char **why)
+/*
+ * A message the broker dead-lettered by itself gets a park row (error class
+ * broker, code = x-death reason) before it moves, so the audit shows it;
+ * its copy then carries the x-idemq-* headers of any redrive, without the
+ * broker's x-death history. 0, or an exit code (4: database unreachable).
+ */
+static int adopt(const struct conf *c, PGconn **db, const struct conf_input *in, struct job *j,
+                 const struct dead_view *v, const char *by)
 {
-    const char *o = json_string_value(json_object_get(j->headers, "x-idemq-origin-queue"));
-    if (!o)
-        o = json_string_value(json_object_get(j->headers, "x-first-death-queue"));
-    if (!o) {
-        *why = "no x-idemq-origin-queue or x-death record";
-        return NULL;
+    char reason[512], count[24], *hdrs, *props;
+    const char *params[12];
+    json_t *keep;
+    PGresult *r;
+    const char *k;
+    json_t *e;
+    void *tmp;
+    int rc = 0;
+
+    if (!*db && !(*db = connect(c)))
+        return 4;
+    snprintf(reason, sizeof reason,
+             "dead-lettered by the broker from queue %s (x-death reason %s, %ld time(s)) "
+             "before idemq parked it: a quorum delivery limit, or a dead-letter policy",
+             v->origin ? v->origin : "?", v->code, v->count);
+    snprintf(count, sizeof count, "%ld", v->count);
+    hdrs = json_dumps(j->headers, JSON_COMPACT);
+    props = json_dumps(j->props, JSON_COMPACT);
+    {
+        size_t n = 0;
+        unsigned char *body = PQescapeByteaConn(*db, j->body, j->body_len, &n);
+        params[0] = v->key;
+        params[1] = v->origin ? v->origin : in->queue;
+        params[2] = j->exchange;
+        params[3] = j->routing_key;
+        params[4] = (const char *)body;
+        params[5] = hdrs;
+        params[6] = props;
+        params[7] = j->sha256_hex;
+        params[8] = v->code;
+        params[9] = reason;
+        params[10] = count;
+        params[11] = by;
+        r = body && hdrs && props
+                ? PQexecParams(*db,
+                               "SELECT r_park_id, r_generation FROM idemq.adopt_dead_letter("
+                               "$1, $2, $3, $4, $5::bytea, $6::jsonb, $7::jsonb, $8, $9, $10, "
+                               "$11::integer, $12)",
+                               12, NULL, params, NULL, NULL, 0)
+                : NULL;
+        PQfreemem(body);
     }
-    if (topology_is_input_queue(in, o))
-        return o;
-    *why = "its origin queue is not one of this input's queues (refused)";
-    return NULL;
+    free(hdrs);
+    free(props);
+    if (PQresultStatus(r) != PGRES_TUPLES_OK || PQntuples(r) != 1) {
+        log_error("cannot record the broker's dead letter %s in the ledger: %s (left in place)",
+                  v->key ? v->key : "(no key)", PQerrorMessage(*db));
+        PQclear(r);
+        return PQstatus(*db) == CONNECTION_OK ? 1 : 4;
+    }
+    /* the copy: the broker's death history off, idemq's redrive headers on */
+    keep = json_object();
+    json_object_foreach_safe(j->headers, tmp, k, e)
+    {
+        if (strcmp(k, "x-death") && strncmp(k, "x-first-death-", 14) &&
+            strncmp(k, "x-last-death-", 13))
+            json_object_set(keep, k, e);
+    }
+    if (v->key)
+        json_object_set_new(keep, "x-idemq-key", json_string(v->key));
+    json_object_set_new(keep, "x-idemq-error-class", json_string("broker"));
+    json_object_set_new(keep, "x-idemq-error-code", json_string(v->code));
+    json_object_set_new(keep, "x-idemq-park-id", json_integer(atoll(PQgetvalue(r, 0, 0))));
+    json_object_set_new(keep, "x-idemq-generation", json_integer(atoll(PQgetvalue(r, 0, 1))));
+    if (v->origin)
+        json_object_set_new(keep, "x-idemq-origin-queue", json_string(v->origin));
+    json_decref(j->headers);
+    j->headers = keep;
+    PQclear(r);
+    return rc;
 }
 
 /* Connections parked on a message the client library cannot decode: each
- * holds its message unacknowledged until the end (it then returns to the
- * head of the queue), so the redrive can go on past it on a new one. */
+ * holds its message (and what it held before) unacknowledged until the
+ * end, when they return to the queue, so the redrive goes on past it on a
+ * new connection. */
 #define REDRIVE_MAX_UNDECODABLE 16
 
 struct redrive {
     struct broker *b;
     struct broker *stuck[REDRIVE_MAX_UNDECODABLE];
     int n_stuck;
-    uint64_t *held;
+    uint64_t *held; /* taken and left in place, on b */
     size_t nheld, cap;
 };
 
-static bool hold(struct redrive *r, uint64_t tag)
-{
-    if (r->nheld == r->cap) {
-        size_t cap = r->cap ? r->cap * 2 : 64;
-        uint64_t *nh = realloc(r->held, cap * sizeof *nh);
-        if (!nh)
-            return false;
-        r->held = nh;
-        r->cap = cap;
-    }
-    r->held[r->nheld++] = tag;
-    return true;
-}
-
-/* Gives every held message back (requeued, in order) and, on the stuck
- * connections, the undecodable ones. */
+/* Gives back what is held (requeued) and closes the stuck connections. */
 static void release(struct redrive *r)
 {
-    for (size_t i = 0; i < r->nheld; i++)
+    for (size_t i = 0; r->b && i < r->nheld; i++)
         if (broker_nack(r->b, r->held[i], true))
             break; /* the channel is gone: the broker requeues them anyway */
     r->nheld = 0;
@@ -298,11 +524,12 @@ static void release(struct redrive *r)
 }
 
 /* Redrives one input's dead-letter queue; *left counts what stays there. */
-static int redrive_input(const struct conf *c, struct redrive *r, const struct conf_input *in,
-                         const struct ops_filter *f, long long since_id, long *moved,
-                         long *left, FILE *out)
+static int redrive_input(const struct conf *c, PGconn **db, struct redrive *r,
+                         const struct conf_input *in, const struct ops_filter *f,
+                         long long since_id, long long since_epoch, long *moved, long *left,
+                         FILE *out)
 {
-    char dlq[TOPOLOGY_NAME_MAX], by[300], err[512];
+    char dlq[TOPOLOGY_NAME_MAX], by[300], origin[TOPOLOGY_NAME_MAX], err[512];
     struct job j;
     int rc = 0;
 
@@ -310,19 +537,20 @@ static int redrive_input(const struct conf *c, struct redrive *r, const struct c
     who(by, sizeof by);
     job_init(&j);
     for (;;) {
-        const char *origin, *why = NULL;
+        struct dead_view v;
+        const char *why = NULL;
+        bool match;
         idemq_err_t e;
-        json_t *redrivable;
         if (f->limit > 0 && *moved >= f->limit)
             break;
         e = broker_get(r->b, dlq, &j, false);
         if (e == IDEMQ_ERR_TIMEOUT)
             break;
         if (e == IDEMQ_ERR_UNDECODABLE) {
-            /* This connection cannot read past it: keep it (and the message)
-             * aside and go on with a new one. */
-            log_warn("%s: delivery %llu cannot be decoded by the client library (parked as "
-                     "undecodable, not redrivable); left in place",
+            /* This connection cannot read past it: keep it (with the
+             * message) aside and go on with a new one. */
+            log_warn("%s: delivery %llu cannot be decoded by the client library (not "
+                     "redrivable); left in place",
                      dlq, (unsigned long long)j.tag);
             (*left)++;
             if (r->n_stuck == REDRIVE_MAX_UNDECODABLE) {
@@ -331,8 +559,7 @@ static int redrive_input(const struct conf *c, struct redrive *r, const struct c
                 rc = 1;
                 break;
             }
-            /* what this connection holds stays held with it until the end */
-            r->nheld = 0;
+            r->nheld = 0; /* what it holds returns when it closes */
             r->stuck[r->n_stuck++] = r->b;
             if (broker_open(c, "idemq redrive", true, &r->b, err, sizeof err)) {
                 log_error("%s", err);
@@ -347,35 +574,37 @@ static int redrive_input(const struct conf *c, struct redrive *r, const struct c
             rc = 1;
             break;
         }
-        if (!matches(&j, f, since_id)) {
-            (*left)++;
-            if (!hold(r, j.tag)) {
-                rc = 1;
-                break;
-            }
-            continue;
-        }
-        origin = origin_of(&j, in, &why);
-        redrivable = json_object_get(j.headers, "x-idemq-redrivable");
-        if (origin && json_is_false(redrivable)) {
-            origin = NULL;
+        dead_view(&j, in, &v);
+        match = matches(&v, f, since_id, since_epoch);
+        if (match && v.origin && v.not_redrivable) {
+            v.origin = NULL;
             why = "not redrivable: the park does not hold the whole message";
+        } else if (match && !v.origin) {
+            why = v.refused ? "its x-idemq-origin-queue names a queue of no input (refused)"
+                            : "no x-idemq-origin-queue, nor an x-death naming one of the "
+                              "input's queues";
         }
-        if (!origin || f->dry_run) {
-            if (!origin)
-                log_warn("%s: %s (%s) left in place: %s", dlq, hdr(&j, "x-idemq-key", "(no key)"),
-                         hdr(&j, "x-idemq-error-class", "?"), why);
-            else {
-                fprintf(out, "would redrive %s (%s) to %s\n", hdr(&j, "x-idemq-key", "(no key)"),
-                        hdr(&j, "x-idemq-error-class", "?"), origin);
+        if (!match || !v.origin || f->dry_run) {
+            if (why)
+                log_warn("%s: %s (%s) left in place: %s", dlq, v.key ? v.key : "(no key)",
+                         v.cls ? v.cls : "?", why);
+            else if (match) {
+                fprintf(out, "would redrive %s (%s) to %s\n", v.key ? v.key : "(no key)",
+                        v.cls ? v.cls : "?", v.origin);
                 (*moved)++;
             }
             (*left)++;
-            if (!hold(r, j.tag)) {
+            if (!hold(&r->held, &r->nheld, &r->cap, j.tag)) {
                 rc = 1;
                 break;
             }
             continue;
+        }
+        snprintf(origin, sizeof origin, "%s", v.origin); /* adopt replaces the headers */
+        if (v.death && (rc = adopt(c, db, in, &j, &v, by)) != 0) {
+            (*left)++;
+            (void)hold(&r->held, &r->nheld, &r->cap, j.tag); /* requeued at the end */
+            break;
         }
         {
             struct broker_props p = {NULL, NULL, j.headers, true, NULL, j.props};
@@ -391,7 +620,9 @@ static int redrive_input(const struct conf *c, struct redrive *r, const struct c
             }
         }
         (*moved)++;
-        fprintf(out, "redriven %s to %s\n", hdr(&j, "x-idemq-key", "(no key)"), origin);
+        fprintf(out, "redriven %s%s to %s\n", v.key ? v.key : "(no key)",
+                v.death ? " (dead-lettered by the broker; now recorded in idemq.parked)" : "",
+                origin);
         if (f->rate > 0) {
             struct timespec ts = {(time_t)(1.0 / f->rate), (long)(1e9 / f->rate) % 1000000000L};
             nanosleep(&ts, NULL);
@@ -405,20 +636,12 @@ int ops_redrive(const struct conf *c, const struct ops_filter *f, FILE *out)
 {
     struct redrive r;
     char err[512];
-    long long since_id = 0;
+    long long since_id = 0, since_epoch = 0;
     long moved = 0, left = 0;
     int rc = 0, found = 0;
+    PGconn *db = NULL; /* opened when needed: --since, a broker-made dead letter */
 
     memset(&r, 0, sizeof r);
-    if (f->since) {
-        PGconn *db = connect(c);
-        if (!db)
-            return 4;
-        since_id = since_park_id(db, f->since, &rc);
-        PQfinish(db);
-        if (rc)
-            return rc;
-    }
     if (f->input) {
         for (int i = 0; i < c->n_inputs; i++)
             found += strcmp(f->input, c->inputs[i].name) == 0;
@@ -427,19 +650,32 @@ int ops_redrive(const struct conf *c, const struct ops_filter *f, FILE *out)
             return 2;
         }
     }
+    if (f->since) {
+        if (!(db = connect(c)))
+            return 4;
+        since_id = since_park_id(db, f->since, &rc);
+        if (!rc)
+            since_epoch = since_epoch_of(db, f->since, &rc);
+        if (rc) {
+            PQfinish(db);
+            return rc;
+        }
+    }
     if (broker_open(c, "idemq redrive", true, &r.b, err, sizeof err)) {
         log_error("%s", err);
+        PQfinish(db);
         return 4;
     }
     for (int i = 0; i < c->n_inputs && rc == 0 && r.b; i++) {
         if (f->input && strcmp(f->input, c->inputs[i].name) != 0)
             continue;
-        rc = redrive_input(c, &r, &c->inputs[i], f, since_id, &moved, &left, out);
+        rc = redrive_input(c, &db, &r, &c->inputs[i], f, since_id, since_epoch, &moved, &left,
+                           out);
     }
-    if (r.b)
-        release(&r);
+    release(&r);
     broker_close(r.b);
     free(r.held);
+    PQfinish(db);
     fprintf(out, "%s %ld message%s; %ld %s in the dead-letter queue%s%s%s%s\n",
             f->dry_run ? "would redrive" : "redrove", moved, moved == 1 ? "" : "s", left,
             f->dry_run ? "stay" : "left", f->input ? " of input " : "s",

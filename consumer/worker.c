@@ -124,6 +124,7 @@ void worker_init(struct worker *w, int id, const struct conf *conf, int until_id
     w->conf = conf;
     w->until_idle_ms = until_idle_ms;
     atomic_store(&w->stats.head_age_ms, -1);
+    worker_progress(w);
     pthread_mutex_init(&w->lock, NULL);
     snprintf(w->status, sizeof w->status, "starting");
 }
@@ -146,6 +147,16 @@ static void set_ready(struct worker *w, bool ready, const char *why)
     snprintf(w->status, sizeof w->status, "%s", ready ? "ready" : why);
     pthread_mutex_unlock(&w->lock);
     atomic_store(&w->ready, ready ? 1 : 0);
+}
+
+/* Backing off is waiting by design, not being stuck: naps in 1 s steps,
+ * noting progress (liveness) after each. */
+static void progressing_nap(struct session *s, long ms)
+{
+    for (long left = ms; left > 0 && !sig_stop_requested(); left -= 1000) {
+        nap(left < 1000 ? left : 1000);
+        worker_progress(s->w);
+    }
 }
 
 static void drop_db(struct session *s)
@@ -268,7 +279,9 @@ static bool ensure_connected(struct session *s, bool *reconnected)
     int failures = 0;
     *reconnected = !s->b || !s->db;
     for (;;) {
-        enum step st = connect_db(s);
+        enum step st;
+        worker_progress(s->w); /* a reconnect attempt is progress */
+        st = connect_db(s);
         if (st == STEP_OK)
             st = connect_broker(s);
         if (st == STEP_OK) {
@@ -287,8 +300,8 @@ static bool ensure_connected(struct session *s, bool *reconnected)
         else
             log_warn("worker %d: NOT READY: %s unavailable: %s (reconnecting with backoff)",
                      s->w->id, st == STEP_BROKER ? "broker" : "database", s->why);
-        nap(backoff_delay_ms(failures, PAUSE_MIN_MS, s->c->reconnect_max_ms,
-                             BACKOFF_JITTER_EQUAL, &s->rng));
+        progressing_nap(s, backoff_delay_ms(failures, PAUSE_MIN_MS, s->c->reconnect_max_ms,
+                                            BACKOFF_JITTER_EQUAL, &s->rng));
         if (sig_stop_requested())
             return false;
     }
@@ -765,6 +778,7 @@ static bool session_alloc(struct session *s)
         return false;
     s->bt.nap = serviced_nap;
     s->bt.nap_ctx = s;
+    s->bt.progress = &s->w->progress_ms;
     if (!(s->park_ids = calloc((size_t)m, sizeof *s->park_ids)))
         return false;
     if (!(s->lanes = lane_set_new(s->c)))
@@ -823,6 +837,7 @@ static void recover(struct session *s, enum step st)
     case STEP_OK:
         break;
     case STEP_BROKER:
+        set_ready(w, false, s->why); /* e.g. a consumer the broker cancelled */
         log_warn("worker %d: broker failure: %s; reconnecting (unacked deliveries return "
                  "to the queue)", w->id, s->why);
         drop_broker(s);
@@ -852,7 +867,7 @@ static void recover(struct session *s, enum step st)
         log_warn("worker %d: NOT READY: %s; giving the unsettled deliveries back to the broker "
                  "and pausing %ld ms", w->id, s->why, pause);
         drop_broker(s);
-        nap(pause);
+        progressing_nap(s, pause);
         break;
     }
 }
@@ -863,6 +878,7 @@ idemq_err_t worker_run(struct worker *w)
     long long last_delivery = now_ms();
 
     memset(&s, 0, sizeof s);
+    log_set_worker(w->id); /* JSON lines of this thread carry "worker" */
     s.w = w;
     s.c = w->conf;
     s.rng = (uint64_t)now_ms() * 2654435761u + (uint64_t)w->id + 1;
@@ -892,6 +908,7 @@ idemq_err_t worker_run(struct worker *w)
     while (!sig_stop_requested()) {
         enum step st;
         bool reconnected;
+        worker_progress(w); /* each round polls the broker (a frame read or a timeout) */
         if (!ensure_connected(&s, &reconnected))
             break;
         if (reconnected)

@@ -16,6 +16,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <time.h>
 
 #include "conf.h"
 #include "idemq_err.h"
@@ -53,7 +54,19 @@ struct worker {
     atomic_int ready;   /* 1 while consuming; 0 while paused or connecting */
     pthread_mutex_t lock; /* guards status */
     char status[512];   /* why not ready */
+    /* liveness (issue 11): CLOCK_MONOTONIC ms of the worker's last progress
+     * (a poll or frame read, a commit, a reconnect attempt or backoff step);
+     * read by GET /live and the systemd watchdog */
+    atomic_llong progress_ms;
 };
+
+/* Notes that w made progress now (see progress_ms). Worker thread. */
+static inline void worker_progress(struct worker *w)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    atomic_store(&w->progress_ms, (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000);
+}
 
 /* Prepares w; conf must outlive the worker. Cannot fail. */
 void worker_init(struct worker *w, int id, const struct conf *conf, int until_idle_ms);

@@ -27,6 +27,8 @@ extern char **environ;
 
 const char *itest_retry_conf;
 const char *itest_extra_conf;
+const char *itest_broker_conf;
+const char *itest_log_conf;
 
 int itest_ms(int ms)
 {
@@ -65,15 +67,17 @@ void itest_write_config(struct itest *t, const char *path, const char *queue,
     FILE *f = fopen(path, "w");
     ck_assert_ptr_nonnull(f);
     fprintf(f,
-            "broker: { heartbeat = 10; };\n"
+            "broker: { heartbeat = 10; %s };\n"
             "retry: { %s };\n%s\n"
             "consumer: { id = \"%s\"; %s };\n"
-            "log: { level = \"info\"; };\n"
+            "log: { level = \"info\"; %s };\n"
             "inputs = ( { name = \"%s\"; exchange = \"%s\"; queue = \"%s\"; routing_key = \"%s\";\n"
             "  effect_function = \"%s\"; %s } );\n",
+            itest_broker_conf ? itest_broker_conf : "",
             itest_retry_conf ? itest_retry_conf : "", itest_extra_conf ? itest_extra_conf : "",
             t->name,
-            extra_consumer ? extra_consumer : "", queue, t->name, queue, queue, effect,
+            extra_consumer ? extra_consumer : "", itest_log_conf ? itest_log_conf : "", queue,
+            t->name, queue, queue, effect,
             extra_input ? extra_input : "");
     fclose(f);
 }

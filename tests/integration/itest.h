@@ -27,6 +27,10 @@ struct itest {
 extern const char *itest_retry_conf;
 /* Extra top-level config lines (e.g. a metrics group), or NULL. */
 extern const char *itest_extra_conf;
+/* Extra lines inside the broker group (e.g. a tls group), or NULL. */
+extern const char *itest_broker_conf;
+/* Extra lines inside the log group (e.g. format = "json";), or NULL. */
+extern const char *itest_log_conf;
 
 /* GET url with curl; the body goes to out; returns the HTTP status or -1. */
 int itest_http_get(const char *url, char *out, size_t outlen);

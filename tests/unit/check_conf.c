@@ -91,6 +91,21 @@ START_TEST(test_defaults_and_derived)
     ck_assert_str_eq(c->inputs[0].queue_type, "classic");
     ck_assert_str_eq(c->inputs[0].effect_signature, "public.apply_payout(text,jsonb,jsonb)");
     ck_assert_ptr_nonnull(strchr(c->consumer_id, ':'));
+    /* operations (issue 11): safe defaults */
+    ck_assert_str_eq(c->tls_ca_file, "/etc/ssl/certs/ca-certificates.crt");
+    ck_assert(!c->tls_verify_off);
+    ck_assert(!c->topology_passive);
+    ck_assert_str_eq(c->log_format, "text");
+    ck_assert_int_eq(c->live_stall_s, 60);
+    ck_assert_int_eq(c->inputs[0].delivery_limit, 100);
+    conf_free(c);
+
+    ck_assert_int_eq(conf_load(CASES "/good_ops.cfg", &c, err, sizeof err), IDEMQ_OK);
+    ck_assert(c->tls_verify_off);
+    ck_assert(c->topology_passive);
+    ck_assert_str_eq(c->tls_key_file, "/x/c.key");
+    ck_assert_int_eq(c->live_stall_s, 3);
+    ck_assert_int_eq(c->inputs[0].delivery_limit, 10);
     conf_free(c);
 
     ck_assert_int_eq(conf_load(CASES "/good_full.cfg", &c, err, sizeof err), IDEMQ_OK);
@@ -137,6 +152,13 @@ START_TEST(test_redact)
     ck_assert_str_eq(conf_redact("password = 'a b\\' c' host=h", buf, sizeof buf),
                      "password=*** host=h");
     ck_assert_str_eq(conf_redact("host=h mypassword=x", buf, sizeof buf), "host=h mypassword=x");
+    ck_assert_str_eq(conf_redact("host=h sslpassword=k3y sslmode=verify-full", buf, sizeof buf),
+                     "host=h sslpassword=*** sslmode=verify-full");
+    ck_assert_str_eq(conf_redact("postgresql://h/db?sslmode=require&password=pw&x=1", buf,
+                                 sizeof buf),
+                     "postgresql://h/db?sslmode=require&password=***&x=1");
+    ck_assert_str_eq(conf_redact("postgresql://u@h/db?sslpassword=pw", buf, sizeof buf),
+                     "postgresql://u@h/db?sslpassword=***");
 }
 END_TEST
 
@@ -160,6 +182,7 @@ START_TEST(test_print_roundtrip)
     ck_assert_int_eq(conf_load_string(out, &c2, err, sizeof err), IDEMQ_OK);
     ck_assert_int_eq(c2->heartbeat, c->heartbeat);
     ck_assert_int_eq(c2->n_inputs, 2);
+    ck_assert_str_eq(c2->tls_ca_file, c->tls_ca_file); /* the nested broker.tls group */
     ck_assert_str_eq(c2->inputs[1].effect_function, "ledger.post");
     conf_free(c2);
     conf_free(c);

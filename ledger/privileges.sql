@@ -1,0 +1,34 @@
+-- Least privilege (issue 11), applied after the ledger functions by every
+-- `idemq migrate` (part of the repeatable function text, so it is applied
+-- again whenever a function is recreated).
+--
+-- The functions `idemq run` and the operator commands call to write the
+-- ledger run with the rights of their owner (the migrating role): the role
+-- of `run` then needs EXECUTE on them and SELECT on the tables, and no
+-- INSERT, UPDATE, DELETE or DDL (`idemq migrate --grant ROLE` grants that).
+-- search_path is pinned, so a caller's objects cannot stand in for the
+-- ledger's, and PUBLIC may not execute them. An effect called from them
+-- runs with the owner's rights and this search_path too: effects name
+-- their tables with a schema (or set their own search_path).
+DO $privileges$
+DECLARE
+    f regprocedure;
+BEGIN
+    FOR f IN
+        SELECT p.oid::regprocedure
+          FROM pg_proc p
+         WHERE p.pronamespace = 'idemq'::regnamespace
+           AND p.proname = ANY (ARRAY[
+               'apply_batch', 'apply_batch_fast', 'record_failure', 'claim_failed',
+               'park_message', 'mark_dead_lettered', 'defer_job', 'lane_parked',
+               'take_deferred', 'report_deferred', 'adopt_dead_letter',
+               -- provider effects (issue 9): the flow and the reconciler of run
+               'provider_begin', 'provider_result', 'provider_effect_failed',
+               'provider_sweep', 'provider_gauges', 'provider_latency'])
+    LOOP
+        EXECUTE format('ALTER FUNCTION %s SECURITY DEFINER '
+                       'SET search_path = pg_catalog, idemq, pg_temp', f);
+        EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
+    END LOOP;
+END
+$privileges$;

@@ -1,0 +1,884 @@
+/*
+ * Integration tests of running idemq in production (issue 11), against the
+ * real RabbitMQ and PostgreSQL of scripts/services:
+ *   1. JSON logs parse and carry their fields; a hostile key cannot forge a
+ *      line; no password appears in logs or check-config output;
+ *   2. GET /live turns 503 while this run's PostgreSQL is stopped (SIGSTOP)
+ *      and 200 after SIGCONT; the systemd watchdog pings stop meanwhile;
+ *      the notifications arrive in order on a socket standing in for
+ *      NOTIFY_SOCKET; promtool accepts a live scrape, and the alert rules
+ *      (unit-tested) and the Grafana dashboard name only its metrics;
+ *   3. run under a RabbitMQ user without configure permission and a
+ *      PostgreSQL role without DDL rights applies, retries and parks jobs;
+ *      the same user cannot run declare;
+ *   4. a consumer cancelled by the broker (its queue deleted and declared
+ *      again) is noticed at once, readiness says why, consumption resumes
+ *      and nothing is applied twice;
+ *   5. a quorum input's broker-side delivery limit (a tiny one, by policy)
+ *      dead-letters into <queue>.dead; parked list shows it, redrive moves
+ *      it back, it is applied once and jobs show audits it;
+ *   6. a quorum queue declared by an older idemq is accepted with a
+ *      warning that names the policy path.
+ */
+#include <check.h>
+
+#include "check_run.h"
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <arpa/inet.h>
+#include <jansson.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "itest.h"
+#include "topology.h"
+
+#define EFFECTS_FOR "SELECT count(*) FROM idemq_test.effects WHERE key = $1"
+
+static long long now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* A loopback port nobody listens on now (the kernel picks it). */
+static int free_port(void)
+{
+    struct sockaddr_in sa;
+    socklen_t len = sizeof sa;
+    int fd = socket(AF_INET, SOCK_STREAM, 0), port;
+    ck_assert_int_ge(fd, 0);
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ck_assert_int_eq(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    ck_assert_int_eq(getsockname(fd, (struct sockaddr *)&sa, &len), 0);
+    port = ntohs(sa.sin_port);
+    close(fd);
+    return port;
+}
+
+static char *slurp(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    char *buf;
+    long n;
+    ck_assert_msg(f != NULL, "cannot open %s", path);
+    fseek(f, 0, SEEK_END);
+    n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    buf = calloc(1, (size_t)n + 1);
+    ck_assert_ptr_nonnull(buf);
+    ck_assert_int_eq(fread(buf, 1, (size_t)n, f), n);
+    fclose(f);
+    return buf;
+}
+
+/*
+ * Starts `idemq ARGV...` with stderr (and stdout) into log_path and extra
+ * environment (NULL-terminated "K=V" list, or NULL). Returns the pid.
+ */
+static pid_t spawn_logged(const char *const *argv, const char *log_path, const char *const *env)
+{
+    pid_t pid;
+    fflush(NULL);
+    pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        int fd = open(log_path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        char *args[16];
+        int n = 0;
+        if (fd < 0)
+            _exit(126);
+        dup2(fd, 1);
+        dup2(fd, 2);
+        close(fd);
+        for (int i = 0; env && env[i]; i++)
+            putenv((char *)env[i]);
+        args[n++] = (char *)IDEMQ_BINARY;
+        for (int i = 0; argv[i] && n < 15; i++)
+            args[n++] = (char *)argv[i];
+        args[n] = NULL;
+        execv(IDEMQ_BINARY, args);
+        _exit(127);
+    }
+    return pid;
+}
+
+/* Polls url until it answers want (or the deadline); returns the last status. */
+static int wait_http(const char *url, int want, int ms, char *body, size_t len)
+{
+    long long end = now_ms() + itest_ms(ms);
+    int code;
+    do {
+        code = itest_http_get(url, body, len);
+        if (code == want)
+            return code;
+        usleep(100000);
+    } while (now_ms() < end);
+    return code;
+}
+
+/* Runs a shell command; returns its exit status. */
+static int sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int sh(const char *fmt, ...)
+{
+    char cmd[4096];
+    va_list ap;
+    int st;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    st = system(cmd);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/* The management API of this run's RabbitMQ: METHOD PATH [JSON]; returns
+ * the HTTP status. */
+static int mgmt(const char *method, const char *path, const char *json)
+{
+    char cmd[2048], out[64];
+    FILE *p;
+    const char *base = getenv("IDEMQ_RABBIT_MGMT_URL");
+    ck_assert_msg(base != NULL, "IDEMQ_RABBIT_MGMT_URL is not set");
+    snprintf(cmd, sizeof cmd,
+             "curl -s -o /dev/null -w '%%{http_code}' -u guest:guest -X %s "
+             "-H 'content-type: application/json' %s%s%s '%s/api/%s'",
+             method, json ? "-d '" : "", json ? json : "", json ? "'" : "", base, path);
+    p = popen(cmd, "r");
+    ck_assert_ptr_nonnull(p);
+    out[0] = '\0';
+    if (!fgets(out, sizeof out, p))
+        out[0] = '\0';
+    pclose(p);
+    return atoi(out);
+}
+
+/* ---- this run's PostgreSQL, stopped and continued by pid ---- */
+
+/* The postmaster of $IDEMQ_STATE_DIR's PostgreSQL (scripts/services). */
+static pid_t postmaster_pid(void)
+{
+    const char *state = getenv("IDEMQ_STATE_DIR");
+    char path[1024], dir[900] = "";
+    FILE *f;
+    long pid = 0;
+    ck_assert_msg(state != NULL, "IDEMQ_STATE_DIR is not set (source the services env file)");
+    snprintf(path, sizeof path, "%s/pg-dir", state);
+    f = fopen(path, "r");
+    ck_assert_msg(f != NULL, "cannot read %s", path);
+    ck_assert(fgets(dir, sizeof dir, f) != NULL);
+    fclose(f);
+    dir[strcspn(dir, "\n")] = '\0';
+    snprintf(path, sizeof path, "%s/data/postmaster.pid", dir);
+    f = fopen(path, "r");
+    ck_assert_msg(f != NULL, "cannot read %s", path);
+    ck_assert(fscanf(f, "%ld", &pid) == 1);
+    fclose(f);
+    ck_assert_int_gt(pid, 1);
+    return (pid_t)pid;
+}
+
+/* Sends sig to the postmaster and all its children (backends, and the
+ * background processes), never to anything else. */
+static void signal_postgres(int sig)
+{
+    pid_t pm = postmaster_pid();
+    DIR *d = opendir("/proc");
+    struct dirent *de;
+    ck_assert_ptr_nonnull(d);
+    while ((de = readdir(d))) {
+        char path[300], stat[512];
+        FILE *f;
+        long ppid = 0;
+        char *p;
+        if (de->d_name[0] < '0' || de->d_name[0] > '9')
+            continue;
+        snprintf(path, sizeof path, "/proc/%s/stat", de->d_name);
+        if (!(f = fopen(path, "r")))
+            continue;
+        if (fgets(stat, sizeof stat, f) && (p = strrchr(stat, ')')))
+            sscanf(p + 2, "%*c %ld", &ppid);
+        fclose(f);
+        if (ppid == pm)
+            kill((pid_t)atol(de->d_name), sig);
+    }
+    closedir(d);
+    kill(pm, sig);
+}
+
+/* Unchecked teardown (runs in the runner even when a test failed): never
+ * leave this run's PostgreSQL stopped. */
+static void continue_postgres(void)
+{
+    if (getenv("IDEMQ_STATE_DIR"))
+        signal_postgres(SIGCONT);
+}
+
+/* ---- a socket standing in for systemd's NOTIFY_SOCKET ---- */
+
+struct notify_sock {
+    int fd;
+    char path[108];
+    char log[16384]; /* every message, in order, separated by '|' */
+};
+
+static void notify_open(struct notify_sock *n)
+{
+    struct sockaddr_un sa;
+    memset(n, 0, sizeof *n);
+    snprintf(n->path, sizeof n->path, "/tmp/idemq-notify-%d-%lld.sock", (int)getpid(), now_ms());
+    n->fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    ck_assert_int_ge(n->fd, 0);
+    memset(&sa, 0, sizeof sa);
+    sa.sun_family = AF_UNIX;
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", n->path);
+    unlink(n->path);
+    ck_assert_int_eq(bind(n->fd, (struct sockaddr *)&sa, sizeof sa), 0);
+}
+
+/* Reads what arrived within ms; returns the number of messages. */
+static int notify_read(struct notify_sock *n, int ms)
+{
+    long long end = now_ms() + ms;
+    int got = 0;
+    for (;;) {
+        struct pollfd p = {n->fd, POLLIN, 0};
+        long long left = end - now_ms();
+        char msg[2048];
+        ssize_t r;
+        if (poll(&p, 1, left > 0 ? (int)left : 0) <= 0)
+            return got;
+        r = recv(n->fd, msg, sizeof msg - 1, 0);
+        if (r <= 0)
+            return got;
+        msg[r] = '\0';
+        strncat(n->log, msg, sizeof n->log - strlen(n->log) - 2);
+        strcat(n->log, "|");
+        got++;
+    }
+}
+
+static void notify_close(struct notify_sock *n)
+{
+    close(n->fd);
+    unlink(n->path);
+}
+
+/* Position of the first occurrence of s in the notify log, or -1. */
+static long notify_pos(const struct notify_sock *n, const char *s)
+{
+    const char *p = strstr(n->log, s);
+    return p ? (long)(p - n->log) : -1;
+}
+
+/* Position of the last occurrence of s in the notify log, or -1. */
+static long notify_last(const struct notify_sock *n, const char *s)
+{
+    long pos = -1;
+    for (const char *p = n->log; (p = strstr(p, s)); p++)
+        pos = (long)(p - n->log);
+    return pos;
+}
+
+/* Assignments (lines of the messages) that start with s. */
+static int notify_lines(const struct notify_sock *n, const char *s)
+{
+    int c = 0;
+    size_t len = strlen(s);
+    for (const char *p = n->log; *p;) {
+        size_t line = strcspn(p, "\n|");
+        if (line >= len && strncmp(p, s, len) == 0)
+            c++;
+        p += line;
+        if (*p)
+            p++;
+    }
+    return c;
+}
+
+static int count_of(const char *hay, const char *needle)
+{
+    int c = 0;
+    for (const char *p = hay; (p = strstr(p, needle)); p += strlen(needle))
+        c++;
+    return c;
+}
+
+/* ------------------------------------------------------------ tests */
+
+/* 1. JSON logs with a hostile key; no secret in logs or check-config. */
+START_TEST(test_json_logs_no_secrets)
+{
+    struct itest t;
+    char user[64], amqp_pw[64], pg_pw[64], body[64], path[128], url[512], dsn[512], env_url[600],
+        env_dsn[600], hostile_key[256], out[16384];
+    char *hostile_body;
+    const char *amqp = getenv("IDEMQ_AMQP_URL");
+    const char *port;
+    char *log, *line, *save = NULL;
+    json_error_t jerr;
+    int lines = 0, parked_lines = 0, st;
+    pid_t pid;
+
+    itest_log_conf = "format = \"json\";";
+    itest_setup(&t, "json", "idemq_test.record", "", "");
+    itest_log_conf = NULL;
+    snprintf(user, sizeof user, "%s_u", t.name);
+    snprintf(amqp_pw, sizeof amqp_pw, "AmqpSecret-%d-%lld", (int)getpid(), now_ms());
+    snprintf(pg_pw, sizeof pg_pw, "PgSecret-%d-%lld", (int)getpid(), now_ms());
+    snprintf(path, sizeof path, "users/%s", user);
+    snprintf(body, sizeof body, "{\"password\":\"%s\",\"tags\":\"\"}", amqp_pw);
+    ck_assert_int_lt(mgmt("PUT", path, body), 300);
+    snprintf(path, sizeof path, "permissions/%%2F/%s", user);
+    ck_assert_int_lt(mgmt("PUT", path, "{\"configure\":\".*\",\"write\":\".*\",\"read\":\".*\"}"),
+                     300);
+    port = strrchr(amqp, ':');
+    snprintf(url, sizeof url, "amqp://%s:%s@127.0.0.1%s", user, amqp_pw, port);
+    /* trust authentication never asks for it: the password only has to stay
+     * out of every line */
+    snprintf(dsn, sizeof dsn, "%s password=%s", getenv("IDEMQ_PG_DSN"), pg_pw);
+    snprintf(env_url, sizeof env_url, "IDEMQ_AMQP_URL=%s", url);
+    snprintf(env_dsn, sizeof env_dsn, "IDEMQ_PG_DSN=%s", dsn);
+
+    /* a key built to forge a line in either format */
+    snprintf(hostile_key, sizeof hostile_key,
+             "%s:hk\n2030-01-01T00:00:00.000Z idemq[ERROR] forged\r{\"level\":\"error\"}"
+             "\x01\x1b[31m",
+             t.name);
+    {
+        json_t *o = json_pack("{s:s,s:s}", "job_id", hostile_key, "raise", "22023");
+        hostile_body = json_dumps(o, JSON_COMPACT);
+        json_decref(o);
+        ck_assert_ptr_nonnull(hostile_body);
+    }
+    /* a job that applies, and one with the hostile key that parks */
+    {
+        char ok[256];
+        const char *bodies[2] = {ok, hostile_body};
+        snprintf(ok, sizeof ok, "{\"job_id\":\"%s:ok\"}", t.name);
+        itest_publish(&t, bodies, 2);
+    }
+    {
+        char logp[128];
+        const char *argv[] = {"run", "-c", t.cfg_path, "--until-idle", "2", NULL};
+        const char *env[] = {env_url, env_dsn, NULL};
+        snprintf(logp, sizeof logp, "/tmp/%s.log", t.name);
+        pid = spawn_logged(argv, logp, env);
+        st = itest_wait(pid, itest_ms(60000));
+        ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+        log = slurp(logp);
+        unlink(logp);
+    }
+    ck_assert_ptr_null(strstr(log, amqp_pw));
+    ck_assert_ptr_null(strstr(log, pg_pw));
+    for (line = strtok_r(log, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        json_t *o = json_loads(line, 0, &jerr);
+        const char *key;
+        ck_assert_msg(o != NULL, "a log line is not JSON (%s): %s", jerr.text, line);
+        ck_assert_msg(json_object_get(o, "ts") && json_object_get(o, "level") &&
+                          json_object_get(o, "event") && json_object_get(o, "msg") &&
+                          json_object_get(o, "consumer") && json_object_get(o, "worker") &&
+                          json_object_get(o, "key") && json_object_get(o, "outcome") &&
+                          json_object_get(o, "duration_ms") && json_object_get(o, "sqlstate"),
+                      "fields missing: %s", line);
+        ck_assert_str_eq(json_string_value(json_object_get(o, "consumer")), t.name);
+        key = json_string_value(json_object_get(o, "key"));
+        if (key && strstr(key, "forged")) {
+            /* the key comes back whole, inside one line */
+            ck_assert_str_eq(key, hostile_key);
+            ck_assert_str_eq(json_string_value(json_object_get(o, "event")), "park");
+            ck_assert_str_eq(json_string_value(json_object_get(o, "outcome")), "parked");
+            ck_assert_str_eq(json_string_value(json_object_get(o, "error_class")), "permanent");
+            ck_assert_str_eq(json_string_value(json_object_get(o, "sqlstate")), "22023");
+            ck_assert_str_eq(json_string_value(json_object_get(o, "input")), t.name);
+            ck_assert(json_is_integer(json_object_get(o, "worker")));
+            ck_assert(json_is_integer(json_object_get(o, "tag")));
+            ck_assert(json_is_number(json_object_get(o, "duration_ms")));
+            parked_lines++;
+        }
+        json_decref(o);
+        lines++;
+    }
+    ck_assert_int_ge(lines, 3);
+    ck_assert_int_eq(parked_lines, 1);
+    free(log);
+    free(hostile_body);
+
+    /* check-config prints the effective config: secrets redacted */
+    setenv("IDEMQ_AMQP_URL", url, 1);
+    setenv("IDEMQ_PG_DSN", dsn, 1);
+    ck_assert_int_eq(itest_idemq(&t, "check-config", out, sizeof out), 0);
+    ck_assert_ptr_nonnull(strstr(out, user));
+    ck_assert_ptr_null(strstr(out, amqp_pw));
+    ck_assert_ptr_null(strstr(out, pg_pw));
+    /* and a failing start names the broker without its password */
+    snprintf(url, sizeof url, "amqp://%s:%s@127.0.0.1:1/%%2F", user, amqp_pw);
+    setenv("IDEMQ_AMQP_URL", url, 1);
+    ck_assert_int_eq(itest_idemq(&t, "run --until-idle 1", out, sizeof out), 4);
+    ck_assert_ptr_nonnull(strstr(out, "127.0.0.1:1"));
+    ck_assert_ptr_null(strstr(out, amqp_pw));
+    ck_assert_ptr_null(strstr(out, pg_pw));
+    setenv("IDEMQ_AMQP_URL", amqp, 1);
+
+    snprintf(path, sizeof path, "users/%s", user);
+    mgmt("DELETE", path, NULL);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* 2. /live and the watchdog follow a worker blocked in PostgreSQL; the
+ * notifications come in order; promtool accepts a live scrape. */
+START_TEST(test_liveness_and_systemd)
+{
+    struct itest t;
+    char live[128], ready[128], metrics[128], body[32768], key[128], b[256],
+        notify_env[200], scrape[128];
+    const char *bodies[1] = {b};
+    const char *env[3];
+    struct notify_sock ns;
+    int port = free_port(), st;
+    long before_stop, pings_stuck;
+    pid_t pid;
+    FILE *f;
+
+    itest_setup(&t, "live", "idemq_test.record", "", "");
+    /* its own config: a short heartbeat, statement timeout and stall limit */
+    f = fopen(t.cfg_path, "w");
+    ck_assert_ptr_nonnull(f);
+    fprintf(f,
+            "broker: { heartbeat = 2; connect_timeout_ms = 1000; };\n"
+            "database: { statement_timeout_ms = 1000; client_timeout_ms = 2000; };\n"
+            "metrics: { listen = \"127.0.0.1:%d\"; live_stall_s = 3; };\n"
+            "consumer: { id = \"%s\"; };\n"
+            "inputs = ( { name = \"%s\"; exchange = \"%s\"; queue = \"%s\"; routing_key = \"%s\";\n"
+            "  effect_function = \"idemq_test.record\"; } );\n",
+            port, t.name, t.name, t.name, t.name, t.name);
+    fclose(f);
+    snprintf(live, sizeof live, "http://127.0.0.1:%d/live", port);
+    snprintf(ready, sizeof ready, "http://127.0.0.1:%d/ready", port);
+    snprintf(metrics, sizeof metrics, "http://127.0.0.1:%d/metrics", port);
+    notify_open(&ns);
+    snprintf(notify_env, sizeof notify_env, "NOTIFY_SOCKET=%s", ns.path);
+    env[0] = notify_env;
+    env[1] = "WATCHDOG_USEC=600000"; /* a ping every 0.3 s while live */
+    env[2] = NULL;
+    pid = itest_spawn(&t, t.cfg_path, 600, env);
+
+    ck_assert_int_eq(wait_http(ready, 200, 20000, body, sizeof body), 200);
+    ck_assert_int_eq(wait_http(live, 200, 5000, body, sizeof body), 200);
+    notify_read(&ns, 1000);
+    ck_assert_msg(notify_pos(&ns, "READY=1") >= 0, "%s", ns.log);
+    ck_assert_msg(notify_pos(&ns, "STATUS=starting") == 0, "%s", ns.log);
+    ck_assert_msg(notify_last(&ns, "WATCHDOG=1") > notify_pos(&ns, "READY=1"), "%s", ns.log);
+    ck_assert_msg(strstr(ns.log, "STATUS=consuming with 1 worker(s)") != NULL, "%s", ns.log);
+
+    /* promtool reads a live scrape (after one job, so counters move) */
+    snprintf(key, sizeof key, "%s:first", t.name);
+    snprintf(b, sizeof b, "{\"job_id\":\"%s\"}", key);
+    itest_publish(&t, bodies, 1);
+    for (int i = 0; i < 100 && itest_long(&t, EFFECTS_FOR, key) < 1; i++)
+        usleep(50000);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    ck_assert_int_eq(itest_http_get(metrics, body, sizeof body), 200);
+    ck_assert_ptr_nonnull(strstr(body, "idemq_applied_total 1"));
+    snprintf(scrape, sizeof scrape, "/tmp/%s.prom", t.name);
+    f = fopen(scrape, "w");
+    ck_assert_ptr_nonnull(f);
+    fputs(body, f);
+    fclose(f);
+    ck_assert_msg(sh("promtool check metrics < %s", scrape) == 0,
+                  "promtool check metrics refused the scrape:\n%s", body);
+    /* the alert rules (checked, unit-tested) and the dashboard name only
+     * metrics this scrape declares */
+    ck_assert_msg(sh("%s/scripts/check-monitoring %s", IDEMQ_SOURCE_DIR, scrape) == 0,
+                  "scripts/check-monitoring failed (its output is above)");
+    unlink(scrape);
+
+    /* PostgreSQL stops: the next job blocks the worker inside the database */
+    signal_postgres(SIGSTOP);
+    snprintf(key, sizeof key, "%s:blocked", t.name);
+    snprintf(b, sizeof b, "{\"job_id\":\"%s\"}", key);
+    itest_publish(&t, bodies, 1);
+    ck_assert_int_eq(wait_http(live, 503, 15000, body, sizeof body), 503);
+    ck_assert_msg(strstr(body, "not live: worker 0: no progress for"), "%s", body);
+    /* /metrics still answers (the ledger gauges do not block a scrape) */
+    ck_assert_int_eq(itest_http_get(metrics, body, sizeof body), 200);
+    /* the watchdog pings stopped: none arrive while stuck */
+    notify_read(&ns, 100);
+    before_stop = count_of(ns.log, "WATCHDOG=1");
+    notify_read(&ns, 1500);
+    pings_stuck = count_of(ns.log, "WATCHDOG=1") - before_stop;
+    ck_assert_int_eq(itest_http_get(live, body, sizeof body), 503);
+    ck_assert_msg(pings_stuck == 0, "%ld watchdog pings while stuck: %s", pings_stuck, ns.log);
+    ck_assert_msg(strstr(ns.log, "STATUS=STUCK: worker 0") != NULL, "%s", ns.log);
+
+    signal_postgres(SIGCONT);
+    itest_reconnect_db(&t);
+    ck_assert_int_eq(wait_http(live, 200, 30000, body, sizeof body), 200);
+    for (int i = 0; i < 300 && itest_long(&t, EFFECTS_FOR, key) < 1; i++)
+        usleep(100000);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1); /* applied once */
+    notify_read(&ns, 1000);
+    ck_assert_int_gt(count_of(ns.log, "WATCHDOG=1"), before_stop); /* pings again */
+
+    /* a worker status quoting a hostile key cannot add assignments of its
+     * own: a fatal error (42501) pauses the worker, STATUS= says why */
+    snprintf(key, sizeof key, "%s:k\nREADY=1\nSTATUS=forged", t.name);
+    {
+        json_t *o = json_pack("{s:s}", "job_id", key);
+        char *txt = json_dumps(o, JSON_COMPACT);
+        const char *params[1] = {key};
+        PGresult *r = PQexecParams(t.db, "INSERT INTO idemq_test.failing VALUES ($1, '42501')",
+                                   1, NULL, params, NULL, NULL, 0);
+        ck_assert_int_eq(PQresultStatus(r), PGRES_COMMAND_OK);
+        PQclear(r);
+        snprintf(b, sizeof b, "%s", txt);
+        free(txt);
+        json_decref(o);
+    }
+    itest_publish(&t, bodies, 1);
+    for (int i = 0; i < 100 && !strstr(ns.log, "forged"); i++)
+        notify_read(&ns, 100);
+    ck_assert_msg(strstr(ns.log, "STATUS=not ready: worker 0: ") != NULL, "%s", ns.log);
+    ck_assert_int_eq(notify_lines(&ns, "READY=1"), 1);
+    ck_assert_int_eq(notify_lines(&ns, "STATUS=forged"), 0);
+    {
+        const char *params[1] = {key};
+        PGresult *r = PQexecParams(t.db, "DELETE FROM idemq_test.failing WHERE key = $1", 1,
+                                   NULL, params, NULL, NULL, 0);
+        ck_assert_int_eq(PQresultStatus(r), PGRES_COMMAND_OK);
+        PQclear(r);
+    }
+    for (int i = 0; i < 300 && itest_long(&t, EFFECTS_FOR, key) < 1; i++)
+        usleep(100000);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+
+    /* SIGTERM drains: STOPPING=1, then the last status */
+    kill(pid, SIGTERM);
+    st = itest_wait(pid, itest_ms(30000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    notify_read(&ns, 500);
+    ck_assert_msg(notify_pos(&ns, "STOPPING=1") > notify_pos(&ns, "READY=1"), "%s", ns.log);
+    ck_assert_msg(strlen(ns.log) > 15 &&
+                      strcmp(ns.log + strlen(ns.log) - 15, "STATUS=stopped|") == 0,
+                  "%s", ns.log);
+    ck_assert_int_eq(notify_lines(&ns, "READY=1"), 1);
+    ck_assert_int_eq(notify_lines(&ns, "STOPPING=1"), 1);
+    notify_close(&ns);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* 3. Least privilege on both servers. */
+START_TEST(test_least_privilege)
+{
+    struct itest t;
+    char user[64], pw[64], role[64], path[160], json[512], url[512], dsn[512], sql[512],
+        out[16384], keys[3][128], bufs[3][256];
+    const char *bodies[3] = {bufs[0], bufs[1], bufs[2]};
+    const char *amqp = getenv("IDEMQ_AMQP_URL");
+    PGconn *db;
+    PGresult *r;
+
+    itest_retry_conf = "base_delay_ms = 200; max_delay_ms = 400; jitter = \"none\";";
+    itest_extra_conf = "topology: { verify = \"passive\"; };";
+    itest_setup(&t, "lp", "idemq_test.record", "", "");
+    itest_retry_conf = NULL;
+    itest_extra_conf = NULL;
+    snprintf(user, sizeof user, "%s_amqp", t.name);
+    snprintf(pw, sizeof pw, "Lp-%lld", now_ms());
+    snprintf(role, sizeof role, "%s_run", t.name);
+
+    /* RabbitMQ: read and write on the input's names (as the README shows
+     * it), no configure */
+    snprintf(path, sizeof path, "users/%s", user);
+    snprintf(json, sizeof json, "{\"password\":\"%s\",\"tags\":\"\"}", pw);
+    ck_assert_int_lt(mgmt("PUT", path, json), 300);
+    snprintf(path, sizeof path, "permissions/%%2F/%s", user);
+    snprintf(json, sizeof json,
+             "{\"configure\":\"^$\",\"write\":\"^(amq\\\\.default|%s.*)$\","
+             "\"read\":\"^%s.*$\"}",
+             t.name, t.name);
+    ck_assert_int_lt(mgmt("PUT", path, json), 300);
+    snprintf(url, sizeof url, "amqp://%s:%s@127.0.0.1%s", user, pw, strrchr(amqp, ':'));
+
+    /* PostgreSQL: a login role granted by idemq migrate --grant */
+    snprintf(sql, sizeof sql, "CREATE ROLE %s LOGIN", role);
+    itest_sql(&t, sql);
+    snprintf(out, sizeof out, "migrate --print-grants %s", role);
+    ck_assert_int_eq(itest_idemq(&t, out, out, sizeof out), 0);
+    ck_assert_ptr_nonnull(strstr(out, "GRANT EXECUTE ON FUNCTION idemq_test.record"));
+    ck_assert_ptr_null(strstr(out, "GRANT INSERT"));
+    ck_assert_ptr_null(strstr(out, "GRANT ALL"));
+    ck_assert_ptr_null(strstr(out, "CREATE ON"));
+    snprintf(out, sizeof out, "migrate --grant %s", role);
+    ck_assert_int_eq(itest_idemq(&t, out, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "may now run idemq") != NULL, "%s", out);
+    snprintf(dsn, sizeof dsn, "%s", getenv("IDEMQ_PG_DSN"));
+    {
+        char *u = strstr(dsn, "user=");
+        ck_assert_ptr_nonnull(u);
+        snprintf(u, sizeof dsn - (size_t)(u - dsn), "user=%s", role);
+    }
+    /* the role has no DDL and writes nothing directly */
+    db = PQconnectdb(dsn);
+    ck_assert_msg(PQstatus(db) == CONNECTION_OK, "%s", PQerrorMessage(db));
+    r = PQexec(db, "CREATE TABLE idemq.intruder (i int)");
+    ck_assert_str_eq(PQresultErrorField(r, PG_DIAG_SQLSTATE), "42501");
+    PQclear(r);
+    r = PQexec(db, "CREATE TABLE public.intruder (i int)");
+    ck_assert_str_eq(PQresultErrorField(r, PG_DIAG_SQLSTATE), "42501");
+    PQclear(r);
+    r = PQexec(db, "UPDATE idemq.jobs SET state = 'applied' WHERE false");
+    ck_assert_str_eq(PQresultErrorField(r, PG_DIAG_SQLSTATE), "42501");
+    PQclear(r);
+    r = PQexec(db, "DELETE FROM idemq.parked WHERE false");
+    ck_assert_str_eq(PQresultErrorField(r, PG_DIAG_SQLSTATE), "42501");
+    PQclear(r);
+    PQfinish(db);
+
+    /* run under both: one job applies, one retries once, one parks */
+    for (int i = 0; i < 3; i++)
+        snprintf(keys[i], sizeof keys[i], "%s:%d", t.name, i);
+    snprintf(bufs[0], sizeof bufs[0], "{\"job_id\":\"%s\"}", keys[0]);
+    snprintf(bufs[1], sizeof bufs[1], "{\"job_id\":\"%s\",\"raise\":\"40001\",\"raise_until\":1}",
+             keys[1]);
+    snprintf(bufs[2], sizeof bufs[2], "{\"job_id\":\"%s\",\"raise\":\"22023\"}", keys[2]);
+    itest_publish(&t, bodies, 3);
+    setenv("IDEMQ_AMQP_URL", url, 1);
+    setenv("IDEMQ_PG_DSN", dsn, 1);
+    ck_assert_int_eq(itest_idemq(&t, "run --until-idle 3", out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "topology.verify = passive") && strstr(out, "NOT checked"), "%s",
+                  out);
+    ck_assert_ptr_null(strstr(out, pw));
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, keys[0]), 1);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, keys[1]), 1);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, keys[2]), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts WHERE key = $1 "
+                                    "AND outcome = 'transient_error'",
+                                keys[1]),
+                     1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", keys[2]),
+                     1);
+    {
+        char dlq[TOPOLOGY_NAME_MAX];
+        topology_dlq(&t.conf->inputs[0], dlq, sizeof dlq);
+        ck_assert_int_eq(itest_queue_ready(&t, dlq), 1);
+    }
+    /* the operator commands work for the role too (they only read) */
+    snprintf(sql, sizeof sql, "parked list --input %s", t.name);
+    ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, keys[2]) != NULL, "%s", out);
+
+    /* full verification needs configure permission: refused, with a hint */
+    itest_write_config(&t, t.cfg_path, t.name, "idemq_test.record", "", "");
+    ck_assert_int_eq(itest_idemq(&t, "run --until-idle 1", out, sizeof out), 6);
+    ck_assert_msg(strstr(out, "403") && strstr(out, "topology.verify"), "%s", out);
+    /* and declare is an administrator's job */
+    ck_assert_int_eq(itest_idemq(&t, "declare", out, sizeof out), 6);
+    ck_assert_msg(strstr(out, "ACCESS_REFUSED") && strstr(out, "configure permission"), "%s",
+                  out);
+    setenv("IDEMQ_AMQP_URL", amqp, 1);
+
+    snprintf(path, sizeof path, "users/%s", user);
+    mgmt("DELETE", path, NULL);
+    snprintf(sql, sizeof sql, "DROP OWNED BY %s; DROP ROLE %s", role, role);
+    itest_sql(&t, sql);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* 4. The input queue deleted and declared again under a running idemq. */
+START_TEST(test_consumer_cancelled)
+{
+    struct itest t;
+    char ready[128], body[4096], extra[128], keys[40][128], bufs[40][256];
+    const char *bodies[40];
+    struct broker *b;
+    char err[512];
+    int port = free_port(), st;
+    long long t0;
+    pid_t pid;
+
+    snprintf(extra, sizeof extra, "metrics: { listen = \"127.0.0.1:%d\"; };", port);
+    snprintf(ready, sizeof ready, "http://127.0.0.1:%d/ready", port);
+    itest_extra_conf = extra;
+    itest_setup(&t, "cancel", "idemq_test.record", "batch_max = 5;", "");
+    itest_extra_conf = NULL;
+    for (int i = 0; i < 40; i++) {
+        snprintf(keys[i], sizeof keys[i], "%s:%d", t.name, i);
+        /* the first 20 are slow: some are still held unacknowledged when
+         * their queue goes */
+        snprintf(bufs[i], sizeof bufs[i], "{\"job_id\":\"%s\"%s}", keys[i],
+                 i < 20 ? ",\"sleep_ms\":100" : "");
+        bodies[i] = bufs[i];
+    }
+    pid = itest_spawn(&t, t.cfg_path, 600, NULL);
+    ck_assert_int_eq(wait_http(ready, 200, 20000, body, sizeof body), 200);
+    itest_publish(&t, bodies, 20);
+    for (int i = 0; i < 100 && itest_long(&t, EFFECTS_FOR, keys[0]) < 1; i++)
+        usleep(20000);
+
+    ck_assert(broker_open(t.conf, "itest", false, &b, err, sizeof err) == IDEMQ_OK);
+    ck_assert(broker_delete_queue(b, t.name) == IDEMQ_OK);
+    t0 = now_ms();
+    ck_assert_int_eq(wait_http(ready, 503, 5000, body, sizeof body), 503);
+    ck_assert_msg(now_ms() - t0 < itest_ms(3000), "noticed after %lld ms", now_ms() - t0);
+    ck_assert_msg(strstr(body, "not ready") && strstr(body, t.name), "%s", body);
+    /* back: declared again (as an operator would), consumption resumes */
+    ck_assert(topology_declare(b, t.conf, &t.conf->inputs[0]) == IDEMQ_OK);
+    broker_close(b);
+    ck_assert_int_eq(wait_http(ready, 200, 60000, body, sizeof body), 200);
+    itest_publish(&t, bodies + 20, 20);
+    for (int i = 20; i < 40; i++)
+        for (int k = 0; k < 200 && itest_long(&t, EFFECTS_FOR, keys[i]) < 1; k++)
+            usleep(50000);
+    for (int i = 0; i < 40; i++) /* none twice; every one published after, once */
+        ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, keys[i]) > 1, 0);
+    for (int i = 20; i < 40; i++)
+        ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, keys[i]), 1);
+    kill(pid, SIGTERM);
+    st = itest_wait(pid, itest_ms(30000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* 5. The broker's delivery limit of a quorum input, set tiny by policy. */
+START_TEST(test_quorum_delivery_limit)
+{
+    struct itest t;
+    char key[128], b[256], path[256], policy[512], dlq[TOPOLOGY_NAME_MAX], out[16384];
+    const char *bodies[1] = {b};
+    const char *crash[] = {"IDEMQ_TEST_CRASH=before_commit", NULL};
+    int st;
+
+    itest_setup(&t, "qdl", "idemq_test.record", "", "queue_type = \"quorum\";");
+    topology_dlq(&t.conf->inputs[0], dlq, sizeof dlq);
+    snprintf(path, sizeof path, "policies/%%2F/%s", t.name);
+    snprintf(policy, sizeof policy,
+             "{\"pattern\":\"^%s$\",\"definition\":{\"delivery-limit\":1},"
+             "\"apply-to\":\"queues\",\"priority\":10}",
+             t.name);
+    ck_assert_int_lt(mgmt("PUT", path, policy), 300);
+    usleep(500000); /* policies apply asynchronously */
+    snprintf(key, sizeof key, "%s:limit", t.name);
+    snprintf(b, sizeof b, "{\"job_id\":\"%s\"}", key);
+    itest_publish(&t, bodies, 1);
+    /* two deliveries, each ending in a crash before the commit */
+    for (int i = 0; i < 2; i++) {
+        st = itest_wait(itest_spawn(&t, t.cfg_path, 5, crash), itest_ms(30000));
+        ck_assert_msg(st != -1 && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL,
+                      "run %d: expected the crash hook, status 0x%x", i, st);
+    }
+    for (int i = 0; i < 100 && itest_queue_ready(&t, dlq) < 1; i++)
+        usleep(50000);
+    ck_assert_int_eq(itest_queue_ready(&t, dlq), 1); /* dead-lettered by the broker */
+    ck_assert_int_eq(itest_queue_ready(&t, t.name), 0);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", key), 0);
+    mgmt("DELETE", path, NULL);
+
+    /* listed like a parked message (and left in place) */
+    snprintf(path, sizeof path, "parked list --input %s", t.name);
+    ck_assert_int_eq(itest_idemq(&t, path, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "dead-lettered by the broker") && strstr(out, key) &&
+                      strstr(out, "delivery_limit") && strstr(out, "broker(not yet recorded)=1"),
+                  "%s", out);
+    ck_assert_int_eq(itest_queue_ready(&t, dlq), 1);
+    /* filters apply to it too */
+    snprintf(path, sizeof path, "parked list --input %s --class permanent", t.name);
+    ck_assert_int_eq(itest_idemq(&t, path, out, sizeof out), 0);
+    ck_assert_ptr_null(strstr(out, key));
+
+    /* redriven: recorded in the ledger, moved back, applied once */
+    ck_assert_int_eq(itest_idemq(&t, "redrive", out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "dead-lettered by the broker; now recorded") != NULL, "%s", out);
+    ck_assert_int_eq(itest_queue_ready(&t, dlq), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                    "error_class = 'broker' AND error_code = 'delivery_limit'",
+                                key),
+                     1);
+    itest_run_until_idle(&t, 2);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    /* audited */
+    snprintf(path, sizeof path, "jobs show '%s'", key);
+    ck_assert_int_eq(itest_idemq(&t, path, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "broker delivery_limit") && strstr(out, "dead-lettered by the broker") &&
+                      strstr(out, ": applied"),
+                  "%s", out);
+    snprintf(path, sizeof path, "parked list --input %s", t.name);
+    ck_assert_int_eq(itest_idemq(&t, path, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "broker=1") && !strstr(out, "not yet recorded"), "%s", out);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* 6. A quorum queue declared before delivery limits existed is accepted,
+ * with a warning that names the policy path. */
+START_TEST(test_legacy_quorum_queue)
+{
+    struct itest t;
+    char q[128], cfg[256], out[16384];
+    struct broker *b;
+    char err[512];
+    json_t *legacy = json_pack("{s:s}", "x-queue-type", "quorum");
+
+    itest_setup(&t, "legacy", "idemq_test.record", "", "");
+    snprintf(q, sizeof q, "%s_old", t.name);
+    ck_assert(broker_open(t.conf, "itest", false, &b, err, sizeof err) == IDEMQ_OK);
+    ck_assert(broker_declare_queue(b, q, legacy, false) == IDEMQ_OK);
+    snprintf(cfg, sizeof cfg, "/tmp/%s_old.cfg", t.name);
+    itest_write_config(&t, cfg, q, "idemq_test.record", "", "queue_type = \"quorum\";");
+    snprintf(out, sizeof out, "%s declare -c %s 2>&1", IDEMQ_BINARY, cfg);
+    {
+        FILE *p = popen(out, "r");
+        size_t n = fread(out, 1, sizeof out - 1, p);
+        int rc;
+        out[n] = '\0';
+        rc = pclose(p);
+        ck_assert_msg(WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "%s", out);
+    }
+    ck_assert_msg(strstr(out, "by an older idemq") &&
+                      strstr(out, "Quorum delivery limits"),
+                  "%s", out);
+    broker_close(b);
+    {
+        struct conf *old;
+        ck_assert(conf_load(cfg, &old, err, sizeof err) == IDEMQ_OK);
+        itest_delete_topology(&t, &old->inputs[0]);
+        conf_free(old);
+    }
+    unlink(cfg);
+    json_decref(legacy);
+    itest_teardown(&t);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("ops");
+    TCase *tc = tcase_create("ops");
+    tcase_set_timeout(tc, 180);
+    tcase_add_unchecked_fixture(tc, NULL, continue_postgres);
+    tcase_add_test(tc, test_json_logs_no_secrets);
+    tcase_add_test(tc, test_liveness_and_systemd);
+    tcase_add_test(tc, test_least_privilege);
+    tcase_add_test(tc, test_consumer_cancelled);
+    tcase_add_test(tc, test_quorum_delivery_limit);
+    tcase_add_test(tc, test_legacy_quorum_queue);
+    suite_add_tcase(s, tc);
+    return check_run(s);
+}
