@@ -23,6 +23,9 @@ int log_level_parse(const char *s)
 }
 
 static void log_vwrite(int level, const char *file, int line, const char *fmt, va_list ap)
+    __attribute__((format(printf, 4, 0)));
+
+static void log_vwrite(int level, const char *file, int line, const char *fmt, va_list ap)
 {
     static const char *const tags[] = {"ERROR", "WARN", "INFO", "DEBUG"};
     struct timespec ts;
