@@ -3,11 +3,12 @@
  * body frames) into a struct job, within limits. The body's size is known
  * from the content header before any body frame is read: a body over the
  * input's max_body_bytes is streamed through SHA-256 and only a prefix is
- * kept. Properties and headers go through amqp_table with its limits. A
- * content header the client library cannot decode (librabbitmq-c 0.11
- * refuses, for example, a table field with an empty name that RabbitMQ
- * accepts) leaves the connection unable to read further; the job then
- * carries IDEMQ_ERR_UNDECODABLE and what the method frame told.
+ * kept. Properties and headers go through amqp_table with its limits. (The
+ * frames are read here rather than by amqp_read_message, whose properties
+ * clone refuses a table field with an empty name that RabbitMQ accepts.) A
+ * content header the library's frame decoder refuses leaves the connection
+ * unable to read further; the job then carries IDEMQ_ERR_UNDECODABLE and
+ * what the method frame told.
  *
  * API: delivery_reader_init -> [delivery_read]* -> delivery_reader_free.
  * delivery_props_to_job is pure (used by delivery_read, tests and fuzzing).

@@ -293,6 +293,7 @@ idemq_err_t job_decode(struct job *j, const struct conf_input *in)
     json_t *root = NULL;
     idemq_err_t body_err = IDEMQ_OK, key_err = IDEMQ_OK;
     char body_reason[sizeof j->reason] = "";
+    const unsigned char *nul;
 
     j->has_key = false;
     j->key[0] = '\0';
@@ -309,6 +310,13 @@ idemq_err_t job_decode(struct job *j, const struct conf_input *in)
         snprintf(body_reason, sizeof body_reason,
                  "body is %llu bytes, max_body_bytes is %d (a %zu-byte prefix is kept)",
                  (unsigned long long)j->body_size, in->max_body_bytes, j->body_len);
+    } else if (j->body_len && (nul = memchr(j->body, 0, j->body_len)) != NULL) {
+        /* JSON text never holds a raw NUL, yet jansson 2.14 skips one that
+         * follows a number or a literal ({"n":1<NUL>} parses); the body
+         * would then be cut at the NUL in the batch document, a C string. */
+        body_err = IDEMQ_ERR_BAD_JSON;
+        snprintf(body_reason, sizeof body_reason, "invalid JSON: a NUL byte at byte %zu",
+                 (size_t)(nul - j->body));
     } else if (!(root = json_loadb((const char *)j->body, j->body_len,
                                    JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr))) {
         body_err = json_error_code(&jerr) == json_error_duplicate_key ? IDEMQ_ERR_DUPLICATE_FIELD

@@ -101,7 +101,7 @@ START_TEST(test_consume_over_tls)
     ck_assert_int_eq(run_with(&t, "run --until-idle 2", need("IDEMQ_AMQPS_URL"),
                               need("IDEMQ_PG_TLS_DSN"), out, sizeof out),
                      0);
-    ck_assert_msg(strstr(out, "stopped: received 3, applied 3") != NULL, "%s", out);
+    ck_assert_msg(strstr(out, "stopped: received 3 (") && strstr(out, "applied 3,"), "%s", out);
     for (int i = 0; i < 3; i++) {
         snprintf(key, sizeof key, "%s:%d", t.name, i);
         ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);

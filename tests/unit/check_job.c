@@ -218,6 +218,39 @@ END_TEST
 /* What the transport could not take comes first: the size from the content
  * header (only a prefix held), headers over the limits (key still taken),
  * a delivery the library could not decode (nothing trusted). */
+/* A raw NUL byte right after a number or a literal: jansson 2.14 skips it
+ * and accepts the body, but the body then travels in the batch document, a
+ * C string to PostgreSQL, cut at the NUL; the whole batch failed and the job
+ * was parked as an effect error (22P02), not as bad_json. Found by
+ * tests/fuzz/fuzz_delivery (corpus file nul_after_number). */
+START_TEST(test_nul_byte_in_body)
+{
+#define BODY(text) {text, sizeof text - 1}
+    static const struct {
+        const char *s;
+        size_t n;
+    } bodies[] = {
+        BODY("{\"job_id\":42,\"seq\":9007199254740\0}"), /* after a number */
+        BODY("{\"job_id\":\"a\",\"ok\":true\0}"),          /* after a literal */
+        BODY("{\"job_id\":\"a\",\"n\":null\0,\"m\":1}"),
+        BODY("{\"job_id\":\"a\"}\0"), /* after the object */
+    };
+#undef BODY
+    struct job j;
+    struct conf_input in = input(CONF_KEY_JSON, "job_id", 1024);
+    job_init(&j);
+    for (size_t i = 0; i < sizeof bodies / sizeof bodies[0]; i++) {
+        ck_assert_ptr_nonnull(memchr(bodies[i].s, 0, bodies[i].n));
+        ck_assert_int_eq(job_set_body(&j, bodies[i].s, bodies[i].n), IDEMQ_OK);
+        ck_assert_msg(job_decode(&j, &in) == IDEMQ_ERR_BAD_JSON, "body %zu decoded as %s", i,
+                      idemq_err_name(j.decode_err));
+        ck_assert_ptr_nonnull(strstr(j.reason, "NUL"));
+        job_reset(&j);
+    }
+    job_destroy(&j);
+}
+END_TEST
+
 START_TEST(test_wire_errors)
 {
     struct job j;
@@ -281,6 +314,7 @@ int main(void)
     tcase_add_test(tc, test_body_buffer_reuse);
     tcase_add_test(tc, test_duplicate_field);
     tcase_add_test(tc, test_wire_errors);
+    tcase_add_test(tc, test_nul_byte_in_body);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
