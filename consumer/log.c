@@ -159,6 +159,9 @@ static void write_text(int level, const char *file, int line, const struct log_f
 }
 
 static void log_vemit(int level, const char *file, int line, const struct log_fields *f,
+                      const char *fmt, va_list ap) __attribute__((format(printf, 5, 0)));
+
+static void log_vemit(int level, const char *file, int line, const struct log_fields *f,
                       const char *fmt, va_list ap)
 {
     char ts[48], msg[LOG_MSG_MAX];
