@@ -223,8 +223,14 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
         int idx = atoi(PQgetvalue(r, row, 0)) - 1;
         const char *outcome = PQgetvalue(r, row, 1);
         struct ledger_result *x;
-        if (idx < 0 || idx >= n)
-            IDEMQ_PANIC("apply_batch returned index %d of %d", idx + 1, n);
+        if (idx < 0 || idx >= n) { /* a database answer: an error, never an abort */
+            snprintf(e->message, sizeof e->message, "apply_batch returned index %d of %d",
+                     idx + 1, n);
+            snprintf(e->sqlstate, sizeof e->sqlstate, "XX000");
+            e->conn_lost = false;
+            PQclear(r);
+            return IDEMQ_ERR_SQL;
+        }
         x = &res[idx];
         ledger_txn_result_clear(x);
         x->outcome = strcmp(outcome, "applied") == 0     ? LEDGER_APPLIED
