@@ -519,8 +519,8 @@ START_TEST(test_statement_timeout_is_transient)
 }
 END_TEST
 
-/* A quorum work queue (and quorum dead-letter queue) with classic delay
- * buckets: a duplicate is absorbed, a transient failure retries and a
+/* A quorum work queue (and quorum dead-letter queue and delay buckets): a
+ * duplicate is absorbed, a transient failure retries and a
  * permanent one parks, exactly as with classic queues. */
 START_TEST(test_quorum_queue)
 {
