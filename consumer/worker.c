@@ -26,6 +26,7 @@
 #include "ledger_txn.h"
 #include "log.h"
 #include "republish.h"
+#include "rescue.h"
 #include "rate_gate.h"
 #include "sig.h"
 #include "topology.h"
@@ -98,6 +99,7 @@ struct session {
     enum crash_point crash;
     char why[512]; /* reason of the last non-OK step */
     struct ledger_db_error last_call; /* the last whole-call failure */
+    struct rescue rescue; /* issue 12: lost retry copies (consumer/rescue.h) */
 };
 
 static long long now_ms(void)
@@ -931,6 +933,10 @@ idemq_err_t worker_run(struct worker *w)
         }
         if (st == STEP_OK)
             st = lanes_housekeeping(&s);
+        if (st == STEP_OK) { /* issue 12: republish retry copies lost on the broker */
+            idemq_err_t rerr = rescue_tick(&s.rescue, s.c, s.db, s.b, s.why, sizeof s.why);
+            st = rerr == IDEMQ_ERR_BROKER ? STEP_BROKER : rerr ? STEP_INFRA : st;
+        }
         switch (st) {
         case STEP_OK:
             break;
