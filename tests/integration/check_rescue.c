@@ -186,6 +186,59 @@ START_TEST(test_rescue_one_at_a_time)
 }
 END_TEST
 
+/* 4. No rescue while the work queue holds a backlog (more than batch_max
+ * ready messages): the copy may be waiting at its tail. 300 other jobs
+ * drain at 20 per second through a prefetch of 10, so the queue holds more
+ * than 100 ready messages for about 10 s; the due copy is rescued only
+ * after that (its rescued copy then waits behind what is left, so with
+ * rescue_after_s = 1 it may be rescued once more: harmless, the job is
+ * applied once). */
+START_TEST(test_rescue_waits_for_backlog)
+{
+    struct itest t;
+    char key[128], cfg[300], filler[300][96];
+    const char *bodies[300];
+    FILE *f;
+    itest_retry_conf = "base_delay_ms = 3000; max_delay_ms = 3000; jitter = \"none\"; "
+                       "rescue_after_s = 1;";
+    itest_setup(&t, "rescuebl", "idemq_test.record", "", "");
+    fail_once_then_lose_copy(&t, key, sizeof key);
+    wait_run_after_past(&t, key, 1.5);
+    for (int i = 0; i < 300; i++) {
+        snprintf(filler[i], sizeof filler[i], "{\"job_id\":\"%s:filler%03d\"}", t.name, i);
+        bodies[i] = filler[i];
+    }
+    itest_publish(&t, bodies, 300);
+    snprintf(cfg, sizeof cfg, "%s.slow", t.cfg_path);
+    ck_assert_ptr_nonnull(f = fopen(cfg, "w"));
+    fprintf(f,
+            "broker: { heartbeat = 10; prefetch = 10; };\n"
+            "retry: { %s };\n"
+            "consumer: { id = \"%s\"; max_rate = 20; };\n"
+            "inputs = ( { name = \"%s\"; exchange = \"%s\"; queue = \"%s\"; routing_key = \"%s\";\n"
+            "  effect_function = \"idemq_test.record\"; } );\n",
+            itest_retry_conf, t.name, t.name, t.name, t.name, t.name);
+    fclose(f);
+    {
+        int st = itest_wait(itest_spawn(&t, cfg, 3, NULL), itest_ms(90000));
+        ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    }
+    unlink(cfg);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    ck_assert_int_ge(itest_long(&t, RESCUES_FOR, key), 1);
+    /* rescued only after the backlog fell to one batch: at least 180 of the
+     * 300 other jobs were applied before the first rescue */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.retry_rescues r WHERE r.key = $1 "
+                                    "AND r.rescued_at <= (SELECT e.created_at FROM "
+                                    "idemq_test.effects e WHERE e.key LIKE (split_part($1, ':', "
+                                    "1) || ':filler%') ORDER BY e.id OFFSET 179 LIMIT 1)",
+                                key),
+                     0);
+    itest_teardown(&t);
+    itest_retry_conf = NULL;
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("rescue");
@@ -194,6 +247,7 @@ int main(void)
     tcase_add_test(tc, test_quorum_buckets);
     tcase_add_test(tc, test_rescue_lost_copy);
     tcase_add_test(tc, test_rescue_one_at_a_time);
+    tcase_add_test(tc, test_rescue_waits_for_backlog);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
