@@ -7,7 +7,8 @@
  * copies of jobs still retrying long after their retry time (more than
  * retry.rescue_after_s) are published again, straight to their work queue
  * through the default exchange, mandatory and confirmed, then recorded in
- * idemq.retry_rescues. One replica at a time per queue (an advisory lock
+ * idemq.retry_rescues. Not while the work queue holds a backlog (more than
+ * batch_max ready messages): a copy may then just be waiting at its tail. One replica at a time per queue (an advisory lock
  * held for the whole pass; ledger/ledger_rescue.h). A rescue that was not
  * needed (the bucket's copy was only slow) adds a duplicate copy, which the
  * ledger absorbs.

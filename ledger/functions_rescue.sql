@@ -43,8 +43,9 @@ $fn$;
 --   2. returns the copies to publish again, of those queues in p_queues
 --      whose rescue lock it got: the job still retrying with the copy's
 --      generation and attempt, its run_after more than p_after_ms ago, and
---      the copy not rescued within p_after_ms either. At most p_limit rows,
---      oldest run_after first.
+--      the copy not rescued within p_after_ms * 2^(its rescues, at most 8)
+--      either (a copy that keeps not coming back is published again ever
+--      more rarely). At most p_limit rows, oldest run_after first.
 CREATE OR REPLACE FUNCTION idemq.rescue_take(p_queues text[], p_after_ms integer,
                                              p_limit integer)
 RETURNS TABLE (r_key text, r_generation integer, r_attempt integer, r_queue text,
@@ -81,7 +82,8 @@ BEGIN
      WHERE c.source_queue = ANY (v_locked)
        AND j.state = 'retrying' AND j.generation = c.generation AND j.attempts = c.attempt
        AND j.run_after < clock_timestamp() - v_after
-       AND (c.rescued_at IS NULL OR c.rescued_at < clock_timestamp() - v_after)
+       AND (c.rescued_at IS NULL
+            OR c.rescued_at < clock_timestamp() - v_after * (2 ^ least(c.rescues, 8)))
      ORDER BY j.run_after
      LIMIT p_limit;
 END

@@ -21,13 +21,13 @@ static void nomem(struct ledger_db_error *e)
     e->conn_lost = false;
 }
 
-/* JSON array of the standard (not partitioned) inputs' queues. */
-static char *standard_queues(const struct conf *c)
+/* JSON array of the standard (not partitioned) inputs' queues to rescue. */
+static char *standard_queues(const struct conf *c, const bool *include)
 {
     json_t *a = json_array();
     char *s;
     for (int i = 0; a && i < c->n_inputs; i++)
-        if (!CONF_INPUT_ORDERED(&c->inputs[i]))
+        if (!CONF_INPUT_ORDERED(&c->inputs[i]) && (!include || include[i]))
             json_array_append_new(a, json_string(c->inputs[i].queue));
     s = a ? json_dumps(a, JSON_COMPACT) : NULL;
     json_decref(a);
@@ -96,10 +96,11 @@ static bool fill(const PGresult *r, int row, int input, struct ledger_rescue_cop
     return true;
 }
 
-idemq_err_t ledger_rescue_take(PGconn *db, const struct conf *c, struct ledger_rescue_copy *out,
-                               int max, int *n, struct ledger_db_error *e)
+idemq_err_t ledger_rescue_take(PGconn *db, const struct conf *c, const bool *include,
+                               struct ledger_rescue_copy *out, int max, int *n,
+                               struct ledger_db_error *e)
 {
-    char *queues = standard_queues(c);
+    char *queues = standard_queues(c, include);
     char after[24], lim[16];
     const char *vals[3];
     PGresult *r = NULL;

@@ -34,17 +34,19 @@ struct ledger_rescue_copy {
 
 /*
  * Opens the pass's transaction (BEGIN) and fills out[0..*n) (at most max)
- * with the copies due on the standard inputs of c whose rescue lock this
- * session got: the job still retrying with the copy's attempt, its run_after
- * more than c->rescue_after_s ago. Copies of queues not configured here are
- * skipped. The transaction stays open (it holds the locks) until
+ * with the copies due on the standard inputs i of c with include[i] (NULL:
+ * all) whose rescue lock this session got: the job still retrying with the
+ * copy's attempt, its run_after more than c->rescue_after_s ago, and the
+ * copy not rescued within rescue_after_s * 2^(its rescues so far). Copies
+ * of queues not configured here are skipped. The transaction stays open (it holds the locks) until
  * ledger_rescue_finish, also when *n is 0. On failure (e filled;
  * IDEMQ_ERR_DB_CONN, IDEMQ_ERR_SQL or IDEMQ_ERR_NOMEM) the caller still calls
  * ledger_rescue_finish(db, false, ...). Outside any other transaction; the
  * thread that owns db.
  */
-idemq_err_t ledger_rescue_take(PGconn *db, const struct conf *c, struct ledger_rescue_copy *out,
-                               int max, int *n, struct ledger_db_error *e) IDEMQ_MUSTCHECK;
+idemq_err_t ledger_rescue_take(PGconn *db, const struct conf *c, const bool *include,
+                               struct ledger_rescue_copy *out, int max, int *n,
+                               struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
 /*
  * Inside the pass's transaction, after the broker confirmed the republish of
