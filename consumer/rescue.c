@@ -69,26 +69,31 @@ static idemq_err_t publish_copy(struct broker *b, const struct conf *c,
  * publishing flat out, made 72,710 such needless rescues before this gate).
  * Once the backlog drains, a copy still missing is not in the queue. The
  * passive declare runs on the consuming channel; librabbitmq-c keeps the
- * deliveries that arrive meanwhile for the next read. false when the broker
- * failed (why set).
+ * deliveries that arrive meanwhile for the next read. RabbitMQ 3.10 answers
+ * a quorum queue's count as 0 messages and 0 consumers when its leader does
+ * not reply within 250 ms (rabbit_quorum_queue:stat/2), which let 291
+ * rescues through during a backlog in a full chaos run; this worker consumes
+ * the queue, so a true answer counts at least one consumer, and an answer
+ * with none is taken as unknown: no rescue of that queue in this pass.
+ * false when the broker failed (why set).
  */
 static bool pick_queues(struct broker *b, const struct conf *c, bool *include, char *why,
                         size_t whylen)
 {
     for (int i = 0; i < c->n_inputs; i++) {
-        uint32_t ready = 0;
+        uint32_t ready = 0, consumers = 0;
         include[i] = false;
         if (CONF_INPUT_ORDERED(&c->inputs[i]))
             continue;
-        if (broker_queue_counts(b, c->inputs[i].queue, &ready, NULL) != IDEMQ_OK) {
+        if (broker_queue_counts(b, c->inputs[i].queue, &ready, &consumers) != IDEMQ_OK) {
             snprintf(why, whylen, "rescue: cannot count queue %s: %s", c->inputs[i].queue,
                      broker_error(b));
             return false;
         }
-        include[i] = ready <= (uint32_t)c->batch_max;
+        include[i] = consumers > 0 && ready <= (uint32_t)c->batch_max;
         if (!include[i])
-            log_debug("rescue: queue %s holds %u ready messages: no rescue while that backlog "
-                      "stands", c->inputs[i].queue, ready);
+            log_debug("rescue: queue %s holds %u ready messages (%u consumers): no rescue "
+                      "while a backlog may stand", c->inputs[i].queue, ready, consumers);
     }
     return true;
 }
