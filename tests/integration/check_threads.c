@@ -35,7 +35,7 @@ START_TEST(test_workers_metrics_rate_gate)
     struct itest t;
     char metrics_conf[128], url_metrics[160], url_ready[160], body[16384];
     char **bodies = calloc(JOBS, sizeof *bodies);
-    int port = 20000 + (int)getpid() % 20000, good = 0, bad = 0, flaky = 0, scrapes = 0;
+    int port = itest_free_port(), good = 0, bad = 0, flaky = 0, scrapes = 0;
     long last_applied = 0, last_completed = 0;
     pid_t pid;
     int st = -1;
