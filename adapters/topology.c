@@ -91,10 +91,21 @@ static json_t *partition_args(const struct conf_input *in, bool legacy)
 
 static json_t *bucket_args(const struct conf_input *in, bool legacy)
 {
-    /* Classic: per-message TTL is what makes a bucket; expired messages go
-     * straight back to the work queue (not via the work exchange, which
-     * might fan out). */
-    (void)legacy;
+    /* Per-message TTL is what makes a bucket; expired messages go straight
+     * back to the work queue (not via the work exchange, which might fan
+     * out). A quorum input's buckets are quorum queues (issue 12): replicated
+     * on the cluster's nodes, and dead-lettering at least once (RabbitMQ 3.10
+     * keeps the message until the work queue confirmed it), so neither a node
+     * crash nor the expiry moment loses a retry, and no single node holds
+     * every retry. A classic input's buckets stay classic, on the node that
+     * declared them; the ledger's retry copies (consumer/rescue.c) cover them.
+     * The legacy form (classic buckets of a quorum input declared by an
+     * older idemq) is accepted with a warning. */
+    if (!legacy && strcmp(in->queue_type, "quorum") == 0)
+        return json_pack("{s:s,s:s,s:s,s:s,s:s}", "x-queue-type", "quorum",
+                         "x-dead-letter-exchange", "", "x-dead-letter-routing-key", in->queue,
+                         "x-dead-letter-strategy", "at-least-once", "x-overflow",
+                         "reject-publish");
     return json_pack("{s:s,s:s,s:s}", "x-queue-type", "classic", "x-dead-letter-exchange", "",
                      "x-dead-letter-routing-key", in->queue);
 }

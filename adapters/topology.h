@@ -2,8 +2,9 @@
  * topology: the broker objects behind one input and their names:
  *   work:    exchange <exchange> --routing_key--> queue <queue>
  *   delay:   exchange <queue>.retry --"<ms>"--> queues <queue>.retry.<ms>
- *            (classic, per-message TTL, dead-lettering back to <queue>
- *            through the default exchange)
+ *            (per-message TTL, dead-lettering back to <queue> through the
+ *            default exchange; of the input's queue type: quorum buckets
+ *            dead-letter at least once)
  *   dead:    exchange <queue>.dlx --<queue>--> queue <queue>.dead
  * A partitioned input (partitions = N >= 1, ordered lanes) has instead:
  *   work:    x-consistent-hash exchange <exchange> (hash-header if set)

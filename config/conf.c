@@ -84,6 +84,10 @@ static const struct conf_key global_keys[] = {
      "SQLSTATEs (or 2-character classes) an effect raises to ask for a retry"},
     {"retry.park_sqlstates", CT_STRLIST, G(park_sqlstates), 0, 64, "IP001", 0, 0,
      "SQLSTATEs (or classes) an effect raises to ask for parking at once"},
+    /* proof (issue 12): lost retry copies */
+    {"retry.rescue_after_s", CT_INT, G(rescue_after_s), 0, 7 * 86400, NULL, 600, 0,
+     "publish a retry again from the ledger when no copy came back this long after its "
+     "retry time (one replica at a time); 0 = off"},
     {"metrics.listen", CT_STR, G(metrics_listen), 0, 64, "", 0, 0,
      "IPv4:port for GET /metrics and /ready of `idemq run`; empty = off"},
     {"log.level", CT_STR, G(log_level), 1, 10, "info", 0, 0, "error, warn, info or debug"},

@@ -137,6 +137,7 @@ struct conf {
     char *jitter;
     struct conf_strlist retry_sqlstates;
     struct conf_strlist park_sqlstates;
+    int rescue_after_s;         /* republish a lost retry copy after this; 0 = off */
     int jitter_mode;            /* enum backoff_jitter, derived */
     struct classify_rules rules; /* derived from the two lists */
     /* metrics */

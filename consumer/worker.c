@@ -30,6 +30,7 @@
 #include "rate_gate.h"
 #include "reconcile.h"
 #include "republish.h"
+#include "rescue.h"
 #include "settle.h"
 #include "sig.h"
 #include "topology.h"
@@ -83,6 +84,7 @@ struct session {
     struct reconcile_sweep *sweep; /* worker 0 only */
     struct pending pending;        /* list head of deliveries awaiting a decision */
     struct provider_decision *decisions;
+    struct rescue rescue;     /* issue 12: lost retry copies (consumer/rescue.h) */
     char why[512];            /* reason of the last non-OK step */
 };
 
@@ -960,6 +962,10 @@ idemq_err_t worker_run(struct worker *w)
             st = provider_settle(&s, PROVIDER_POLL_MS);
         if (st == STEP_OK)
             st = sweep_step(&s);
+        if (st == STEP_OK) { /* issue 12: republish retry copies lost on the broker */
+            idemq_err_t rerr = rescue_tick(&s.rescue, s.c, s.db, s.b, s.why, sizeof s.why);
+            st = rerr == IDEMQ_ERR_BROKER ? STEP_BROKER : rerr ? STEP_INFRA : st;
+        }
         recover(&s, st);
     }
     /* A drain: provider calls in flight get their answers (within their

@@ -389,7 +389,7 @@ START_TEST(test_missing_effect_function)
     const char *bodies[5];
     char buf[5][160];
     pid_t pid;
-    int st, port = 20000 + (int)getpid() % 20000;
+    int st, port = itest_free_port(); /* 20000 + pid % 20000 collided with a busy port */
     snprintf(fn, sizeof fn, "idemq_test.late_%d", (int)getpid());
     snprintf(metrics, sizeof metrics, "metrics: { listen = \"127.0.0.1:%d\"; };", port);
     snprintf(url, sizeof url, "http://127.0.0.1:%d/ready", port);
@@ -519,8 +519,8 @@ START_TEST(test_statement_timeout_is_transient)
 }
 END_TEST
 
-/* A quorum work queue (and quorum dead-letter queue) with classic delay
- * buckets: a duplicate is absorbed, a transient failure retries and a
+/* A quorum work queue (and quorum dead-letter queue and delay buckets): a
+ * duplicate is absorbed, a transient failure retries and a
  * permanent one parks, exactly as with classic queues. */
 START_TEST(test_quorum_queue)
 {

@@ -38,6 +38,11 @@ int itest_http_get(const char *url, char *out, size_t outlen);
 /* Timeout multiplier from IDEMQ_TEST_TIMEOUT_MULT (sanitizer builds). */
 int itest_ms(int ms);
 
+/* A TCP port on 127.0.0.1 that was free a moment ago (the kernel's pick for
+ * a bind to port 0), e.g. for metrics.listen. A port derived from the pid
+ * can be in use by another session's server or an ephemeral port. */
+int itest_free_port(void);
+
 /*
  * Prepares a test: unique names, migrated ledger, the demo and test effect
  * functions loaded, a config file whose single input uses queue <name> and
