@@ -358,6 +358,10 @@ static int preflight(const struct conf *c)
     }
     for (int i = 0; i < c->n_inputs && rc == EXIT_OK; i++) {
         if (topology_verify(b, c, &c->inputs[i], err, sizeof err)) {
+            if (strstr(err, "home node")) { /* a cluster node is down: the workers wait */
+                log_warn("%s (a node is down; the workers wait for it)", err);
+                continue;
+            }
             log_error("%s", err);
             rc = EXIT_TOPOLOGY;
         }

@@ -242,8 +242,11 @@ static enum step connect_broker(struct session *s)
         return STEP_BROKER;
     for (int i = 0; i < s->c->n_inputs; i++) {
         if (topology_verify(s->b, s->c, &s->c->inputs[i], s->why, sizeof s->why)) {
+            /* A queue whose home node is down (a cluster node restarting)
+             * is an outage, not a broken deploy. */
+            bool outage = strstr(s->why, "home node") != NULL;
             drop_broker(s);
-            return STEP_FATAL; /* not the jobs' fault: wait until it is fixed */
+            return outage ? STEP_BROKER : STEP_FATAL; /* fatal: wait until it is fixed */
         }
     }
     if (broker_qos(s->b, s->c->prefetch))

@@ -1049,6 +1049,98 @@ START_TEST(test_hostile_producer)
 }
 END_TEST
 
+/* ---- the remaining rows of the state table: early and repark ---- */
+
+/*
+ * A copy of a retrying job that comes back before its run_after (a
+ * duplicate copy, or a redelivery after a crash) is delayed again for the
+ * time still to wait, uses no attempt, and the job is applied once when
+ * its time comes.
+ */
+START_TEST(test_early_copy_waits)
+{
+    struct itest t;
+    char key[200], body[512];
+    itest_retry_conf = "base_delay_ms = 100; max_delay_ms = 4000; jitter = \"none\";";
+    itest_setup(&t, "early", "idemq_test.record", "", "");
+    itest_retry_conf = NULL;
+    snprintf(key, sizeof key, "%s:early", t.name);
+    {
+        const char *vals[2] = {key, t.name};
+        PGresult *r = PQexecParams(t.db,
+                                   "INSERT INTO idemq.jobs (key, state, source_queue, "
+                                   "payload_sha256, attempts, run_after) VALUES ($1, "
+                                   "'retrying', $2, 'x', 1, clock_timestamp() + interval '3 s')",
+                                   2, NULL, vals, NULL, NULL, 0);
+        ck_assert_msg(PQresultStatus(r) == PGRES_COMMAND_OK, "%s", PQerrorMessage(t.db));
+        PQclear(r);
+    }
+    payout(body, sizeof body, key, NULL);
+    itest_publish(&t, (const char *[]){body}, 1);
+    itest_run_until_idle(&t, 6);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    ck_assert_int_ge(itest_long(&t, "SELECT count(*) FROM idemq.attempts WHERE key = $1 AND "
+                                    "outcome = 'delayed'",
+                                key),
+                     1);
+    /* applied no earlier than its run_after */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects e JOIN idemq.jobs j "
+                                    "USING (key) WHERE key = $1 AND e.created_at < j.first_seen_at "
+                                    "+ interval '2.5 s'",
+                                key),
+                     0);
+    itest_teardown(&t);
+}
+END_TEST
+
+/*
+ * A parked job whose dead-letter publish was never confirmed (the process
+ * died between the commit and the confirm): a redelivered copy publishes
+ * the dead letter again (repark) and the ledger notes the confirm; nothing
+ * is applied.
+ */
+START_TEST(test_repark_unconfirmed)
+{
+    struct itest t;
+    char key[200], body[512], dlq[300];
+    itest_setup(&t, "repark", "idemq_test.record", "", "");
+    topology_dlq(&t.conf->inputs[0], dlq, sizeof dlq);
+    snprintf(key, sizeof key, "%s:bad", t.name);
+    payout(body, sizeof body, key, "\"raise\":\"22023\"");
+    itest_publish(&t, (const char *[]){body}, 1);
+    itest_run_until_idle(&t, 2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                    "dlq_published_at IS NOT NULL",
+                                key),
+                     1);
+    /* as if the confirm never came: no copy on the broker, none noted */
+    {
+        struct broker *b;
+        char err[512];
+        ck_assert_int_eq(broker_open(t.conf, "itest purge", false, &b, err, sizeof err),
+                         IDEMQ_OK);
+        ck_assert_int_eq(broker_purge(b, dlq), IDEMQ_OK);
+        broker_close(b);
+    }
+    {
+        const char *vals[1] = {key};
+        PQclear(PQexecParams(t.db, "UPDATE idemq.parked SET dlq_published_at = NULL WHERE "
+                                   "key = $1",
+                             1, NULL, vals, NULL, NULL, 0));
+    }
+    itest_publish(&t, (const char *[]){body}, 1); /* the redelivered copy */
+    itest_run_until_idle(&t, 2);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                    "dlq_published_at IS NOT NULL",
+                                key),
+                     1);
+    ck_assert_int_eq(itest_queue_ready(&t, dlq), 1);
+    ck_assert_int_eq(itest_queue_ready(&t, t.name), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("total");
@@ -1069,6 +1161,8 @@ int main(void)
     tcase_add_test(tc, test_oldest_age_resets);
     tcase_add_test(tc, test_hostile_producer);
     tcase_add_test(tc, test_broker_restart_resume);
+    tcase_add_test(tc, test_early_copy_waits);
+    tcase_add_test(tc, test_repark_unconfirmed);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
