@@ -27,7 +27,7 @@
 #include "broker_tls.h"
 #include "log.h"
 
-#define CHANNEL 1
+#define CHANNEL BROKER_CHANNEL
 #define CONTENT_TIMEOUT_MS 30000 /* a message's frames follow its method frame */
 
 struct stash {
@@ -593,69 +593,6 @@ static idemq_err_t fail_keep(struct broker *b)
     return IDEMQ_ERR_BROKER;
 }
 
-/* The declare/bind RPCs that take an arguments table, in one place. */
-enum table_rpc { RPC_EXCHANGE, RPC_QUEUE, RPC_BIND };
-
-static idemq_err_t table_rpc(struct broker *b, enum table_rpc rpc, const char *name,
-                             const char *other, const char *key, bool passive, json_t *args)
-{
-    char what[600];
-    amqp_pool_t pool;
-    amqp_table_t t;
-    bool ok;
-
-    init_amqp_pool(&pool, 1024);
-    if (amqp_table_from_json(args, &t, &pool)) {
-        empty_amqp_pool(&pool);
-        set_err(b, "out of memory");
-        return IDEMQ_ERR_NOMEM;
-    }
-    switch (rpc) {
-    case RPC_EXCHANGE: /* other = exchange type */
-        amqp_exchange_declare(b->conn, CHANNEL, bytes(name), bytes(other), passive, 1, 0, 0, t);
-        snprintf(what, sizeof what, "%s exchange %s", passive ? "check" : "declare", name);
-        break;
-    case RPC_QUEUE:
-        amqp_queue_declare(b->conn, CHANNEL, bytes(name), passive, 1, 0, 0, t);
-        snprintf(what, sizeof what, "%s queue %s", passive ? "check" : "declare", name);
-        break;
-    case RPC_BIND: /* other = exchange */
-        amqp_queue_bind(b->conn, CHANNEL, bytes(name), bytes(other), bytes(key), t);
-        snprintf(what, sizeof what, "bind queue %s to %s (key %s)", name, other, key);
-        break;
-    }
-    ok = reply_ok(b, amqp_get_rpc_reply(b->conn), what);
-    empty_amqp_pool(&pool);
-    return ok ? IDEMQ_OK : fail_keep(b);
-}
-
-idemq_err_t broker_declare_exchange(struct broker *b, const char *name, const char *type,
-                                    bool passive, json_t *args)
-{
-    return table_rpc(b, RPC_EXCHANGE, name, type, NULL, passive, args);
-}
-
-idemq_err_t broker_declare_queue(struct broker *b, const char *name, json_t *args, bool passive)
-{
-    return table_rpc(b, RPC_QUEUE, name, NULL, NULL, passive, args);
-}
-
-idemq_err_t broker_bind(struct broker *b, const char *queue, const char *exchange,
-                        const char *key, json_t *args)
-{
-    return table_rpc(b, RPC_BIND, queue, exchange, key, false, args);
-}
-
-idemq_err_t broker_unbind(struct broker *b, const char *queue, const char *exchange,
-                          const char *key)
-{
-    char what[600];
-    amqp_queue_unbind(b->conn, CHANNEL, bytes(queue), bytes(exchange), bytes(key),
-                      amqp_empty_table);
-    snprintf(what, sizeof what, "unbind queue %s from %s (key %s)", queue, exchange, key);
-    return reply_ok(b, amqp_get_rpc_reply(b->conn), what) ? IDEMQ_OK : fail_keep(b);
-}
-
 static idemq_err_t consume(struct broker *b, int input_idx, int lane, const char *queue,
                            const char *tag)
 {
@@ -833,20 +770,6 @@ static idemq_err_t recover_channel(struct broker *b)
     return open_channel(b);
 }
 
-idemq_err_t broker_queue_counts(struct broker *b, const char *queue, uint32_t *messages,
-                                uint32_t *consumers)
-{
-    amqp_queue_declare_ok_t *ok =
-        amqp_queue_declare(b->conn, CHANNEL, bytes(queue), 1, 0, 0, 0, amqp_empty_table);
-    if (!reply_ok(b, amqp_get_rpc_reply(b->conn), "passive declare"))
-        return fail_keep(b);
-    if (messages)
-        *messages = ok->message_count;
-    if (consumers)
-        *consumers = ok->consumer_count;
-    return IDEMQ_OK;
-}
-
 idemq_err_t broker_get(struct broker *b, const char *queue, struct job *j, bool ack)
 {
     amqp_rpc_reply_t r = amqp_basic_get(b->conn, CHANNEL, bytes(queue), ack);
@@ -867,22 +790,13 @@ idemq_err_t broker_get(struct broker *b, const char *queue, struct job *j, bool 
     return j->wire_err == IDEMQ_ERR_UNDECODABLE ? IDEMQ_ERR_UNDECODABLE : IDEMQ_OK;
 }
 
-idemq_err_t broker_purge(struct broker *b, const char *queue)
+struct amqp_connection_state_t_ *broker_amqp(struct broker *b) { return b->conn; }
+
+idemq_err_t broker_rpc_done(struct broker *b, const char *what, bool reopen)
 {
-    amqp_queue_purge(b->conn, CHANNEL, bytes(queue));
-    return reply_ok(b, amqp_get_rpc_reply(b->conn), "queue.purge") ? IDEMQ_OK : IDEMQ_ERR_BROKER;
+    if (reply_ok(b, amqp_get_rpc_reply(b->conn), what))
+        return IDEMQ_OK;
+    return reopen ? fail_keep(b) : IDEMQ_ERR_BROKER;
 }
 
-idemq_err_t broker_delete_queue(struct broker *b, const char *queue)
-{
-    amqp_queue_delete(b->conn, CHANNEL, bytes(queue), 0, 0);
-    return reply_ok(b, amqp_get_rpc_reply(b->conn), "queue.delete") ? IDEMQ_OK
-                                                                    : IDEMQ_ERR_BROKER;
-}
-
-idemq_err_t broker_delete_exchange(struct broker *b, const char *exchange)
-{
-    amqp_exchange_delete(b->conn, CHANNEL, bytes(exchange), 0);
-    return reply_ok(b, amqp_get_rpc_reply(b->conn), "exchange.delete") ? IDEMQ_OK
-                                                                       : IDEMQ_ERR_BROKER;
-}
+void broker_set_error(struct broker *b, const char *text) { set_err(b, "%s", text); }

@@ -5,7 +5,7 @@
  * declaring an input's topology, consuming into struct job, acks, and
  * publishing with publisher confirms and the mandatory flag.
  *
- * API: broker_open -> broker_declare_* / broker_consume ->
+ * API: broker_open -> (broker_admin.h: declare, check) / broker_consume ->
  *      broker_next ... broker_settle / broker_reject -> broker_flush_acks
  *      ... -> broker_close.
  *      Publishing: broker_publish ... broker_wait_confirms.
@@ -28,6 +28,9 @@
 #include "job.h"
 
 struct broker;
+struct amqp_connection_state_t_;
+
+#define BROKER_CHANNEL 1 /* the one channel of a connection */
 
 /*
  * Connects to the first URL of c->urls that answers (then the next ones, in
@@ -44,25 +47,6 @@ idemq_err_t broker_open(const struct conf *c, const char *conn_name, bool confir
  * frees b, including deliveries not yet handed out. NULL is fine. */
 void broker_close(struct broker *b);
 
-/*
- * Declares a durable exchange (passive: only checks it exists). On failure
- * (e.g. 404 when passive, 406 on a type mismatch) broker_error says why and
- * the channel is reopened, so b stays usable.
- */
-idemq_err_t broker_declare_exchange(struct broker *b, const char *name, const char *type,
-                                    bool passive, json_t *args) IDEMQ_MUSTCHECK;
-
-/* Declares a durable queue with arguments (a JSON object; strings, integers
- * and booleans), or checks it exists when passive. A queue that exists with
- * other arguments fails with 406 PRECONDITION_FAILED. Reopens the channel
- * on failure, like broker_declare_exchange. */
-idemq_err_t broker_declare_queue(struct broker *b, const char *name, json_t *args,
-                                 bool passive) IDEMQ_MUSTCHECK;
-
-/* queue.bind (idempotent). args may be NULL. */
-idemq_err_t broker_bind(struct broker *b, const char *queue, const char *exchange,
-                        const char *key, json_t *args) IDEMQ_MUSTCHECK;
-
 /* Sets basic.qos prefetch for the channel. */
 idemq_err_t broker_qos(struct broker *b, int prefetch) IDEMQ_MUSTCHECK;
 
@@ -76,10 +60,6 @@ idemq_err_t broker_consume(struct broker *b, int input_idx, const struct conf_in
 idemq_err_t broker_consume_lane(struct broker *b, int input_idx, int lane, const char *queue,
                                 const struct conf_input *in,
                                 const char *consumer_id) IDEMQ_MUSTCHECK;
-
-/* queue.unbind (for tests and tools: a shrinking hash ring). */
-idemq_err_t broker_unbind(struct broker *b, const char *queue, const char *exchange,
-                          const char *key) IDEMQ_MUSTCHECK;
 
 /*
  * Waits up to timeout_ms for the next delivery and fills j (job_reset
@@ -158,11 +138,6 @@ idemq_err_t broker_publish(struct broker *b, const char *exchange, const char *r
  */
 idemq_err_t broker_wait_confirms(struct broker *b, int timeout_ms) IDEMQ_MUSTCHECK;
 
-/* Passive queue.declare: message and consumer counts. IDEMQ_ERR_BROKER if
- * the queue does not exist (the channel is reopened). */
-idemq_err_t broker_queue_counts(struct broker *b, const char *queue, uint32_t *messages,
-                                uint32_t *consumers) IDEMQ_MUSTCHECK;
-
 /* basic.get of one message into j (auto-ack when ack is true).
  * IDEMQ_ERR_TIMEOUT if the queue is empty; IDEMQ_ERR_UNDECODABLE for a
  * message the client library cannot decode (j->tag set; the connection
@@ -170,14 +145,15 @@ idemq_err_t broker_queue_counts(struct broker *b, const char *queue, uint32_t *m
 idemq_err_t broker_get(struct broker *b, const char *queue, struct job *j,
                        bool ack) IDEMQ_MUSTCHECK;
 
-/* Purges a queue; for tests and tools. */
-idemq_err_t broker_purge(struct broker *b, const char *queue) IDEMQ_MUSTCHECK;
-
-/* Deletes a queue / an exchange (if present); for tests and tools. */
-idemq_err_t broker_delete_queue(struct broker *b, const char *queue) IDEMQ_MUSTCHECK;
-idemq_err_t broker_delete_exchange(struct broker *b, const char *exchange) IDEMQ_MUSTCHECK;
-
 /* Text of the last failure on b (never NULL). */
 const char *broker_error(const struct broker *b);
+
+/* For adapters/broker_admin.c only: the connection, and the end of a
+ * synchronous RPC just sent on BROKER_CHANNEL: IDEMQ_OK, or
+ * IDEMQ_ERR_BROKER with broker_error set (and, when reopen, the channel
+ * reopened so b stays usable). */
+struct amqp_connection_state_t_ *broker_amqp(struct broker *b);
+idemq_err_t broker_rpc_done(struct broker *b, const char *what, bool reopen) IDEMQ_MUSTCHECK;
+void broker_set_error(struct broker *b, const char *text);
 
 #endif

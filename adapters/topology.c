@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "broker_admin.h"
 #include "log.h"
 
 void topology_delay_exchange(const struct conf_input *in, char *buf, size_t len)
@@ -156,14 +157,14 @@ static idemq_err_t queue(struct broker *b, const struct conf_input *in, const ch
     idemq_err_t err = IDEMQ_OK;
     json_t *a, *old;
     if (m != MODE_DECLARE)
-        err = broker_declare_queue(b, name, NULL, true);
+        err = broker_admin_declare_queue(b, name, NULL, true);
     if (err || m == MODE_PASSIVE)
         return err;
     a = args(in, false);
     old = args(in, true);
-    err = broker_declare_queue(b, name, a, false);
+    err = broker_admin_declare_queue(b, name, a, false);
     if (err && strstr(broker_error(b), "406") && !json_equal(a, old) &&
-        broker_declare_queue(b, name, old, false) == IDEMQ_OK) {
+        broker_admin_declare_queue(b, name, old, false) == IDEMQ_OK) {
         warn_legacy(name);
         err = IDEMQ_OK;
     }
@@ -177,9 +178,9 @@ static idemq_err_t exchange(struct broker *b, const char *name, const char *type
 {
     idemq_err_t err = IDEMQ_OK;
     if (m != MODE_DECLARE)
-        err = broker_declare_exchange(b, name, type, true, NULL);
+        err = broker_admin_declare_exchange(b, name, type, true, NULL);
     if (!err && m != MODE_PASSIVE)
-        err = broker_declare_exchange(b, name, type, false, args);
+        err = broker_admin_declare_exchange(b, name, type, false, args);
     return err;
 }
 
@@ -188,7 +189,7 @@ static idemq_err_t exchange(struct broker *b, const char *name, const char *type
 static idemq_err_t bind(struct broker *b, const char *queue, const char *ex, const char *key,
                         enum mode m)
 {
-    return m == MODE_PASSIVE ? IDEMQ_OK : broker_bind(b, queue, ex, key, NULL);
+    return m == MODE_PASSIVE ? IDEMQ_OK : broker_admin_bind(b, queue, ex, key, NULL);
 }
 
 static idemq_err_t dead_objects(struct broker *b, const struct conf_input *in, enum mode m)

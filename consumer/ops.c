@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "broker.h"
+#include "broker_admin.h"
 #include "ledger_db.h"
 #include "log.h"
 #include "resolve.h"
@@ -258,7 +259,7 @@ static int list_broker_dead(const struct conf *c, const struct ops_filter *f,
         if (f->input && strcmp(f->input, in->name) != 0)
             continue;
         topology_dlq(in, dlq, sizeof dlq);
-        if (broker_queue_counts(b, dlq, &waiting, NULL)) { /* passive: keeps b usable */
+        if (broker_admin_queue_counts(b, dlq, &waiting, NULL)) { /* passive: keeps b usable */
             if (!strstr(broker_error(b), "404")) {
                 log_error("checking %s: %s", dlq, broker_error(b));
                 rc = 4;

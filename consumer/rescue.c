@@ -11,6 +11,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "broker_admin.h"
 #include "ledger_rescue.h"
 #include "log.h"
 #include "republish.h"
@@ -85,7 +86,7 @@ static bool pick_queues(struct broker *b, const struct conf *c, bool *include, c
         include[i] = false;
         if (CONF_INPUT_ORDERED(&c->inputs[i]))
             continue;
-        if (broker_queue_counts(b, c->inputs[i].queue, &ready, &consumers) != IDEMQ_OK) {
+        if (broker_admin_queue_counts(b, c->inputs[i].queue, &ready, &consumers) != IDEMQ_OK) {
             snprintf(why, whylen, "rescue: cannot count queue %s: %s", c->inputs[i].queue,
                      broker_error(b));
             return false;

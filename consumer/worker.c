@@ -26,9 +26,8 @@
 #include "ledger_migrate.h"
 #include "ledger_txn.h"
 #include "log.h"
-#include "provider_flow.h"
+#include "provider_run.h"
 #include "rate_gate.h"
-#include "reconcile.h"
 #include "republish.h"
 #include "rescue.h"
 #include "settle.h"
@@ -43,8 +42,6 @@
 #define REPORT_MS 1000    /* ordered lanes: report old deferred jobs this often */
 #define FILL_TICK_MS 1    /* sleep step while a batch fills */
 #define PROVIDER_POLL_MS 20 /* provider answers waited for per loop, at most */
-#define PROVIDER_DECISIONS 64 /* provider decisions settled per poll */
-#define SWEEP_SCAN_MS 5000 /* the reconciler looks for overdue intents this often */
 #define PROVIDER_DRAIN_MS 30000 /* a stop waits this long for provider answers */
 
 /* What a loop step came to. */
@@ -55,13 +52,6 @@ enum step {
     STEP_BROKER,     /* broker gone (or a republish unconfirmed): reconnect it */
     STEP_REDELIVER,  /* a job met contention it could not outlast: give it back to
                       * the broker (drop the connection), back off, not ready */
-};
-
-/* A delivery of a provider input between provider_flow_start and its
- * decision: the job is kept whole (a retry or park republishes it). */
-struct pending {
-    struct pending *next, *prev;
-    struct job job;
 };
 
 struct session {
@@ -79,11 +69,7 @@ struct session {
     struct lane_set *lanes;
     bool lanes_keyed;         /* some ordered input has an ordering key */
     long long last_drain, last_report;
-    /* provider inputs (issue 9) */
-    struct provider_flow *pf;      /* NULL without provider inputs */
-    struct reconcile_sweep *sweep; /* worker 0 only */
-    struct pending pending;        /* list head of deliveries awaiting a decision */
-    struct provider_decision *decisions;
+    struct provider_run *pr;  /* provider inputs (issue 9); NULL without them */
     struct rescue rescue;     /* issue 12: lost retry copies (consumer/rescue.h) */
     char why[512];            /* reason of the last non-OK step */
 };
@@ -172,26 +158,12 @@ static void drop_db(struct session *s)
     s->bt.lt = NULL;
 }
 
-static void pending_free(struct pending *p)
-{
-    p->prev->next = p->next;
-    p->next->prev = p->prev;
-    job_destroy(&p->job);
-    free(p);
-}
-
 static void drop_broker(struct session *s)
 {
     broker_close(s->b); /* unacknowledged deliveries go back to the queue */
     s->b = NULL;
     lane_clear(s->lanes); /* held deliveries too: their tags died with the channel */
-    if (s->pf) {
-        /* provider jobs too: their intents keep their leases; a redelivery
-         * waits for the lease, then looks the call up or resends it */
-        provider_flow_abandon(s->pf);
-        while (s->pending.next != &s->pending)
-            pending_free(s->pending.next);
-    }
+    provider_run_abandon(s->pr); /* and provider jobs (their intents keep leases) */
 }
 
 /* Connects the database session and checks schema and effects. */
@@ -429,109 +401,26 @@ static void serviced_nap(void *ctx, long ms)
         nap(ms);
 }
 
-/* ---- provider inputs (issue 9): deliveries driven by provider_flow ---- */
+/* ---- provider inputs (issue 9): provider_run decides, the worker settles ---- */
 
 /*
- * Moves the decodable deliveries of provider inputs out of the collected
- * batch into the provider flow (their decisions come later, from
- * provider_settle); the rest of the batch stays, compacted. A delivery
- * the flow cannot take stays unsettled and *release is set: the caller
- * gives it back to the broker.
- */
-static void provider_take(struct session *s, bool *release)
-{
-    struct batch *bt = &s->bt;
-    int w = 0;
-    for (int i = 0; i < bt->n; i++) {
-        struct job *j = &bt->jobs[i];
-        struct pending *p;
-        if (j->input < 0 || j->input >= s->c->n_inputs ||
-            !CONF_INPUT_PROVIDER(&s->c->inputs[j->input]) ||
-            job_decode(j, &s->c->inputs[j->input]) != IDEMQ_OK) {
-            if (w != i) { /* keep it: compact */
-                struct job tmp = bt->jobs[w];
-                bt->jobs[w] = *j;
-                *j = tmp;
-            }
-            w++;
-            continue;
-        }
-        if (!(p = calloc(1, sizeof *p))) {
-            *release = true;
-            snprintf(s->why, sizeof s->why, "out of memory holding a provider job");
-            continue; /* its slot is reused: the tag stays unsettled */
-        }
-        p->job = *j; /* the pending entry owns the job now */
-        job_init(j);
-        p->next = s->pending.next;
-        p->prev = &s->pending;
-        s->pending.next->prev = p;
-        s->pending.next = p;
-        if (provider_flow_start(s->pf, s->db, &p->job, p) != IDEMQ_OK) {
-            *release = true;
-            snprintf(s->why, sizeof s->why, "the provider flow cannot take %s", p->job.key);
-            pending_free(p);
-        }
-    }
-    bt->n = w;
-}
-
-/*
- * Polls the provider flow (up to wait_ms) and settles the deliveries it
- * decided, through the same settle rules as a batch: ack; retry or wait
- * via a delay bucket, confirmed, then ack; park via the dead-letter
- * exchange, confirmed, then ack. A FAIL decision stops like a failed
- * transaction (infra or fatal).
+ * Polls the provider jobs (up to wait_ms) and settles the deliveries
+ * decided, through the same settle rules as a batch. A database failure
+ * stops like a failed transaction (infra or fatal).
  */
 static enum step provider_settle(struct session *s, int wait_ms)
 {
     struct settle_io io = {s, io_delay, io_dead, io_wait, io_settle, io_reject, io_flush};
-    struct job jobs[PROVIDER_DECISIONS];
-    struct plan plans[PROVIDER_DECISIONS];
-    struct pending *owner[PROVIDER_DECISIONS];
+    struct job jobs[PROVIDER_RUN_MAX];
+    struct plan plans[PROVIDER_RUN_MAX];
     struct ledger_db_error e;
-    enum step st = STEP_OK;
+    enum classify_class fail;
+    enum step st;
     int n, parks = 0;
     long long now = now_ns();
 
-    if (!s->pf || !provider_flow_pending(s->pf))
-        return STEP_OK;
-    n = provider_flow_poll(s->pf, s->db, wait_ms, s->decisions, PROVIDER_DECISIONS);
-    memset(plans, 0, sizeof plans);
-    for (int i = 0; i < n; i++) {
-        struct provider_decision *d = &s->decisions[i];
-        struct plan *pl = &plans[i];
-        owner[i] = d->cookie;
-        jobs[i] = owner[i]->job; /* a view: the pending entry keeps owning it */
-        switch (d->kind) {
-        case PROVIDER_FLOW_ACK:
-            pl->how = SETTLE_ACK;
-            pl->outcome = strcmp(d->outcome, "applied") == 0 ? LEDGER_APPLIED : LEDGER_DUPLICATE;
-            break;
-        case PROVIDER_FLOW_RETRY:
-        case PROVIDER_FLOW_WAIT:
-            pl->how = SETTLE_DELAY;
-            pl->delay_ms = topology_clamp_delay(s->c, d->delay_ms);
-            pl->attempt = d->attempt;
-            pl->outcome = d->kind == PROVIDER_FLOW_RETRY ? LEDGER_ERROR : LEDGER_EARLY;
-            log_job(LOG_LVL_INFO, d->key, jobs[i].tag, d->attempt,
-                    "provider %s (%s): again in %ld ms", provider_flow_kind_name(d->kind),
-                    d->outcome, pl->delay_ms);
-            break;
-        case PROVIDER_FLOW_PARK:
-            pl->how = SETTLE_DEAD;
-            pl->park = json_incref(d->park);
-            pl->attempt = d->attempt;
-            log_job(LOG_LVL_WARN, d->key, jobs[i].tag, d->attempt, "provider job parked (%s): %s",
-                    d->outcome, d->reason);
-            break;
-        case PROVIDER_FLOW_FAIL:
-            pl->how = SETTLE_RELEASE; /* settle nothing for it */
-            snprintf(s->why, sizeof s->why, "provider job %s: %s", d->key, d->reason);
-            st = d->fail_class == CLASS_FATAL ? STEP_FATAL : STEP_INFRA;
-            break;
-        }
-    }
+    n = provider_run_poll(s->pr, s->db, wait_ms, jobs, plans, &fail, s->why, sizeof s->why);
+    st = fail == CLASS_FATAL ? STEP_FATAL : fail == CLASS_INFRA ? STEP_INFRA : STEP_OK;
     if (n && s->b) {
         count(s, plans, n);
         switch (settle_batch(&io, jobs, plans, n, s->why, sizeof s->why)) {
@@ -557,12 +446,7 @@ static enum step provider_settle(struct session *s, int wait_ms)
     if (parks && ledger_txn_mark_dead_lettered(s->lt, s->park_ids, parks, &e))
         log_warn("worker %d: dead-letter publish confirmed but not noted in the ledger (%s)",
                  s->w->id, e.message);
-    for (int i = 0; i < n; i++) {
-        settle_plan_clear(&plans[i]);
-        if (plans[i].how != SETTLE_RELEASE || st == STEP_OK)
-            pending_free(owner[i]);
-        provider_flow_decision_clear(&s->decisions[i]);
-    }
+    provider_run_done(s->pr, plans, st == STEP_OK);
     return st;
 }
 
@@ -570,23 +454,13 @@ static enum step provider_settle(struct session *s, int wait_ms)
 static enum step sweep_step(struct session *s)
 {
     struct ledger_db_error e;
-    if (!s->sweep || !s->db)
-        return STEP_OK;
-    if (reconcile_sweep_step(s->sweep, s->db, SWEEP_SCAN_MS, 0, NULL, &e) == IDEMQ_OK)
+    if (provider_run_sweep(s->pr, s->db, &e) == IDEMQ_OK)
         return STEP_OK;
     snprintf(s->why, sizeof s->why, "reconciler: %s %s", e.sqlstate, e.message);
     if (e.conn_lost)
         return STEP_INFRA;
     log_warn("worker %d: %s", s->w->id, s->why);
     return STEP_OK;
-}
-
-/* Work that keeps `--until-idle` from finishing: provider jobs awaiting a
- * decision, a reconciler with requests in flight. */
-static bool provider_busy(const struct session *s)
-{
-    return (s->pf && provider_flow_pending(s->pf)) ||
-           (s->sweep && reconcile_sweep_busy(s->sweep));
 }
 
 /* Runs the collected batch s->bt.jobs[0..n) and settles what committed. */
@@ -597,8 +471,8 @@ static enum step process(struct session *s)
     enum step st = STEP_OK;
     bool release = false;
 
-    if (s->pf)
-        provider_take(s, &release); /* provider jobs leave the batch */
+    /* provider jobs leave the batch: their decisions come later */
+    provider_run_take(s->pr, s->db, s->bt.jobs, &s->bt.n, &release, s->why, sizeof s->why);
     if (s->bt.n)
         bs = batch_process(&s->bt, &committed);
     if (release && bs == BATCH_OK) {
@@ -789,43 +663,14 @@ static bool session_alloc(struct session *s)
     if (!(s->lanes = lane_set_new(s->c)))
         return false;
     s->lanes_keyed = ledger_lanes_any(s->c);
-    s->pending.next = s->pending.prev = &s->pending;
     return true;
-}
-
-/* The provider flow (and, on worker 0, the reconciler) when some input
- * calls a provider. false with w->error set when its credentials or CA
- * file cannot be used (a configuration error). */
-static bool provider_alloc(struct session *s)
-{
-    bool any = false;
-    char who[300];
-    for (int i = 0; i < s->c->n_inputs; i++)
-        any = any || CONF_INPUT_PROVIDER(&s->c->inputs[i]);
-    if (!any)
-        return true;
-    if (!(s->decisions = calloc(PROVIDER_DECISIONS, sizeof *s->decisions)))
-        goto nomem;
-    if (!(s->pf = provider_flow_new(s->c, s->w->id, s->w->error, sizeof s->w->error)))
-        return false;
-    snprintf(who, sizeof who, "%s reconciler", s->c->consumer_id);
-    if (s->w->id == 0 &&
-        !(s->sweep = reconcile_sweep_new(s->c, who, NULL, s->w->error, sizeof s->w->error)))
-        return false;
-    return true;
-nomem:
-    snprintf(s->w->error, sizeof s->w->error, "out of memory");
-    return false;
 }
 
 static void session_free(struct session *s)
 {
     drop_broker(s);
-    provider_flow_free(s->pf);
-    s->pf = NULL;
-    reconcile_sweep_free(s->sweep);
-    s->sweep = NULL;
-    free(s->decisions);
+    provider_run_free(s->pr);
+    s->pr = NULL;
     drop_db(s);
     batch_free(&s->bt);
     free(s->park_ids);
@@ -896,9 +741,8 @@ idemq_err_t worker_run(struct worker *w)
         w->result = IDEMQ_ERR_NOMEM;
         goto out;
     }
-    if (!provider_alloc(&s)) {
+    if ((w->result = provider_run_new(s.c, w->id, &s.pr, w->error, sizeof w->error))) {
         log_error("worker %d: provider inputs: %s", w->id, w->error);
-        w->result = IDEMQ_ERR_CONFIG;
         goto out;
     }
 #ifdef IDEMQ_TEST_HOOKS
@@ -918,7 +762,7 @@ idemq_err_t worker_run(struct worker *w)
             break;
         if (reconnected)
             last_delivery = now_ms(); /* an outage does not count as idle time */
-        if (provider_busy(&s))
+        if (provider_run_busy(s.pr))
             last_delivery = now_ms(); /* provider calls or lookups in flight: not idle */
         if (w->until_idle_ms > 0 && now_ms() - last_delivery >= w->until_idle_ms &&
             !lane_held(s.lanes)) {
@@ -939,7 +783,7 @@ idemq_err_t worker_run(struct worker *w)
             ready = lane_next_ready(s.lanes);
             if (ready && ready - now < wait)
                 wait = ready > now ? (int)(ready - now) : 0;
-            if (s.pf && provider_flow_pending(s.pf))
+            if (provider_run_pending(s.pr))
                 wait = 0; /* provider answers are waited for below */
             st = collect(&s, wait);
         }
@@ -974,7 +818,7 @@ idemq_err_t worker_run(struct worker *w)
     /* A drain: provider calls in flight get their answers (within their
      * timeout) and are settled before the connections close. */
     for (long long end = now_ms() + PROVIDER_DRAIN_MS;
-         s.b && s.db && s.pf && provider_flow_pending(s.pf) && now_ms() < end;)
+         s.b && s.db && provider_run_pending(s.pr) && now_ms() < end;)
         if (provider_settle(&s, 100) != STEP_OK)
             break;
 out:

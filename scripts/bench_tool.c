@@ -20,6 +20,7 @@
 #include <time.h>
 
 #include "broker.h"
+#include "broker_admin.h"
 #include "topology.h"
 #include "conf.h"
 #include "job.h"
@@ -245,7 +246,7 @@ static int cmd_count(const struct conf *c)
         fprintf(stderr, "idemq-bench: %s\n", err);
         return 1;
     }
-    if (broker_queue_counts(b, c->inputs[0].queue, &n, NULL)) {
+    if (broker_admin_queue_counts(b, c->inputs[0].queue, &n, NULL)) {
         fprintf(stderr, "idemq-bench: %s\n", broker_error(b));
         broker_close(b);
         return 1;
@@ -264,7 +265,7 @@ static int cmd_reset(const struct conf *c)
         fprintf(stderr, "idemq-bench: %s\n", err);
         return 1;
     }
-    if (broker_delete_queue(b, c->inputs[0].queue) || topology_declare(b, c, &c->inputs[0])) {
+    if (broker_admin_delete_queue(b, c->inputs[0].queue) || topology_declare(b, c, &c->inputs[0])) {
         fprintf(stderr, "idemq-bench: %s\n", broker_error(b));
         rc = 1;
     }

@@ -37,6 +37,7 @@
 #include <time.h>
 
 #include "broker.h"
+#include "broker_admin.h"
 #include "conf.h"
 #include "log.h"
 #include "topology.h"
@@ -120,9 +121,9 @@ static int body_for(const struct pub *p, long k, char *buf, size_t len)
                         run, k, 1 + k % 3, 100 + k % 9973);
     case K_NORMAL: break;
     }
-    return snprintf(buf, len,
-                    "{\"job_id\":\"chaos:%s:%08ld\",\"amount_minor\":%ld,\"memo\":\"chaos run %s\"}",
-                    run, k, 100 + k % 9973, run);
+    return snprintf(
+        buf, len, "{\"job_id\":\"chaos:%s:%08ld\",\"amount_minor\":%ld,\"memo\":\"chaos run %s\"}",
+        run, k, 100 + k % 9973, run);
 }
 
 static int key_for(const struct pub *p, long k, char *buf, size_t len)
@@ -375,7 +376,9 @@ static bool plan(struct pub *p, uint64_t *rng)
     if (!p->kind || !p->copies)
         return false;
     for (long i = 0, k = 1; k < p->unique && i < o->poison + o->badjson + o->transient; i++, k++)
-        p->kind[k] = i < o->poison ? K_POISON : i < o->poison + o->badjson ? K_BADJSON : K_TRANSIENT;
+        p->kind[k] = i < o->poison                ? K_POISON
+                     : i < o->poison + o->badjson ? K_BADJSON
+                                                  : K_TRANSIENT;
     for (long k = p->unique - 1; k > 1; k--) { /* Fisher-Yates over 1..unique-1 */
         long j = 1 + (long)(rnd(rng) % (uint64_t)k);
         unsigned char t = p->kind[k];
@@ -421,7 +424,8 @@ static int cmd_publish(const struct conf *c, const struct opts *o)
     for (const char *s = o->run; *s; s++)
         rng = (rng ^ (unsigned char)*s) * 0x100000001B3ull;
     if (!plan(&p, &rng)) {
-        fprintf(stderr, "idemq-chaos: poison + badjson + transient must stay below the unique keys\n");
+        fprintf(stderr,
+                "idemq-chaos: poison + badjson + transient must stay below the unique keys\n");
         goto out;
     }
     while (planned < o->n || p.redo_head < p.redo_tail || p.n_pending > 0) {
@@ -446,9 +450,9 @@ static int cmd_publish(const struct conf *c, const struct opts *o)
         /* Something to send and room in the window (a paced run waits for
          * its schedule; copies to send again go first and are not paced). */
         /* The ring holds sequence numbers low .. low + WINDOW - 1. */
-        if (p.seq + 1 < p.low + WINDOW && (p.redo_head < p.redo_tail ||
-                                         (planned < o->n &&
-                                          (o->rate <= 0 || t0 + (double)planned / o->rate <= now)))) {
+        if (p.seq + 1 < p.low + WINDOW &&
+            (p.redo_head < p.redo_tail ||
+             (planned < o->n && (o->rate <= 0 || t0 + (double)planned / o->rate <= now)))) {
             long k;
             if (p.redo_head < p.redo_tail) {
                 k = p.redo[p.redo_head++];
@@ -520,12 +524,12 @@ static int cmd_counts(const struct conf *c)
         return 1;
     }
     topology_dlq(in, name, sizeof name);
-    if (broker_queue_counts(b, in->queue, &work, NULL) ||
-        broker_queue_counts(b, name, &dead, NULL))
+    if (broker_admin_queue_counts(b, in->queue, &work, NULL) ||
+        broker_admin_queue_counts(b, name, &dead, NULL))
         goto fail;
     for (long bucket = TOPOLOGY_MIN_DELAY_MS; bucket <= c->max_delay_ms; bucket *= 2) {
         topology_bucket_queue(in, bucket, name, sizeof name);
-        if (broker_queue_counts(b, name, &n, NULL))
+        if (broker_admin_queue_counts(b, name, &n, NULL))
             goto fail;
         buckets += n;
     }
@@ -551,17 +555,17 @@ static int cmd_reset(const struct conf *c)
     /* Whatever is missing or fails here, the declare below says so. */
     for (long bucket = TOPOLOGY_MIN_DELAY_MS; bucket <= 86400000L; bucket *= 2) {
         topology_bucket_queue(in, bucket, name, sizeof name);
-        if (broker_delete_queue(b, name))
+        if (broker_admin_delete_queue(b, name))
             break;
     }
     topology_dlq(in, name, sizeof name);
-    if (broker_delete_queue(b, name) || broker_delete_queue(b, in->queue))
+    if (broker_admin_delete_queue(b, name) || broker_admin_delete_queue(b, in->queue))
         fprintf(stderr, "idemq-chaos: %s\n", broker_error(b));
     topology_delay_exchange(in, name, sizeof name);
-    if (broker_delete_exchange(b, name))
+    if (broker_admin_delete_exchange(b, name))
         fprintf(stderr, "idemq-chaos: %s\n", broker_error(b));
     topology_dlx(in, name, sizeof name);
-    if (broker_delete_exchange(b, name))
+    if (broker_admin_delete_exchange(b, name))
         fprintf(stderr, "idemq-chaos: %s\n", broker_error(b));
     if (topology_declare(b, c, in)) {
         fprintf(stderr, "idemq-chaos: declare: %s\n", broker_error(b));

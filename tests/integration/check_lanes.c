@@ -404,7 +404,7 @@ START_TEST(test_ring_change_keeps_order)
     usleep(1000000);
     /* the ring shrinks: p4 leaves the exchange with its backlog */
     ck_assert_msg(broker_open(t.conf, "itest ring", false, &b, err, sizeof err) == 0, "%s", err);
-    ck_assert_msg(broker_unbind(b, q4, t.conf->inputs[0].exchange, "1") == IDEMQ_OK, "%s",
+    ck_assert_msg(broker_admin_unbind(b, q4, t.conf->inputs[0].exchange, "1") == IDEMQ_OK, "%s",
                   broker_error(b));
     broker_close(b);
     pub_open(&p, &t);

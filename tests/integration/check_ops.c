@@ -732,7 +732,7 @@ START_TEST(test_consumer_cancelled)
         usleep(20000);
 
     ck_assert(broker_open(t.conf, "itest", false, &b, err, sizeof err) == IDEMQ_OK);
-    ck_assert(broker_delete_queue(b, t.name) == IDEMQ_OK);
+    ck_assert(broker_admin_delete_queue(b, t.name) == IDEMQ_OK);
     t0 = now_ms();
     ck_assert_int_eq(wait_http(ready, 503, 5000, body, sizeof body), 503);
     ck_assert_msg(now_ms() - t0 < itest_ms(3000), "noticed after %lld ms", now_ms() - t0);
@@ -816,8 +816,8 @@ START_TEST(test_quorum_delivery_limit)
     /* audited */
     snprintf(path, sizeof path, "jobs show '%s'", key);
     ck_assert_int_eq(itest_idemq(&t, path, out, sizeof out), 0);
-    ck_assert_msg(strstr(out, "broker delivery_limit") && strstr(out, "dead-lettered by the broker") &&
-                      strstr(out, ": applied"),
+    ck_assert_msg(strstr(out, "broker delivery_limit") &&
+                      strstr(out, "dead-lettered by the broker") && strstr(out, ": applied"),
                   "%s", out);
     snprintf(path, sizeof path, "parked list --input %s", t.name);
     ck_assert_int_eq(itest_idemq(&t, path, out, sizeof out), 0);
@@ -839,7 +839,7 @@ START_TEST(test_legacy_quorum_queue)
     itest_setup(&t, "legacy", "idemq_test.record", "", "");
     snprintf(q, sizeof q, "%s_old", t.name);
     ck_assert(broker_open(t.conf, "itest", false, &b, err, sizeof err) == IDEMQ_OK);
-    ck_assert(broker_declare_queue(b, q, legacy, false) == IDEMQ_OK);
+    ck_assert(broker_admin_declare_queue(b, q, legacy, false) == IDEMQ_OK);
     snprintf(cfg, sizeof cfg, "/tmp/%s_old.cfg", t.name);
     itest_write_config(&t, cfg, q, "idemq_test.record", "", "queue_type = \"quorum\";");
     snprintf(out, sizeof out, "%s declare -c %s 2>&1", IDEMQ_BINARY, cfg);

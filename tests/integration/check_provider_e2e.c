@@ -173,7 +173,8 @@ START_TEST(test6_sweep_in_run)
         struct broker *br;
         char err[256];
         ck_assert(broker_open(T.conf, "pe6 purge", false, &br, err, sizeof err) == IDEMQ_OK);
-        ck_assert(broker_purge(br, T.conf->inputs[0].queue) == IDEMQ_OK); /* the message is gone */
+        ck_assert(broker_admin_purge(br, T.conf->inputs[0].queue) ==
+                  IDEMQ_OK); /* the message is gone */
         broker_close(br);
     }
     itest_sql(&T, "UPDATE idemq.intents SET lease_until = now() - interval '1 s', "

@@ -81,7 +81,7 @@ static void fail_once_then_lose_copy(struct itest *t, char *key, size_t len)
     ck_assert_int_eq(itest_queue_ready(t, bucket), 1);
     ck_assert_msg(broker_open(t->conf, "itest purge", false, &b, err, sizeof err) == IDEMQ_OK,
                   "%s", err);
-    ck_assert(broker_purge(b, bucket) == IDEMQ_OK);
+    ck_assert(broker_admin_purge(b, bucket) == IDEMQ_OK);
     broker_close(b);
 }
 
@@ -102,11 +102,11 @@ START_TEST(test_quorum_buckets)
     args = json_pack("{s:s,s:s,s:s,s:s,s:s}", "x-queue-type", "quorum",
                      "x-dead-letter-exchange", "", "x-dead-letter-routing-key", t.name,
                      "x-dead-letter-strategy", "at-least-once", "x-overflow", "reject-publish");
-    ck_assert_msg(broker_declare_queue(b, bucket, args, false) == IDEMQ_OK, "%s",
+    ck_assert_msg(broker_admin_declare_queue(b, bucket, args, false) == IDEMQ_OK, "%s",
                   broker_error(b));
     json_decref(args);
     args = json_pack("{s:s}", "x-queue-type", "classic");
-    ck_assert(broker_declare_queue(b, bucket, args, false) != IDEMQ_OK);
+    ck_assert(broker_admin_declare_queue(b, bucket, args, false) != IDEMQ_OK);
     json_decref(args);
     broker_close(b);
 

@@ -453,7 +453,7 @@ START_TEST(test_unconfirmed_republish)
     ck_assert_int_eq(itest_queue_consumers(&t, t.name), 1);
     ck_assert(broker_open(t.conf, "itest", false, &b, err, sizeof err) == 0);
     topology_delay_exchange(&t.conf->inputs[0], ex, sizeof ex);
-    ck_assert(broker_delete_exchange(b, ex) == IDEMQ_OK);
+    ck_assert(broker_admin_delete_exchange(b, ex) == IDEMQ_OK);
     publish1(&t, key, "\"raise\":\"40001\",\"raise_until\":1");
     /* attempt 1 fails, the republish fails, the consumer stops consuming */
     for (int i = 0; i < 100 && itest_long(&t, OUTCOMES("transient_error"), key) < 1; i++)

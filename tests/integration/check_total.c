@@ -583,7 +583,7 @@ START_TEST(test_redrive_refuses_foreign_origin)
     topology_dlq(&t.conf->inputs[0], dlq, sizeof dlq);
     snprintf(victim, sizeof victim, "%s.victim", t.name);
     ck_assert_int_eq(broker_open(t.conf, "itest origin", true, &b, err, sizeof err), IDEMQ_OK);
-    ck_assert_int_eq(broker_declare_queue(b, victim, NULL, false), IDEMQ_OK);
+    ck_assert_int_eq(broker_admin_declare_queue(b, victim, NULL, false), IDEMQ_OK);
     h = json_pack("{s:s,s:s,s:s}", "x-idemq-origin-queue", victim, "x-idemq-key", "forged",
                   "x-idemq-error-class", "permanent");
     {
@@ -605,7 +605,7 @@ START_TEST(test_redrive_refuses_foreign_origin)
         }
         ck_assert_int_eq(ready, 1);
     }
-    ck_assert_int_eq(broker_delete_queue(b, victim), IDEMQ_OK);
+    ck_assert_int_eq(broker_admin_delete_queue(b, victim), IDEMQ_OK);
     broker_close(b);
     itest_teardown(&t);
 }
@@ -862,8 +862,8 @@ START_TEST(test_hostile_producer)
         char err[512];
         ck_assert_int_eq(broker_open(t.conf, "itest bind", false, &b, err, sizeof err),
                          IDEMQ_OK);
-        ck_assert_int_eq(broker_declare_exchange(b, fanout, "fanout", false, NULL), IDEMQ_OK);
-        ck_assert_int_eq(broker_bind(b, in->queue, fanout, "", NULL), IDEMQ_OK);
+        ck_assert_int_eq(broker_admin_declare_exchange(b, fanout, "fanout", false, NULL), IDEMQ_OK);
+        ck_assert_int_eq(broker_admin_bind(b, in->queue, fanout, "", NULL), IDEMQ_OK);
         broker_close(b);
     }
     raw = itest_raw_open();
@@ -902,8 +902,10 @@ START_TEST(test_hostile_producer)
         FIELD("d", AMQP_FIELD_KIND_F64); e[ne++].value.value.f64 = 1e300;
         FIELD("D", AMQP_FIELD_KIND_DECIMAL); e[ne].value.value.decimal.decimals = 2;
         e[ne++].value.value.decimal.value = 12345;
-        FIELD("S", AMQP_FIELD_KIND_UTF8); e[ne++].value.value.bytes = amqp_cstring_bytes("ctl\x01\x1b[31m\n");
-        FIELD("x", AMQP_FIELD_KIND_BYTES); e[ne].value.value.bytes.bytes = (void *)bin;
+        FIELD("S", AMQP_FIELD_KIND_UTF8);
+        e[ne++].value.value.bytes = amqp_cstring_bytes("ctl\x01\x1b[31m\n");
+        FIELD("x", AMQP_FIELD_KIND_BYTES);
+        e[ne].value.value.bytes.bytes = (void *)bin;
         e[ne++].value.value.bytes.len = sizeof bin;
         FIELD("T", AMQP_FIELD_KIND_TIMESTAMP); e[ne++].value.value.u64 = 1700000000;
         FIELD("V", AMQP_FIELD_KIND_VOID); ne++;
@@ -1041,7 +1043,7 @@ START_TEST(test_hostile_producer)
         char err[512];
         ck_assert_int_eq(broker_open(t.conf, "itest cleanup", false, &b, err, sizeof err),
                          IDEMQ_OK);
-        ck_assert_int_eq(broker_delete_exchange(b, fanout), IDEMQ_OK);
+        ck_assert_int_eq(broker_admin_delete_exchange(b, fanout), IDEMQ_OK);
         broker_close(b);
     }
     unlink(log);
@@ -1119,7 +1121,7 @@ START_TEST(test_repark_unconfirmed)
         char err[512];
         ck_assert_int_eq(broker_open(t.conf, "itest purge", false, &b, err, sizeof err),
                          IDEMQ_OK);
-        ck_assert_int_eq(broker_purge(b, dlq), IDEMQ_OK);
+        ck_assert_int_eq(broker_admin_purge(b, dlq), IDEMQ_OK);
         broker_close(b);
     }
     {

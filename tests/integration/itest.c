@@ -145,10 +145,10 @@ void itest_setup(struct itest *t, const char *tag, const char *effect, const cha
         for (int k = 0; k < t->conf->inputs[0].partitions; k++) {
             char q[TOPOLOGY_NAME_MAX];
             topology_partition_queue(&t->conf->inputs[0], k, q, sizeof q);
-            ck_assert(broker_purge(b, q) == IDEMQ_OK);
+            ck_assert(broker_admin_purge(b, q) == IDEMQ_OK);
         }
     } else {
-        ck_assert(broker_purge(b, t->conf->inputs[0].queue) == IDEMQ_OK);
+        ck_assert(broker_admin_purge(b, t->conf->inputs[0].queue) == IDEMQ_OK);
     }
     broker_close(b);
 }
@@ -161,26 +161,26 @@ void itest_delete_topology(struct itest *t, const struct conf_input *in)
         return;
     for (long bucket = TOPOLOGY_MIN_DELAY_MS; bucket <= t->conf->max_delay_ms; bucket *= 2) {
         topology_bucket_queue(in, bucket, name, sizeof name);
-        if (broker_delete_queue(b, name) != IDEMQ_OK)
+        if (broker_admin_delete_queue(b, name) != IDEMQ_OK)
             fprintf(stderr, "teardown: %s\n", broker_error(b));
     }
     topology_dlq(in, name, sizeof name);
-    if (broker_delete_queue(b, name) != IDEMQ_OK)
+    if (broker_admin_delete_queue(b, name) != IDEMQ_OK)
         fprintf(stderr, "teardown: %s\n", broker_error(b));
-    if (broker_delete_queue(b, in->queue) != IDEMQ_OK)
+    if (broker_admin_delete_queue(b, in->queue) != IDEMQ_OK)
         fprintf(stderr, "teardown: %s\n", broker_error(b));
     for (int k = 0; k < in->partitions + 1; k++) { /* one more: ring changes */
         topology_partition_queue(in, k, name, sizeof name);
-        if (broker_delete_queue(b, name) != IDEMQ_OK)
+        if (broker_admin_delete_queue(b, name) != IDEMQ_OK)
             fprintf(stderr, "teardown: %s\n", broker_error(b));
     }
     topology_delay_exchange(in, name, sizeof name);
-    if (broker_delete_exchange(b, name) != IDEMQ_OK)
+    if (broker_admin_delete_exchange(b, name) != IDEMQ_OK)
         fprintf(stderr, "teardown: %s\n", broker_error(b));
     topology_dlx(in, name, sizeof name);
-    if (broker_delete_exchange(b, name) != IDEMQ_OK)
+    if (broker_admin_delete_exchange(b, name) != IDEMQ_OK)
         fprintf(stderr, "teardown: %s\n", broker_error(b));
-    if (in->exchange[0] && broker_delete_exchange(b, in->exchange) != IDEMQ_OK)
+    if (in->exchange[0] && broker_admin_delete_exchange(b, in->exchange) != IDEMQ_OK)
         fprintf(stderr, "teardown: %s\n", broker_error(b));
     broker_close(b);
 }
@@ -297,7 +297,7 @@ long itest_queue_ready(struct itest *t, const char *queue)
     uint32_t n = 0;
     ck_assert_msg(broker_open(t->conf, "itest counts", false, &b, err, sizeof err) == 0, "%s",
                   err);
-    ck_assert_msg(broker_queue_counts(b, queue, &n, NULL) == IDEMQ_OK, "%s", broker_error(b));
+    ck_assert_msg(broker_admin_queue_counts(b, queue, &n, NULL) == IDEMQ_OK, "%s", broker_error(b));
     broker_close(b);
     return (long)n;
 }
@@ -327,7 +327,7 @@ long itest_queue_consumers(struct itest *t, const char *queue)
     uint32_t n = 0;
     ck_assert_msg(broker_open(t->conf, "itest counts", false, &b, err, sizeof err) == 0, "%s",
                   err);
-    ck_assert_msg(broker_queue_counts(b, queue, NULL, &n) == IDEMQ_OK, "%s", broker_error(b));
+    ck_assert_msg(broker_admin_queue_counts(b, queue, NULL, &n) == IDEMQ_OK, "%s", broker_error(b));
     broker_close(b);
     return (long)n;
 }

@@ -13,6 +13,7 @@
 #include <sys/types.h>
 
 #include "broker.h"
+#include "broker_admin.h"
 #include "conf.h"
 
 struct itest {
@@ -117,7 +118,8 @@ int itest_count_lines(const char *path, const char *needle);
 struct itest_raw;
 struct itest_raw *itest_raw_open(void);
 void itest_raw_publish(struct itest_raw *r, const char *exchange, const void *rk, size_t rklen,
-                       const void *body, size_t len, const void *props /* amqp_basic_properties_t */);
+                       const void *body, size_t len,
+                       const void *props /* amqp_basic_properties_t */);
 void itest_raw_close(struct itest_raw *r);
 
 /* Sends sig to every process of the test PostgreSQL (postmaster and
