@@ -17,7 +17,10 @@
 #include "classify.h"
 #include "log.h"
 
-enum conf_type { CT_INT, CT_STR, CT_STRLIST };
+/* CT_DAYS: a number of days, integer or fractional (libconfig has no
+ * duration type), stored as a double; its row's min, max and default are in
+ * minutes. */
+enum conf_type { CT_INT, CT_STR, CT_STRLIST, CT_DAYS };
 
 #define CF_SENSITIVE 0x1 /* never printed or logged as is */
 #define CF_REQUIRED 0x2  /* no default: must be set */
@@ -76,6 +79,18 @@ static const struct conf_key global_keys[] = {
     {"metrics.listen", CT_STR, G(metrics_listen), 0, 64, "", 0, 0,
      "IPv4:port for GET /metrics and /ready of `idemq run`; empty = off"},
     {"log.level", CT_STR, G(log_level), 1, 10, "info", 0, 0, "error, warn, info or debug"},
+    /* ledger lifecycle (issue 10); `idemq migrate` writes these to the ledger */
+    {"ledger.dedup_window_days", CT_DAYS, G(dedup_window_days), 1, 36500L * 1440, NULL,
+     400L * 1440, 0,
+     "how long an applied key stays claimed (a replay within it is a duplicate)"},
+    {"ledger.partition_interval", CT_STR, G(partition_interval), 5, 32, "1 day", 0, 0,
+     "time span of one history partition: N seconds|minutes|hours|days"},
+    {"ledger.history_hot_days", CT_DAYS, G(history_hot_days), 1, 36500L * 1440, NULL,
+     90L * 1440, 0, "history newer than this stays in the hot partitions; older is archived"},
+    {"ledger.history_retention_days", CT_DAYS, G(history_retention_days), 1, 36500L * 1440,
+     NULL, 400L * 1440, 0, "archived history older than this is dropped"},
+    {"ledger.maintenance", CT_INT, G(maintenance), 0, 1, NULL, 1, 0,
+     "1: this process takes part in maintenance (one replica at a time runs it)"},
 };
 
 static const struct conf_key input_keys[] = {
@@ -211,6 +226,7 @@ static idemq_err_t apply_defaults(const struct conf_key *keys, int n, void *base
             continue;
         switch (k->type) {
         case CT_INT: *(int *)slot = (int)k->def_int; break;
+        case CT_DAYS: *(double *)slot = (double)k->def_int / 1440.0; break;
         case CT_STR:
             if (set_string(strlist_slot(base, k->offset), k->def_str) != IDEMQ_OK)
                 return IDEMQ_ERR_NOMEM;
@@ -257,6 +273,25 @@ static idemq_err_t read_value(const struct conf_key *k, const config_setting_t *
             return IDEMQ_ERR_CONFIG;
         }
         *(int *)slot = (int)v;
+        return IDEMQ_OK;
+    }
+    case CT_DAYS: {
+        double v;
+        if (t == CONFIG_TYPE_INT || t == CONFIG_TYPE_INT64)
+            v = (double)config_setting_get_int64(s);
+        else if (t == CONFIG_TYPE_FLOAT)
+            v = config_setting_get_float(s);
+        else {
+            errf(errbuf, errlen, "%s:%d: %s must be a number of days, not %s", file, line, path,
+                 type_name(t));
+            return IDEMQ_ERR_CONFIG;
+        }
+        if (!(v * 1440.0 >= (double)k->min - 1e-9 && v * 1440.0 <= (double)k->max)) {
+            errf(errbuf, errlen, "%s:%d: %s = %g is out of range [%g, %g] (days)", file, line,
+                 path, v, (double)k->min / 1440.0, (double)k->max / 1440.0);
+            return IDEMQ_ERR_CONFIG;
+        }
+        *(double *)slot = v;
         return IDEMQ_OK;
     }
     case CT_STR: {
@@ -622,6 +657,56 @@ static idemq_err_t validate_retry(struct conf *c, const char *file, char *errbuf
     return IDEMQ_OK;
 }
 
+double conf_parse_interval(const char *text)
+{
+    static const struct {
+        const char *unit;
+        double seconds;
+    } units[] = {{"second", 1}, {"seconds", 1}, {"minute", 60}, {"minutes", 60},
+                 {"hour", 3600}, {"hours", 3600}, {"day", 86400}, {"days", 86400}};
+    char *end;
+    long n;
+
+    errno = 0;
+    n = strtol(text, &end, 10);
+    if (errno || end == text || n < 1 || n > 36500L * 86400 || *end != ' ')
+        return -1;
+    while (*end == ' ')
+        end++;
+    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++)
+        if (strcmp(end, units[i].unit) == 0)
+            return (double)n * units[i].seconds;
+    return -1;
+}
+
+/* The ledger lifecycle settings against each other (the ledger's
+ * idemq.retention refuses the same combinations). */
+static idemq_err_t validate_ledger(struct conf *c, const char *file, char *errbuf,
+                                   size_t errlen)
+{
+    double iv = conf_parse_interval(c->partition_interval);
+    if (iv < 10) {
+        errf(errbuf, errlen, "%s: ledger.partition_interval must read \"N seconds|minutes|hours|"
+             "days\" (at least 10 seconds), not \"%s\"", file, c->partition_interval);
+        return IDEMQ_ERR_CONFIG;
+    }
+    c->partition_interval_s = iv;
+    if (c->history_hot_days * 86400.0 < iv) {
+        errf(errbuf, errlen, "%s: ledger.history_hot_days (%g) must cover at least one "
+             "ledger.partition_interval (%s)", file, c->history_hot_days, c->partition_interval);
+        return IDEMQ_ERR_CONFIG;
+    }
+    if (c->history_retention_days < c->dedup_window_days ||
+        c->history_retention_days < c->history_hot_days) {
+        errf(errbuf, errlen, "%s: ledger.history_retention_days (%g) must be at least "
+             "ledger.dedup_window_days (%g) and ledger.history_hot_days (%g): the history that "
+             "explains a key outlives its claim", file, c->history_retention_days,
+             c->dedup_window_days, c->history_hot_days);
+        return IDEMQ_ERR_CONFIG;
+    }
+    return IDEMQ_OK;
+}
+
 static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char *errbuf,
                         size_t errlen)
 {
@@ -644,9 +729,11 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
             continue;
         if (config_setting_type(s) != CONFIG_TYPE_GROUP ||
             (strcmp(name, "broker") && strcmp(name, "database") && strcmp(name, "consumer") &&
-             strcmp(name, "retry") && strcmp(name, "metrics") && strcmp(name, "log"))) {
+             strcmp(name, "retry") && strcmp(name, "metrics") && strcmp(name, "log") &&
+             strcmp(name, "ledger"))) {
             errf(errbuf, errlen, "%s:%d: unknown setting %s (top level holds broker, database, "
-                 "consumer, retry, metrics, log and inputs)", file, config_setting_source_line(s), name);
+                 "consumer, retry, metrics, log, ledger and inputs)", file,
+                 config_setting_source_line(s), name);
             err = IDEMQ_ERR_CONFIG;
             goto fail;
         }
@@ -664,6 +751,8 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
         goto fail;
     }
     if ((err = validate_retry(c, file, errbuf, errlen)) != IDEMQ_OK)
+        goto fail;
+    if ((err = validate_ledger(c, file, errbuf, errlen)) != IDEMQ_OK)
         goto fail;
     if ((err = read_inputs(cfg, c, file, errbuf, errlen)) != IDEMQ_OK)
         goto fail;
@@ -818,6 +907,13 @@ static void print_key(FILE *out, const struct conf_key *k, const void *base, con
     case CT_INT:
         fprintf(out, "%s%s = %d;\n", indent, name, *(const int *)slot);
         break;
+    case CT_DAYS: { /* always with a decimal point: libconfig reads it back as a float */
+        char num[64];
+        snprintf(num, sizeof num, "%.6g", *(const double *)slot);
+        fprintf(out, "%s%s = %s%s;\n", indent, name, num,
+                strpbrk(num, ".e") ? "" : ".0");
+        break;
+    }
     case CT_STR: {
         const char *v = *(char *const *)slot;
         fprintf(out, "%s%s = \"%s\";\n", indent, name,
