@@ -92,6 +92,7 @@ enum classify_class classify_err(idemq_err_t err)
     case IDEMQ_ERR_KEY_INVALID:
     case IDEMQ_ERR_SEQUENCE_INVALID:
     case IDEMQ_ERR_EFFECT:
+    case IDEMQ_ERR_OUTSIDE_WINDOW:
         return CLASS_PERMANENT;
     case IDEMQ_ERR_RETRIES_EXHAUSTED:
         return CLASS_TRANSIENT;

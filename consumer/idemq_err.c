@@ -27,6 +27,7 @@ const char *idemq_err_name(idemq_err_t err)
     case IDEMQ_ERR_INTERNAL: return "internal";
     case IDEMQ_ERR_RETRIES_EXHAUSTED: return "retries_exhausted";
     case IDEMQ_ERR_SEQUENCE_INVALID: return "sequence_invalid";
+    case IDEMQ_ERR_OUTSIDE_WINDOW: return "outside_dedup_window";
     }
     return "unknown";
 }
@@ -54,6 +55,8 @@ const char *idemq_err_str(idemq_err_t err)
     case IDEMQ_ERR_INTERNAL: return "internal invariant failed";
     case IDEMQ_ERR_RETRIES_EXHAUSTED: return "transient failures used the whole attempt budget";
     case IDEMQ_ERR_SEQUENCE_INVALID: return "sequence number absent or not a positive integer";
+    case IDEMQ_ERR_OUTSIDE_WINDOW:
+        return "message older than the dedup window whose key is no longer claimed";
     }
     return "unknown error";
 }

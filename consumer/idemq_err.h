@@ -29,6 +29,7 @@ typedef enum {
     IDEMQ_ERR_INTERNAL,       /* an invariant failed */
     IDEMQ_ERR_RETRIES_EXHAUSTED, /* transient failures used the whole attempt budget */
     IDEMQ_ERR_SEQUENCE_INVALID,  /* sequence_source absent or not a positive integer */
+    IDEMQ_ERR_OUTSIDE_WINDOW,    /* message older than the dedup window, key not claimed */
 } idemq_err_t;
 
 /* Stable snake_case name ("bad_json"), stored in the ledger. Never NULL. */

@@ -16,6 +16,7 @@
 #include "conf.h"
 #include "ledger_db.h"
 #include "ledger_migrate.h"
+#include "lifecycle.h"
 #include "log.h"
 #include "rate_gate.h"
 #include "run_report.h"
@@ -57,6 +58,12 @@ static void usage(FILE *out)
             "                              move dead-lettered messages back to their origin\n"
             "                              queue (confirmed, then acked), N per second\n"
             "  FILTERS: --input NAME --key KEY --class CLASS --since TIMESTAMP --limit N\n"
+            "  maintain [--now TIMESTAMP]  ledger maintenance now: partitions ahead, pruning past\n"
+            "                              the dedup window, archive, drops (see README)\n"
+            "  archive list                history partitions: hot, archived, dropped\n"
+            "  archive export --dir DIR [--all]\n"
+            "                              archived partitions to DIR as CSV + SHA-256\n"
+            "  archive verify --dir DIR    exported files against their SHA-256 and the ledger\n"
             "\n"
             "options: -c, --config FILE; -h, --help; -V, --version\n"
             "environment: IDEMQ_AMQP_URL and IDEMQ_PG_DSN override broker.url and database.dsn\n"
@@ -75,6 +82,9 @@ struct opts {
     const char *input;
     const char *routing_key;
     struct ops_filter filter;
+    const char *dir; /* archive export/verify */
+    bool all;        /* archive export */
+    const char *now; /* maintain */
 };
 
 static int parse_long(const char *opt, const char *s, long min, long max, long *out)
@@ -98,7 +108,8 @@ static int parse_args(int argc, char **argv, struct opts *o)
         {"key", required_argument, NULL, 'k'},     {"class", required_argument, NULL, 'C'},
         {"since", required_argument, NULL, 's'},   {"limit", required_argument, NULL, 'l'},
         {"dry-run", no_argument, NULL, 'd'},       {"rate", required_argument, NULL, 'R'},
-        {NULL, 0, NULL, 0}};
+        {"dir", required_argument, NULL, 'D'},     {"all", no_argument, NULL, 'A'},
+        {"now", required_argument, NULL, 'N'},     {NULL, 0, NULL, 0}};
     int c;
     long v;
 
@@ -122,6 +133,9 @@ static int parse_args(int argc, char **argv, struct opts *o)
                 return -1;
             break;
         case 'd': o->filter.dry_run = true; break;
+        case 'D': o->dir = optarg; break;
+        case 'A': o->all = true; break;
+        case 'N': o->now = optarg; break;
         case 'R':
             if (parse_long("--rate", optarg, 1, 100000, &v))
                 return -1;
@@ -149,6 +163,14 @@ static int parse_args(int argc, char **argv, struct opts *o)
             }
             o->arg = argv[optind++];
         }
+    }
+    if (strcmp(o->cmd, "archive") == 0) {
+        if (optind >= argc || (strcmp(argv[optind], "list") && strcmp(argv[optind], "export") &&
+                               strcmp(argv[optind], "verify"))) {
+            fprintf(stderr, "idemq: archive takes list, export or verify\n");
+            return -1;
+        }
+        o->sub = argv[optind++];
     }
     if (optind < argc) {
         fprintf(stderr, "idemq: unexpected argument '%s'\n", argv[optind]);
@@ -188,6 +210,10 @@ static int cmd_migrate(const struct conf *c)
     }
     printf("ledger schema at version %d (%d migration%s applied)\n", ledger_migrate_latest(),
            applied, applied == 1 ? "" : "s");
+    if (lifecycle_migrate_settings(db, c, stdout) != 0) {
+        PQfinish(db);
+        return EXIT_SCHEMA;
+    }
     PQfinish(db);
     return EXIT_OK;
 }
@@ -241,6 +267,8 @@ static int preflight(const struct conf *c)
     if (ledger_migrate_check(db, err, sizeof err)) {
         log_error("%s", err);
         rc = PQstatus(db) == CONNECTION_OK ? EXIT_SCHEMA : EXIT_CONNECT;
+    } else {
+        lifecycle_check_settings(db, c);
     }
     PQfinish(db);
     if (rc)
@@ -402,7 +430,8 @@ int main(int argc, char **argv)
     }
     if (strcmp(o.cmd, "run") && strcmp(o.cmd, "migrate") && strcmp(o.cmd, "declare") &&
         strcmp(o.cmd, "check-config") && strcmp(o.cmd, "publish") && strcmp(o.cmd, "jobs") &&
-        strcmp(o.cmd, "parked") && strcmp(o.cmd, "redrive")) {
+        strcmp(o.cmd, "parked") && strcmp(o.cmd, "redrive") && strcmp(o.cmd, "maintain") &&
+        strcmp(o.cmd, "archive")) {
         fprintf(stderr, "idemq: unknown command '%s'\n", o.cmd);
         usage(stderr);
         return EXIT_USAGE;
@@ -429,6 +458,12 @@ int main(int argc, char **argv)
         rc = ops_parked_list(c, &o.filter, stdout);
     } else if (strcmp(o.cmd, "redrive") == 0) {
         rc = ops_redrive(c, &o.filter, stdout);
+    } else if (strcmp(o.cmd, "maintain") == 0) {
+        rc = lifecycle_maintain(c, o.now, stdout);
+    } else if (strcmp(o.cmd, "archive") == 0) {
+        rc = o.sub[0] == 'l'   ? lifecycle_archive_list(c, stdout)
+             : o.sub[0] == 'e' ? lifecycle_archive_export(c, o.dir, o.all, stdout)
+                               : lifecycle_archive_verify(c, o.dir, stdout);
     } else {
         rc = cmd_run(c, o.until_idle_s);
     }

@@ -23,6 +23,7 @@
 #include "ledger_db.h"
 #include "ledger_lanes.h"
 #include "ledger_migrate.h"
+#include "ledger_retention.h"
 #include "ledger_txn.h"
 #include "log.h"
 #include "republish.h"
@@ -96,6 +97,7 @@ struct session {
     bool drain_hint;    /* an ordered job was applied or parked: drain soon */
     long long last_drain, last_report;
     enum crash_point crash;
+    struct ledger_retention *retention; /* worker 0 with ledger.maintenance: maintenance */
     char why[512]; /* reason of the last non-OK step */
     struct ledger_db_error last_call; /* the last whole-call failure */
 };
@@ -319,15 +321,18 @@ static void plan_clear(struct plan *p)
 
 /*
  * Decides what a failed job's attempt leads to and records it (inside the
- * transaction): a durable retry schedule and a delay, or a park.
+ * transaction): a durable retry schedule and a delay, or a park. forced:
+ * IDEMQ_OK to classify r's SQLSTATE, or the code of a permanent failure the
+ * ledger decided (outside_dedup_window).
  */
 static enum step plan_failure(struct session *s, struct job *j, struct ledger_result *r,
-                              struct plan *p)
+                              struct plan *p, idemq_err_t forced)
 {
     struct ledger_db_error e;
-    enum classify_class cls = classify_sqlstate(r->sqlstate, false, &s->c->rules);
+    enum classify_class cls = forced ? CLASS_PERMANENT
+                                     : classify_sqlstate(r->sqlstate, false, &s->c->rules);
     int used = r->attempt - r->base; /* attempts of this generation's budget */
-    idemq_err_t code = IDEMQ_ERR_EFFECT;
+    idemq_err_t code = forced ? forced : IDEMQ_ERR_EFFECT;
     bool park;
 
     if (cls == CLASS_FATAL) {
@@ -441,7 +446,11 @@ static enum step run_txn(struct session *s, struct job *jobs, int n, struct plan
             p->park = json_incref(r->park);
             break;
         case LEDGER_ERROR:
-            if ((st = plan_failure(s, &jobs[i], r, p)) != STEP_OK)
+            if ((st = plan_failure(s, &jobs[i], r, p, IDEMQ_OK)) != STEP_OK)
+                goto rollback;
+            break;
+        case LEDGER_OUTSIDE: /* past the dedup window: parked, never applied blindly */
+            if ((st = plan_failure(s, &jobs[i], r, p, IDEMQ_ERR_OUTSIDE_WINDOW)) != STEP_OK)
                 goto rollback;
             break;
         }
@@ -507,7 +516,7 @@ static enum step run_failed_txn(struct session *s, struct job *j, struct plan *p
     if (r->outcome == LEDGER_ERROR) {
         snprintf(r->sqlstate, sizeof r->sqlstate, "%s", failure->sqlstate);
         snprintf(r->message, sizeof r->message, "%s", failure->message);
-        if ((st = plan_failure(s, j, r, p)) != STEP_OK)
+        if ((st = plan_failure(s, j, r, p, IDEMQ_OK)) != STEP_OK)
             goto rollback;
     }
     if (ledger_txn_commit(s->lt, &e))
@@ -852,6 +861,10 @@ static bool session_alloc(struct session *s)
     if (!(s->lanes = lane_set_new(s->c)))
         return false;
     s->lanes_keyed = ledger_lanes_any(s->c);
+    /* One maintenance caller per process, on its own session (issue 10). */
+    if (s->w->id == 0 && s->c->maintenance && !(s->retention = ledger_retention_new(
+                                                    s->c, s->c->consumer_id)))
+        return false;
     return true;
 }
 
@@ -870,6 +883,7 @@ static void session_free(struct session *s)
     free(s->plans);
     free(s->park_ids);
     lane_set_free(s->lanes);
+    ledger_retention_free(s->retention);
 }
 
 idemq_err_t worker_run(struct worker *w)
@@ -931,6 +945,8 @@ idemq_err_t worker_run(struct worker *w)
         }
         if (st == STEP_OK)
             st = lanes_housekeeping(&s);
+        if (st == STEP_OK && s.retention) /* never waits: see ledger_retention.h */
+            ledger_retention_tick(s.retention, now_ms());
         switch (st) {
         case STEP_OK:
             break;

@@ -1,13 +1,15 @@
 /*
  * ledger_txn: calls the ledger's SQL functions with parameters only (no SQL
  * text is ever built from message or config content); the batch document
- * for idemq.apply_batch_fast comes from ledger_doc.
+ * (idemq.apply_batch) and the binary columns (idemq.apply_batch_fast)
+ * come from ledger_doc.
  */
 #include "ledger_txn.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "classify.h"
 #include "ledger_doc.h"
@@ -16,8 +18,10 @@
 struct ledger_txn {
     PGconn *db;
     const struct conf *conf;
-    char *effects; /* text[] literal of effect signatures, by input */
-    struct ledger_doc doc; /* reusable batch document */
+    char *effects; /* text[] literal of the effects' OIDs (regprocedure), by input */
+    double window_s; /* idemq.retention.dedup_window in seconds */
+    struct ledger_doc doc; /* reusable batch document (isolating path) */
+    struct ledger_cols cols; /* reusable batch columns (set-based path) */
     bool begin_pending;    /* BEGIN not sent yet: it goes with the next statement */
 };
 
@@ -27,35 +31,85 @@ struct ledger_txn {
 #define APPLY_COLUMNS                                                                       \
     "SELECT r_idx, r_outcome, r_attempt, r_base, r_sqlstate, r_message, r_started, "        \
     "r_finished, r_delay_ms, r_park FROM "
-#define APPLY_FAST_SQL APPLY_COLUMNS "idemq.apply_batch_fast($1::text[], $2::jsonb, $3)"
+#define APPLY_FAST_SQL                                                                      \
+    APPLY_COLUMNS "idemq.apply_batch_fast($1::text[], $2::text[], $3::boolean[], $4::integer, " \
+                  "$5::integer[], $6::text[], $7::jsonb[], $8::integer[], $9::jsonb[], $10)"
+#define APPLY_FAST_NPARAMS 10
 #define APPLY_SQL APPLY_COLUMNS "idemq.apply_batch($1::text[], $2::jsonb, $3)"
+
+/*
+ * The effects as a text[] literal of OIDs, resolved in this session (so an
+ * unqualified effect_function follows the session's search_path, while the
+ * ledger functions run with theirs pinned). A signature that does not
+ * resolve stays as it is: the apply call then fails naming it.
+ */
+static char *resolve_effects(PGconn *db, const struct conf *c, char *errbuf, size_t errlen)
+{
+    size_t need = 3;
+    char *out;
+
+    for (int i = 0; i < c->n_inputs; i++)
+        need += strlen(c->inputs[i].effect_signature) + 24;
+    if (!(out = malloc(need))) {
+        snprintf(errbuf, errlen, "out of memory");
+        return NULL;
+    }
+    strcpy(out, "{");
+    for (int i = 0; i < c->n_inputs; i++) {
+        const char *params[1] = {c->inputs[i].effect_signature};
+        PGresult *r = PQexecParams(db, "SELECT to_regprocedure($1)::oid::text", 1, NULL, params,
+                                   NULL, NULL, 0);
+        if (PQresultStatus(r) != PGRES_TUPLES_OK || PQntuples(r) != 1) {
+            snprintf(errbuf, errlen, "cannot resolve effect %s: %s", params[0],
+                     PQerrorMessage(db));
+            PQclear(r);
+            free(out);
+            return NULL;
+        }
+        strcat(out, i ? ",\"" : "\"");
+        strcat(out, PQgetisnull(r, 0, 0) ? params[0] : PQgetvalue(r, 0, 0));
+        strcat(out, "\"");
+        PQclear(r);
+    }
+    strcat(out, "}");
+    return out;
+}
+
+/* The dedup window (seconds) of the ledger's idemq.retention. */
+static bool read_window(PGconn *db, double *window_s, char *errbuf, size_t errlen)
+{
+    PGresult *r = PQexec(db, "SELECT (idemq.ledger_settings()->>'dedup_window_s')::float8");
+    bool ok = PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1 && !PQgetisnull(r, 0, 0);
+    if (ok)
+        *window_s = strtod(PQgetvalue(r, 0, 0), NULL);
+    else
+        snprintf(errbuf, errlen, "cannot read the dedup window: %s", PQerrorMessage(db));
+    PQclear(r);
+    return ok;
+}
 
 struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf, size_t errlen)
 {
     struct ledger_txn *lt = calloc(1, sizeof *lt);
     PGresult *res;
-    size_t need = 3;
 
-    if (!lt)
-        goto nomem;
+    if (!lt) {
+        snprintf(errbuf, errlen, "out of memory");
+        return NULL;
+    }
     lt->db = db;
     lt->conf = c;
     ledger_doc_init(&lt->doc);
-    for (int i = 0; i < c->n_inputs; i++)
-        need += strlen(c->inputs[i].effect_signature) + 3;
-    if (!(lt->effects = malloc(need)))
-        goto nomem;
-    strcpy(lt->effects, "{");
-    for (int i = 0; i < c->n_inputs; i++) {
-        strcat(lt->effects, i ? ",\"" : "\"");
-        strcat(lt->effects, c->inputs[i].effect_signature);
-        strcat(lt->effects, "\"");
+    ledger_cols_init(&lt->cols);
+    if (!(lt->effects = resolve_effects(db, c, errbuf, errlen)) ||
+        !read_window(db, &lt->window_s, errbuf, errlen)) {
+        ledger_txn_free(lt);
+        return NULL;
     }
-    strcat(lt->effects, "}");
     res = PQprepare(db, "idemq_apply", APPLY_SQL, 3, NULL);
     if (PQresultStatus(res) == PGRES_COMMAND_OK) {
         PQclear(res);
-        res = PQprepare(db, "idemq_apply_fast", APPLY_FAST_SQL, 3, NULL);
+        res = PQprepare(db, "idemq_apply_fast", APPLY_FAST_SQL, APPLY_FAST_NPARAMS, NULL);
     }
     if (PQresultStatus(res) != PGRES_COMMAND_OK) {
         snprintf(errbuf, errlen, "cannot prepare the apply statement: %s", PQerrorMessage(db));
@@ -65,10 +119,6 @@ struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf
     }
     PQclear(res);
     return lt;
-nomem:
-    snprintf(errbuf, errlen, "out of memory");
-    ledger_txn_free(lt);
-    return NULL;
 }
 
 void ledger_txn_free(struct ledger_txn *lt)
@@ -77,6 +127,7 @@ void ledger_txn_free(struct ledger_txn *lt)
         return;
     free(lt->effects);
     ledger_doc_free(&lt->doc);
+    ledger_cols_free(&lt->cols);
     free(lt);
 }
 
@@ -132,22 +183,23 @@ void ledger_txn_rollback(struct ledger_txn *lt)
 }
 
 /*
- * Runs the prepared apply call, with a pending BEGIN in the same pipeline
- * (one round trip for both). Returns the apply call's result (the caller
- * PQclears it; NULL only if the connection failed) or, when BEGIN itself
- * failed, that error result.
+ * Runs a prepared apply call (n params; lens/fmts may be NULL for text),
+ * with a pending BEGIN in the same pipeline (one round trip for both).
+ * Returns the apply call's result (the caller PQclears it; NULL only if
+ * the connection failed) or, when BEGIN itself failed, that error result.
  */
-static PGresult *exec_apply(struct ledger_txn *lt, const char *stmt, const char *const *params)
+static PGresult *exec_apply(struct ledger_txn *lt, const char *stmt, int n,
+                            const char *const *params, const int *lens, const int *fmts)
 {
     PGresult *r, *out = NULL;
     int nth = 0;
 
     if (!lt->begin_pending)
-        return PQexecPrepared(lt->db, stmt, 3, params, NULL, NULL, 0);
+        return PQexecPrepared(lt->db, stmt, n, params, lens, fmts, 0);
     lt->begin_pending = false;
     if (!PQenterPipelineMode(lt->db) ||
         !PQsendQueryParams(lt->db, "BEGIN", 0, NULL, NULL, NULL, NULL, 0) ||
-        !PQsendQueryPrepared(lt->db, stmt, 3, params, NULL, NULL, 0) ||
+        !PQsendQueryPrepared(lt->db, stmt, n, params, lens, fmts, 0) ||
         !PQpipelineSync(lt->db)) {
         PQexitPipelineMode(lt->db);
         return NULL;
@@ -181,31 +233,101 @@ static void copy_field(char *dst, size_t n, const PGresult *res, int row, int co
     snprintf(dst, n, "%s", PQgetisnull(res, row, col) ? "" : PQgetvalue(res, row, col));
 }
 
+/* Old: past the dedup window by its AMQP timestamp (seconds); none: new. */
+static bool is_old(const struct ledger_txn *lt, const struct job *j, time_t now)
+{
+    json_t *ts = json_object_get(j->props, "timestamp");
+    return json_is_integer(ts) && (double)(now - (time_t)json_integer_value(ts)) > lt->window_s;
+}
+
+/* Fills res[0..n) from the set-based path's summary row: every job applied
+ * (attempt 1) except the listed positions (1-based; empty: the later copies
+ * of a key within the batch), which are duplicates of an applied key. */
+static void expand_summary(struct ledger_txn *lt, const PGresult *r, int n,
+                           struct ledger_result *res)
+{
+    const char *dups = PQgetvalue(r, 0, 5);
+    for (int i = 0; i < n; i++) {
+        ledger_txn_result_clear(&res[i]);
+        res[i].outcome = dups[0] || lt->cols.first[i] ? LEDGER_APPLIED : LEDGER_DUPLICATE;
+        res[i].attempt = 1;
+        copy_field(res[i].started_at, sizeof res[i].started_at, r, 0, 6);
+        copy_field(res[i].finished_at, sizeof res[i].finished_at, r, 0, 7);
+    }
+    for (const char *p = dups; *p;) {
+        char *end;
+        long pos = strtol(p, &end, 10);
+        if (end == p || pos < 1 || pos > n)
+            IDEMQ_PANIC("apply_batch_fast returned a bad duplicate list: %s", dups);
+        res[pos - 1].outcome = LEDGER_DUPLICATE;
+        p = *end == ',' ? end + 1 : end;
+    }
+    for (int i = 0; i < n; i++)
+        if (res[i].outcome == LEDGER_DUPLICATE)
+            snprintf(res[i].prior_state, sizeof res[i].prior_state, "applied");
+}
+
 idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int n,
                              struct ledger_result *res, struct ledger_db_error *e)
 {
-    const char *params[3];
+    const char *params[APPLY_FAST_NPARAMS];
+    int lens[APPLY_FAST_NPARAMS] = {0}, fmts[APPLY_FAST_NPARAMS] = {0};
+    char distinct[16];
     PGresult *r;
-    bool plain = true; /* no ordered-lane job: the set-based path may take it */
+    bool plain = true; /* standard inputs, none too old: the set-based path may take it */
+    time_t now = time(NULL);
 
-    ledger_doc_begin(&lt->doc);
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < n && plain; i++) {
         const struct job *j = jobs[i];
         IDEMQ_ASSERT(j->decode_err == IDEMQ_OK && j->has_key);
-        ledger_doc_add_job(&lt->doc, j, &lt->conf->inputs[j->input], j->input);
-        if (j->lane >= 0 || j->has_order_key || j->deferred_id > 0)
+        if (j->lane >= 0 || j->has_order_key || j->deferred_id > 0 || is_old(lt, j, now))
             plain = false;
     }
-    if (!ledger_doc_end(&lt->doc))
-        goto nomem;
-    params[0] = lt->effects;
-    params[1] = lt->doc.buf;
-    params[2] = lt->conf->consumer_id;
-    r = exec_apply(lt, plain ? "idemq_apply_fast" : "idemq_apply", params);
+    if (plain) {
+        ledger_cols_begin(&lt->cols);
+        for (int i = 0; i < n; i++)
+            ledger_cols_add_job(&lt->cols, jobs[i], &lt->conf->inputs[jobs[i]->input],
+                                jobs[i]->input);
+        if (!ledger_cols_end(&lt->cols))
+            goto nomem;
+        snprintf(distinct, sizeof distinct, "%d", lt->cols.distinct);
+        params[0] = lt->effects;
+        params[3] = distinct;
+        params[9] = lt->conf->consumer_id;
+        {
+            /* the binary arrays, in parameter order */
+            static const int cols[] = {1, LEDGER_COL_KEYS,   2, LEDGER_COL_FIRST,
+                                       4, LEDGER_COL_INPUTS, 5, LEDGER_COL_SHA,
+                                       6, LEDGER_COL_METAS,  7, LEDGER_COL_META_IDX,
+                                       8, LEDGER_COL_PAYLOADS};
+            for (size_t k = 0; k < sizeof cols / sizeof cols[0]; k += 2) {
+                params[cols[k]] = lt->cols.col[cols[k + 1]].buf;
+                lens[cols[k]] = (int)lt->cols.col[cols[k + 1]].len;
+                fmts[cols[k]] = 1;
+            }
+        }
+        r = exec_apply(lt, "idemq_apply_fast", APPLY_FAST_NPARAMS, params, lens, fmts);
+    } else {
+        ledger_doc_begin(&lt->doc);
+        for (int i = 0; i < n; i++)
+            ledger_doc_add_job(&lt->doc, jobs[i], &lt->conf->inputs[jobs[i]->input],
+                               jobs[i]->input, is_old(lt, jobs[i], now));
+        if (!ledger_doc_end(&lt->doc))
+            goto nomem;
+        params[0] = lt->effects;
+        params[1] = lt->doc.buf;
+        params[2] = lt->conf->consumer_id;
+        r = exec_apply(lt, "idemq_apply", 3, params, NULL, NULL);
+    }
     if (PQresultStatus(r) != PGRES_TUPLES_OK) {
         ledger_db_error_from(lt->db, r, e);
         PQclear(r);
         return ledger_db_err(e);
+    }
+    if (plain && PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 1), "batch") == 0) {
+        expand_summary(lt, r, n, res);
+        PQclear(r);
+        return IDEMQ_OK;
     }
     if (PQntuples(r) != n) {
         snprintf(e->message, sizeof e->message, "apply_batch returned %d rows for %d jobs",
@@ -229,6 +351,7 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
                      : strcmp(outcome, "repark") == 0    ? LEDGER_REPARK
                      : strcmp(outcome, "deferred") == 0  ? LEDGER_DEFERRED
                      : strcmp(outcome, "held") == 0      ? LEDGER_HELD
+                     : strcmp(outcome, "outside") == 0   ? LEDGER_OUTSIDE
                                                          : LEDGER_ERROR;
         x->attempt = atoi(PQgetvalue(r, row, 2));
         x->base = atoi(PQgetvalue(r, row, 3));
