@@ -79,6 +79,8 @@ static const struct conf_key global_keys[] = {
     {"metrics.listen", CT_STR, G(metrics_listen), 0, 64, "", 0, 0,
      "IPv4:port for GET /metrics and /ready of `idemq run`; empty = off"},
     {"log.level", CT_STR, G(log_level), 1, 10, "info", 0, 0, "error, warn, info or debug"},
+    {"log.perf_interval_s", CT_INT, G(perf_interval_s), 0, 86400, NULL, 0, 0,
+     "> 0: each worker logs a `perf interval:` latency line this often (scripts/soak)"},
     /* ledger lifecycle (issue 10); `idemq migrate` writes these to the ledger */
     {"ledger.dedup_window_days", CT_DAYS, G(dedup_window_days), 1, 36500L * 1440, NULL,
      400L * 1440, 0,

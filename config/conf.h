@@ -98,6 +98,7 @@ struct conf {
     char *metrics_listen;
     /* log */
     char *log_level;
+    int perf_interval_s; /* > 0: per-worker latency lines this often */
     /* ledger lifecycle (issue 10) */
     double dedup_window_days;
     char *partition_interval;   /* "N seconds|minutes|hours|days" */

@@ -28,6 +28,7 @@
 #include "log.h"
 #include "republish.h"
 #include "rate_gate.h"
+#include "run_report.h"
 #include "sig.h"
 #include "topology.h"
 
@@ -838,8 +839,10 @@ static void note_acked(struct session *s)
 {
     long long now = now_ns();
     for (int i = 0; i < s->n; i++)
-        if (s->jobs[i].received_ns) /* 0: held in its lane (moved out), not settled yet */
+        if (s->jobs[i].received_ns) { /* 0: held in its lane (moved out), not settled yet */
             latency_record(&s->w->latency, (uint64_t)(now - s->jobs[i].received_ns) / 1000u);
+            latency_record(&s->w->interval, (uint64_t)(now - s->jobs[i].received_ns) / 1000u);
+        }
     if (s->jobs[0].received_ns &&
         (!s->w->first_delivery_ns || s->jobs[0].received_ns < s->w->first_delivery_ns))
         s->w->first_delivery_ns = s->jobs[0].received_ns;
@@ -947,6 +950,8 @@ idemq_err_t worker_run(struct worker *w)
             st = lanes_housekeeping(&s);
         if (st == STEP_OK && s.retention) /* never waits: see ledger_retention.h */
             ledger_retention_tick(s.retention, now_ms());
+        if (s.c->perf_interval_s > 0)
+            run_report_interval(w, now_ns(), s.c->perf_interval_s);
         switch (st) {
         case STEP_OK:
             break;

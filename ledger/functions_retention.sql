@@ -1,5 +1,5 @@
--- idemq ledger functions, part 3: the ledger lifecycle (issue 10). Applied
--- with functions.sql and functions_batch.sql as one text by every
+-- idemq ledger functions, part 2: the ledger lifecycle (issue 10). Applied
+-- with functions.sql as one text by every
 -- `idemq migrate`; same rules (CREATE OR REPLACE, search_path pinned to
 -- pg_catalog, idemq, every name schema-qualified).
 --
@@ -145,7 +145,7 @@ END
 $fn$;
 
 -- Maintenance step: partitions of one kind of history from the last one up
--- to p_now + max(3 intervals, 10 minutes), plus partitions for rows that
+-- to p_now + max(4 intervals, 1 minute), plus partitions for rows that
 -- wait in the default partition (before the first partition, or in a gap
 -- left while maintenance did not run). Stops at p_deadline. Returns
 -- {"created": n, "rescued": rows moved, "waits": lock waits, "more": bool}.
@@ -171,7 +171,7 @@ DECLARE
     v_more    boolean := false;
 BEGIN
     SELECT h.parent, h.col INTO v_parent, v_col FROM idemq.history_parent(p_kind) h;
-    v_target := p_now + make_interval(secs => greatest(3 * v_step, 600));
+    v_target := p_now + make_interval(secs => greatest(4 * v_step, 60));
     -- Rows in the default partition first: each gets a partition for its
     -- slot (cut to the free part between existing partitions).
     FOR v_slot IN EXECUTE format('SELECT DISTINCT idemq.align_time(d.%I, $1) FROM idemq.%I d '
@@ -492,7 +492,8 @@ DECLARE
     r     record;
     v_sel constant text :=
         'SELECT b.at, b.id, b.finished_at, b.consumer_id, cardinality(b.keys), u.o::integer, '
-        'u.a, b.sha256[u.o], b.metas[b.meta_idx[u.o]], b.results[u.o] '
+        'u.a, encode(substring(b.sha256 FROM (u.o::integer - 1) * 32 + 1 FOR 32), ''hex''), '
+        'b.metas[b.meta_idx[u.o]], b.results[u.o] '
         'FROM %I.%I b CROSS JOIN LATERAL unnest(b.keys, b.applied) WITH ORDINALITY AS u(k, a, o) '
         'WHERE u.k = $1 AND (u.a OR u.o = ANY (b.dups))';
 BEGIN
@@ -662,6 +663,42 @@ BEGIN
                d.order_key, coalesce(d.seq::text, '-'),
                coalesce('reported as overdue at ' || d.reported_at, 'not overdue yet'))
       FROM idemq.deferred d WHERE d.key = p_key;
+END
+$fn$;
+
+-- The plain path (ledger/ledger_plain.c), second statement: jobs whose key a
+-- concurrent transaction claimed and committed while the plain statement
+-- waited for it, so that statement's snapshot did not show the row. Visible
+-- now: if each key is applied, every such delivery is a duplicate (an
+-- attempt row each, in order) and true is returned; if one is not (or is
+-- gone), nothing is written and false is returned: the worker rolls back and
+-- applies the batch through idemq.apply_batch. p_jobs as in apply_batch.
+CREATE OR REPLACE FUNCTION idemq.record_raced(p_jobs jsonb, p_consumer text,
+                                              p_started timestamptz)
+RETURNS boolean
+LANGUAGE plpgsql
+SET search_path = pg_catalog, idemq
+AS $fn$
+DECLARE
+    j jsonb;
+    t record;
+BEGIN
+    -- One lookup by key each: a handful of keys, never a scan of the table.
+    FOR j IN SELECT e FROM jsonb_array_elements(p_jobs) AS e LOOP
+        SELECT x.state, x.attempts, x.generation INTO t FROM idemq.jobs x WHERE x.key = j->>'k';
+        IF NOT FOUND OR t.state <> 'applied' THEN
+            RETURN false;
+        END IF;
+    END LOOP;
+    FOR j IN SELECT e FROM jsonb_array_elements(p_jobs) AS e LOOP
+        SELECT x.attempts, x.generation INTO t FROM idemq.jobs x WHERE x.key = j->>'k';
+        INSERT INTO idemq.attempts (key, attempt, generation, outcome, started_at, finished_at,
+            queue, routing_key, redelivered, delivery_count, consumer_id, message)
+        VALUES (j->>'k', t.attempts, t.generation, 'duplicate', p_started, clock_timestamp(),
+            j->'m'->>'queue', j->'m'->>'routing_key', (j->'m'->>'redelivered')::boolean,
+            (j->'m'->>'delivery_count')::integer, p_consumer, 'applied');
+    END LOOP;
+    RETURN true;
 END
 $fn$;
 

@@ -200,7 +200,7 @@ bool ledger_doc_end(struct ledger_doc *d)
     return !d->nomem;
 }
 
-/* ---- the batch as binary-format arrays (idemq.apply_batch_fast) ---- */
+/* ---- the batch as binary-format arrays (ledger_plain's statement) ---- */
 
 /* Type OIDs of the array elements (fixed in PostgreSQL's catalog). */
 #define OID_BOOL 16
@@ -318,10 +318,17 @@ void ledger_cols_free(struct ledger_cols *c)
 
 void ledger_cols_begin(struct ledger_cols *c)
 {
-    static const uint32_t types[LEDGER_COL_N] = {OID_TEXT,  OID_BOOL, OID_INT4, OID_TEXT,
+    static const uint32_t types[LEDGER_COL_N] = {OID_TEXT,  OID_BOOL, OID_INT4, 0,
                                                  OID_JSONB, OID_INT4, OID_JSONB};
-    for (int i = 0; i < LEDGER_COL_N; i++)
-        array_begin(&c->col[i], types[i]);
+    for (int i = 0; i < LEDGER_COL_N; i++) {
+        if (i == LEDGER_COL_SHA) { /* a bytea: the digests end to end */
+            c->col[i].len = 0;
+            c->col[i].n = 0;
+            c->col[i].nomem = false;
+        } else {
+            array_begin(&c->col[i], types[i]);
+        }
+    }
     if (c->metas_seen)
         memset(c->metas_seen, 0, c->nmetas_seen * sizeof *c->metas_seen);
     if (c->keys_seen)
@@ -384,7 +391,15 @@ void ledger_cols_add_job(struct ledger_cols *c, const struct job *j, const struc
     add(&c->col[LEDGER_COL_FIRST], first ? "\x01" : "\x00", 1);
     c->col[LEDGER_COL_FIRST].n++;
     array_add_int(&c->col[LEDGER_COL_INPUTS], (uint32_t)(input_idx + 1));
-    array_add(&c->col[LEDGER_COL_SHA], j->sha256_hex, strlen(j->sha256_hex), false);
+    {
+        char digest[32];
+        for (int k = 0; k < 32; k++) {
+            char hx[3] = {j->sha256_hex[2 * k], j->sha256_hex[2 * k + 1], 0};
+            digest[k] = (char)strtoul(hx, NULL, 16);
+        }
+        add(&c->col[LEDGER_COL_SHA], digest, sizeof digest);
+        c->col[LEDGER_COL_SHA].n++;
+    }
     array_add_int(&c->col[LEDGER_COL_META_IDX], (uint32_t)mi);
     array_add(&c->col[LEDGER_COL_PAYLOADS], (const char *)j->body, j->body_len, true);
     c->n++;
@@ -396,7 +411,8 @@ nomem:
 bool ledger_cols_end(struct ledger_cols *c)
 {
     for (int i = 0; i < LEDGER_COL_N; i++) {
-        array_end(&c->col[i]);
+        if (i != LEDGER_COL_SHA)
+            array_end(&c->col[i]);
         c->nomem = c->nomem || c->col[i].nomem;
     }
     return !c->nomem;

@@ -52,12 +52,13 @@ bool ledger_doc_end(struct ledger_doc *d);
 void ledger_doc_add_string(struct ledger_doc *d, const char *s, size_t n);
 
 /*
- * The same batch as columns, for idemq.apply_batch_fast: one-dimensional
+ * The same batch as columns, for the plain statement (ledger_plain): one-dimensional
  * PostgreSQL arrays in binary format (libpq parameter format 1), so the
  * database parses no envelope, only each payload and each distinct meta.
  * By job in delivery order: keys text[], first bool[] (the first copy of
- * its key in the batch), inputs int4[] (1-based), body SHA-256 text[]
- * (hex), meta_idx int4[] (1-based into metas) and payloads jsonb[]; metas
+ * its key in the batch), inputs int4[] (1-based), sha: a bytea holding the
+ * 32-byte body SHA-256 digests end to end, meta_idx int4[] (1-based into
+ * metas) and payloads jsonb[]; metas
  * jsonb[] holds each distinct meta once (a batch mostly carries one: queue,
  * exchange, routing key, redelivered, headers); distinct counts the keys.
  * Each meta is the one ledger_doc_add_job writes.

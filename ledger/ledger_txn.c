@@ -1,8 +1,8 @@
 /*
  * ledger_txn: calls the ledger's SQL functions with parameters only (no SQL
  * text is ever built from message or config content); the batch document
- * (idemq.apply_batch) and the binary columns (idemq.apply_batch_fast)
- * come from ledger_doc.
+ * of idemq.apply_batch comes from ledger_doc, and plain batches go to
+ * ledger_plain first.
  */
 #include "ledger_txn.h"
 
@@ -13,6 +13,7 @@
 
 #include "classify.h"
 #include "ledger_doc.h"
+#include "ledger_plain.h"
 #include "log.h"
 
 struct ledger_txn {
@@ -21,21 +22,16 @@ struct ledger_txn {
     char *effects; /* text[] literal of the effects' OIDs (regprocedure), by input */
     double window_s; /* idemq.retention.dedup_window in seconds */
     struct ledger_doc doc; /* reusable batch document (isolating path) */
-    struct ledger_cols cols; /* reusable batch columns (set-based path) */
+    struct ledger_plain *plain; /* the lean path's prepared statements */
     bool begin_pending;    /* BEGIN not sent yet: it goes with the next statement */
 };
 
-/* The set-based path for plain batches of standard inputs, and the isolating
- * path that owns everything else (ordered lanes, deferred jobs); see
- * ledger/functions_batch.sql and ledger/functions.sql. */
-#define APPLY_COLUMNS                                                                       \
+/* The isolating path that owns everything the plain one does not (ordered
+ * lanes, deferred jobs, failures, keys in other states); see
+ * ledger/functions.sql. */
+#define APPLY_SQL                                                                           \
     "SELECT r_idx, r_outcome, r_attempt, r_base, r_sqlstate, r_message, r_started, "        \
-    "r_finished, r_delay_ms, r_park FROM "
-#define APPLY_FAST_SQL                                                                      \
-    APPLY_COLUMNS "idemq.apply_batch_fast($1::text[], $2::text[], $3::boolean[], $4::integer, " \
-                  "$5::integer[], $6::text[], $7::jsonb[], $8::integer[], $9::jsonb[], $10)"
-#define APPLY_FAST_NPARAMS 10
-#define APPLY_SQL APPLY_COLUMNS "idemq.apply_batch($1::text[], $2::jsonb, $3)"
+    "r_finished, r_delay_ms, r_park FROM idemq.apply_batch($1::text[], $2::jsonb, $3)"
 
 /*
  * The effects as a text[] literal of OIDs, resolved in this session (so an
@@ -100,17 +96,13 @@ struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf
     lt->db = db;
     lt->conf = c;
     ledger_doc_init(&lt->doc);
-    ledger_cols_init(&lt->cols);
     if (!(lt->effects = resolve_effects(db, c, errbuf, errlen)) ||
-        !read_window(db, &lt->window_s, errbuf, errlen)) {
+        !read_window(db, &lt->window_s, errbuf, errlen) ||
+        !(lt->plain = ledger_plain_new(db, c, errbuf, errlen))) {
         ledger_txn_free(lt);
         return NULL;
     }
     res = PQprepare(db, "idemq_apply", APPLY_SQL, 3, NULL);
-    if (PQresultStatus(res) == PGRES_COMMAND_OK) {
-        PQclear(res);
-        res = PQprepare(db, "idemq_apply_fast", APPLY_FAST_SQL, APPLY_FAST_NPARAMS, NULL);
-    }
     if (PQresultStatus(res) != PGRES_COMMAND_OK) {
         snprintf(errbuf, errlen, "cannot prepare the apply statement: %s", PQerrorMessage(db));
         PQclear(res);
@@ -127,7 +119,7 @@ void ledger_txn_free(struct ledger_txn *lt)
         return;
     free(lt->effects);
     ledger_doc_free(&lt->doc);
-    ledger_cols_free(&lt->cols);
+    ledger_plain_free(lt->plain);
     free(lt);
 }
 
@@ -240,41 +232,12 @@ static bool is_old(const struct ledger_txn *lt, const struct job *j, time_t now)
     return json_is_integer(ts) && (double)(now - (time_t)json_integer_value(ts)) > lt->window_s;
 }
 
-/* Fills res[0..n) from the set-based path's summary row: every job applied
- * (attempt 1) except the listed positions (1-based; empty: the later copies
- * of a key within the batch), which are duplicates of an applied key. */
-static void expand_summary(struct ledger_txn *lt, const PGresult *r, int n,
-                           struct ledger_result *res)
-{
-    const char *dups = PQgetvalue(r, 0, 5);
-    for (int i = 0; i < n; i++) {
-        ledger_txn_result_clear(&res[i]);
-        res[i].outcome = dups[0] || lt->cols.first[i] ? LEDGER_APPLIED : LEDGER_DUPLICATE;
-        res[i].attempt = 1;
-        copy_field(res[i].started_at, sizeof res[i].started_at, r, 0, 6);
-        copy_field(res[i].finished_at, sizeof res[i].finished_at, r, 0, 7);
-    }
-    for (const char *p = dups; *p;) {
-        char *end;
-        long pos = strtol(p, &end, 10);
-        if (end == p || pos < 1 || pos > n)
-            IDEMQ_PANIC("apply_batch_fast returned a bad duplicate list: %s", dups);
-        res[pos - 1].outcome = LEDGER_DUPLICATE;
-        p = *end == ',' ? end + 1 : end;
-    }
-    for (int i = 0; i < n; i++)
-        if (res[i].outcome == LEDGER_DUPLICATE)
-            snprintf(res[i].prior_state, sizeof res[i].prior_state, "applied");
-}
-
 idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int n,
                              struct ledger_result *res, struct ledger_db_error *e)
 {
-    const char *params[APPLY_FAST_NPARAMS];
-    int lens[APPLY_FAST_NPARAMS] = {0}, fmts[APPLY_FAST_NPARAMS] = {0};
-    char distinct[16];
+    const char *params[3];
     PGresult *r;
-    bool plain = true; /* standard inputs, none too old: the set-based path may take it */
+    bool plain = true; /* standard inputs, none too old: the plain path may take it */
     time_t now = time(NULL);
 
     for (int i = 0; i < n && plain; i++) {
@@ -283,51 +246,44 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
         if (j->lane >= 0 || j->has_order_key || j->deferred_id > 0 || is_old(lt, j, now))
             plain = false;
     }
-    if (plain) {
-        ledger_cols_begin(&lt->cols);
-        for (int i = 0; i < n; i++)
-            ledger_cols_add_job(&lt->cols, jobs[i], &lt->conf->inputs[jobs[i]->input],
-                                jobs[i]->input);
-        if (!ledger_cols_end(&lt->cols))
-            goto nomem;
-        snprintf(distinct, sizeof distinct, "%d", lt->cols.distinct);
-        params[0] = lt->effects;
-        params[3] = distinct;
-        params[9] = lt->conf->consumer_id;
-        {
-            /* the binary arrays, in parameter order */
-            static const int cols[] = {1, LEDGER_COL_KEYS,   2, LEDGER_COL_FIRST,
-                                       4, LEDGER_COL_INPUTS, 5, LEDGER_COL_SHA,
-                                       6, LEDGER_COL_METAS,  7, LEDGER_COL_META_IDX,
-                                       8, LEDGER_COL_PAYLOADS};
-            for (size_t k = 0; k < sizeof cols / sizeof cols[0]; k += 2) {
-                params[cols[k]] = lt->cols.col[cols[k + 1]].buf;
-                lens[cols[k]] = (int)lt->cols.col[cols[k + 1]].len;
-                fmts[cols[k]] = 1;
-            }
+    if (plain && ledger_plain_ready(lt->plain, jobs, n)) {
+        bool send_begin = lt->begin_pending, ok = false;
+        idemq_err_t err;
+        lt->begin_pending = false;
+        err = ledger_plain_apply(lt->plain, send_begin, jobs, n, res, &ok, e);
+        if (err == IDEMQ_OK && ok)
+            return IDEMQ_OK;
+        /* A timeout, a lost connection: the whole call failed, as one. */
+        if (err == IDEMQ_ERR_DB_CONN || err == IDEMQ_ERR_NOMEM ||
+            (err == IDEMQ_ERR_SQL && strcmp(e->sqlstate, "57014") == 0))
+            return err;
+        /* Not plain, or an effect raised: nothing of it stays. Apply the
+         * batch again, isolating each job, in a new transaction. */
+        log_debug("plain apply of %d jobs: %s; isolating each job", n,
+                  err ? e->message : "a key is neither new nor applied");
+        r = PQexec(lt->db, "ROLLBACK");
+        if (PQresultStatus(r) != PGRES_COMMAND_OK) {
+            ledger_db_error_from(lt->db, r, e);
+            PQclear(r);
+            return ledger_db_err(e);
         }
-        r = exec_apply(lt, "idemq_apply_fast", APPLY_FAST_NPARAMS, params, lens, fmts);
-    } else {
-        ledger_doc_begin(&lt->doc);
-        for (int i = 0; i < n; i++)
-            ledger_doc_add_job(&lt->doc, jobs[i], &lt->conf->inputs[jobs[i]->input],
-                               jobs[i]->input, is_old(lt, jobs[i], now));
-        if (!ledger_doc_end(&lt->doc))
-            goto nomem;
-        params[0] = lt->effects;
-        params[1] = lt->doc.buf;
-        params[2] = lt->conf->consumer_id;
-        r = exec_apply(lt, "idemq_apply", 3, params, NULL, NULL);
+        PQclear(r);
+        lt->begin_pending = true;
     }
+    ledger_doc_begin(&lt->doc);
+    for (int i = 0; i < n; i++)
+        ledger_doc_add_job(&lt->doc, jobs[i], &lt->conf->inputs[jobs[i]->input], jobs[i]->input,
+                           is_old(lt, jobs[i], now));
+    if (!ledger_doc_end(&lt->doc))
+        goto nomem;
+    params[0] = lt->effects;
+    params[1] = lt->doc.buf;
+    params[2] = lt->conf->consumer_id;
+    r = exec_apply(lt, "idemq_apply", 3, params, NULL, NULL);
     if (PQresultStatus(r) != PGRES_TUPLES_OK) {
         ledger_db_error_from(lt->db, r, e);
         PQclear(r);
         return ledger_db_err(e);
-    }
-    if (plain && PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 1), "batch") == 0) {
-        expand_summary(lt, r, n, res);
-        PQclear(r);
-        return IDEMQ_OK;
     }
     if (PQntuples(r) != n) {
         snprintf(e->message, sizeof e->message, "apply_batch returned %d rows for %d jobs",

@@ -8,6 +8,7 @@
  * (adapters/broker.h) and config loader.
  *
  *   idemq-bench publish -c CFG -n N --run ID [--dup-pct P] [--rate R]
+ *                       [--soak-window S] [--transient-permille T] [--permanent-permille P]
  *   idemq-bench drain   -c CFG -n N [--batch B]
  *   idemq-bench lean    -c CFG -n N [--batch B] [--workers W]
  *   idemq-bench count   -c CFG
@@ -44,6 +45,9 @@ struct opts {
     double rate;
     int batch;
     int workers;
+    long soak_window;    /* > 0: soak mode (see body_for) */
+    int transient_pm;    /* new keys failing once, transiently, per mille */
+    int permanent_pm;    /* new keys failing for good (parked), per mille */
 };
 
 static double now_s(void)
@@ -77,7 +81,9 @@ static int parse(int argc, char **argv, struct opts *o)
         {"config", required_argument, NULL, 'c'}, {"jobs", required_argument, NULL, 'n'},
         {"run", required_argument, NULL, 'r'},    {"dup-pct", required_argument, NULL, 'd'},
         {"rate", required_argument, NULL, 'R'},   {"batch", required_argument, NULL, 'b'},
-        {"workers", required_argument, NULL, 'w'}, {NULL, 0, NULL, 0}};
+        {"workers", required_argument, NULL, 'w'}, {"soak-window", required_argument, NULL, 's'},
+        {"transient-permille", required_argument, NULL, 't'},
+        {"permanent-permille", required_argument, NULL, 'p'}, {NULL, 0, NULL, 0}};
     int c;
     char *end;
 
@@ -95,6 +101,9 @@ static int parse(int argc, char **argv, struct opts *o)
         case 'R': o->rate = strtod(optarg, &end); break;
         case 'b': o->batch = (int)strtol(optarg, &end, 10); break;
         case 'w': o->workers = (int)strtol(optarg, &end, 10); break;
+        case 's': o->soak_window = strtol(optarg, &end, 10); break;
+        case 't': o->transient_pm = (int)strtol(optarg, &end, 10); break;
+        case 'p': o->permanent_pm = (int)strtol(optarg, &end, 10); break;
         default: return -1;
         }
         if (c != 'c' && c != 'r' && (errno || *end))
@@ -104,35 +113,83 @@ static int parse(int argc, char **argv, struct opts *o)
         return -1;
     o->cmd = argv[optind];
     if (o->dup_pct < 0 || o->dup_pct > 90 || o->batch < 1 || o->rate < 0 || o->workers < 1 ||
-        o->workers > 64)
+        o->workers > 64 || o->soak_window < 0 || (o->soak_window && o->rate <= 0) ||
+        o->transient_pm < 0 || o->permanent_pm < 0 || o->transient_pm + o->permanent_pm > 1000)
         return -1;
     return 0;
+}
+
+/* What body_for chose for a job, for the caller's counts. */
+struct job_kind {
+    long key;       /* key index */
+    bool dup;       /* repeats an earlier key */
+    bool old;       /* soak: repeats a key older than the soak window */
+    int fail;       /* 0 none, 1 fails once (transient), 2 fails for good */
+};
+
+static unsigned long long mix(unsigned long long x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    return x;
 }
 
 /*
  * Job i of a run: every (100 / dup_pct)-th job repeats the key of an
  * earlier job (spread over the stream, sometimes within one batch), all
- * others carry a new key. *unique counts the new keys so far.
+ * others carry a new key. *unique counts the new keys so far. In soak mode
+ * (soak_window > 0, paced at rate) a repeat is of a key published within
+ * the last minute, or, for one repeat in a hundred, of a key older than the
+ * soak window (a late replay, carrying its original timestamp); and a new
+ * key fails once (transient_pm per mille) or for good (permanent_pm: no
+ * account, parked) by its index.
  */
-static int body_for(const struct opts *o, long i, long *unique, char *buf, size_t len)
+static int body_for(const struct opts *o, long i, long *unique, char *buf, size_t len,
+                    struct job_kind *kind)
 {
     long k;
     int n;
     unsigned long long h = (unsigned long long)i * 0x9E3779B97F4A7C15ull;
     bool dup = false;
 
+    memset(kind, 0, sizeof *kind);
     if (o->dup_pct > 0 && *unique > 0)
         dup = (i * o->dup_pct) / 100 != ((i + 1) * o->dup_pct) / 100;
-    if (dup && (h & 3) == 0) /* a recent key: often a duplicate inside one batch */
+    if (dup && o->soak_window > 0) {
+        long recent = (long)o->rate * 60, window = (long)o->rate * o->soak_window;
+        if ((h >> 20) % 100 == 0 && *unique > window + 1) { /* a late replay */
+            k = (long)((h >> 27) % (unsigned long long)(*unique - window));
+            kind->old = true;
+        } else {
+            long span = recent < *unique ? recent : *unique;
+            k = *unique - 1 - (long)((h >> 40) % (unsigned long long)span);
+        }
+    } else if (dup && (h & 3) == 0) /* a recent key: often a duplicate inside one batch */
         k = *unique - 1 - (long)((h >> 40) % 50 % (unsigned long long)*unique);
     else if (dup)
         k = (long)((h >> 17) % (unsigned long long)*unique);
     else
         k = (*unique)++;
-    n = snprintf(buf, len,
-                 "{\"job_id\":\"bench:%s:%08ld\",\"account_id\":\"acct-%04ld\","
-                 "\"amount_minor\":%ld,\"currency\":\"EUR\",\"memo\":\"",
-                 o->run, k, k % 9973, 100 + k % 100000);
+    kind->key = k;
+    kind->dup = dup;
+    {
+        unsigned long long f = mix((unsigned long long)k) % 1000;
+        kind->fail = (int)f < o->permanent_pm                     ? 2
+                     : (int)f < o->permanent_pm + o->transient_pm ? 1
+                                                                 : 0;
+    }
+    if (kind->fail == 2)
+        n = snprintf(buf, len,
+                     "{\"job_id\":\"bench:%s:%08ld\",\"amount_minor\":%ld,\"currency\":\"EUR\","
+                     "\"memo\":\"",
+                     o->run, k, 100 + k % 100000);
+    else
+        n = snprintf(buf, len,
+                     "{\"job_id\":\"bench:%s:%08ld\",\"account_id\":\"acct-%04ld\","
+                     "\"amount_minor\":%ld,\"currency\":\"EUR\",%s\"memo\":\"",
+                     o->run, k, k % 9973, 100 + k % 100000,
+                     kind->fail == 1 ? "\"simulate_busy_attempts\":1," : "");
     while (n < BODY_TARGET - 2 && (size_t)n + 3 < len) {
         buf[n] = (char)('a' + n % 26);
         n++;
@@ -144,11 +201,11 @@ static int body_for(const struct opts *o, long i, long *unique, char *buf, size_
 static int cmd_publish(const struct conf *c, const struct opts *o)
 {
     const struct conf_input *in = &c->inputs[0];
-    struct broker_props props = {NULL, "application/json", NULL, true, NULL, NULL};
     struct broker *b;
     char err[512], body[512];
-    long unique = 0, window = 0;
+    long unique = 0, window = 0, dups = 0, late = 0, transient = 0, permanent = 0;
     double t0, t1;
+    time_t wall0 = time(NULL);
 
     if (!o->run || o->n < 1) {
         usage();
@@ -160,13 +217,32 @@ static int cmd_publish(const struct conf *c, const struct opts *o)
     }
     t0 = now_s();
     for (long i = 0; i < o->n; i++) {
-        int len = body_for(o, i, &unique, body, sizeof body);
+        struct job_kind kind;
+        int len = body_for(o, i, &unique, body, sizeof body, &kind);
+        json_t *orig = NULL;
+        struct broker_props props = {NULL, "application/json", NULL, true, NULL, NULL};
+        if (kind.dup) {
+            dups++;
+            late += kind.old;
+        } else {
+            transient += kind.fail == 1;
+            permanent += kind.fail == 2;
+        }
+        if (o->soak_window > 0) {
+            /* the key's original publish time (a replay keeps it) */
+            orig = json_pack("{s:I}", "timestamp",
+                             (json_int_t)(wall0 + (time_t)((double)kind.key / o->rate)));
+            props.original = orig;
+        }
         /* Paced: sleep only when more than 1 ms ahead of the schedule (a
          * sleep per message would cost the machine more than the publish). */
         if (o->rate > 0 && t0 + (double)i / o->rate > now_s() + 0.001)
             sleep_until(t0 + (double)i / o->rate);
-        if (broker_publish(b, in->exchange, in->routing_key, body, (size_t)len, &props))
+        if (broker_publish(b, in->exchange, in->routing_key, body, (size_t)len, &props)) {
+            json_decref(orig);
             goto fail;
+        }
+        json_decref(orig);
         /* Flat out: wait for the confirms every CONFIRM_WINDOW messages. At
          * a fixed rate: every 10 ms worth of messages, take the confirms that
          * have arrived without blocking on the rest, so the offered load
@@ -181,8 +257,9 @@ static int cmd_publish(const struct conf *c, const struct opts *o)
     if (broker_wait_confirms(b, 60000))
         goto fail;
     t1 = now_s();
-    printf("published=%ld unique=%ld seconds=%.3f rate=%.0f\n", o->n, unique, t1 - t0,
-           (double)o->n / (t1 - t0));
+    printf("published=%ld unique=%ld seconds=%.3f rate=%.0f dups=%ld late=%ld transient=%ld "
+           "permanent=%ld\n",
+           o->n, unique, t1 - t0, (double)o->n / (t1 - t0), dups, late, transient, permanent);
     broker_close(b);
     return 0;
 fail:

@@ -89,7 +89,9 @@ COMMENT ON TABLE idemq.redrives IS
 
 -- One row per batch the set-based path applied: the history of plain
 -- applied jobs, per job in delivery order (arrays), compressed with lz4.
--- metas holds each distinct delivery meta once; meta_idx points into it.
+-- sha256 holds the 32-byte body digests end to end (stored as they are:
+-- digests do not compress); metas holds each distinct delivery meta once,
+-- meta_idx points into it.
 -- applied marks the jobs applied (results holds their results, NULL
 -- elsewhere); dups lists the positions of later copies of a key applied in
 -- the same batch (duplicates recorded nowhere else); a job neither applied
@@ -101,20 +103,22 @@ CREATE TABLE idemq.batches (
     finished_at timestamptz NOT NULL,
     consumer_id text,
     keys        text[] COMPRESSION lz4 NOT NULL,
-    sha256      text[] COMPRESSION lz4 NOT NULL,
+    sha256      bytea NOT NULL,
     metas       jsonb[] COMPRESSION lz4 NOT NULL,
     meta_idx    integer[] COMPRESSION lz4 NOT NULL,
     results     jsonb[] COMPRESSION lz4 NOT NULL,
     applied     boolean[] NOT NULL,
     dups        integer[] NOT NULL
 ) PARTITION BY RANGE (at);
+ALTER TABLE idemq.batches ALTER COLUMN sha256 SET STORAGE EXTERNAL;
 CREATE INDEX batches_id_idx ON idemq.batches (id);
 CREATE TABLE idemq.batches_default PARTITION OF idemq.batches DEFAULT;
 COMMENT ON TABLE idemq.batches IS
-  'One row per batch applied by the set-based path (idemq.apply_batch_fast): at '
-  '(= jobs.applied_at of its keys), and per applied job in delivery order its key, '
-  'body SHA-256, delivery meta (metas[meta_idx[i]]) and result. Partitioned by at; '
-  'never updated.';
+  'One row per batch applied by the plain path (ledger/ledger_plain.c): at '
+  '(= jobs.applied_at of its keys), and per job in delivery order its key, body '
+  'SHA-256 (bytes 32i-31..32i of sha256), delivery meta (metas[meta_idx[i]]), whether '
+  'it was applied and its result; dups: later copies of a key within the batch. '
+  'Partitioned by at; never updated.';
 
 -- Parks once resolved (redriven, applied, or settled by an operator). The
 -- park row as it was (body apart) is kept as jsonb, so columns later
@@ -195,7 +199,7 @@ CREATE TABLE idemq.retention (
     history_retention  interval NOT NULL DEFAULT '400 days',
     updated_at         timestamptz NOT NULL DEFAULT clock_timestamp(),
     updated_by         text,
-    CHECK (dedup_window >= interval '1 minute' AND partition_interval >= interval '1 minute'
+    CHECK (dedup_window >= interval '1 minute' AND partition_interval >= interval '1 second'
            AND history_hot >= partition_interval AND history_retention >= dedup_window
            AND history_retention >= history_hot)
 );
