@@ -288,7 +288,7 @@ static idemq_err_t read_value(const struct conf_key *k, const config_setting_t *
                  type_name(t));
             return IDEMQ_ERR_CONFIG;
         }
-        if (!(v * 1440.0 >= (double)k->min - 1e-9 && v * 1440.0 <= (double)k->max)) {
+        if (!(v * 1440.0 >= (double)k->min - 1e-3 && v * 1440.0 <= (double)k->max)) {
             errf(errbuf, errlen, "%s:%d: %s = %g is out of range [%g, %g] (days)", file, line,
                  path, v, (double)k->min / 1440.0, (double)k->max / 1440.0);
             return IDEMQ_ERR_CONFIG;
