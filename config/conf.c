@@ -18,7 +18,10 @@
 #include "classify.h"
 #include "log.h"
 
-enum conf_type { CT_INT, CT_STR, CT_STRLIST, CT_BOOL };
+/* CT_DAYS: a number of days, integer or fractional (libconfig has no
+ * duration type), stored as a double; its row's min, max and default are in
+ * minutes. */
+enum conf_type { CT_INT, CT_STR, CT_STRLIST, CT_BOOL, CT_DAYS };
 
 #define CF_SENSITIVE 0x1 /* never printed or logged as is */
 #define CF_REQUIRED 0x2  /* no default: must be set */
@@ -106,6 +109,20 @@ static const struct conf_key global_keys[] = {
      "GET /live and the systemd watchdog fail once a worker made no progress this long"},
     {"log.format", CT_STR, G(log_format), 1, 8, "text", 0, 0,
      "text, or json (one object per line)"},
+    {"log.perf_interval_s", CT_INT, G(perf_interval_s), 0, 86400, NULL, 0, 0,
+     "> 0: each worker logs a `perf interval:` latency line this often (scripts/soak)"},
+    /* ledger lifecycle (issue 10); `idemq migrate` writes these to the ledger */
+    {"ledger.dedup_window_days", CT_DAYS, G(dedup_window_days), 1, 36500L * 1440, NULL,
+     400L * 1440, 0,
+     "how long an applied key stays claimed (a replay within it is a duplicate)"},
+    {"ledger.partition_interval", CT_STR, G(partition_interval), 5, 32, "1 day", 0, 0,
+     "time span of one history partition: N seconds|minutes|hours|days"},
+    {"ledger.history_hot_days", CT_DAYS, G(history_hot_days), 1, 36500L * 1440, NULL,
+     90L * 1440, 0, "history newer than this stays in the hot partitions; older is archived"},
+    {"ledger.history_retention_days", CT_DAYS, G(history_retention_days), 1, 36500L * 1440,
+     NULL, 400L * 1440, 0, "archived history older than this is dropped"},
+    {"ledger.maintenance", CT_INT, G(maintenance), 0, 1, NULL, 1, 0,
+     "1: this process takes part in maintenance (one replica at a time runs it)"},
 };
 
 static const struct conf_key input_keys[] = {
@@ -291,6 +308,7 @@ static idemq_err_t apply_defaults(const struct conf_key *keys, int n, void *base
         switch (k->type) {
         case CT_INT: *(int *)slot = (int)k->def_int; break;
         case CT_BOOL: *(bool *)slot = k->def_int != 0; break;
+        case CT_DAYS: *(double *)slot = (double)k->def_int / 1440.0; break;
         case CT_STR:
             if (set_string(strlist_slot(base, k->offset), k->def_str) != IDEMQ_OK)
                 return IDEMQ_ERR_NOMEM;
@@ -347,6 +365,25 @@ static idemq_err_t read_value(const struct conf_key *k, const config_setting_t *
         }
         *(bool *)slot = config_setting_get_bool(s) != 0;
         return IDEMQ_OK;
+    case CT_DAYS: {
+        double v;
+        if (t == CONFIG_TYPE_INT || t == CONFIG_TYPE_INT64)
+            v = (double)config_setting_get_int64(s);
+        else if (t == CONFIG_TYPE_FLOAT)
+            v = config_setting_get_float(s);
+        else {
+            errf(errbuf, errlen, "%s:%d: %s must be a number of days, not %s", file, line, path,
+                 type_name(t));
+            return IDEMQ_ERR_CONFIG;
+        }
+        if (!(v * 1440.0 >= (double)k->min - 1e-3 && v * 1440.0 <= (double)k->max)) {
+            errf(errbuf, errlen, "%s:%d: %s = %g is out of range [%g, %g] (days)", file, line,
+                 path, v, (double)k->min / 1440.0, (double)k->max / 1440.0);
+            return IDEMQ_ERR_CONFIG;
+        }
+        *(double *)slot = v;
+        return IDEMQ_OK;
+    }
     case CT_STR: {
         const char *v;
         size_t len;
@@ -872,6 +909,56 @@ static idemq_err_t validate_limits(struct conf *c, const config_t *cfg, const ch
     return IDEMQ_OK;
 }
 
+double conf_parse_interval(const char *text)
+{
+    static const struct {
+        const char *unit;
+        double seconds;
+    } units[] = {{"second", 1}, {"seconds", 1}, {"minute", 60}, {"minutes", 60},
+                 {"hour", 3600}, {"hours", 3600}, {"day", 86400}, {"days", 86400}};
+    char *end;
+    long n;
+
+    errno = 0;
+    n = strtol(text, &end, 10);
+    if (errno || end == text || n < 1 || n > 36500L * 86400 || *end != ' ')
+        return -1;
+    while (*end == ' ')
+        end++;
+    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++)
+        if (strcmp(end, units[i].unit) == 0)
+            return (double)n * units[i].seconds;
+    return -1;
+}
+
+/* The ledger lifecycle settings against each other (the ledger's
+ * idemq.retention refuses the same combinations). */
+static idemq_err_t validate_ledger(struct conf *c, const char *file, char *errbuf,
+                                   size_t errlen)
+{
+    double iv = conf_parse_interval(c->partition_interval);
+    if (iv < 10) {
+        errf(errbuf, errlen, "%s: ledger.partition_interval must read \"N seconds|minutes|hours|"
+             "days\" (at least 10 seconds), not \"%s\"", file, c->partition_interval);
+        return IDEMQ_ERR_CONFIG;
+    }
+    c->partition_interval_s = iv;
+    if (c->history_hot_days * 86400.0 < iv) {
+        errf(errbuf, errlen, "%s: ledger.history_hot_days (%g) must cover at least one "
+             "ledger.partition_interval (%s)", file, c->history_hot_days, c->partition_interval);
+        return IDEMQ_ERR_CONFIG;
+    }
+    if (c->history_retention_days < c->dedup_window_days ||
+        c->history_retention_days < c->history_hot_days) {
+        errf(errbuf, errlen, "%s: ledger.history_retention_days (%g) must be at least "
+             "ledger.dedup_window_days (%g) and ledger.history_hot_days (%g): the history that "
+             "explains a key outlives its claim", file, c->history_retention_days,
+             c->dedup_window_days, c->history_hot_days);
+        return IDEMQ_ERR_CONFIG;
+    }
+    return IDEMQ_OK;
+}
+
 /* Operations (issue 11): TLS, topology verification, log format, the
  * liveness window and quorum delivery limits, checked against each other. */
 static idemq_err_t validate_ops(struct conf *c, const char *file, char *errbuf, size_t errlen)
@@ -958,9 +1045,9 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
         if (config_setting_type(s) != CONFIG_TYPE_GROUP ||
             (strcmp(name, "broker") && strcmp(name, "database") && strcmp(name, "consumer") &&
              strcmp(name, "retry") && strcmp(name, "metrics") && strcmp(name, "log") &&
-             strcmp(name, "topology"))) {
+             strcmp(name, "topology") && strcmp(name, "ledger"))) {
             errf(errbuf, errlen, "%s:%d: unknown setting %s (top level holds broker, database, "
-                 "consumer, retry, metrics, log, topology and inputs)", file,
+                 "consumer, retry, metrics, log, topology, ledger and inputs)", file,
                  config_setting_source_line(s), name);
             err = IDEMQ_ERR_CONFIG;
             goto fail;
@@ -979,6 +1066,8 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
         goto fail;
     }
     if ((err = validate_retry(c, file, errbuf, errlen)) != IDEMQ_OK)
+        goto fail;
+    if ((err = validate_ledger(c, file, errbuf, errlen)) != IDEMQ_OK)
         goto fail;
     if ((err = read_inputs(cfg, c, file, errbuf, errlen)) != IDEMQ_OK)
         goto fail;
@@ -1169,6 +1258,13 @@ static void print_key(FILE *out, const struct conf_key *k, const void *base, con
     case CT_BOOL:
         fprintf(out, "%s%s = %s;\n", indent, name, *(const bool *)slot ? "true" : "false");
         break;
+    case CT_DAYS: { /* always with a decimal point: libconfig reads it back as a float */
+        char num[64];
+        snprintf(num, sizeof num, "%.6g", *(const double *)slot);
+        fprintf(out, "%s%s = %s%s;\n", indent, name, num,
+                strpbrk(num, ".e") ? "" : ".0");
+        break;
+    }
     case CT_STR: {
         const char *v = *(char *const *)slot;
         fprintf(out, "%s%s = ", indent, name);

@@ -154,6 +154,14 @@ struct conf {
     char *log_format;      /* "text" or "json" */
     bool tls_verify_off;   /* derived: tls_verify == "none" */
     bool topology_passive; /* derived: topology_verify == "passive" */
+    int perf_interval_s; /* > 0: per-worker latency lines this often */
+    /* ledger lifecycle (issue 10) */
+    double dedup_window_days;
+    char *partition_interval;   /* "N seconds|minutes|hours|days" */
+    double history_hot_days;
+    double history_retention_days;
+    int maintenance;            /* 1: take part in maintenance */
+    double partition_interval_s; /* derived */
     /* inputs */
     struct conf_input *inputs;
     int n_inputs;
@@ -186,6 +194,10 @@ void conf_print(const struct conf *c, FILE *out);
  * Returns buf. Truncates to buflen.
  */
 char *conf_redact(const char *s, char *buf, size_t buflen);
+
+/* Seconds in "N seconds|minutes|hours|days" (singular or plural unit, one
+ * space), or -1 if the text is not of that form. Pure. */
+double conf_parse_interval(const char *text);
 
 /* The settings table, for tests and docs: number of rows and each path
  * ("broker.heartbeat", "inputs.[].queue"). */

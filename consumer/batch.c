@@ -103,15 +103,18 @@ static bool timed_out(const struct batch *bt)
 
 /*
  * Decides what a failed job's attempt leads to and records it (inside the
- * transaction): a durable retry schedule and a delay, or a park.
+ * transaction): a durable retry schedule and a delay, or a park. forced:
+ * IDEMQ_OK to classify r's SQLSTATE, or the code of a permanent failure the
+ * ledger decided (outside_dedup_window).
  */
 static enum step plan_failure(struct batch *bt, struct job *j, struct ledger_result *r,
-                              struct plan *p)
+                              struct plan *p, idemq_err_t forced)
 {
     struct ledger_db_error e;
-    enum classify_class cls = classify_sqlstate(r->sqlstate, false, &bt->c->rules);
+    enum classify_class cls = forced ? CLASS_PERMANENT
+                                     : classify_sqlstate(r->sqlstate, false, &bt->c->rules);
     int used = r->attempt - r->base; /* attempts of this generation's budget */
-    idemq_err_t code = IDEMQ_ERR_EFFECT;
+    idemq_err_t code = forced ? forced : IDEMQ_ERR_EFFECT;
     bool park;
 
     if (cls == CLASS_FATAL) {
@@ -301,7 +304,11 @@ static enum step run_txn(struct batch *bt, struct job *jobs, int n, struct plan 
             p->park = json_incref(r->park);
             break;
         case LEDGER_ERROR:
-            if ((st = plan_failure(bt, &jobs[i], r, p)) != STEP_OK)
+            if ((st = plan_failure(bt, &jobs[i], r, p, IDEMQ_OK)) != STEP_OK)
+                goto rollback;
+            break;
+        case LEDGER_OUTSIDE: /* past the dedup window: parked, never applied blindly */
+            if ((st = plan_failure(bt, &jobs[i], r, p, IDEMQ_ERR_OUTSIDE_WINDOW)) != STEP_OK)
                 goto rollback;
             break;
         }
@@ -369,7 +376,7 @@ static enum step failed_txn(struct batch *bt, int i)
     if (r->outcome == LEDGER_ERROR) {
         snprintf(r->sqlstate, sizeof r->sqlstate, "%s", bt->failure.sqlstate);
         snprintf(r->message, sizeof r->message, "%s", bt->failure.message);
-        if ((st = plan_failure(bt, j, r, p)) != STEP_OK)
+        if ((st = plan_failure(bt, j, r, p, IDEMQ_OK)) != STEP_OK)
             goto rollback;
     }
     return commit(bt);

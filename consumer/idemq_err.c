@@ -45,6 +45,7 @@ const char *idemq_err_name(idemq_err_t err)
     case IDEMQ_ERR_PROVIDER_BAD_RESPONSE: return "provider_bad_response";
     case IDEMQ_ERR_PROVIDER_NOT_SENT: return "provider_not_sent";
     case IDEMQ_ERR_KEY_CONFLICT: return "key_conflict";
+    case IDEMQ_ERR_OUTSIDE_WINDOW: return "outside_dedup_window";
     }
     return "unknown";
 }
@@ -92,6 +93,8 @@ const char *idemq_err_str(idemq_err_t err)
     case IDEMQ_ERR_PROVIDER_BAD_RESPONSE: return "the provider answered 2xx without a reference";
     case IDEMQ_ERR_PROVIDER_NOT_SENT: return "the request never reached the provider";
     case IDEMQ_ERR_KEY_CONFLICT: return "the key belongs to a job of a non-provider input";
+    case IDEMQ_ERR_OUTSIDE_WINDOW:
+        return "message older than the dedup window whose key is no longer claimed";
     }
     return "unknown error";
 }

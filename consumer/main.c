@@ -17,6 +17,7 @@
 #include "ledger_db.h"
 #include "ledger_grants.h"
 #include "ledger_migrate.h"
+#include "lifecycle.h"
 #include "log.h"
 #include "rate_gate.h"
 #include "run_report.h"
@@ -76,6 +77,12 @@ static void usage(FILE *out)
             "  resolve KEY (--applied REF | --not-applied | --discard) --reason TEXT\n"
             "                              settle a parked provider key by hand (records the\n"
             "                              OS user and the reason)\n"
+            "  maintain [--now TIMESTAMP]  ledger maintenance now: partitions ahead, pruning past\n"
+            "                              the dedup window, archive, drops (see README)\n"
+            "  archive list                history partitions: hot, archived, dropped\n"
+            "  archive export --dir DIR [--all]\n"
+            "                              archived partitions to DIR as CSV + SHA-256\n"
+            "  archive verify --dir DIR    exported files against their SHA-256 and the ledger\n"
             "\n"
             "options: -c, --config FILE; -h, --help; -V, --version\n"
             "environment: IDEMQ_AMQP_URL and IDEMQ_PG_DSN override broker.url and database.dsn\n"
@@ -100,6 +107,9 @@ struct opts {
     const char *reason;      /* resolve --reason TEXT */
     const char *grant_role; /* migrate --grant ROLE */
     const char *print_role; /* migrate --print-grants ROLE */
+    const char *dir; /* archive export/verify */
+    bool all;        /* archive export */
+    const char *now; /* maintain */
 };
 
 static int parse_long(const char *opt, const char *s, long min, long max, long *out)
@@ -113,6 +123,9 @@ static int parse_long(const char *opt, const char *s, long min, long max, long *
     }
     return 0;
 }
+
+/* Long options without a short form. */
+enum { OPT_DIR = 1000, OPT_ALL, OPT_NOW };
 
 static int parse_args(int argc, char **argv, struct opts *o)
 {
@@ -128,7 +141,9 @@ static int parse_args(int argc, char **argv, struct opts *o)
         {"not-applied", no_argument, NULL, 'N'},   {"discard", no_argument, NULL, 'D'},
         {"reason", required_argument, NULL, 'W'},
         {"grant", required_argument, NULL, 'G'},   {"print-grants", required_argument, NULL, 'Q'},
-        {NULL, 0, NULL, 0}};
+        /* ledger lifecycle (issue 10): archive and maintain */
+        {"dir", required_argument, NULL, OPT_DIR}, {"all", no_argument, NULL, OPT_ALL},
+        {"now", required_argument, NULL, OPT_NOW}, {NULL, 0, NULL, 0}};
     int c;
     long v;
 
@@ -155,6 +170,9 @@ static int parse_args(int argc, char **argv, struct opts *o)
         case 'd': o->filter.dry_run = true; break;
         case 'G': o->grant_role = optarg; break;
         case 'Q': o->print_role = optarg; break;
+        case OPT_DIR: o->dir = optarg; break;
+        case OPT_ALL: o->all = true; break;
+        case OPT_NOW: o->now = optarg; break;
         case 'R':
             if (parse_long("--rate", optarg, 1, 100000, &v))
                 return -1;
@@ -218,6 +236,14 @@ static int parse_args(int argc, char **argv, struct opts *o)
         fprintf(stderr, "idemq: --age goes with reconcile\n");
         return -1;
     }
+    if (strcmp(o->cmd, "archive") == 0) {
+        if (optind >= argc || (strcmp(argv[optind], "list") && strcmp(argv[optind], "export") &&
+                               strcmp(argv[optind], "verify"))) {
+            fprintf(stderr, "idemq: archive takes list, export or verify\n");
+            return -1;
+        }
+        o->sub = argv[optind++];
+    }
     if (optind < argc) {
         fprintf(stderr, "idemq: unexpected argument '%s'\n", argv[optind]);
         return -1;
@@ -279,6 +305,10 @@ static int cmd_migrate(const struct conf *c, const char *grant_role, const char 
     }
     printf("ledger schema at version %d (%d migration%s applied)\n", ledger_migrate_latest(),
            applied, applied == 1 ? "" : "s");
+    if (lifecycle_migrate_settings(db, c, stdout) != 0) {
+        PQfinish(db);
+        return EXIT_SCHEMA;
+    }
     if (grant_role) {
         if (ledger_grants_apply(db, c, grant_role, err, sizeof err)) {
             int rc = PQstatus(db) == CONNECTION_OK ? EXIT_RUNTIME : EXIT_CONNECT;
@@ -348,6 +378,8 @@ static int preflight(const struct conf *c)
     if (ledger_migrate_check(db, err, sizeof err)) {
         log_error("%s", err);
         rc = PQstatus(db) == CONNECTION_OK ? EXIT_SCHEMA : EXIT_CONNECT;
+    } else {
+        lifecycle_check_settings(db, c);
     }
     PQfinish(db);
     if (rc)
@@ -549,7 +581,7 @@ int main(int argc, char **argv)
     if (strcmp(o.cmd, "run") && strcmp(o.cmd, "migrate") && strcmp(o.cmd, "declare") &&
         strcmp(o.cmd, "check-config") && strcmp(o.cmd, "publish") && strcmp(o.cmd, "jobs") &&
         strcmp(o.cmd, "parked") && strcmp(o.cmd, "redrive") && strcmp(o.cmd, "reconcile") &&
-        strcmp(o.cmd, "resolve")) {
+        strcmp(o.cmd, "resolve") && strcmp(o.cmd, "maintain") && strcmp(o.cmd, "archive")) {
         fprintf(stderr, "idemq: unknown command '%s'\n", o.cmd);
         usage(stderr);
         return EXIT_USAGE;
@@ -588,6 +620,12 @@ int main(int argc, char **argv)
         rc = reconcile_cmd(c, (int)o.age_s, stdout);
     } else if (strcmp(o.cmd, "resolve") == 0) {
         rc = resolve_cmd(c, o.arg, o.resolution, o.reference, o.reason, stdout);
+    } else if (strcmp(o.cmd, "maintain") == 0) {
+        rc = lifecycle_maintain(c, o.now, stdout);
+    } else if (strcmp(o.cmd, "archive") == 0) {
+        rc = o.sub[0] == 'l'   ? lifecycle_archive_list(c, stdout)
+             : o.sub[0] == 'e' ? lifecycle_archive_export(c, o.dir, o.all, stdout)
+                               : lifecycle_archive_verify(c, o.dir, stdout);
     } else {
         rc = cmd_run(c, o.until_idle_s);
     }

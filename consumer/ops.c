@@ -42,52 +42,16 @@ int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
 
     if (!db)
         return 4;
+    /* The ledger's readers cover the hot partitions, the v3 tables and the
+     * archive, and fill in what a plain apply keeps in its batch row. */
     job = PQexecParams(db,
                        "SELECT state, attempts, generation, budget_base, first_seen_at, "
                        "applied_at, run_after, result, last_error_class, last_sqlstate, "
-                       "last_error, source_queue, payload_sha256 "
-                       "FROM idemq.jobs WHERE key = $1",
+                       "last_error, source_queue, payload_sha256 FROM idemq.job_info($1)",
                        1, NULL, params, NULL, NULL, 0);
-    tl = PQexecParams(
-        db,
-        "SELECT at, what FROM ("
-        /* Attempts in id order (the order their transactions committed:
-         * a duplicate waits for the applier's claim), so a duplicate never
-         * shows before the attempt that applied; the running max keeps the
-         * sort key of attempts monotonic in id order. */
-        " SELECT max(finished_at) OVER (ORDER BY id) AS at, 1 AS ord, id,"
-        "  format('%s%s%s%s%s%s  [started %s, queue %s, redelivered %s%s, %s]',"
-        "   CASE WHEN outcome = 'duplicate' THEN 'duplicate delivery, no effect'"
-        "        ELSE format('attempt %s (generation %s): %s', attempt, generation, outcome)"
-        "   END,"
-        "   coalesce(' ' || error_class, ''), coalesce(' ' || error_code, ''),"
-        "   coalesce(' SQLSTATE ' || sqlstate, ''), coalesce(': ' || message, '')"
-        "   || CASE WHEN outcome = 'transient_error' THEN ' (retry in ' || delay_ms || ' ms)'"
-        "           WHEN outcome = 'delayed' THEN ' (early; waits ' || delay_ms || ' ms more)'"
-        "           ELSE '' END,"
-        "   CASE WHEN outcome = 'applied' THEN '  <== the effect was applied here' ELSE '' END,"
-        "   started_at, queue, redelivered, coalesce(', delivery count ' || delivery_count, ''),"
-        "   consumer_id) AS what"
-        " FROM idemq.attempts WHERE key = $1"
-        " UNION ALL"
-        " SELECT parked_at, 2, id, format('parked #%s (generation %s): %s %s%s: %s; %s attempts;"
-        " dead-lettered %s%s', id, generation, error_class, error_code,"
-        "   coalesce(' SQLSTATE ' || sqlstate, ''), reason, attempts,"
-        "   coalesce(dlq_published_at::text, 'not confirmed yet'),"
-        "   CASE WHEN redrivable THEN '' ELSE format('; not redrivable (body %s of %s bytes kept)',"
-        "        octet_length(body), coalesce(body_size, octet_length(body))) END)"
-        " FROM idemq.parked WHERE key = $1"
-        " UNION ALL"
-        " SELECT redriven_at, 3, id, format('redrive to generation %s by %s (park #%s): fresh"
-        " attempt budget', generation, source, coalesce(park_id::text, '?'))"
-        " FROM idemq.redrives WHERE key = $1"
-        " UNION ALL" /* ordered lanes: a job waiting for its predecessor */
-        " SELECT deferred_at, 4, id, format('waiting in idemq.deferred (%s): ordering key %s,"
-        " sequence %s; %s', reason, order_key, coalesce(seq::text, '-'),"
-        "   coalesce('reported as overdue at ' || reported_at, 'not overdue yet'))"
-        " FROM idemq.deferred WHERE key = $1"
-        ") t ORDER BY at, ord, id",
-        1, NULL, params, NULL, NULL, 0);
+    tl = PQexecParams(db,
+                      "SELECT at, what FROM idemq.key_history($1) ORDER BY at, ord, id", 1,
+                      NULL, params, NULL, NULL, 0);
     if (PQresultStatus(job) != PGRES_TUPLES_OK || PQresultStatus(tl) != PGRES_TUPLES_OK) {
         log_error("cannot read the ledger: %s", PQerrorMessage(db));
         rc = 4;
@@ -109,7 +73,8 @@ int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
             fprintf(out, "  last error %s %s: %s\n", val(job, 0, 8), val(job, 0, 9),
                     val(job, 0, 10));
     } else {
-        fprintf(out, "  (no job row: the message never decoded into a job)\n");
+        fprintf(out, "  (no job row: the message never decoded into a job, or its key was "
+                     "pruned past the dedup window)\n");
     }
     fprintf(out, "history (in commit order):\n");
     for (int i = 0; i < PQntuples(tl); i++)
@@ -338,22 +303,32 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
     params[2] = f->since;
     params[3] = queue[0] ? queue : NULL;
     params[4] = limit;
+    /* Open parks, and parks resolved since (idemq.park_history, hot
+     * partitions): a redriven and applied park stays listed, as resolved. */
+#define PARKED_ROWS                                                                          \
+    " FROM (SELECT id, parked_at, key, error_class, error_code, sqlstate, attempts,"          \
+    "  generation, CASE WHEN dlq_published_at IS NULL THEN 'no' ELSE 'yes' END AS dlq,"      \
+    "  reason, source_queue FROM idemq.parked"                                              \
+    "  UNION ALL SELECT id, parked_at, key, park->>'error_class', park->>'error_code',"      \
+    "  park->>'sqlstate', (park->>'attempts')::integer, generation, 'resolved',"            \
+    "  (park->>'reason') || ' [resolved: ' || resolution || ']', source_queue"              \
+    "  FROM idemq.park_history) p"
 #define PARKED_WHERE                                                                         \
     " WHERE ($1::text IS NULL OR key = $1) AND ($2::text IS NULL OR error_class = $2)"      \
     " AND ($3::timestamptz IS NULL OR parked_at >= $3) AND ($4::text IS NULL OR"            \
     " source_queue = $4)"
     rows = PQexecParams(db,
                         "SELECT id, parked_at, coalesce(key, '(no key)'), error_class,"
-                        " error_code, coalesce(sqlstate, '-'), attempts, generation,"
-                        " CASE WHEN dlq_published_at IS NULL THEN 'no' ELSE 'yes' END,"
-                        " left(reason, 80), source_queue FROM idemq.parked" PARKED_WHERE
+                        " error_code, coalesce(sqlstate, '-'), attempts, generation, dlq,"
+                        " left(reason, 80), source_queue" PARKED_ROWS PARKED_WHERE
                         " ORDER BY id LIMIT $5::bigint",
                         5, NULL, params, NULL, NULL, 0);
     counts = PQexecParams(db,
-                          "SELECT error_class, count(*) FROM idemq.parked" PARKED_WHERE
+                          "SELECT error_class, count(*)" PARKED_ROWS PARKED_WHERE
                           " GROUP BY 1 ORDER BY 1",
                           4, NULL, params, NULL, NULL, 0);
 #undef PARKED_WHERE
+#undef PARKED_ROWS
     if (PQresultStatus(rows) != PGRES_TUPLES_OK || PQresultStatus(counts) != PGRES_TUPLES_OK) {
         log_error("cannot list parked messages: %s", PQerrorMessage(db));
         rc = PQstatus(db) == CONNECTION_OK ? 2 : 4;

@@ -443,7 +443,7 @@ idemq_err_t provider_flow_start(struct provider_flow *f, PGconn *db, const struc
     snprintf(p->key, sizeof p->key, "%s", j->key);
     ledger_doc_init(&d);
     ledger_doc_begin(&d);
-    ledger_doc_add_job(&d, j, in, j->input);
+    ledger_doc_add_job(&d, j, in, j->input, false); /* provider inputs: no window check */
     if (!ledger_doc_end(&d)) {
         ledger_doc_free(&d);
         job_free(p);

@@ -39,3 +39,22 @@ void run_report_log(const struct worker *ws, int n)
              (double)latency_percentile_us(&all, 0.99) / 1000.0, (double)all.max_us / 1000.0,
              cpu, jobs ? cpu * 1000.0 / (double)jobs : 0, ru.ru_maxrss);
 }
+
+void run_report_interval(struct worker *w, long long now_ns, int interval_s)
+{
+    if (!w->interval_start_ns) {
+        w->interval_start_ns = now_ns;
+        return;
+    }
+    if (now_ns - w->interval_start_ns < (long long)interval_s * 1000000000LL)
+        return;
+    log_info("perf interval: worker=%d seconds=%.1f jobs=%llu latency_p50_ms=%.2f "
+             "latency_p99_ms=%.2f latency_max_ms=%.2f",
+             w->id, (double)(now_ns - w->interval_start_ns) / 1e9,
+             (unsigned long long)w->interval.n,
+             (double)latency_percentile_us(&w->interval, 0.50) / 1000.0,
+             (double)latency_percentile_us(&w->interval, 0.99) / 1000.0,
+             (double)w->interval.max_us / 1000.0);
+    latency_init(&w->interval);
+    w->interval_start_ns = now_ns;
+}

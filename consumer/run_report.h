@@ -17,4 +17,14 @@
  */
 void run_report_log(const struct worker *ws, int n);
 
+/*
+ * On worker w's own thread, between batches: once interval_s seconds have
+ * passed since its last interval line (or its start), logs (level info)
+ *   perf interval: worker=I seconds=S jobs=N latency_p50_ms=A latency_p99_ms=B
+ *                  latency_max_ms=C
+ * over the deliveries it acknowledged since, and starts a new interval.
+ * For watching latency over a long run (scripts/soak); log.perf_interval_s.
+ */
+void run_report_interval(struct worker *w, long long now_ns, int interval_s);
+
 #endif

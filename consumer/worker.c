@@ -24,12 +24,14 @@
 #include "ledger_db.h"
 #include "ledger_lanes.h"
 #include "ledger_migrate.h"
+#include "ledger_retention.h"
 #include "ledger_txn.h"
 #include "log.h"
 #include "provider_run.h"
 #include "rate_gate.h"
 #include "republish.h"
 #include "rescue.h"
+#include "run_report.h"
 #include "settle.h"
 #include "sig.h"
 #include "topology.h"
@@ -71,6 +73,7 @@ struct session {
     long long last_drain, last_report;
     struct provider_run *pr;  /* provider inputs (issue 9); NULL without them */
     struct rescue rescue;     /* issue 12: lost retry copies (consumer/rescue.h) */
+    struct ledger_retention *retention; /* issue 10: worker 0 with ledger.maintenance */
     char why[512];            /* reason of the last non-OK step */
 };
 
@@ -642,8 +645,10 @@ static void note_acked(struct session *s)
     long long now = now_ns();
     struct job *jobs = s->bt.jobs;
     for (int i = 0; i < s->bt.n; i++)
-        if (jobs[i].received_ns) /* 0: held in its lane (moved out), not settled yet */
+        if (jobs[i].received_ns) { /* 0: held in its lane (moved out), not settled yet */
             latency_record(&s->w->latency, (uint64_t)(now - jobs[i].received_ns) / 1000u);
+            latency_record(&s->w->interval, (uint64_t)(now - jobs[i].received_ns) / 1000u);
+        }
     if (jobs[0].received_ns &&
         (!s->w->first_delivery_ns || jobs[0].received_ns < s->w->first_delivery_ns))
         s->w->first_delivery_ns = jobs[0].received_ns;
@@ -663,6 +668,10 @@ static bool session_alloc(struct session *s)
     if (!(s->lanes = lane_set_new(s->c)))
         return false;
     s->lanes_keyed = ledger_lanes_any(s->c);
+    /* One maintenance caller per process, on its own session (issue 10). */
+    if (s->w->id == 0 && s->c->maintenance && !(s->retention = ledger_retention_new(
+                                                    s->c, s->c->consumer_id)))
+        return false;
     return true;
 }
 
@@ -675,6 +684,7 @@ static void session_free(struct session *s)
     batch_free(&s->bt);
     free(s->park_ids);
     lane_set_free(s->lanes);
+    ledger_retention_free(s->retention);
 }
 
 /* What the loop does after a step that was not OK. */
@@ -813,6 +823,10 @@ idemq_err_t worker_run(struct worker *w)
             idemq_err_t rerr = rescue_tick(&s.rescue, s.c, s.db, s.b, s.why, sizeof s.why);
             st = rerr == IDEMQ_ERR_BROKER ? STEP_BROKER : rerr ? STEP_INFRA : st;
         }
+        if (st == STEP_OK && s.retention) /* never waits: see ledger_retention.h */
+            ledger_retention_tick(s.retention, now_ms());
+        if (s.c->perf_interval_s > 0)
+            run_report_interval(w, now_ns(), s.c->perf_interval_s);
         recover(&s, st);
     }
     /* A drain: provider calls in flight get their answers (within their

@@ -46,6 +46,8 @@ struct worker {
      * limit; the rest is written by the worker, read after it returned. */
     struct rate_gate *gate;         /* shared by all workers; NULL = no limit */
     struct latency_hist latency;    /* delivery -> ack of every acked delivery */
+    struct latency_hist interval;   /* the same since the last interval line (log.perf_interval_s) */
+    long long interval_start_ns;
     long long first_delivery_ns;    /* busy window (CLOCK_MONOTONIC), 0 = none */
     long long last_ack_ns;
     idemq_err_t result; /* set when worker_run returns */

@@ -3,8 +3,13 @@
 -- by every `idemq migrate` (CREATE OR REPLACE, inside one transaction), and
 -- `idemq run` checks that the database holds this exact text (by SHA-256).
 -- A change of a function's result type needs a DROP FUNCTION IF EXISTS
--- before its CREATE here.
+-- before its CREATE here. Every function pins its search_path
+-- (pg_catalog, idemq) and names every relation with its schema, so no
+-- object a session or role can create elsewhere is ever picked up instead.
+-- Effect functions run under that pin too: they must schema-qualify what
+-- they use (or pin their own search_path).
 
+DROP FUNCTION IF EXISTS idemq.apply_batch_fast(text[], jsonb, text); -- version 8, replaced by ledger_plain.c
 DROP FUNCTION IF EXISTS idemq.apply_batch(text[], jsonb, text);
 DROP FUNCTION IF EXISTS idemq.add_attempt(text, integer, integer, text, timestamptz,
     timestamptz, text, jsonb, text, integer);
@@ -19,7 +24,9 @@ DROP FUNCTION IF EXISTS idemq.park_message(text, text, text, text, bytea, jsonb,
 -- facts, as the x-idemq-* headers show them.
 CREATE OR REPLACE FUNCTION idemq.park_info(p_id bigint)
 RETURNS jsonb
-LANGUAGE sql STABLE AS $fn$
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, idemq
+AS $fn$
     SELECT jsonb_build_object(
         'park_id', p.id, 'key', p.key, 'error_class', p.error_class,
         'error_code', p.error_code, 'sqlstate', p.sqlstate, 'reason', p.reason,
@@ -36,7 +43,9 @@ CREATE OR REPLACE FUNCTION idemq.add_attempt(
     p_started timestamptz, p_finished timestamptz, p_queue text, m jsonb, p_consumer text,
     p_delay_ms integer DEFAULT NULL, p_message text DEFAULT NULL)
 RETURNS void
-LANGUAGE sql AS $fn$
+LANGUAGE sql
+SET search_path = pg_catalog, idemq
+AS $fn$
     INSERT INTO idemq.attempts (key, attempt, generation, outcome, started_at, finished_at,
         queue, routing_key, redelivered, delivery_count, consumer_id, delay_ms, message)
     VALUES (p_key, p_attempt, p_generation, p_outcome, p_started, p_finished, p_queue,
@@ -44,9 +53,10 @@ LANGUAGE sql AS $fn$
         p_consumer, p_delay_ms, p_message);
 $fn$;
 
--- Applies a batch in one call. p_effects[i] is the signature of input i's
--- effect, e.g. 'public.apply_payout(text,jsonb,jsonb)'; it is resolved via
--- regprocedure, so only an existing function can ever be called.
+-- Applies a batch in one call. p_effects[i] is input i's effect as a
+-- regprocedure text: its OID (what the worker sends, resolved in its own
+-- session) or its signature, e.g. 'public.apply_payout(text,jsonb,jsonb)';
+-- so only an existing function can ever be called, by its qualified name.
 -- p_jobs is a JSON array of {"k": key, "i": input (1-based), "q": queue,
 -- "h": SHA-256 of the raw body (hex), "m": meta object, "p": payload}, and for
 -- ordered inputs "l": lane, "o": ordering key, "s": sequence, "d": true when
@@ -59,20 +69,31 @@ $fn$;
 --   parked otherwise   -> 'duplicate', or 'repark' if its dead-letter publish
 --                         was never confirmed (the worker publishes it again)
 --   retrying, run_after still ahead -> 'early' (re-delay, no attempt used)
+--   a key claimed now (never claimed, or pruned past the dedup window) whose
+--   message is older than the dedup window ("w": true, from its AMQP
+--   timestamp) -> 'outside': not applied; the worker parks it as
+--   outside_dedup_window (idemq.record_failure), a redrive applies it
 --   else the effect runs in a subtransaction: 'applied', or 'error' with its
 --   SQLSTATE for the worker to classify and record (idemq.record_failure).
+-- A redrive closes the key's open parks (idemq.close_park, 'redriven').
 -- Ordered lanes: after a job of lane "l" failed (or is early) in this batch,
 -- the lane's later jobs are 'held' (nothing recorded; the worker keeps them
 -- in order). The sequence guard, under the idemq.order_keys row lock, turns
 -- a job whose sequence was passed into 'duplicate' (message 'stale', state
 -- stale), and a job that comes before its predecessor, or whose ordering
 -- key is held by a parked job (on_park = hold_key), into 'deferred': the
--- worker stores it with idemq.defer_job and acknowledges it.
+-- worker stores it with idemq.defer_job and acknowledges it. Applying an
+-- ordered job marks the deferred jobs it lets through as due
+-- (idemq.deferred.due_at), which is how workers find them
+-- (idemq.take_deferred); a deferred job that is still not through is
+-- unmarked.
 CREATE OR REPLACE FUNCTION idemq.apply_batch(p_effects text[], p_jobs jsonb, p_consumer text)
 RETURNS TABLE (r_idx integer, r_outcome text, r_attempt integer, r_base integer,
                r_sqlstate text, r_message text, r_started timestamptz,
                r_finished timestamptz, r_delay_ms integer, r_park jsonb)
-LANGUAGE plpgsql AS $fn$
+LANGUAGE plpgsql
+SET search_path = pg_catalog, idemq
+AS $fn$
 DECLARE
     calls    text[] := '{}';
     j        jsonb;
@@ -105,7 +126,8 @@ DECLARE
 BEGIN
     FOR n IN 1 .. coalesce(array_length(p_effects, 1), 0) LOOP
         calls[n] := (SELECT format('SELECT %I.%I($1, $2, $3)', ns.nspname, pr.proname)
-                       FROM pg_proc pr JOIN pg_namespace ns ON ns.oid = pr.pronamespace
+                       FROM pg_catalog.pg_proc pr
+                       JOIN pg_catalog.pg_namespace ns ON ns.oid = pr.pronamespace
                       WHERE pr.oid = p_effects[n]::regprocedure);
     END LOOP;
 
@@ -173,6 +195,10 @@ BEGIN
                     UPDATE idemq.jobs t SET state = 'pending', generation = v_gen,
                            budget_base = v_base, run_after = NULL
                      WHERE t.key = v_key;
+                    -- Its parks are dealt with: the message is back in flight.
+                    PERFORM idemq.close_park(p.id, 'redriven to generation ' || v_gen,
+                        coalesce(v_meta->'headers'->>'x-idemq-redriven-by', 'broker'))
+                       FROM idemq.parked p WHERE p.key = v_key AND p.generation < v_gen;
                     v_state := 'pending';
                     v_redriven := true;
                 END IF;
@@ -224,6 +250,21 @@ BEGIN
             END IF;
         ELSE
             v_att := 0; v_base := 0; v_gen := 0; v_state := 'pending';
+            IF coalesce((j->>'w')::boolean, false) THEN
+                -- Claimed now, yet its message is older than the dedup
+                -- window: the key may have been applied and pruned since.
+                -- Not applied blindly: the worker parks it.
+                r_outcome := 'outside'; r_attempt := 1; r_base := 0;
+                r_message := 'the message is older than the dedup window and its key is not '
+                             'claimed (never seen, or pruned): not applied; redrive to apply';
+                r_finished := v_start;
+                v_failed := v_failed || v_key;
+                IF v_lane IS NOT NULL THEN
+                    v_lanes := v_lanes || v_lane;
+                END IF;
+                RETURN NEXT;
+                CONTINUE;
+            END IF;
         END IF;
 
         IF v_okey IS NOT NULL THEN
@@ -264,6 +305,10 @@ BEGIN
                        AND t.state = 'pending';
                     PERFORM idemq.add_attempt(v_key, v_att, v_gen, 'deferred', v_start, v_fin,
                                               v_q, v_meta, p_consumer, NULL, v_why);
+                ELSE
+                    -- Taken as due, but still not through: wait to be marked again.
+                    UPDATE idemq.deferred d SET due_at = NULL
+                     WHERE d.id = (j->>'di')::bigint;
                 END IF;
                 r_outcome := 'deferred'; r_attempt := v_att; r_base := v_base;
                 r_message := v_why; r_finished := v_fin;
@@ -292,8 +337,10 @@ BEGIN
                        blocked_by = CASE WHEN k.blocked_by = v_key THEN NULL
                                          ELSE k.blocked_by END,
                        updated_at = v_fin
-                 WHERE k.source_queue = v_q AND k.order_key = v_okey;
+                 WHERE k.source_queue = v_q AND k.order_key = v_okey
+                RETURNING k.last_seq INTO v_last;
                 DELETE FROM idemq.deferred d WHERE d.key = v_key;
+                PERFORM idemq.mark_due(v_q, v_okey, v_last);
             END IF;
             r_outcome := 'applied';
         EXCEPTION WHEN OTHERS THEN
@@ -322,9 +369,12 @@ CREATE OR REPLACE FUNCTION idemq.record_failure(
     p_finished timestamptz, p_queue text, p_exchange text, p_routing_key text,
     p_meta jsonb, p_consumer text, p_body bytea, p_headers jsonb, p_properties jsonb)
 RETURNS jsonb
-LANGUAGE plpgsql AS $fn$
+LANGUAGE plpgsql
+SET search_path = pg_catalog, idemq
+AS $fn$
 DECLARE
     v_gen   integer;
+    v_after timestamptz;
     v_first timestamptz;
     v_ids   bigint[];
     v_id    bigint;
@@ -336,9 +386,13 @@ BEGIN
         run_after = CASE WHEN p_park THEN NULL
                          ELSE clock_timestamp() + make_interval(secs => p_delay_ms / 1000.0) END
      WHERE key = p_key AND state IN ('pending', 'retrying', 'deferred')
-    RETURNING generation INTO v_gen;
+    RETURNING generation, run_after INTO v_gen, v_after;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'idemq: key % is not claimed', p_key USING ERRCODE = 'XX000';
+    END IF;
+    IF NOT p_park THEN
+        -- A deferred job retries from the ledger: due again at run_after.
+        UPDATE idemq.deferred d SET due_at = v_after WHERE d.key = p_key;
     END IF;
     INSERT INTO idemq.attempts (key, attempt, generation, outcome, started_at, finished_at,
         error_class, error_code, sqlstate, message, queue, routing_key, redelivered,
@@ -360,7 +414,7 @@ BEGIN
                                        AND a.outcome IN ('transient_error', 'permanent_error')),
            array_agg(a.id ORDER BY a.id)
       INTO v_first, v_ids
-      FROM idemq.attempts a WHERE a.key = p_key;
+      FROM idemq.key_attempts(p_key) a;
     INSERT INTO idemq.parked (key, source_queue, exchange, routing_key, body, headers,
         properties, payload_sha256, error_class, error_code, sqlstate, reason, attempts,
         first_attempt_at, last_attempt_at, consumer_id, generation, attempt_ids)
@@ -377,7 +431,9 @@ $fn$;
 -- recorded as its attempt. Returns the state and the next attempt number.
 CREATE OR REPLACE FUNCTION idemq.claim_failed(p_key text, p_queue text, p_sha text)
 RETURNS TABLE (r_state text, r_attempt integer, r_base integer)
-LANGUAGE plpgsql AS $fn$
+LANGUAGE plpgsql
+SET search_path = pg_catalog, idemq
+AS $fn$
 BEGIN
     INSERT INTO idemq.jobs (key, state, source_queue, payload_sha256)
     VALUES (p_key, 'pending', p_queue, p_sha)
@@ -398,7 +454,9 @@ CREATE OR REPLACE FUNCTION idemq.park_message(
     p_headers jsonb, p_properties jsonb, p_code text, p_reason text, p_consumer text,
     p_sha text, p_body_size bigint, p_redrivable boolean)
 RETURNS jsonb
-LANGUAGE sql AS $fn$
+LANGUAGE sql
+SET search_path = pg_catalog, idemq
+AS $fn$
     WITH p AS (
         INSERT INTO idemq.parked (key, source_queue, exchange, routing_key, body, headers,
             properties, payload_sha256, error_class, error_code, reason, attempts,
@@ -421,35 +479,50 @@ $fn$;
 -- Marks parks whose dead-letter publish the broker confirmed.
 CREATE OR REPLACE FUNCTION idemq.mark_dead_lettered(p_ids bigint[])
 RETURNS void
-LANGUAGE sql AS $fn$
+LANGUAGE sql
+SET search_path = pg_catalog, idemq
+AS $fn$
     UPDATE idemq.parked SET dlq_published_at = clock_timestamp()
      WHERE id = ANY (p_ids) AND dlq_published_at IS NULL;
 $fn$;
 
 -- Ordered lanes: stores a job the sequence guard deferred (apply_batch said
 -- 'deferred'), with its raw message, so the delivery can be acknowledged.
--- Inside the batch transaction. A second call for the key is a no-op.
+-- Inside the batch transaction. A second call for the key is a no-op. If
+-- its turn came already within this transaction (its predecessor was
+-- applied later in the same batch), it is stored due.
 CREATE OR REPLACE FUNCTION idemq.defer_job(
     p_key text, p_queue text, p_order_key text, p_seq bigint, p_reason text, p_lane integer,
     p_exchange text, p_routing_key text, p_body bytea, p_headers jsonb, p_properties jsonb)
 RETURNS void
-LANGUAGE sql AS $fn$
+LANGUAGE sql
+SET search_path = pg_catalog, idemq
+AS $fn$
     INSERT INTO idemq.deferred (key, source_queue, order_key, seq, reason, lane, exchange,
         routing_key, body, headers, properties)
     VALUES (p_key, p_queue, p_order_key, p_seq, p_reason, p_lane, p_exchange, p_routing_key,
         p_body, p_headers, p_properties)
     ON CONFLICT (key) DO NOTHING;
+    UPDATE idemq.deferred d SET due_at = clock_timestamp()
+      FROM idemq.order_keys k
+     WHERE d.key = p_key AND d.due_at IS NULL AND k.source_queue = d.source_queue
+       AND k.order_key = d.order_key AND k.blocked_by IS NULL
+       AND (d.seq IS NULL OR d.seq = k.last_seq + 1);
 $fn$;
 
 -- Ordered lanes: after a job of an ordered input parked (inside the same
 -- transaction). hold_key: its ordering key is held until the job is
 -- redriven and applied. Otherwise (continue) a sequenced key skips the
--- parked sequence so its successors flow. A deferred copy is removed
--- either way (the park row holds the message now).
+-- parked sequence so its successors flow (they are marked due). A deferred
+-- copy is removed either way (the park row holds the message now).
 CREATE OR REPLACE FUNCTION idemq.lane_parked(p_queue text, p_order_key text, p_seq bigint,
                                              p_key text, p_hold boolean)
 RETURNS void
-LANGUAGE plpgsql AS $fn$
+LANGUAGE plpgsql
+SET search_path = pg_catalog, idemq
+AS $fn$
+DECLARE
+    v_last bigint;
 BEGIN
     IF p_order_key IS NOT NULL THEN
         INSERT INTO idemq.order_keys (source_queue, order_key) VALUES (p_queue, p_order_key)
@@ -460,35 +533,66 @@ BEGIN
                last_seq = CASE WHEN NOT p_hold AND p_seq IS NOT NULL
                                THEN greatest(k.last_seq, p_seq) ELSE k.last_seq END,
                updated_at = clock_timestamp()
-         WHERE k.source_queue = p_queue AND k.order_key = p_order_key;
+         WHERE k.source_queue = p_queue AND k.order_key = p_order_key
+        RETURNING k.last_seq INTO v_last;
     END IF;
     DELETE FROM idemq.deferred d WHERE d.key = p_key;
+    IF p_order_key IS NOT NULL AND NOT p_hold THEN
+        PERFORM idemq.mark_due(p_queue, p_order_key, v_last);
+    END IF;
 END
 $fn$;
 
--- Ordered lanes: deferred jobs of these queues whose turn has come: the
--- ordering key is not held by another job, the sequence continues the
--- last applied one (a chain of consecutive ones is returned in order), and
--- a failed attempt's run_after has passed. At most p_limit rows, in apply
--- order. Reads only: apply_batch decides again under the key's row lock.
+-- Ordered lanes: marks as due the deferred jobs of an ordering key that its
+-- last applied sequence p_last lets through (the next sequence, and jobs
+-- without a sequence, which wait only for their elder ones and holds), so
+-- idemq.take_deferred finds them through the due_at index. The guard
+-- decides again under the key's lock when they are taken.
+CREATE OR REPLACE FUNCTION idemq.mark_due(p_queue text, p_order_key text, p_last bigint)
+RETURNS void
+LANGUAGE sql
+SET search_path = pg_catalog, idemq
+AS $fn$
+    UPDATE idemq.deferred d SET due_at = clock_timestamp()
+     WHERE d.source_queue = p_queue AND d.order_key = p_order_key AND d.due_at IS NULL
+       AND (d.seq IS NULL OR d.seq = p_last + 1);
+$fn$;
+
+-- Ordered lanes: deferred jobs of these queues whose turn has come: those
+-- marked due (idemq.mark_due, or a failed attempt's run_after), found
+-- through the due_at index, each followed by the chain of consecutive
+-- sequences deferred behind it (one transaction can apply a whole chain).
+-- At most p_limit rows, in apply order. Reads only: apply_batch decides
+-- again under the ordering key's row lock (and unmarks what is not through).
 CREATE OR REPLACE FUNCTION idemq.take_deferred(p_queues text[], p_limit integer)
 RETURNS TABLE (r_id bigint, r_key text, r_queue text, r_lane integer, r_exchange text,
                r_routing_key text, r_body bytea, r_headers jsonb, r_properties jsonb)
-LANGUAGE sql STABLE AS $fn$
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, idemq
+AS $fn$
+    WITH RECURSIVE due AS (
+        SELECT d.id, d.source_queue, d.order_key, d.seq
+          FROM idemq.deferred d
+         WHERE d.due_at <= clock_timestamp() AND d.source_queue = ANY (p_queues)
+         ORDER BY d.due_at
+         LIMIT p_limit
+    ), chain AS (
+        SELECT d.id, d.source_queue, d.order_key, d.seq, 1 AS depth FROM due d
+        UNION ALL
+        SELECT nx.id, nx.source_queue, nx.order_key, nx.seq, c.depth + 1
+          FROM chain c
+          CROSS JOIN LATERAL (
+              SELECT x.id, x.source_queue, x.order_key, x.seq FROM idemq.deferred x
+               WHERE x.source_queue = c.source_queue AND x.order_key = c.order_key
+                 AND x.seq = c.seq + 1
+               ORDER BY x.id LIMIT 1) nx
+         WHERE c.seq IS NOT NULL AND c.depth < p_limit
+    )
     SELECT x.id, x.key, x.source_queue, x.lane, x.exchange, x.routing_key, x.body, x.headers,
            x.properties
-      FROM (SELECT d.*, k.last_seq, k.blocked_by,
-                   row_number() OVER (PARTITION BY d.source_queue, d.order_key
-                                      ORDER BY d.seq NULLS LAST, d.id) AS rn
-              FROM idemq.deferred d
-              JOIN idemq.order_keys k USING (source_queue, order_key)
-             WHERE d.source_queue = ANY (p_queues)) x
-      JOIN idemq.jobs t ON t.key = x.key
-     WHERE (x.blocked_by IS NULL OR x.blocked_by = x.key)
-       AND (x.seq IS NULL OR x.seq = x.last_seq + x.rn)
-       AND (t.state = 'deferred'
-            OR (t.state = 'retrying' AND coalesce(t.run_after, '-infinity') <= clock_timestamp()))
-     ORDER BY x.source_queue, x.order_key, x.rn
+      FROM (SELECT DISTINCT c.id FROM chain c) c
+      JOIN idemq.deferred x ON x.id = c.id
+     ORDER BY x.source_queue, x.order_key, x.seq NULLS LAST, x.id
      LIMIT p_limit;
 $fn$;
 
@@ -498,7 +602,9 @@ $fn$;
 CREATE OR REPLACE FUNCTION idemq.report_deferred(p_queue text, p_age_s integer)
 RETURNS TABLE (r_key text, r_order_key text, r_seq bigint, r_reason text,
                r_waiting_for bigint, r_blocked_by text, r_deferred_at timestamptz)
-LANGUAGE sql AS $fn$
+LANGUAGE sql
+SET search_path = pg_catalog, idemq
+AS $fn$
     WITH r AS (
         UPDATE idemq.deferred d SET reported_at = clock_timestamp()
          WHERE d.source_queue = p_queue AND d.reported_at IS NULL

@@ -894,6 +894,13 @@ BEGIN
     INSERT INTO idemq.resolutions (key, action, provider_ref, prior_state, resolved_by, reason)
     VALUES (p_key, p_action, CASE WHEN p_action = 'applied' THEN p_ref END, v_state, p_by,
             p_reason);
+    -- Settled for good (applied, or discarded): the key's open parks move to
+    -- idemq.park_history and age out with the history (issue 10). A park
+    -- resolved as not_applied stays open: it waits for its redrive.
+    IF p_action IN ('applied', 'discard') THEN
+        PERFORM idemq.close_park(p.id, 'resolved ' || p_action || ': ' || p_reason, p_by)
+           FROM idemq.parked p WHERE p.key = p_key;
+    END IF;
     PERFORM idemq.provider_note(p_key, 'resolved', v_now, NULL, p_action,
         format('resolved %s%s by %s (was %s): %s', p_action,
                CASE WHEN p_action = 'applied' THEN ' with reference ' || p_ref ELSE '' END,

@@ -218,8 +218,9 @@ idemq_err_t ledger_lanes_retry_pending(PGconn *db, const struct conf *c, bool *p
     }
     vals[0] = queues;
     r = ledger_db_query(db,
-                        "SELECT EXISTS (SELECT 1 FROM idemq.deferred d JOIN idemq.jobs t "
-                        "ON t.key = d.key WHERE t.state = 'retrying' AND d.source_queue = ANY "
+                        /* due or scheduled (a retry's run_after): the due_at index */
+                        "SELECT EXISTS (SELECT 1 FROM idemq.deferred d WHERE d.due_at IS NOT "
+                        "NULL AND d.source_queue = ANY "
                         "(ARRAY(SELECT jsonb_array_elements_text($1::jsonb))))",
                         1, vals, e);
     free(queues);

@@ -46,8 +46,9 @@ idemq_err_t ledger_lanes_take(PGconn *db, const struct conf *c, struct job *jobs
                               int *n, struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
 /* Outside txn. *pending becomes true if a deferred job of c's ordered
- * inputs is waiting for a ledger-driven retry (state retrying): work that
- * will come back without any delivery, so `run --until-idle` must wait. */
+ * inputs is due or scheduled (a ledger-driven retry, or a predecessor was
+ * applied): work that comes back without any delivery, so
+ * `run --until-idle` must wait. */
 idemq_err_t ledger_lanes_retry_pending(PGconn *db, const struct conf *c, bool *pending,
                                        struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 

@@ -8,6 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <openssl/evp.h>
+#include <pthread.h>
+
 #include "ledger_db.h"
 #include "log.h"
 
@@ -39,21 +42,44 @@ static int current_version(PGconn *db, struct ledger_db_error *e)
 }
 
 #define FUNCTIONS_CURRENT                                                                   \
-    "SELECT EXISTS (SELECT 1 FROM idemq.schema_functions "                                  \
-    "WHERE sha256 = encode(sha256(convert_to($1, 'UTF8')), 'hex'))"
+    "SELECT EXISTS (SELECT 1 FROM idemq.schema_functions WHERE sha256 = $1)"
+
+/* SHA-256 (hex) of this binary's ledger functions text, computed here once:
+ * every session checks it at connect, and sending the whole text for the
+ * database to hash cost each session more than the rest of its start. The
+ * database stores the same value (sha256 of the text's UTF-8 bytes). */
+static char functions_hex[65];
+static pthread_once_t functions_once = PTHREAD_ONCE_INIT;
+
+static void functions_hash(void)
+{
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned len = 0;
+    if (EVP_Digest(ledger_functions_sql, strlen(ledger_functions_sql), md, &len, EVP_sha256(),
+                   NULL) == 1)
+        for (unsigned i = 0; i < len && i < 32; i++)
+            snprintf(functions_hex + 2 * i, 3, "%02x", md[i]);
+}
+
+static const char *functions_sha256(void)
+{
+    pthread_once(&functions_once, functions_hash); /* workers connect concurrently */
+    return functions_hex;
+}
 
 /* (Re)creates the ledger functions when the database has another text. */
 static idemq_err_t apply_functions(PGconn *db, char *errbuf, size_t errlen)
 {
     struct ledger_db_error e;
     const char *params[1] = {ledger_functions_sql};
+    const char *sha[1] = {functions_sha256()};
     PGresult *res;
     idemq_err_t err;
     bool current;
 
     if ((err = ledger_db_exec(db, "BEGIN; " MIGRATE_LOCK, &e)) != IDEMQ_OK)
         goto fail;
-    if (!(res = ledger_db_query(db, FUNCTIONS_CURRENT, 1, params, &e))) {
+    if (!(res = ledger_db_query(db, FUNCTIONS_CURRENT, 1, sha, &e))) {
         err = ledger_db_err(&e);
         goto fail;
     }
@@ -210,7 +236,7 @@ idemq_err_t ledger_migrate_check(PGconn *db, char *errbuf, size_t errlen)
         return IDEMQ_ERR_CONFIG;
     }
     {
-        const char *params[1] = {ledger_functions_sql};
+        const char *params[1] = {functions_sha256()};
         PGresult *res = ledger_db_query(db, FUNCTIONS_CURRENT, 1, params, &e);
         bool current;
         if (!res) {

@@ -1,66 +1,114 @@
 /*
  * ledger_txn: calls the ledger's SQL functions with parameters only (no SQL
  * text is ever built from message or config content); the batch document
- * for idemq.apply_batch_fast comes from ledger_doc.
+ * of idemq.apply_batch comes from ledger_doc, and plain batches go to
+ * ledger_plain first.
  */
 #include "ledger_txn.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "classify.h"
 #include "ledger_doc.h"
+#include "ledger_plain.h"
 #include "log.h"
 
 struct ledger_txn {
     PGconn *db;
     const struct conf *conf;
-    char *effects; /* text[] literal of effect signatures, by input */
-    struct ledger_doc doc; /* reusable batch document */
+    char *effects; /* text[] literal of the effects' OIDs (regprocedure), by input */
+    double window_s; /* idemq.retention.dedup_window in seconds */
+    struct ledger_doc doc; /* reusable batch document (isolating path) */
+    struct ledger_plain *plain; /* the lean path's prepared statements */
     bool begin_pending;    /* BEGIN not sent yet: it goes with the next statement */
 };
 
-/* The set-based path for plain batches of standard inputs, and the isolating
- * path that owns everything else (ordered lanes, deferred jobs); see
- * ledger/functions_batch.sql and ledger/functions.sql. */
-#define APPLY_COLUMNS                                                                       \
+/* The isolating path that owns everything the plain one does not (ordered
+ * lanes, deferred jobs, failures, keys in other states); see
+ * ledger/functions.sql. */
+#define APPLY_SQL                                                                           \
     "SELECT r_idx, r_outcome, r_attempt, r_base, r_sqlstate, r_message, r_started, "        \
-    "r_finished, r_delay_ms, r_park FROM "
-#define APPLY_FAST_SQL APPLY_COLUMNS "idemq.apply_batch_fast($1::text[], $2::jsonb, $3)"
-#define APPLY_SQL APPLY_COLUMNS "idemq.apply_batch($1::text[], $2::jsonb, $3)"
+    "r_finished, r_delay_ms, r_park FROM idemq.apply_batch($1::text[], $2::jsonb, $3)"
+
+/*
+ * The effects as a text[] literal of OIDs, resolved in this session (so an
+ * unqualified effect_function follows the session's search_path, while the
+ * ledger functions run with theirs pinned). A signature that does not
+ * resolve stays as it is: the apply call then fails naming it.
+ */
+static char *resolve_effects(PGconn *db, const struct conf *c, char *errbuf, size_t errlen)
+{
+    size_t need = 3;
+    char *out;
+
+    for (int i = 0; i < c->n_inputs; i++)
+        need += (c->inputs[i].effect_signature ? strlen(c->inputs[i].effect_signature) : 4) + 24;
+    if (!(out = malloc(need))) {
+        snprintf(errbuf, errlen, "out of memory");
+        return NULL;
+    }
+    strcpy(out, "{");
+    for (int i = 0; i < c->n_inputs; i++) {
+        const char *params[1] = {c->inputs[i].effect_signature};
+        PGresult *r;
+        if (!params[0]) { /* a provider input without SQL effect */
+            strcat(out, i ? ",NULL" : "NULL");
+            continue;
+        }
+        r = ledger_db_exec_params(db, "SELECT to_regprocedure($1)::oid::text", 1, NULL, params,
+                                  NULL, NULL, 0);
+        if (PQresultStatus(r) != PGRES_TUPLES_OK || PQntuples(r) != 1) {
+            snprintf(errbuf, errlen, "cannot resolve effect %s: %s", params[0],
+                     PQerrorMessage(db));
+            PQclear(r);
+            free(out);
+            return NULL;
+        }
+        strcat(out, i ? ",\"" : "\"");
+        strcat(out, PQgetisnull(r, 0, 0) ? params[0] : PQgetvalue(r, 0, 0));
+        strcat(out, "\"");
+        PQclear(r);
+    }
+    strcat(out, "}");
+    return out;
+}
+
+/* The dedup window (seconds) of the ledger's idemq.retention. */
+static bool read_window(PGconn *db, double *window_s, char *errbuf, size_t errlen)
+{
+    PGresult *r = ledger_db_exec_raw(db,
+                                     "SELECT (idemq.ledger_settings()->>'dedup_window_s')::float8");
+    bool ok = PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1 && !PQgetisnull(r, 0, 0);
+    if (ok)
+        *window_s = strtod(PQgetvalue(r, 0, 0), NULL);
+    else
+        snprintf(errbuf, errlen, "cannot read the dedup window: %s", PQerrorMessage(db));
+    PQclear(r);
+    return ok;
+}
 
 struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf, size_t errlen)
 {
     struct ledger_txn *lt = calloc(1, sizeof *lt);
     PGresult *res;
-    size_t need = 3;
 
-    if (!lt)
-        goto nomem;
+    if (!lt) {
+        snprintf(errbuf, errlen, "out of memory");
+        return NULL;
+    }
     lt->db = db;
     lt->conf = c;
     ledger_doc_init(&lt->doc);
-    for (int i = 0; i < c->n_inputs; i++) /* NULL: a provider input without SQL effect */
-        need += (c->inputs[i].effect_signature ? strlen(c->inputs[i].effect_signature) : 4) + 3;
-    if (!(lt->effects = malloc(need)))
-        goto nomem;
-    strcpy(lt->effects, "{");
-    for (int i = 0; i < c->n_inputs; i++) {
-        const char *sig = c->inputs[i].effect_signature;
-        strcat(lt->effects, i ? "," : "");
-        strcat(lt->effects, sig ? "\"" : "NULL");
-        if (sig) {
-            strcat(lt->effects, sig);
-            strcat(lt->effects, "\"");
-        }
+    if (!(lt->effects = resolve_effects(db, c, errbuf, errlen)) ||
+        !read_window(db, &lt->window_s, errbuf, errlen) ||
+        !(lt->plain = ledger_plain_new(db, c, errbuf, errlen))) {
+        ledger_txn_free(lt);
+        return NULL;
     }
-    strcat(lt->effects, "}");
     res = ledger_db_prepare(db, "idemq_apply", APPLY_SQL, 3);
-    if (PQresultStatus(res) == PGRES_COMMAND_OK) {
-        PQclear(res);
-        res = ledger_db_prepare(db, "idemq_apply_fast", APPLY_FAST_SQL, 3);
-    }
     if (PQresultStatus(res) != PGRES_COMMAND_OK) {
         snprintf(errbuf, errlen, "cannot prepare the apply statement: %s", PQerrorMessage(db));
         PQclear(res);
@@ -69,10 +117,6 @@ struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf
     }
     PQclear(res);
     return lt;
-nomem:
-    snprintf(errbuf, errlen, "out of memory");
-    ledger_txn_free(lt);
-    return NULL;
 }
 
 void ledger_txn_free(struct ledger_txn *lt)
@@ -81,6 +125,7 @@ void ledger_txn_free(struct ledger_txn *lt)
         return;
     free(lt->effects);
     ledger_doc_free(&lt->doc);
+    ledger_plain_free(lt->plain);
     free(lt);
 }
 
@@ -136,22 +181,23 @@ void ledger_txn_rollback(struct ledger_txn *lt)
 }
 
 /*
- * Runs the prepared apply call, with a pending BEGIN in the same pipeline
- * (one round trip for both). Returns the apply call's result (the caller
- * PQclears it; NULL only if the connection failed) or, when BEGIN itself
- * failed, that error result.
+ * Runs a prepared apply call (n params; lens/fmts may be NULL for text),
+ * with a pending BEGIN in the same pipeline (one round trip for both).
+ * Returns the apply call's result (the caller PQclears it; NULL only if
+ * the connection failed) or, when BEGIN itself failed, that error result.
  */
-static PGresult *exec_apply(struct ledger_txn *lt, const char *stmt, const char *const *params)
+static PGresult *exec_apply(struct ledger_txn *lt, const char *stmt, int n,
+                            const char *const *params, const int *lens, const int *fmts)
 {
     PGresult *r, *out = NULL;
     int nth = 0;
 
     if (!lt->begin_pending)
-        return ledger_db_exec_prepared(lt->db, stmt, 3, params, NULL, NULL, 0);
+        return ledger_db_exec_prepared(lt->db, stmt, n, params, lens, fmts, 0);
     lt->begin_pending = false;
     if (!PQenterPipelineMode(lt->db) ||
         !PQsendQueryParams(lt->db, "BEGIN", 0, NULL, NULL, NULL, NULL, 0) ||
-        !PQsendQueryPrepared(lt->db, stmt, 3, params, NULL, NULL, 0) ||
+        !PQsendQueryPrepared(lt->db, stmt, n, params, lens, fmts, 0) ||
         !PQpipelineSync(lt->db)) {
         PQexitPipelineMode(lt->db);
         return NULL;
@@ -185,27 +231,61 @@ static void copy_field(char *dst, size_t n, const PGresult *res, int row, int co
     snprintf(dst, n, "%s", PQgetisnull(res, row, col) ? "" : PQgetvalue(res, row, col));
 }
 
+/* Old: past the dedup window by its AMQP timestamp (seconds); none: new. */
+static bool is_old(const struct ledger_txn *lt, const struct job *j, time_t now)
+{
+    json_t *ts = json_object_get(j->props, "timestamp");
+    return json_is_integer(ts) && (double)(now - (time_t)json_integer_value(ts)) > lt->window_s;
+}
+
 idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int n,
                              struct ledger_result *res, struct ledger_db_error *e)
 {
     const char *params[3];
     PGresult *r;
-    bool plain = true; /* no ordered-lane job: the set-based path may take it */
+    bool plain = true; /* standard inputs, none too old: the plain path may take it */
+    time_t now = time(NULL);
 
-    ledger_doc_begin(&lt->doc);
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < n && plain; i++) {
         const struct job *j = jobs[i];
         IDEMQ_ASSERT(j->decode_err == IDEMQ_OK && j->has_key);
-        ledger_doc_add_job(&lt->doc, j, &lt->conf->inputs[j->input], j->input);
-        if (j->lane >= 0 || j->has_order_key || j->deferred_id > 0)
+        if (j->lane >= 0 || j->has_order_key || j->deferred_id > 0 || is_old(lt, j, now))
             plain = false;
     }
+    if (plain && ledger_plain_ready(lt->plain, jobs, n)) {
+        bool send_begin = lt->begin_pending, ok = false;
+        idemq_err_t err;
+        lt->begin_pending = false;
+        err = ledger_plain_apply(lt->plain, send_begin, jobs, n, res, &ok, e);
+        if (err == IDEMQ_OK && ok)
+            return IDEMQ_OK;
+        /* A timeout, a lost connection: the whole call failed, as one. */
+        if (err == IDEMQ_ERR_DB_CONN || err == IDEMQ_ERR_NOMEM ||
+            (err == IDEMQ_ERR_SQL && strcmp(e->sqlstate, "57014") == 0))
+            return err;
+        /* Not plain, or an effect raised: nothing of it stays. Apply the
+         * batch again, isolating each job, in a new transaction. */
+        log_debug("plain apply of %d jobs: %s; isolating each job", n,
+                  err ? e->message : "a key is neither new nor applied");
+        r = ledger_db_exec_raw(lt->db, "ROLLBACK");
+        if (PQresultStatus(r) != PGRES_COMMAND_OK) {
+            ledger_db_error_from(lt->db, r, e);
+            PQclear(r);
+            return ledger_db_err(e);
+        }
+        PQclear(r);
+        lt->begin_pending = true;
+    }
+    ledger_doc_begin(&lt->doc);
+    for (int i = 0; i < n; i++)
+        ledger_doc_add_job(&lt->doc, jobs[i], &lt->conf->inputs[jobs[i]->input], jobs[i]->input,
+                           is_old(lt, jobs[i], now));
     if (!ledger_doc_end(&lt->doc))
         goto nomem;
     params[0] = lt->effects;
     params[1] = lt->doc.buf;
     params[2] = lt->conf->consumer_id;
-    r = exec_apply(lt, plain ? "idemq_apply_fast" : "idemq_apply", params);
+    r = exec_apply(lt, "idemq_apply", 3, params, NULL, NULL);
     if (PQresultStatus(r) != PGRES_TUPLES_OK) {
         ledger_db_error_from(lt->db, r, e);
         PQclear(r);
@@ -239,6 +319,7 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
                      : strcmp(outcome, "repark") == 0    ? LEDGER_REPARK
                      : strcmp(outcome, "deferred") == 0  ? LEDGER_DEFERRED
                      : strcmp(outcome, "held") == 0      ? LEDGER_HELD
+                     : strcmp(outcome, "outside") == 0   ? LEDGER_OUTSIDE
                                                          : LEDGER_ERROR;
         x->attempt = atoi(PQgetvalue(r, row, 2));
         x->base = atoi(PQgetvalue(r, row, 3));

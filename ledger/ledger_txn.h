@@ -35,6 +35,9 @@ enum ledger_outcome {
                          * then acknowledge; message says why */
     LEDGER_HELD,        /* ordered lane: an earlier job of its lane failed in
                          * this batch; nothing recorded, keep it in order */
+    LEDGER_OUTSIDE,     /* claimed now, but its message is older than the dedup
+                         * window (its key may have been applied and pruned):
+                         * park it (outside_dedup_window); message says why */
 };
 
 struct ledger_result {
@@ -54,7 +57,9 @@ struct ledger_result {
 /* Releases what a result owns (its park facts) and zeroes it. */
 void ledger_txn_result_clear(struct ledger_result *r);
 
-/* Binds a session to a configuration and prepares its statements.
+/* Binds a session to a configuration: resolves the effects' OIDs in this
+ * session, reads the ledger's dedup window (a message whose AMQP timestamp
+ * is older goes to the ledger marked "w") and prepares its statements.
  * Returns NULL with errbuf set on failure. The caller keeps db. */
 struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf, size_t errlen);
 

@@ -19,7 +19,7 @@ BEGIN
           FROM pg_proc p
          WHERE p.pronamespace = 'idemq'::regnamespace
            AND p.proname = ANY (ARRAY[
-               'apply_batch', 'apply_batch_fast', 'record_failure', 'claim_failed',
+               'apply_batch', 'record_raced', 'record_failure', 'claim_failed',
                'park_message', 'mark_dead_lettered', 'defer_job', 'lane_parked',
                'take_deferred', 'report_deferred', 'adopt_dead_letter',
                -- provider effects (issue 9): the flow and the reconciler of run

@@ -2,11 +2,15 @@
  * idemq-bench: the C helper of scripts/bench. It publishes benchmark jobs
  * (persistent, confirmed, optionally at a fixed rate), drains a queue with a
  * consumer that only acknowledges (the broker-only ceiling: same adapter,
- * same prefetch, no database), and reads a queue's message count. It reuses
- * idemq's own AMQP adapter (adapters/broker.h) and config loader.
+ * same prefetch, no database), runs the lean reference consumer (the least
+ * an exactly-once consumer can do on this workload, see cmd_lean), and
+ * reads a queue's message count. It reuses idemq's own AMQP adapter
+ * (adapters/broker.h) and config loader.
  *
  *   idemq-bench publish -c CFG -n N --run ID [--dup-pct P] [--rate R]
+ *                       [--soak-window S] [--transient-permille T] [--permanent-permille P]
  *   idemq-bench drain   -c CFG -n N [--batch B]
+ *   idemq-bench lean    -c CFG -n N [--batch B] [--workers W]
  *   idemq-bench count   -c CFG
  *   idemq-bench reset   -c CFG      (delete the input's queue, declare it again)
  *
@@ -14,6 +18,9 @@
  */
 #include <errno.h>
 #include <getopt.h>
+#include <libpq-fe.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +31,7 @@
 #include "topology.h"
 #include "conf.h"
 #include "job.h"
+#include "ledger_db.h"
 #include "log.h"
 
 #define CONFIRM_WINDOW 1000 /* publishes between two confirm waits */
@@ -37,6 +45,10 @@ struct opts {
     int dup_pct;
     double rate;
     int batch;
+    int workers;
+    long soak_window;    /* > 0: soak mode (see body_for) */
+    int transient_pm;    /* new keys failing once, transiently, per mille */
+    int permanent_pm;    /* new keys failing for good (parked), per mille */
 };
 
 static double now_s(void)
@@ -59,6 +71,7 @@ static void usage(void)
 {
     fprintf(stderr, "usage: idemq-bench publish -c CFG -n N --run ID [--dup-pct P] [--rate R]\n"
                     "       idemq-bench drain -c CFG -n N [--batch B]\n"
+                    "       idemq-bench lean -c CFG -n N [--batch B] [--workers W]\n"
                     "       idemq-bench count -c CFG\n"
                     "       idemq-bench reset -c CFG\n");
 }
@@ -69,13 +82,16 @@ static int parse(int argc, char **argv, struct opts *o)
         {"config", required_argument, NULL, 'c'}, {"jobs", required_argument, NULL, 'n'},
         {"run", required_argument, NULL, 'r'},    {"dup-pct", required_argument, NULL, 'd'},
         {"rate", required_argument, NULL, 'R'},   {"batch", required_argument, NULL, 'b'},
-        {NULL, 0, NULL, 0}};
+        {"workers", required_argument, NULL, 'w'}, {"soak-window", required_argument, NULL, 's'},
+        {"transient-permille", required_argument, NULL, 't'},
+        {"permanent-permille", required_argument, NULL, 'p'}, {NULL, 0, NULL, 0}};
     int c;
     char *end;
 
     memset(o, 0, sizeof *o);
     o->dup_pct = 10;
     o->batch = 100;
+    o->workers = 1;
     while ((c = getopt_long(argc, argv, "c:n:", longopts, NULL)) != -1) {
         errno = 0;
         switch (c) {
@@ -85,6 +101,10 @@ static int parse(int argc, char **argv, struct opts *o)
         case 'd': o->dup_pct = (int)strtol(optarg, &end, 10); break;
         case 'R': o->rate = strtod(optarg, &end); break;
         case 'b': o->batch = (int)strtol(optarg, &end, 10); break;
+        case 'w': o->workers = (int)strtol(optarg, &end, 10); break;
+        case 's': o->soak_window = strtol(optarg, &end, 10); break;
+        case 't': o->transient_pm = (int)strtol(optarg, &end, 10); break;
+        case 'p': o->permanent_pm = (int)strtol(optarg, &end, 10); break;
         default: return -1;
         }
         if (c != 'c' && c != 'r' && (errno || *end))
@@ -93,35 +113,84 @@ static int parse(int argc, char **argv, struct opts *o)
     if (optind != argc - 1 || !o->config)
         return -1;
     o->cmd = argv[optind];
-    if (o->dup_pct < 0 || o->dup_pct > 90 || o->batch < 1 || o->rate < 0)
+    if (o->dup_pct < 0 || o->dup_pct > 90 || o->batch < 1 || o->rate < 0 || o->workers < 1 ||
+        o->workers > 64 || o->soak_window < 0 || (o->soak_window && o->rate <= 0) ||
+        o->transient_pm < 0 || o->permanent_pm < 0 || o->transient_pm + o->permanent_pm > 1000)
         return -1;
     return 0;
+}
+
+/* What body_for chose for a job, for the caller's counts. */
+struct job_kind {
+    long key;       /* key index */
+    bool dup;       /* repeats an earlier key */
+    bool old;       /* soak: repeats a key older than the soak window */
+    int fail;       /* 0 none, 1 fails once (transient), 2 fails for good */
+};
+
+static unsigned long long mix(unsigned long long x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    return x;
 }
 
 /*
  * Job i of a run: every (100 / dup_pct)-th job repeats the key of an
  * earlier job (spread over the stream, sometimes within one batch), all
- * others carry a new key. *unique counts the new keys so far.
+ * others carry a new key. *unique counts the new keys so far. In soak mode
+ * (soak_window > 0, paced at rate) a repeat is of a key published within
+ * the last minute, or, for one repeat in a hundred, of a key older than the
+ * soak window (a late replay, carrying its original timestamp); and a new
+ * key fails once (transient_pm per mille) or for good (permanent_pm: no
+ * account, parked) by its index.
  */
-static int body_for(const struct opts *o, long i, long *unique, char *buf, size_t len)
+static int body_for(const struct opts *o, long i, long *unique, char *buf, size_t len,
+                    struct job_kind *kind)
 {
     long k;
     int n;
     unsigned long long h = (unsigned long long)i * 0x9E3779B97F4A7C15ull;
     bool dup = false;
 
+    memset(kind, 0, sizeof *kind);
     if (o->dup_pct > 0 && *unique > 0)
         dup = (i * o->dup_pct) / 100 != ((i + 1) * o->dup_pct) / 100;
-    if (dup && (h & 3) == 0) /* a recent key: often a duplicate inside one batch */
+    if (dup && o->soak_window > 0) {
+        long recent = (long)o->rate * 60, window = (long)o->rate * o->soak_window;
+        if ((h >> 20) % 100 == 0 && *unique > window + 1) { /* a late replay */
+            k = (long)((h >> 27) % (unsigned long long)(*unique - window));
+            kind->old = true;
+        } else {
+            long span = recent < *unique ? recent : *unique;
+            k = *unique - 1 - (long)((h >> 40) % (unsigned long long)span);
+        }
+    } else if (dup && (h & 3) == 0) /* a recent key: often a duplicate inside one batch */
         k = *unique - 1 - (long)((h >> 40) % 50 % (unsigned long long)*unique);
     else if (dup)
         k = (long)((h >> 17) % (unsigned long long)*unique);
     else
         k = (*unique)++;
-    n = snprintf(buf, len,
-                 "{\"job_id\":\"bench:%s:%08ld\",\"account_id\":\"acct-%04ld\","
-                 "\"amount_minor\":%ld,\"currency\":\"EUR\",\"memo\":\"",
-                 o->run, k, k % 9973, 100 + k % 100000);
+    kind->key = k;
+    kind->dup = dup;
+    {
+        unsigned long long f = mix((unsigned long long)k) % 1000;
+        kind->fail = (int)f < o->permanent_pm                     ? 2
+                     : (int)f < o->permanent_pm + o->transient_pm ? 1
+                                                                 : 0;
+    }
+    if (kind->fail == 2)
+        n = snprintf(buf, len,
+                     "{\"job_id\":\"bench:%s:%08ld\",\"amount_minor\":%ld,\"currency\":\"EUR\","
+                     "\"memo\":\"",
+                     o->run, k, 100 + k % 100000);
+    else
+        n = snprintf(buf, len,
+                     "{\"job_id\":\"bench:%s:%08ld\",\"account_id\":\"acct-%04ld\","
+                     "\"amount_minor\":%ld,\"currency\":\"EUR\",%s\"memo\":\"",
+                     o->run, k, k % 9973, 100 + k % 100000,
+                     kind->fail == 1 ? "\"simulate_busy_attempts\":1," : "");
     while (n < BODY_TARGET - 2 && (size_t)n + 3 < len) {
         buf[n] = (char)('a' + n % 26);
         n++;
@@ -133,11 +202,11 @@ static int body_for(const struct opts *o, long i, long *unique, char *buf, size_
 static int cmd_publish(const struct conf *c, const struct opts *o)
 {
     const struct conf_input *in = &c->inputs[0];
-    struct broker_props props = {NULL, "application/json", NULL, true, NULL, NULL};
     struct broker *b;
     char err[512], body[512];
-    long unique = 0, window = 0;
+    long unique = 0, window = 0, dups = 0, late = 0, transient = 0, permanent = 0;
     double t0, t1;
+    time_t wall0 = time(NULL);
 
     if (!o->run || o->n < 1) {
         usage();
@@ -149,13 +218,32 @@ static int cmd_publish(const struct conf *c, const struct opts *o)
     }
     t0 = now_s();
     for (long i = 0; i < o->n; i++) {
-        int len = body_for(o, i, &unique, body, sizeof body);
+        struct job_kind kind;
+        int len = body_for(o, i, &unique, body, sizeof body, &kind);
+        json_t *orig = NULL;
+        struct broker_props props = {NULL, "application/json", NULL, true, NULL, NULL};
+        if (kind.dup) {
+            dups++;
+            late += kind.old;
+        } else {
+            transient += kind.fail == 1;
+            permanent += kind.fail == 2;
+        }
+        if (o->soak_window > 0) {
+            /* the key's original publish time (a replay keeps it) */
+            orig = json_pack("{s:I}", "timestamp",
+                             (json_int_t)(wall0 + (time_t)((double)kind.key / o->rate)));
+            props.original = orig;
+        }
         /* Paced: sleep only when more than 1 ms ahead of the schedule (a
          * sleep per message would cost the machine more than the publish). */
         if (o->rate > 0 && t0 + (double)i / o->rate > now_s() + 0.001)
             sleep_until(t0 + (double)i / o->rate);
-        if (broker_publish(b, in->exchange, in->routing_key, body, (size_t)len, &props))
+        if (broker_publish(b, in->exchange, in->routing_key, body, (size_t)len, &props)) {
+            json_decref(orig);
             goto fail;
+        }
+        json_decref(orig);
         /* Flat out: wait for the confirms every CONFIRM_WINDOW messages. At
          * a fixed rate: every 10 ms worth of messages, take the confirms that
          * have arrived without blocking on the rest, so the offered load
@@ -170,8 +258,9 @@ static int cmd_publish(const struct conf *c, const struct opts *o)
     if (broker_wait_confirms(b, 60000))
         goto fail;
     t1 = now_s();
-    printf("published=%ld unique=%ld seconds=%.3f rate=%.0f\n", o->n, unique, t1 - t0,
-           (double)o->n / (t1 - t0));
+    printf("published=%ld unique=%ld seconds=%.3f rate=%.0f dups=%ld late=%ld transient=%ld "
+           "permanent=%ld\n",
+           o->n, unique, t1 - t0, (double)o->n / (t1 - t0), dups, late, transient, permanent);
     broker_close(b);
     return 0;
 fail:
@@ -237,6 +326,160 @@ out:
     return rc;
 }
 
+/*
+ * The lean reference consumer: the least an exactly-once consumer can do on
+ * this workload, to compare idemq with (scripts/bench prints ratio_to_lean).
+ * Each of W threads has its own AMQP connection (same prefetch) and
+ * PostgreSQL session; it collects up to B deliveries (waiting batch_wait_ms
+ * after the first, like idemq), then runs ONE statement in its own
+ * transaction (autocommit: statement and commit in one round trip): claim
+ * every distinct key with INSERT ... ON CONFLICT DO NOTHING into a bare key
+ * table (bench_lean.keys, key text PRIMARY KEY) and call the same effect
+ * function for the keys it claimed; then one multiple ack. No history, no
+ * retries, no parking: a failing batch stops the run.
+ */
+#define LEAN_SQL                                                                              \
+    "WITH b AS (SELECT e->>'job_id' AS k, e AS p, x.o FROM jsonb_array_elements($1::jsonb) "  \
+    "  WITH ORDINALITY AS x(e, o)), "                                                         \
+    "c AS (INSERT INTO bench_lean.keys AS t (key) SELECT DISTINCT b.k FROM b ORDER BY 1 "     \
+    "  ON CONFLICT (key) DO NOTHING RETURNING t.key) "                                        \
+    "SELECT count(%s(f.k, f.p, '{\"attempt\": 1}'::jsonb)) FROM ("                            \
+    "  SELECT DISTINCT ON (b.k) b.k, b.p, b.o FROM b JOIN c ON c.key = b.k "                  \
+    "  ORDER BY b.k, b.o) f"
+
+struct lean_shared {
+    const struct conf *c;
+    const struct opts *o;
+    atomic_long done;   /* deliveries acknowledged after their commit, all threads */
+    atomic_long applied; /* effects */
+    atomic_int failed;
+    pthread_mutex_t lock;
+    double first, last; /* first delivery, last ack (under lock) */
+};
+
+static void *lean_thread(void *arg)
+{
+    struct lean_shared *sh = arg;
+    const struct conf *c = sh->c;
+    const struct conf_input *in = &c->inputs[0];
+    struct broker *b = NULL;
+    PGconn *db = NULL;
+    struct job j;
+    char err[512], sql[1024];
+    char *doc = NULL;
+    size_t len = 0, cap = 0;
+    long pending = 0;
+    uint64_t last_tag = 0;
+    double first = 0, last = 0;
+
+    job_init(&j);
+    snprintf(sql, sizeof sql, LEAN_SQL, in->effect_function);
+    if (!(db = ledger_db_connect(c->dsn, "idemq-bench lean", 0, err, sizeof err)) ||
+        broker_open(c, "idemq-bench lean", false, &b, err, sizeof err)) {
+        fprintf(stderr, "idemq-bench: %s\n", err);
+        goto fail;
+    }
+    if (broker_qos(b, c->prefetch) || broker_consume(b, 0, in, "lean")) {
+        fprintf(stderr, "idemq-bench: %s\n", broker_error(b));
+        goto fail;
+    }
+    while (atomic_load(&sh->done) < sh->o->n && !atomic_load(&sh->failed)) {
+        idemq_err_t e = broker_next(b, &j, pending ? c->batch_wait_ms : 200);
+        if (e == IDEMQ_OK) {
+            if (len + j.body_len + 3 > cap) {
+                size_t ncap = cap ? cap * 2 : 65536;
+                char *nd;
+                while (ncap < len + j.body_len + 3)
+                    ncap *= 2;
+                if (!(nd = realloc(doc, ncap)))
+                    goto fail;
+                doc = nd;
+                cap = ncap;
+            }
+            doc[len++] = pending ? ',' : '[';
+            memcpy(doc + len, j.body, j.body_len);
+            len += j.body_len;
+            if (!first)
+                first = now_s();
+            pending++;
+            last_tag = j.tag;
+            if (pending < sh->o->batch)
+                continue;
+        } else if (e != IDEMQ_ERR_TIMEOUT) {
+            fprintf(stderr, "idemq-bench: lean: %s\n", broker_error(b));
+            goto fail;
+        } else if (!pending) {
+            continue;
+        }
+        {
+            const char *params[1] = {doc};
+            PGresult *r;
+            doc[len++] = ']';
+            doc[len] = '\0';
+            r = PQexecParams(db, sql, 1, NULL, params, NULL, NULL, 0);
+            if (PQresultStatus(r) != PGRES_TUPLES_OK) {
+                fprintf(stderr, "idemq-bench: lean: %s", PQerrorMessage(db));
+                PQclear(r);
+                goto fail;
+            }
+            atomic_fetch_add(&sh->applied, atol(PQgetvalue(r, 0, 0)));
+            PQclear(r);
+        }
+        if (broker_ack(b, last_tag, true)) {
+            fprintf(stderr, "idemq-bench: lean: %s\n", broker_error(b));
+            goto fail;
+        }
+        last = now_s();
+        atomic_fetch_add(&sh->done, pending);
+        pending = 0;
+        len = 0;
+    }
+    goto out;
+fail:
+    atomic_store(&sh->failed, 1);
+out:
+    pthread_mutex_lock(&sh->lock);
+    if (first && (!sh->first || first < sh->first))
+        sh->first = first;
+    if (last > sh->last)
+        sh->last = last;
+    pthread_mutex_unlock(&sh->lock);
+    free(doc);
+    broker_close(b);
+    if (db)
+        PQfinish(db);
+    job_destroy(&j);
+    return NULL;
+}
+
+static int cmd_lean(const struct conf *c, const struct opts *o)
+{
+    struct lean_shared sh;
+    pthread_t th[64];
+    int started = 0;
+
+    if (o->n < 1) {
+        usage();
+        return 2;
+    }
+    memset(&sh, 0, sizeof sh);
+    sh.c = c;
+    sh.o = o;
+    pthread_mutex_init(&sh.lock, NULL);
+    for (int i = 0; i < o->workers; i++)
+        if (pthread_create(&th[i], NULL, lean_thread, &sh) == 0)
+            started++;
+    for (int i = 0; i < started; i++)
+        pthread_join(th[i], NULL);
+    pthread_mutex_destroy(&sh.lock);
+    if (atomic_load(&sh.failed) || started != o->workers || sh.last <= sh.first)
+        return 1;
+    printf("lean=%ld applied=%ld seconds=%.3f rate=%.0f workers=%d batch=%d\n",
+           atomic_load(&sh.done), atomic_load(&sh.applied), sh.last - sh.first,
+           (double)atomic_load(&sh.done) / (sh.last - sh.first), o->workers, o->batch);
+    return 0;
+}
+
 static int cmd_count(const struct conf *c)
 {
     struct broker *b;
@@ -293,6 +536,8 @@ int main(int argc, char **argv)
         rc = cmd_publish(c, &o);
     else if (strcmp(o.cmd, "drain") == 0)
         rc = cmd_drain(c, &o);
+    else if (strcmp(o.cmd, "lean") == 0)
+        rc = cmd_lean(c, &o);
     else if (strcmp(o.cmd, "count") == 0)
         rc = cmd_count(c);
     else if (strcmp(o.cmd, "reset") == 0)

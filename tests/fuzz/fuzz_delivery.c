@@ -292,7 +292,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                        j.has_order_key,
                    "input %d: ordered job without an order key", i);
         FUZZ_CHECK(!in->seq_name || (j.has_seq && j.seq >= 1), "input %d: sequence", i);
-        ledger_doc_add_job(&d, &j, in, i);
+        ledger_doc_add_job(&d, &j, in, i, false);
         ex[n].input = i;
         memcpy(ex[n].key, j.key, sizeof ex[n].key);
         memcpy(ex[n].sha, j.sha256_hex, sizeof ex[n].sha);

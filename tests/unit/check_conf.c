@@ -106,6 +106,19 @@ START_TEST(test_defaults_and_derived)
     ck_assert_str_eq(c->tls_key_file, "/x/c.key");
     ck_assert_int_eq(c->live_stall_s, 3);
     ck_assert_int_eq(c->inputs[0].delivery_limit, 10);
+    /* the ledger's windows (README "Retention") */
+    ck_assert(c->dedup_window_days == 400.0);
+    ck_assert(c->history_hot_days == 90.0);
+    ck_assert(c->history_retention_days == 400.0);
+    ck_assert_str_eq(c->partition_interval, "1 day");
+    ck_assert(c->partition_interval_s == 86400.0);
+    ck_assert_int_eq(c->maintenance, 1);
+    conf_free(c);
+
+    ck_assert_int_eq(conf_load(CASES "/good_ledger.cfg", &c, err, sizeof err), IDEMQ_OK);
+    ck_assert(c->dedup_window_days > 0.0034 && c->dedup_window_days < 0.0036);
+    ck_assert(c->partition_interval_s == 60.0);
+    ck_assert_int_eq(c->maintenance, 0);
     conf_free(c);
 
     ck_assert_int_eq(conf_load(CASES "/good_full.cfg", &c, err, sizeof err), IDEMQ_OK);
@@ -117,6 +130,20 @@ START_TEST(test_defaults_and_derived)
     ck_assert_str_eq(c->consumer_id, "replica-a");
     ck_assert_int_eq(c->max_attempts, 3);
     conf_free(c);
+}
+END_TEST
+
+START_TEST(test_parse_interval)
+{
+    ck_assert(conf_parse_interval("1 day") == 86400.0);
+    ck_assert(conf_parse_interval("5 minutes") == 300.0);
+    ck_assert(conf_parse_interval("10 seconds") == 10.0);
+    ck_assert(conf_parse_interval("2 hours") == 7200.0);
+    ck_assert(conf_parse_interval("1day") < 0);
+    ck_assert(conf_parse_interval("0 days") < 0);
+    ck_assert(conf_parse_interval("-1 days") < 0);
+    ck_assert(conf_parse_interval("1 week") < 0);
+    ck_assert(conf_parse_interval("") < 0);
 }
 END_TEST
 
@@ -269,6 +296,7 @@ int main(void)
     tcase_add_test(tc, test_case_files);
     tcase_add_test(tc, test_defaults_and_derived);
     tcase_add_test(tc, test_env_overrides);
+    tcase_add_test(tc, test_parse_interval);
     tcase_add_test(tc, test_redact);
     tcase_add_test(tc, test_print_roundtrip);
     tcase_add_test(tc, test_sample_documents_every_key);

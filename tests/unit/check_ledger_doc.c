@@ -79,8 +79,8 @@ START_TEST(test_jobs)
     ledger_doc_init(&d);
     for (int round = 0; round < 2; round++) { /* the buffer is reused */
         ledger_doc_begin(&d);
-        ledger_doc_add_job(&d, &j, &in, 1);
-        ledger_doc_add_job(&d, &j, &in, 0);
+        ledger_doc_add_job(&d, &j, &in, 1, false);
+        ledger_doc_add_job(&d, &j, &in, 0, true);
         ck_assert(ledger_doc_end(&d));
         v = parse(&d);
         ck_assert_int_eq(json_array_size(v), 2);
@@ -102,6 +102,12 @@ START_TEST(test_jobs)
         ck_assert_str_eq(json_string_value(json_object_get(m, "message_id")), "mid");
         ck_assert_int_eq(json_integer_value(json_object_get(json_object_get(m, "headers"), "h")),
                          5);
+        /* the set-based path hands this meta to the effect as it is */
+        ck_assert_int_eq(json_integer_value(json_object_get(m, "attempt")), 1);
+        ck_assert_int_eq(json_integer_value(json_object_get(m, "generation")), 0);
+        /* only the job marked old carries "w" */
+        ck_assert_ptr_null(json_object_get(json_array_get(v, 0), "w"));
+        ck_assert(json_is_true(json_object_get(json_array_get(v, 1), "w")));
         json_decref(v);
     }
     /* Without the optional facts. */
@@ -109,7 +115,7 @@ START_TEST(test_jobs)
     j.has_message_id = false;
     json_object_clear(j.headers);
     ledger_doc_begin(&d);
-    ledger_doc_add_job(&d, &j, &in, 0);
+    ledger_doc_add_job(&d, &j, &in, 0, false);
     ck_assert(ledger_doc_end(&d));
     v = parse(&d);
     m = json_object_get(json_array_get(v, 0), "m");
