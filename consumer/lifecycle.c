@@ -15,27 +15,18 @@
 
 #include "ledger_retention.h"
 #include "log.h"
+#include "ops.h"
 
 #define MAINTAIN_BUDGET_MS 1000
 #define MAINTAIN_CALLS 10000
 
-static PGconn *connect(const struct conf *c)
-{
-    char err[512];
-    PGconn *db = ledger_db_connect(c->dsn, "idemq lifecycle", 0, err, sizeof err);
-    if (!db)
-        log_error("%s", err);
-    else
-        PQclear(PQexec(db, "SET TimeZone = 'UTC'"));
-    return db;
-}
+static PGconn *connect(const struct conf *c) { return ops_connect(c, "idemq lifecycle", 0); }
 
-static const char *val(const PGresult *r, int row, int col)
-{
-    return PQgetisnull(r, row, col) ? "-" : PQgetvalue(r, row, col);
-}
 
-static long long jint(json_t *v, const char *k) { return json_integer_value(json_object_get(v, k)); }
+static long long jint(json_t *v, const char *k)
+{
+    return json_integer_value(json_object_get(v, k));
+}
 
 int lifecycle_migrate_settings(PGconn *db, const struct conf *c, FILE *out)
 {
@@ -161,9 +152,9 @@ int lifecycle_archive_list(const struct conf *c, FILE *out)
     fprintf(out, "%-34s %-8s %-22s %-22s %-8s %-10s %-6s %s\n", "partition", "kind", "from",
             "to", "where", "rows(est)", "pruned", "export sha256");
     for (int i = 0; i < PQntuples(r); i++)
-        fprintf(out, "%-34s %-8s %-22.22s %-22.22s %-8s %-10s %-6s %s\n", val(r, i, 0),
-                val(r, i, 1), val(r, i, 2), val(r, i, 3), val(r, i, 4), val(r, i, 5),
-                val(r, i, 6), val(r, i, 7));
+        fprintf(out, "%-34s %-8s %-22.22s %-22.22s %-8s %-10s %-6s %s\n", ops_val(r, i, 0),
+                ops_val(r, i, 1), ops_val(r, i, 2), ops_val(r, i, 3), ops_val(r, i, 4),
+                ops_val(r, i, 5), ops_val(r, i, 6), ops_val(r, i, 7));
 out:
     PQclear(r);
     PQfinish(db);

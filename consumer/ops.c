@@ -17,10 +17,10 @@
 #include "resolve.h"
 #include "topology.h"
 
-static PGconn *connect(const struct conf *c)
+PGconn *ops_connect(const struct conf *c, const char *app, int statement_timeout_ms)
 {
     char err[512];
-    PGconn *db = ledger_db_connect(c->dsn, "idemq ops", c->statement_timeout_ms, err, sizeof err);
+    PGconn *db = ledger_db_connect(c->dsn, app, statement_timeout_ms, err, sizeof err);
     if (!db)
         log_error("%s", err);
     else
@@ -28,10 +28,16 @@ static PGconn *connect(const struct conf *c)
     return db;
 }
 
-static const char *val(const PGresult *r, int row, int col)
+const char *ops_val(const PGresult *r, int row, int col)
 {
     return PQgetisnull(r, row, col) ? "-" : PQgetvalue(r, row, col);
 }
+
+static PGconn *connect(const struct conf *c)
+{
+    return ops_connect(c, "idemq ops", c->statement_timeout_ms);
+}
+
 
 int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
 {
@@ -65,22 +71,22 @@ int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
     fprintf(out, "key %s\n", key);
     if (PQntuples(job) == 1) {
         fprintf(out, "  state %s, %s attempts, generation %s (budget counts from attempt %s)\n",
-                val(job, 0, 0), val(job, 0, 1), val(job, 0, 2), val(job, 0, 3));
-        fprintf(out, "  queue %s, payload sha256 %s\n", val(job, 0, 11), val(job, 0, 12));
-        fprintf(out, "  first seen %s, applied %s, run after %s\n", val(job, 0, 4),
-                val(job, 0, 5), val(job, 0, 6));
+                ops_val(job, 0, 0), ops_val(job, 0, 1), ops_val(job, 0, 2), ops_val(job, 0, 3));
+        fprintf(out, "  queue %s, payload sha256 %s\n", ops_val(job, 0, 11), ops_val(job, 0, 12));
+        fprintf(out, "  first seen %s, applied %s, run after %s\n", ops_val(job, 0, 4),
+                ops_val(job, 0, 5), ops_val(job, 0, 6));
         if (!PQgetisnull(job, 0, 8))
-            fprintf(out, "  last error %s %s: %s\n", val(job, 0, 8), val(job, 0, 9),
-                    val(job, 0, 10));
+            fprintf(out, "  last error %s %s: %s\n", ops_val(job, 0, 8), ops_val(job, 0, 9),
+                    ops_val(job, 0, 10));
     } else {
         fprintf(out, "  (no job row: the message never decoded into a job, or its key was "
                      "pruned past the dedup window)\n");
     }
     fprintf(out, "history (in commit order):\n");
     for (int i = 0; i < PQntuples(tl); i++)
-        fprintf(out, "  %s  %s\n", val(tl, i, 0), val(tl, i, 1));
+        fprintf(out, "  %s  %s\n", ops_val(tl, i, 0), ops_val(tl, i, 1));
     if (PQntuples(job) == 1 && !PQgetisnull(job, 0, 7))
-        fprintf(out, "result: %s\n", val(job, 0, 7));
+        fprintf(out, "result: %s\n", ops_val(job, 0, 7));
     resolve_show(db, key, out); /* provider intent and resolutions (issue 9) */
 out:
     PQclear(job);
@@ -337,10 +343,10 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
     fprintf(out, "%-6s %-27s %-32s %-10s %-18s %-8s %-3s %-3s %-4s %s\n", "id", "parked_at",
             "key", "class", "code", "sqlstate", "att", "gen", "dlq", "reason");
     for (int i = 0; i < PQntuples(rows); i++)
-        fprintf(out, "%-6s %-27s %-32s %-10s %-18s %-8s %-3s %-3s %-4s %s\n", val(rows, i, 0),
-                val(rows, i, 1), val(rows, i, 2), val(rows, i, 3), val(rows, i, 4),
-                val(rows, i, 5), val(rows, i, 6), val(rows, i, 7), val(rows, i, 8),
-                val(rows, i, 9));
+        fprintf(out, "%-6s %-27s %-32s %-10s %-18s %-8s %-3s %-3s %-4s %s\n", ops_val(rows, i, 0),
+                ops_val(rows, i, 1), ops_val(rows, i, 2), ops_val(rows, i, 3), ops_val(rows, i, 4),
+                ops_val(rows, i, 5), ops_val(rows, i, 6), ops_val(rows, i, 7), ops_val(rows, i, 8),
+                ops_val(rows, i, 9));
     {
         long n_broker = 0;
         long long since_epoch = f->since ? since_epoch_of(db, f->since, &rc) : 0;
@@ -353,7 +359,7 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
         if (PQntuples(counts) == 0 && n_broker == 0)
             fprintf(out, " none");
         for (int i = 0; i < PQntuples(counts); i++)
-            fprintf(out, " %s=%s", val(counts, i, 0), val(counts, i, 1));
+            fprintf(out, " %s=%s", ops_val(counts, i, 0), ops_val(counts, i, 1));
         if (n_broker)
             fprintf(out, " broker(not yet recorded)=%ld", n_broker);
         fprintf(out, "\n");

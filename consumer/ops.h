@@ -11,6 +11,8 @@
 #include <stdbool.h>
 #include <stdio.h>
 
+#include <libpq-fe.h>
+
 #include "conf.h"
 
 struct ops_filter {
@@ -22,6 +24,14 @@ struct ops_filter {
     bool dry_run;             /* redrive: only show what would move */
     double rate;              /* redrive: messages per second, 0 = unlimited */
 };
+
+/* A session for an operator command: application name app, statement
+ * timeout ms (0: none), times printed in UTC. NULL (logged) when the
+ * database is unreachable. */
+PGconn *ops_connect(const struct conf *c, const char *app, int statement_timeout_ms);
+
+/* Field (row, col) of r as text, "-" for SQL NULL. */
+const char *ops_val(const PGresult *r, int row, int col);
 
 /* Prints the story of key to out, oldest first. Returns 0, 1 when the
  * ledger knows nothing of the key, 4 when the database is unreachable. */

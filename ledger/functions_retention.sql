@@ -388,6 +388,11 @@ BEGIN
         BEGIN
             IF p.attached THEN
                 SELECT h.parent INTO v_parent FROM idemq.history_parent(p.kind) h;
+                -- The DETACH queues for ACCESS EXCLUSIVE on the parent, and
+                -- every insert into it queues behind: wait at most 10 ms
+                -- (then try again on a later call), so the workers never
+                -- stall longer than that.
+                PERFORM pg_catalog.set_config('lock_timeout', '10ms', true);
                 EXECUTE format('ALTER TABLE idemq.%I DETACH PARTITION idemq.%I', v_parent,
                                p.relname);
             END IF;

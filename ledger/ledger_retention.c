@@ -14,12 +14,16 @@
 #define AGAIN_MS 1000     /* next call while work is left */
 #define IDLE_MAX_MS 60000 /* next call otherwise, at most */
 #define FAIL_MS 30000     /* after a failure */
+/* A call unanswered this long (a frozen or vanished server: the kernel may
+ * still answer TCP) is abandoned with its session. */
+#define CALL_DEADLINE_MS 60000
 
 struct ledger_retention {
     const struct conf *c;
     char who[256];
     PGconn *db;
     bool in_flight;
+    long long sent_ms; /* when the call in flight was sent */
     long long next_ms; /* 0: at the first tick */
     long long idle_ms; /* min(IDLE_MAX_MS, partition interval / 4) */
 };
@@ -171,6 +175,8 @@ void ledger_retention_tick(struct ledger_retention *lr, long long now_ms)
         }
         if (!PQisBusy(lr->db))
             collect(lr, now_ms);
+        else if (now_ms - lr->sent_ms > CALL_DEADLINE_MS)
+            drop(lr, now_ms, "idemq.maintain unanswered for 60 s; abandoning its session");
         return;
     }
     if (now_ms < lr->next_ms)
@@ -192,4 +198,5 @@ void ledger_retention_tick(struct ledger_retention *lr, long long now_ms)
         return;
     }
     lr->in_flight = true;
+    lr->sent_ms = now_ms;
 }

@@ -56,6 +56,8 @@ void ledger_retention_free(struct ledger_retention *lr);
  * answer is collected by a later tick; the next call is due 1 s later while
  * maintenance reports work left, else after min(60 s, partition interval /
  * 4). Only a (re)connect blocks, at most once per 30 s after a failure.
+ * A call left unanswered for 60 s (a frozen server) is abandoned with its
+ * session.
  * Failures are logged and retried; nothing here stops the worker.
  */
 void ledger_retention_tick(struct ledger_retention *lr, long long now_ms);
