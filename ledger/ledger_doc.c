@@ -303,9 +303,9 @@ static struct ledger_seen *seen_find(struct ledger_seen *slots, size_t nslots, c
     return &slots[i];
 }
 
-void ledger_cols_init(struct ledger_cols *c) { memset(c, 0, sizeof *c); }
+void ledger_doc_cols_init(struct ledger_cols *c) { memset(c, 0, sizeof *c); }
 
-void ledger_cols_free(struct ledger_cols *c)
+void ledger_doc_cols_free(struct ledger_cols *c)
 {
     for (int i = 0; i < LEDGER_COL_N; i++)
         ledger_doc_free(&c->col[i]);
@@ -316,7 +316,7 @@ void ledger_cols_free(struct ledger_cols *c)
     memset(c, 0, sizeof *c);
 }
 
-void ledger_cols_begin(struct ledger_cols *c)
+void ledger_doc_cols_begin(struct ledger_cols *c)
 {
     static const uint32_t types[LEDGER_COL_N] = {OID_TEXT,  OID_BOOL, OID_INT4, 0,
                                                  OID_JSONB, OID_INT4, OID_JSONB};
@@ -338,8 +338,8 @@ void ledger_cols_begin(struct ledger_cols *c)
     c->nomem = false;
 }
 
-void ledger_cols_add_job(struct ledger_cols *c, const struct job *j, const struct conf_input *in,
-                         int input_idx)
+void ledger_doc_cols_add_job(struct ledger_cols *c, const struct job *j,
+                             const struct conf_input *in, int input_idx)
 {
     struct ledger_doc *metas = &c->col[LEDGER_COL_METAS], *keys = &c->col[LEDGER_COL_KEYS];
     struct ledger_seen *slot;
@@ -408,7 +408,7 @@ nomem:
     c->nomem = true;
 }
 
-bool ledger_cols_end(struct ledger_cols *c)
+bool ledger_doc_cols_end(struct ledger_cols *c)
 {
     for (int i = 0; i < LEDGER_COL_N; i++) {
         if (i != LEDGER_COL_SHA)

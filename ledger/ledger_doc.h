@@ -63,9 +63,9 @@ void ledger_doc_add_string(struct ledger_doc *d, const char *s, size_t n);
  * exchange, routing key, redelivered, headers); distinct counts the keys.
  * Each meta is the one ledger_doc_add_job writes.
  *
- * API: ledger_cols_init -> [ledger_cols_begin -> ledger_cols_add_job ... ->
- *      ledger_cols_end -> read c->col[i].buf / .len, c->first, c->distinct]*
- *      -> ledger_cols_free.
+ * API: ledger_doc_cols_init -> [ledger_doc_cols_begin -> ledger_doc_cols_add_job ... ->
+ *      ledger_doc_cols_end -> read c->col[i].buf / .len, c->first, c->distinct]*
+ *      -> ledger_doc_cols_free.
  */
 enum ledger_col {
     LEDGER_COL_KEYS = 0,
@@ -82,7 +82,7 @@ struct ledger_seen;
 
 struct ledger_cols {
     struct ledger_doc col[LEDGER_COL_N]; /* buf/len: the binary arrays; owned */
-    int n;                /* jobs added since ledger_cols_begin */
+    int n;                /* jobs added since ledger_doc_cols_begin */
     int distinct;         /* distinct keys among them */
     bool *first;          /* first[i]: job i is the first copy of its key; owned */
     size_t first_cap;
@@ -91,25 +91,25 @@ struct ledger_cols {
     size_t nmetas_seen;
     struct ledger_seen *keys_seen;   /* distinct keys; owned */
     size_t nkeys_seen;
-    bool nomem; /* an append failed since ledger_cols_begin */
+    bool nomem; /* an append failed since ledger_doc_cols_begin */
 };
 
 /* Prepares empty columns. Cannot fail (memory comes on first use). */
-void ledger_cols_init(struct ledger_cols *c);
+void ledger_doc_cols_init(struct ledger_cols *c);
 
 /* Releases every buffer. */
-void ledger_cols_free(struct ledger_cols *c);
+void ledger_doc_cols_free(struct ledger_cols *c);
 
 /* Starts new arrays, keeping the buffers. */
-void ledger_cols_begin(struct ledger_cols *c);
+void ledger_doc_cols_begin(struct ledger_cols *c);
 
 /* Appends job j (decoded, with a key) of input in, number input_idx
  * (0-based). */
-void ledger_cols_add_job(struct ledger_cols *c, const struct job *j, const struct conf_input *in,
-                         int input_idx);
+void ledger_doc_cols_add_job(struct ledger_cols *c, const struct job *j,
+                             const struct conf_input *in, int input_idx);
 
-/* Finishes the arrays. Returns false if any append since ledger_cols_begin
+/* Finishes the arrays. Returns false if any append since ledger_doc_cols_begin
  * ran out of memory (the arrays are then unusable). */
-bool ledger_cols_end(struct ledger_cols *c);
+bool ledger_doc_cols_end(struct ledger_cols *c);
 
 #endif

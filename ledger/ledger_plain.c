@@ -110,11 +110,12 @@ static bool quoted_name(PGconn *db, const char *signature, char *out, size_t len
                         size_t errlen)
 {
     const char *params[1] = {signature};
-    PGresult *r = ledger_db_exec_params(db,
-                               "SELECT format('%I.%I', n.nspname, p.proname) FROM pg_catalog.pg_proc p "
-                               "JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace "
-                               "WHERE p.oid = pg_catalog.to_regprocedure($1)",
-                               1, NULL, params, NULL, NULL, 0);
+    PGresult *r = ledger_db_exec_params(
+        db,
+        "SELECT format('%I.%I', n.nspname, p.proname) FROM pg_catalog.pg_proc p "
+        "JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace "
+        "WHERE p.oid = pg_catalog.to_regprocedure($1)",
+        1, NULL, params, NULL, NULL, 0);
     bool ok = PQresultStatus(r) == PGRES_TUPLES_OK;
     if (!ok)
         snprintf(errbuf, errlen, "cannot resolve effect %s: %s", signature, PQerrorMessage(db));
@@ -162,7 +163,7 @@ struct ledger_plain *ledger_plain_new(PGconn *db, const struct conf *c, char *er
     }
     lp->db = db;
     lp->conf = c;
-    ledger_cols_init(&lp->cols);
+    ledger_doc_cols_init(&lp->cols);
     ledger_doc_init(&lp->raced);
     errbuf[0] = '\0';
     if (!may_write(db, errbuf, errlen)) {
@@ -204,7 +205,7 @@ void ledger_plain_free(struct ledger_plain *lp)
 {
     if (!lp)
         return;
-    ledger_cols_free(&lp->cols);
+    ledger_doc_cols_free(&lp->cols);
     ledger_doc_free(&lp->raced);
     free(lp->prepared);
     free(lp);
@@ -307,10 +308,10 @@ static bool send_run(struct ledger_plain *lp, struct job *const *jobs, int n)
     int lens[PLAIN_NPARAMS] = {0}, fmts[PLAIN_NPARAMS] = {0};
     char stmt[32];
 
-    ledger_cols_begin(&lp->cols);
+    ledger_doc_cols_begin(&lp->cols);
     for (int i = 0; i < n; i++)
-        ledger_cols_add_job(&lp->cols, jobs[i], in, jobs[i]->input);
-    if (!ledger_cols_end(&lp->cols))
+        ledger_doc_cols_add_job(&lp->cols, jobs[i], in, jobs[i]->input);
+    if (!ledger_doc_cols_end(&lp->cols))
         return false;
     for (size_t k = 0; k < sizeof cols / sizeof cols[0]; k += 2) {
         params[cols[k]] = lp->cols.col[cols[k + 1]].buf;
