@@ -13,8 +13,9 @@
  * file, and is never logged or put into an error text.
  *
  * API: effect_http_new -> [effect_http_key_check -> effect_http_build_body ->
- *      effect_http_submit]* + effect_http_poll ... -> effect_http_result_clear
- *      per result -> effect_http_free.
+ *      effect_http_submit(_within)]* + effect_http_poll ... ->
+ *      effect_http_result_clear per result -> effect_http_free.
+ * A submit starts sending at once; a call never outlives its budget.
  * Thread: an engine belongs to the thread that created it.
  */
 #ifndef IDEMQ_EFFECT_HTTP_H

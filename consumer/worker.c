@@ -166,7 +166,7 @@ static void drop_broker(struct session *s)
     broker_close(s->b); /* unacknowledged deliveries go back to the queue */
     s->b = NULL;
     lane_clear(s->lanes); /* held deliveries too: their tags died with the channel */
-    provider_run_abandon(s->pr); /* and provider jobs (their intents keep leases) */
+    provider_run_abandon(s->pr); /* and provider deliveries (their calls go on) */
 }
 
 /* Connects the database session and checks schema and effects. */
@@ -829,12 +829,19 @@ idemq_err_t worker_run(struct worker *w)
             run_report_interval(w, now_ns(), s.c->perf_interval_s);
         recover(&s, st);
     }
-    /* A drain: provider calls in flight get their answers (within their
-     * timeout) and are settled before the connections close. */
+    /* A drain: provider jobs not started go back to the broker (with the
+     * connection); calls in flight get their answers (within their lease)
+     * and are settled before the connections close. Without a broker the
+     * answers are still recorded. */
+    provider_run_drain(s.pr);
     for (long long end = now_ms() + PROVIDER_DRAIN_MS;
-         s.b && s.db && provider_run_pending(s.pr) && now_ms() < end;)
-        if (provider_settle(&s, 100) != STEP_OK)
+         s.db && provider_run_pending(s.pr) && now_ms() < end;) {
+        enum step st = provider_settle(&s, 100);
+        if (st == STEP_BROKER)
+            drop_broker(&s); /* the rest is recorded without settling */
+        else if (st != STEP_OK)
             break;
+    }
 out:
     set_ready(w, false, "stopped");
     session_free(&s);
