@@ -486,26 +486,17 @@ static bool is_lookup(enum effect_http_op op) { return op != EFFECT_HTTP_CALL; }
 enum effect_http_class effect_http_failure_class(int curl_code, long long pretransfer_us,
                                                  long request_size)
 {
-    switch ((CURLcode)curl_code) {
-    case CURLE_COULDNT_RESOLVE_HOST:
-    case CURLE_COULDNT_RESOLVE_PROXY:
-    case CURLE_COULDNT_CONNECT:
-    case CURLE_SSL_CONNECT_ERROR:
-    case CURLE_PEER_FAILED_VERIFICATION:
-    case CURLE_SSL_CACERT_BADFILE:
-    case CURLE_SSL_CERTPROBLEM:
-    case CURLE_SSL_CIPHER:
-    case CURLE_UNSUPPORTED_PROTOCOL:
-    case CURLE_URL_MALFORMAT:
-        return EFFECT_HTTP_NOT_SENT;
-    default:
-        /* Once the transfer began (connection and TLS up: the pretransfer
-         * time is set just before the first byte is written), the request
-         * may have reached the provider. The byte counters prove nothing:
-         * a first write that takes 0 bytes leaves request_size at 0. */
-        return pretransfer_us > 0 || request_size > 0 ? EFFECT_HTTP_UNKNOWN
-                                                      : EFFECT_HTTP_NOT_SENT;
-    }
+    /* Once the transfer began (connection and TLS up: the pretransfer time
+     * is set just before the first byte is written), the request may have
+     * reached the provider, whatever the code. The byte counters prove
+     * nothing: a first write that takes 0 bytes leaves request_size at 0. */
+    if (pretransfer_us > 0 || request_size > 0)
+        return EFFECT_HTTP_UNKNOWN;
+    /* Before that no byte of the request was written: a DNS, connect or
+     * TLS failure (certificate, handshake), a connect timeout, a refused
+     * URL. The code itself proves nothing either way. */
+    (void)curl_code;
+    return EFFECT_HTTP_NOT_SENT;
 }
 
 /* Sorts a finished request into its class. */

@@ -150,10 +150,11 @@ idemq_err_t effect_http_submit_within(struct effect_http *h, int input, enum eff
  * what libcurl reports of it: pretransfer_us (CURLINFO_PRETRANSFER_TIME_T,
  * 0 when the transfer never began: no connection, no TLS session) and
  * request_size (CURLINFO_REQUEST_SIZE). EFFECT_HTTP_NOT_SENT only when
- * nothing can have left (a connect, DNS or TLS failure, or no transfer
- * begun); any failure once the request may have started is
- * EFFECT_HTTP_UNKNOWN, whatever the byte counters say (a first write of 0
- * bytes leaves request_size at 0 while the rest goes out later). Pure.
+ * the transfer never began (a DNS, connect or TLS failure, a connect
+ * timeout): nothing can have left; any failure once it began is
+ * EFFECT_HTTP_UNKNOWN, whatever the code or the byte counters say (a first
+ * write of 0 bytes leaves request_size at 0 while the rest goes out
+ * later). Pure.
  */
 enum effect_http_class effect_http_failure_class(int curl_code, long long pretransfer_us,
                                                  long request_size);

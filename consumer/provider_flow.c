@@ -205,6 +205,13 @@ void provider_flow_drain(struct provider_flow *f)
     }
 }
 
+void provider_flow_pump(struct provider_flow *f)
+{
+    struct effect_http_result none;
+    if (f->http)
+        (void)effect_http_poll(f->http, 0, &none, 0); /* max 0: results stay queued */
+}
+
 int provider_flow_pending(const struct provider_flow *f) { return f->n_jobs + f->n_ready; }
 
 /* Unlinks p from the job list. */

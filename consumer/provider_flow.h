@@ -126,6 +126,11 @@ idemq_err_t provider_flow_start(struct provider_flow *f, PGconn *db, const struc
 int provider_flow_poll(struct provider_flow *f, PGconn *db, int timeout_ms,
                        struct provider_decision *out, int max);
 
+/* Drives the requests in flight without waiting: answers that arrived
+ * are read (before their timeouts run out) and wait in the engine for the
+ * next poll, which records them. Needs no database. Owner thread. */
+void provider_flow_pump(struct provider_flow *f);
+
 /* Jobs taken and not yet decided (queued, in flight or decided-unpolled). */
 int provider_flow_pending(const struct provider_flow *f);
 

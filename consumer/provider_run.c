@@ -196,6 +196,12 @@ void provider_run_drain(struct provider_run *pr)
         provider_flow_drain(pr->flow);
 }
 
+void provider_run_pump(struct provider_run *pr)
+{
+    if (pr)
+        provider_flow_pump(pr->flow);
+}
+
 int provider_run_pending(const struct provider_run *pr)
 {
     return pr ? provider_flow_pending(pr->flow) : 0;

@@ -80,6 +80,11 @@ void provider_run_abandon(struct provider_run *pr);
  * until provider_run_pending is 0 for the calls in flight. */
 void provider_run_drain(struct provider_run *pr);
 
+/* Drives the provider calls in flight without waiting and without the
+ * database (their answers wait for the next poll): for the worker's
+ * backoff naps. */
+void provider_run_pump(struct provider_run *pr);
+
 /* Deliveries awaiting a decision. */
 int provider_run_pending(const struct provider_run *pr);
 

@@ -141,11 +141,17 @@ static void set_ready(struct worker *w, bool ready, const char *why)
 }
 
 /* Backing off is waiting by design, not being stuck: naps in 1 s steps,
- * noting progress (liveness) after each. */
+ * noting progress (liveness) after each. Provider calls in flight keep
+ * being driven meanwhile (100 ms steps), so their answers are read before
+ * their timeouts and recorded once the worker is connected again. */
 static void progressing_nap(struct session *s, long ms)
 {
-    for (long left = ms; left > 0 && !sig_stop_requested(); left -= 1000) {
-        nap(left < 1000 ? left : 1000);
+    for (long left = ms; left > 0 && !sig_stop_requested();) {
+        long step = provider_run_pending(s->pr) ? 100 : 1000;
+        step = left < step ? left : step;
+        nap(step);
+        left -= step;
+        provider_run_pump(s->pr);
         worker_progress(s->w);
     }
 }

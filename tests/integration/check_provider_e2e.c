@@ -514,7 +514,9 @@ START_TEST(test13_lease_bounds_the_call)
     const char *p[1] = {key};
     PGresult *r;
     pid_t pid;
+    itest_extra_conf = "database: { statement_timeout_ms = 40000; };"; /* the wait is long */
     setup_provider("pe13", NULL, NULL);
+    itest_extra_conf = NULL;
     snprintf(key, sizeof key, "%s-k13", T.name);
     itest_sql(&T, "BEGIN");
     snprintf(sql, sizeof sql, "INSERT INTO idemq.jobs (key, state, source_queue, payload_sha256) "
@@ -547,7 +549,7 @@ START_TEST(test13_lease_bounds_the_call)
     /* the lease is timeout_ms + 5 s from the start of transaction 1; hold
      * the claim until less than 2.25 s of it are left (a send needs 2 s of
      * margin and 0.5 s of call) */
-    usleep((useconds_t)(itest_ms(3000) + 5000 - 2250) * 1000);
+    usleep((useconds_t)(T.conf->inputs[0].provider.timeout_ms + 5000 - 2250) * 1000);
     ck_assert_int_eq(tprov_stat(&P, NULL, "requests"), 0);
     itest_sql(&T, "ROLLBACK");
     ck_assert_int_ne(itest_wait(pid, itest_ms(60000)), -1);

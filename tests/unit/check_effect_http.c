@@ -522,6 +522,9 @@ START_TEST(test_failure_class_conservative)
                      EFFECT_HTTP_NOT_SENT);
     /* bytes counted but no transfer time: still possibly sent */
     ck_assert_int_eq(effect_http_failure_class(CURLE_PARTIAL_FILE, 0, 200), EFFECT_HTTP_UNKNOWN);
+    /* once the transfer began, no code proves "not sent" */
+    ck_assert_int_eq(effect_http_failure_class(CURLE_SSL_CONNECT_ERROR, 380, 0),
+                     EFFECT_HTTP_UNKNOWN);
 }
 END_TEST
 
