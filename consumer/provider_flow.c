@@ -190,19 +190,22 @@ void provider_flow_detach(struct provider_flow *f)
 void provider_flow_drain(struct provider_flow *f)
 {
     struct pf_job **pp = &f->jobs;
+    int dropped = 0;
     f->draining = true;
     while (*pp) {
         struct pf_job *p = *pp;
         if (p->queued) { /* never claimed: its delivery goes back to the broker */
-            log_job(LOG_LVL_INFO, p->key, (unsigned long long)p->redelivery_tag, 0,
-                    "provider: stopping: not started, given back to the broker");
             *pp = p->next;
             f->n_jobs--;
             job_free(p);
+            dropped++;
             continue;
         }
         pp = &p->next;
     }
+    if (dropped || f->n_jobs)
+        log_info("worker %d: stopping: %d provider job(s) not started go back to the broker; "
+                 "waiting for %d call(s) in flight", f->worker_id, dropped, f->n_jobs);
 }
 
 void provider_flow_pump(struct provider_flow *f)
