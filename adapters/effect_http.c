@@ -24,6 +24,9 @@
 #define IDEMQ_VERSION "dev"
 #endif
 
+/* A submit waits this long at most for its request to start going out. */
+#define SEND_WAIT_MS 100
+
 /* One request in flight. */
 struct call {
     struct call *next;
@@ -417,6 +420,27 @@ static const char *header_value(const char *line, size_t len, const char *name, 
     return v;
 }
 
+long effect_http_retry_after_ms(const char *value, long long now_s)
+{
+    const long max = EFFECT_HTTP_RETRY_AFTER_MAX_MS;
+    if (value[0] && strspn(value, "0123456789") == strlen(value)) {
+        long long s = 0;
+        for (const char *d = value; *d; d++) { /* no overflow: stops at the cap */
+            s = s * 10 + (*d - '0');
+            if (s > max / 1000)
+                return max;
+        }
+        return (long)(s * 1000);
+    } else {
+        time_t when = curl_getdate(value, NULL);
+        if (when != -1) {
+            long long ahead = (long long)when - now_s;
+            return ahead <= 0 ? 0 : ahead > max / 1000 ? max : (long)(ahead * 1000);
+        }
+    }
+    return -1;
+}
+
 static size_t on_header(char *line, size_t size, size_t n, void *arg)
 {
     struct call *k = arg;
@@ -425,17 +449,10 @@ static size_t on_header(char *line, size_t size, size_t n, void *arg)
     char val[128];
 
     if ((v = header_value(line, len, "Retry-After", &vlen))) {
+        long ms;
         snprintf(val, sizeof val, "%.*s", (int)(vlen < sizeof val ? vlen : sizeof val - 1), v);
-        if (val[0] && strspn(val, "0123456789") == strlen(val)) {
-            long s = strtol(val, NULL, 10);
-            k->r.retry_after_ms = s > 86400L * 365 ? 86400L * 365 * 1000 : s * 1000;
-        } else {
-            time_t when = curl_getdate(val, NULL);
-            if (when != -1) {
-                time_t now = time(NULL);
-                k->r.retry_after_ms = when > now ? (long)(when - now) * 1000 : 0;
-            }
-        }
+        if ((ms = effect_http_retry_after_ms(val, (long long)time(NULL))) >= 0)
+            k->r.retry_after_ms = ms;
     } else if ((v = header_value(line, len, "transient-error", &vlen))) {
         k->r.transient_header = vlen == 4 && strncasecmp(v, "true", 4) == 0;
     }
@@ -466,6 +483,22 @@ static void find_reference(const char *path, const char *body, size_t len, char 
 
 static bool is_lookup(enum effect_http_op op) { return op != EFFECT_HTTP_CALL; }
 
+enum effect_http_class effect_http_failure_class(int curl_code, long long pretransfer_us,
+                                                 long request_size)
+{
+    /* Once the transfer began (connection and TLS up: the pretransfer time
+     * is set just before the first byte is written), the request may have
+     * reached the provider, whatever the code. The byte counters prove
+     * nothing: a first write that takes 0 bytes leaves request_size at 0. */
+    if (pretransfer_us > 0 || request_size > 0)
+        return EFFECT_HTTP_UNKNOWN;
+    /* Before that no byte of the request was written: a DNS, connect or
+     * TLS failure (certificate, handshake), a connect timeout, a refused
+     * URL. The code itself proves nothing either way. */
+    (void)curl_code;
+    return EFFECT_HTTP_NOT_SENT;
+}
+
 /* Sorts a finished request into its class. */
 static void classify(struct effect_http *h, struct call *k, CURLcode rc)
 {
@@ -475,28 +508,13 @@ static void classify(struct effect_http *h, struct call *k, CURLcode rc)
 
     r->elapsed_ms = now_ms() - k->started_ms;
     if (rc != CURLE_OK) {
+        curl_off_t pre = 0;
         curl_easy_getinfo(k->easy, CURLINFO_REQUEST_SIZE, &sent);
+        curl_easy_getinfo(k->easy, CURLINFO_PRETRANSFER_TIME_T, &pre);
         r->status = 0;
         snprintf(r->detail, sizeof r->detail, "%s", k->errbuf[0] ? k->errbuf
                                                                  : curl_easy_strerror(rc));
-        switch (rc) {
-        case CURLE_COULDNT_RESOLVE_HOST:
-        case CURLE_COULDNT_RESOLVE_PROXY:
-        case CURLE_COULDNT_CONNECT:
-        case CURLE_SSL_CONNECT_ERROR:
-        case CURLE_PEER_FAILED_VERIFICATION:
-        case CURLE_SSL_CACERT_BADFILE:
-        case CURLE_SSL_CERTPROBLEM:
-        case CURLE_SSL_CIPHER:
-        case CURLE_UNSUPPORTED_PROTOCOL:
-        case CURLE_URL_MALFORMAT:
-            r->cls = EFFECT_HTTP_NOT_SENT;
-            break;
-        default:
-            /* Anything after the request left may have reached the provider. */
-            r->cls = sent > 0 ? EFFECT_HTTP_UNKNOWN : EFFECT_HTTP_NOT_SENT;
-            break;
-        }
+        r->cls = effect_http_failure_class((int)rc, (long long)pre, sent);
         return;
     }
     curl_easy_getinfo(k->easy, CURLINFO_RESPONSE_CODE, &r->status);
@@ -527,6 +545,38 @@ static void classify(struct effect_http *h, struct call *k, CURLcode rc)
     }
     if (!r->detail[0])
         snprintf(r->detail, sizeof r->detail, "HTTP %ld", r->status);
+}
+
+static void collect(struct effect_http *h);
+
+/*
+ * Sends k now: the caller may be busy for seconds before its next poll, and
+ * the lease was taken already. Drives the transfers until k's request is
+ * going out (its transfer began: connection and TLS up), k finished, or
+ * SEND_WAIT_MS passed (a slow connect or handshake then goes on at the next
+ * poll; the timeout bounds it either way). The first step also starts
+ * libcurl's clock for CURLOPT_TIMEOUT_MS. Finished transfers wait in the
+ * done queue for the next poll.
+ */
+static void send_now(struct effect_http *h, struct call *k)
+{
+    long long end = now_ms() + SEND_WAIT_MS;
+    for (;;) {
+        int running = 0;
+        curl_off_t pre = 0;
+        bool active = false;
+        long long left;
+        curl_multi_perform(h->multi, &running);
+        curl_easy_getinfo(k->easy, CURLINFO_PRETRANSFER_TIME_T, &pre);
+        if (pre > 0)
+            return;
+        collect(h); /* may free k: look for it before touching it again */
+        for (struct call *a = h->active; a && !active; a = a->next)
+            active = a == k;
+        if (!active || (left = end - now_ms()) <= 0)
+            return;
+        curl_multi_poll(h->multi, NULL, 0, (int)left, NULL);
+    }
 }
 
 /* Builds the URL of a request into a new string. */
@@ -560,6 +610,14 @@ idemq_err_t effect_http_submit(struct effect_http *h, int input, enum effect_htt
                                const char *key, const char *body, size_t body_len, void *cookie,
                                char *errbuf, size_t errlen)
 {
+    return effect_http_submit_within(h, input, op, key, body, body_len, cookie, -1, errbuf,
+                                     errlen);
+}
+
+idemq_err_t effect_http_submit_within(struct effect_http *h, int input, enum effect_http_op op,
+                                      const char *key, const char *body, size_t body_len,
+                                      void *cookie, long budget_ms, char *errbuf, size_t errlen)
+{
     const struct conf_input *in;
     const struct conf_provider *p;
     struct call *k = NULL;
@@ -578,6 +636,11 @@ idemq_err_t effect_http_submit(struct effect_http *h, int input, enum effect_htt
                  "value (control characters, CR/LF, non-ASCII or edge blanks): not sent",
                  in->name);
         return IDEMQ_ERR_KEY_INVALID_HEADER;
+    }
+    if (budget_ms >= 0 && budget_ms < EFFECT_HTTP_MIN_CALL_MS) {
+        snprintf(errbuf, errlen, "input %s: %ld ms left of the lease, below %d ms: not sent",
+                 in->name, budget_ms, EFFECT_HTTP_MIN_CALL_MS);
+        return IDEMQ_ERR_TIMEOUT;
     }
     if (h->p[input].in_flight >= p->max_in_flight) {
         snprintf(errbuf, errlen, "input %s: %d provider calls in flight (provider.max_in_flight)",
@@ -632,8 +695,13 @@ idemq_err_t effect_http_submit(struct effect_http *h, int input, enum effect_htt
     curl_easy_setopt(k->easy, CURLOPT_FOLLOWLOCATION, 0L);
     curl_easy_setopt(k->easy, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(k->easy, CURLOPT_HTTPHEADER, k->headers);
+    /* The whole transfer, from the first perform below, stays inside the
+     * budget (the lease that covers it), so once the lease is over no
+     * request of it is in flight. */
     curl_easy_setopt(k->easy, CURLOPT_CONNECTTIMEOUT_MS, (long)p->connect_timeout_ms);
-    curl_easy_setopt(k->easy, CURLOPT_TIMEOUT_MS, (long)p->timeout_ms);
+    curl_easy_setopt(k->easy, CURLOPT_TIMEOUT_MS,
+                     budget_ms >= 0 && budget_ms < p->timeout_ms ? budget_ms
+                                                                 : (long)p->timeout_ms);
     curl_easy_setopt(k->easy, CURLOPT_SSL_VERIFYPEER, p->verify_tls ? 1L : 0L);
     curl_easy_setopt(k->easy, CURLOPT_SSL_VERIFYHOST, p->verify_tls ? 2L : 0L);
     if (p->ca_file[0])
@@ -668,6 +736,7 @@ idemq_err_t effect_http_submit(struct effect_http *h, int input, enum effect_htt
     h->active = k;
     h->n_active++;
     h->p[input].in_flight++;
+    send_now(h, k);
     return IDEMQ_OK;
 nomem:
     snprintf(errbuf, errlen, "out of memory starting a provider request");

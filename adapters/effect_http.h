@@ -13,8 +13,9 @@
  * file, and is never logged or put into an error text.
  *
  * API: effect_http_new -> [effect_http_key_check -> effect_http_build_body ->
- *      effect_http_submit]* + effect_http_poll ... -> effect_http_result_clear
- *      per result -> effect_http_free.
+ *      effect_http_submit(_within)]* + effect_http_poll ... ->
+ *      effect_http_result_clear per result -> effect_http_free.
+ * A submit starts sending at once; a call never outlives its budget.
  * Thread: an engine belongs to the thread that created it.
  */
 #ifndef IDEMQ_EFFECT_HTTP_H
@@ -29,6 +30,13 @@
 /* Answers longer than this are cut (body_truncated); a reference is then
  * still found when the cut text parses, else the answer is a bad one. */
 #define EFFECT_HTTP_MAX_RESPONSE 65536
+
+/* A Retry-After is never more than this (the ledger takes an int4 of ms). */
+#define EFFECT_HTTP_RETRY_AFTER_MAX_MS 2147483647L
+
+/* A bounded call (effect_http_submit_within) is refused, nothing sent,
+ * when less than this is left of its budget. */
+#define EFFECT_HTTP_MIN_CALL_MS 500
 
 struct effect_http;
 
@@ -121,6 +129,42 @@ void effect_http_request_sha(const struct conf_input *in, const char *body, size
 idemq_err_t effect_http_submit(struct effect_http *h, int input, enum effect_http_op op,
                                const char *key, const char *body, size_t body_len, void *cookie,
                                char *errbuf, size_t errlen) IDEMQ_MUSTCHECK;
+
+/*
+ * effect_http_submit for a request that must be over within budget_ms from
+ * now (the lease that covers it, less a margin; < 0: provider.timeout_ms
+ * alone): the transfer's timeout is the smaller of the two. The request
+ * starts going out before this returns (the first transfer step runs here),
+ * so a caller busy elsewhere does not delay it. When budget_ms is below
+ * EFFECT_HTTP_MIN_CALL_MS nothing is sent and IDEMQ_ERR_TIMEOUT is
+ * returned (the intent stays certain: not sent). Other returns as
+ * effect_http_submit. The engine's thread only.
+ */
+idemq_err_t effect_http_submit_within(struct effect_http *h, int input, enum effect_http_op op,
+                                      const char *key, const char *body, size_t body_len,
+                                      void *cookie, long budget_ms, char *errbuf,
+                                      size_t errlen) IDEMQ_MUSTCHECK;
+
+/*
+ * The class of a transfer that failed with libcurl code curl_code, from
+ * what libcurl reports of it: pretransfer_us (CURLINFO_PRETRANSFER_TIME_T,
+ * 0 when the transfer never began: no connection, no TLS session) and
+ * request_size (CURLINFO_REQUEST_SIZE). EFFECT_HTTP_NOT_SENT only when
+ * the transfer never began (a DNS, connect or TLS failure, a connect
+ * timeout): nothing can have left; any failure once it began is
+ * EFFECT_HTTP_UNKNOWN, whatever the code or the byte counters say (a first
+ * write of 0 bytes leaves request_size at 0 while the rest goes out
+ * later). Pure.
+ */
+enum effect_http_class effect_http_failure_class(int curl_code, long long pretransfer_us,
+                                                 long request_size);
+
+/*
+ * A Retry-After header value in ms: delta-seconds, or an HTTP-date
+ * (now_s = the current time(NULL)); a date in the past is 0. Clamped to
+ * EFFECT_HTTP_RETRY_AFTER_MAX_MS however large. -1 if it is neither. Pure.
+ */
+long effect_http_retry_after_ms(const char *value, long long now_s);
 
 /*
  * Drives the transfers for at most timeout_ms (0 = only what is ready now)

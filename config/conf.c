@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 
 #include "backoff.h"
@@ -173,7 +174,11 @@ static const struct conf_key input_keys[] = {
     {"provider.ca_file", CT_STR, I(provider.ca_file), 0, 1024, "", 0, 0,
      "PEM file of CAs to verify the provider with; empty = the system store"},
     {"provider.verify_tls", CT_BOOL, I(provider.verify_tls), 0, 1, NULL, 1, 0,
-     "verify the provider's certificate and host name (https)"},
+     "verify the provider's certificate and host name (https); false is logged as a warning "
+     "at start and by check-config"},
+    {"provider.allow_plaintext", CT_BOOL, I(provider.allow_plaintext), 0, 1, NULL, 0, 0,
+     "allow an http:// url to a host that is not loopback (the credential and the payload "
+     "travel in clear; logged as a warning at start and by check-config)"},
     {"provider.auth_header", CT_STR, I(provider.auth_header), 1, 64, "Authorization", 0, 0,
      "header that carries the credential"},
     {"provider.auth_env", CT_STR, I(provider.auth_env), 0, 128, "", 0, 0,
@@ -667,6 +672,63 @@ static bool http_token(const char *s)
     return true;
 }
 
+/* The host of an http(s) URL into buf (no userinfo, no port; IPv6 with
+ * its brackets). */
+static void url_host(const char *url, char *buf, size_t len)
+{
+    const char *h = strstr(url, "://"), *end, *at;
+    size_t auth;
+    h = h ? h + 3 : url;
+    auth = strcspn(h, "/?#");
+    at = memchr(h, '@', auth);
+    while (at) { /* the last '@' of the authority ends the userinfo */
+        h = at + 1;
+        auth = strcspn(h, "/?#");
+        at = memchr(h, '@', auth);
+    }
+    end = *h == '[' ? memchr(h, ']', auth) : NULL;
+    end = end ? end + 1 : h + strcspn(h, ":/?#");
+    snprintf(buf, len, "%.*s", (int)(end - h), h);
+}
+
+/* localhost, 127.0.0.0/8 (dotted decimal) or [::1]. */
+static bool host_loopback(const char *host)
+{
+    int dots = 0;
+    if (strcasecmp(host, "localhost") == 0 || strcmp(host, "[::1]") == 0)
+        return true;
+    if (strncmp(host, "127.", 4) != 0)
+        return false;
+    for (const char *c = host; *c; c++) {
+        if (*c == '.')
+            dots++;
+        else if (!isdigit((unsigned char)*c))
+            return false;
+    }
+    return dots == 3;
+}
+
+bool conf_input_insecure(const struct conf_input *in, char *buf, size_t len)
+{
+    const struct conf_provider *p = &in->provider;
+    char host[256];
+    buf[0] = '\0';
+    if (!CONF_INPUT_PROVIDER(in))
+        return false;
+    url_host(p->url, host, sizeof host);
+    if (strncmp(p->url, "http://", 7) == 0)
+        snprintf(buf, len, "input %s: provider.url is plaintext http:// to %s%s: the credential "
+                 "(%s) and every payload travel unencrypted and unauthenticated",
+                 in->name, host, host_loopback(host) ? " (loopback)"
+                                                     : ", allowed by provider.allow_plaintext",
+                 p->auth_header);
+    else if (!p->verify_tls)
+        snprintf(buf, len, "input %s: provider.verify_tls = false: the certificate of %s is not "
+                 "checked, the credential (%s) goes to whoever answers", in->name, host,
+                 p->auth_header);
+    return buf[0] != '\0';
+}
+
 /* The provider settings of one input and their combinations. */
 static idemq_err_t validate_provider(const struct conf *c, struct conf_input *in, int line,
                                      const char *file, char *errbuf, size_t errlen)
@@ -733,6 +795,15 @@ static idemq_err_t validate_provider(const struct conf *c, struct conf_input *in
         if (!(isalnum((unsigned char)*f) || *f == '_' || *f == '-' || *f == '.'))
             PROVIDER_ERR("%s:%d: input %s: provider.reference_field \"%s\" must be a field name "
                          "or a dotted path (data.id)", file, line, in->name, p->reference_field);
+    if (strncmp(p->url, "http://", 7) == 0 && !p->allow_plaintext) {
+        char host[256];
+        url_host(p->url, host, sizeof host);
+        if (!host_loopback(host))
+            PROVIDER_ERR("%s:%d: input %s: provider.url is plaintext http:// to %s, not a "
+                         "loopback address: the credential and every payload would travel in "
+                         "clear; use https://, or set provider.allow_plaintext = true", file,
+                         line, in->name, host);
+    }
 #undef PROVIDER_ERR
     return IDEMQ_OK;
 }

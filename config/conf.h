@@ -54,6 +54,7 @@ struct conf_provider {
     int timeout_ms;        /* the whole call */
     char *ca_file;         /* "" = the system CA store */
     bool verify_tls;
+    bool allow_plaintext;  /* http:// to a host that is not loopback is refused without it */
     char *auth_header;     /* header name of the credential */
     char *auth_env;        /* environment variable holding the header value */
     char *auth_file;       /* file holding the header value */
@@ -194,6 +195,16 @@ void conf_print(const struct conf *c, FILE *out);
  * Returns buf. Truncates to buflen.
  */
 char *conf_redact(const char *s, char *buf, size_t buflen);
+
+/*
+ * True when provider input in sends its credential and payload without the
+ * protection of verified TLS: an http:// URL (loopback, or allowed by
+ * provider.allow_plaintext) or provider.verify_tls = false. buf then holds
+ * one line naming the input and the setting (never the URL's userinfo) for
+ * a warning at start and in `check-config`. False (buf "") otherwise and
+ * for other inputs. Pure.
+ */
+bool conf_input_insecure(const struct conf_input *in, char *buf, size_t len);
 
 /* Seconds in "N seconds|minutes|hours|days" (singular or plural unit, one
  * space), or -1 if the text is not of that form. Pure. */

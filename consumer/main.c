@@ -593,6 +593,13 @@ int main(int argc, char **argv)
     log_current_level = log_level_parse(c->log_level);
     log_configure(strcmp(c->log_format, "json") == 0, c->consumer_id);
     sig_install();
+    if (strcmp(o.cmd, "run") == 0 || strcmp(o.cmd, "check-config") == 0) {
+        for (int i = 0; i < c->n_inputs; i++) { /* insecure provider transport (D14) */
+            char warn[512];
+            if (conf_input_insecure(&c->inputs[i], warn, sizeof warn))
+                log_warn("%s", warn);
+        }
+    }
     if (strcmp(o.cmd, "check-config") == 0) {
         struct effect_http *h = NULL; /* provider credentials and CA files, issue 9 */
         if (effect_http_new(c, &h, err, sizeof err) != IDEMQ_OK) {

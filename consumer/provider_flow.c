@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "effect_http.h"
@@ -17,6 +18,12 @@
 #include "log.h"
 
 #define POLL_BATCH 16
+/* The lease of a request or lookup: provider.timeout_ms + this, from the
+ * statement that took it (as ledger_provider_opts' lease_ms). */
+#define LEASE_EXTRA_MS 5000
+/* A request must be over this long before its lease ends: the time to
+ * record its answer (transaction 2) while the lease still holds. */
+#define LEASE_MARGIN_MS 2000
 
 /* One job between start and decision. */
 struct pf_job {
@@ -24,7 +31,10 @@ struct pf_job {
     void *cookie;
     int input;
     bool queued; /* waiting for a free slot; transaction 1 not run yet */
+    bool orphan; /* its delivery is gone (broker reconnect); cookie NULL; the
+                  * call goes on and its answer is recorded, nothing settled */
     int lease;   /* the request or lookup in flight */
+    long long step_ms; /* when the statement that gave the last step started */
     char key[CONF_KEY_MAX_BYTES + 1];
     char *doc;   /* one-job ledger document (key, queue, sha, meta, payload) */
     unsigned char *body; /* the raw message */
@@ -47,7 +57,15 @@ struct provider_flow {
     struct provider_decision *ready; /* decided, not yet polled */
     int n_ready, cap_ready;
     bool crash_after_call; /* test hook: SIGKILL between an answer and transaction 2 */
+    bool draining;         /* a stop: start nothing new (provider_flow_drain) */
 };
+
+static long long now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
 
 const char *provider_flow_kind_name(enum provider_decision_kind k)
 {
@@ -149,6 +167,54 @@ void provider_flow_abandon(struct provider_flow *f)
         log_error("worker %d: provider engine: %s", f->worker_id, err);
 }
 
+void provider_flow_detach(struct provider_flow *f)
+{
+    struct pf_job **pp = &f->jobs;
+    for (int i = 0; i < f->n_ready; i++) /* decided: the redelivery finds what was recorded */
+        provider_flow_decision_clear(&f->ready[i]);
+    f->n_ready = 0;
+    while (*pp) {
+        struct pf_job *p = *pp;
+        if (p->queued) { /* never claimed: nothing to keep */
+            *pp = p->next;
+            f->n_jobs--;
+            job_free(p);
+            continue;
+        }
+        p->orphan = true;
+        p->cookie = NULL;
+        pp = &p->next;
+    }
+}
+
+void provider_flow_drain(struct provider_flow *f)
+{
+    struct pf_job **pp = &f->jobs;
+    int dropped = 0;
+    f->draining = true;
+    while (*pp) {
+        struct pf_job *p = *pp;
+        if (p->queued) { /* never claimed: its delivery goes back to the broker */
+            *pp = p->next;
+            f->n_jobs--;
+            job_free(p);
+            dropped++;
+            continue;
+        }
+        pp = &p->next;
+    }
+    if (dropped || f->n_jobs)
+        log_info("worker %d: stopping: %d provider job(s) not started go back to the broker; "
+                 "waiting for %d call(s) in flight", f->worker_id, dropped, f->n_jobs);
+}
+
+void provider_flow_pump(struct provider_flow *f)
+{
+    struct effect_http_result none;
+    if (f->http)
+        (void)effect_http_poll(f->http, 0, &none, 0); /* max 0: results stay queued */
+}
+
 int provider_flow_pending(const struct provider_flow *f) { return f->n_jobs + f->n_ready; }
 
 /* Unlinks p from the job list. */
@@ -179,7 +245,7 @@ static void decide(struct provider_flow *f, struct pf_job *p, enum provider_deci
         f->ready = nr;
         f->cap_ready = cap;
     }
-    d = &f->ready[f->n_ready++];
+    d = &f->ready[f->n_ready++]; /* an orphan's too: poll drops it */
     memset(d, 0, sizeof *d);
     d->cookie = p->cookie;
     d->input = p->input;
@@ -200,9 +266,10 @@ static void decide(struct provider_flow *f, struct pf_job *p, enum provider_deci
     log_job(kind == PROVIDER_FLOW_PARK || kind == PROVIDER_FLOW_FAIL ? LOG_LVL_WARN
                                                                       : LOG_LVL_INFO,
             shown, (unsigned long long)p->redelivery_tag, attempt,
-            "provider: %s (%s)%s%s",
+            "provider: %s (%s)%s%s%s",
             provider_flow_kind_name(kind), outcome, reason && reason[0] ? ": " : "",
-            reason ? reason : "");
+            reason ? reason : "",
+            p->orphan ? " (its delivery is gone: a redelivery finds what was recorded)" : "");
     if (!p->queued && f->active[p->input] > 0)
         f->active[p->input]--;
     unlink_job(f, p);
@@ -231,25 +298,51 @@ static void db_failed(struct provider_flow *f, struct pf_job *p, const char *wha
 static void act(struct provider_flow *f, PGconn *db, struct pf_job *p,
                 struct ledger_provider_step *s);
 
-/* Sends the request or lookup the ledger asked for. */
-static void submit_step(struct provider_flow *f, struct pf_job *p, struct ledger_provider_step *s)
+static void answered(struct provider_flow *f, PGconn *db, struct effect_http_result *r);
+
+/*
+ * Sends the request or lookup the ledger asked for, bounded by its lease
+ * (taken by the statement that started at p->step_ms): the transfer ends
+ * LEASE_MARGIN_MS before the lease does, so a lease that ran out means no
+ * request of it is in flight. When nothing can be sent (a stop is
+ * draining, too little lease left, no memory), that is recorded at once as
+ * the answer "not_sent" (transaction 2): the intent stays certain and the
+ * ledger decides the next step, instead of a lease left to expire as an
+ * unknown outcome.
+ */
+static void submit_step(struct provider_flow *f, PGconn *db, struct pf_job *p,
+                        struct ledger_provider_step *s)
 {
+    struct effect_http_result r;
     char err[256];
     enum effect_http_op op = s->action == LEDGER_PROVIDER_CALL ? EFFECT_HTTP_CALL
                              : s->by_reference                 ? EFFECT_HTTP_LOOKUP_REF
                                                                : EFFECT_HTTP_LOOKUP_KEY;
     const char *body = s->body ? (const char *)s->body : p->req;
     size_t len = s->body ? s->body_len : p->req_len;
-    idemq_err_t rc = effect_http_submit(f->http, p->input, op, p->key, body, len, p, err,
-                                        sizeof err);
-    if (rc == IDEMQ_OK) {
-        p->lease = s->lease;
-        return;
+    long budget = (long)(p->step_ms + f->c->inputs[p->input].provider.timeout_ms +
+                         LEASE_EXTRA_MS - LEASE_MARGIN_MS - now_ms());
+    idemq_err_t rc;
+
+    p->lease = s->lease;
+    if (f->draining) {
+        snprintf(err, sizeof err, "not sent: idemq is stopping");
+        rc = IDEMQ_ERR_SHUTDOWN;
+    } else {
+        rc = effect_http_submit_within(f->http, p->input, op, p->key, body, len, p,
+                                       budget < 0 ? 0 : budget, err, sizeof err);
     }
-    /* Nothing was sent. The intent holds a lease now: after it, the ledger
-     * counts an unknown outcome and looks the request up or resends it. */
-    decide(f, p, PROVIDER_FLOW_RETRY, f->c->inputs[p->input].provider.timeout_ms + 5000,
-           s->attempt, NULL, "not_sent", err);
+    if (rc == IDEMQ_OK)
+        return;
+    /* Nothing was sent: the ledger hears so now. */
+    memset(&r, 0, sizeof r);
+    r.cookie = p;
+    r.input = p->input;
+    r.op = op;
+    r.cls = EFFECT_HTTP_NOT_SENT;
+    r.retry_after_ms = -1;
+    snprintf(r.detail, sizeof r.detail, "%s", err);
+    answered(f, db, &r);
 }
 
 /* The local effect failed after the provider confirmed. */
@@ -270,6 +363,7 @@ static void effect_error(struct provider_flow *f, PGconn *db, struct pf_job *p,
         return;
     }
     memset(&next, 0, sizeof next);
+    p->step_ms = now_ms();
     if (ledger_provider_effect_failed(db, p->key,
                                       cls == CLASS_PERMANENT ? "permanent" : "transient",
                                       idemq_err_name(IDEMQ_ERR_EFFECT), s->sqlstate, s->message,
@@ -289,7 +383,7 @@ static void act(struct provider_flow *f, PGconn *db, struct pf_job *p,
     switch (s->action) {
     case LEDGER_PROVIDER_CALL:
     case LEDGER_PROVIDER_LOOKUP:
-        submit_step(f, p, s);
+        submit_step(f, db, p, s);
         return;
     case LEDGER_PROVIDER_APPLIED:
         decide(f, p, PROVIDER_FLOW_ACK, 0, s->attempt, NULL, "applied", s->message);
@@ -381,6 +475,7 @@ static void begin(struct provider_flow *f, PGconn *db, struct pf_job *p)
         return;
     }
     memset(&s, 0, sizeof s);
+    p->step_ms = now_ms();
     if (ledger_provider_begin(db, p->doc, f->opts[p->input], f->c->consumer_id, p->body,
                               p->body_len, p->props, p->req_sha, p->req, p->req_len, &s,
                               &e) != IDEMQ_OK) {
@@ -394,7 +489,7 @@ static void begin(struct provider_flow *f, PGconn *db, struct pf_job *p)
 /* Runs transaction 1 for queued jobs whose input has a free slot. */
 static void start_queued(struct provider_flow *f, PGconn *db)
 {
-    bool again = true;
+    bool again = !f->draining;
     while (again) {
         again = false;
         for (struct pf_job *p = f->jobs; p; p = p->next) {
@@ -426,6 +521,20 @@ idemq_err_t provider_flow_start(struct provider_flow *f, PGconn *db, const struc
         }
     }
     in = &f->c->inputs[j->input];
+    for (p = f->jobs; p; p = p->next) {
+        /* The redelivery of a job whose call went on after a broker
+         * reconnect: it takes the job over and settles with its answer. */
+        if (p->orphan && p->input == j->input && strcmp(p->key, j->key) == 0 &&
+            p->body_len == j->body_len && memcmp(p->body, j->body, j->body_len) == 0) {
+            p->orphan = false;
+            p->cookie = cookie;
+            p->redelivery_tag = (long long)j->tag;
+            log_job(LOG_LVL_INFO, p->key, (unsigned long long)j->tag, 0,
+                    "provider: redelivered while its call %d is in flight: waits for it",
+                    p->lease);
+            return IDEMQ_OK;
+        }
+    }
     if (f->n_ready + f->n_jobs + 1 > f->cap_ready) { /* so decide() never allocates */
         int cap = f->cap_ready ? f->cap_ready * 2 : 16;
         struct provider_decision *nr = realloc(f->ready, sizeof *nr * (size_t)cap);
@@ -501,6 +610,7 @@ static void answered(struct provider_flow *f, PGconn *db, struct effect_http_res
         return;
     }
     memset(&s, 0, sizeof s);
+    p->step_ms = now_ms();
     if (ledger_provider_result(db, p->key, p->lease, op, effect_http_class_name(r->cls),
                                r->status, answer, r->reference, r->retry_after_ms, r->detail,
                                f->opts[p->input], p->doc, f->c->consumer_id, false, &s,
@@ -533,13 +643,21 @@ int provider_flow_poll(struct provider_flow *f, PGconn *db, int timeout_ms,
         }
         start_queued(f, db);
     }
-    while (n < max && n < f->n_ready) {
-        out[n] = f->ready[n];
-        n++;
-    }
-    if (n) {
-        memmove(f->ready, f->ready + n, sizeof *f->ready * (size_t)(f->n_ready - n));
-        f->n_ready -= n;
+    {
+        int taken = 0;
+        while (n < max && taken < f->n_ready) {
+            struct provider_decision *d = &f->ready[taken++];
+            if (!d->cookie) { /* an orphan's: recorded, nothing to settle */
+                provider_flow_decision_clear(d);
+                continue;
+            }
+            out[n++] = *d;
+        }
+        if (taken) {
+            memmove(f->ready, f->ready + taken,
+                    sizeof *f->ready * (size_t)(f->n_ready - taken));
+            f->n_ready -= taken;
+        }
     }
     return n;
 }

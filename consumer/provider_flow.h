@@ -34,10 +34,15 @@
  *                  ledger_txn_mark_dead_lettered(park_id)
  *           FAIL   settle nothing; CLASS_INFRA: drop both connections and
  *                  reconnect; CLASS_FATAL: pause as NOT READY. Then call
- *                  provider_flow_abandon (its other jobs' deliveries come
+ *                  provider_flow_detach (its other jobs' deliveries come
  *                  back with the dropped channel).
  *       provider_flow_decision_clear(&decision)
- *   on a broker or database loss: provider_flow_abandon(flow)
+ *   on a broker loss (any reconnect): provider_flow_detach(flow): the
+ *       deliveries are forgotten, the calls in flight go on and their
+ *       answers are recorded by later polls (the database does not depend
+ *       on the channel); a redelivery of such a job takes it over
+ *   on a stop (SIGTERM): provider_flow_drain(flow), then poll until
+ *       provider_flow_pending is 0 (or a deadline)
  *   provider_flow_free(flow)                          at worker end
  *
  * Every ledger step is one statement (one round trip, one transaction) and
@@ -121,17 +126,41 @@ idemq_err_t provider_flow_start(struct provider_flow *f, PGconn *db, const struc
 int provider_flow_poll(struct provider_flow *f, PGconn *db, int timeout_ms,
                        struct provider_decision *out, int max);
 
+/* Drives the requests in flight without waiting: answers that arrived
+ * are read (before their timeouts run out) and wait in the engine for the
+ * next poll, which records them. Needs no database. Owner thread. */
+void provider_flow_pump(struct provider_flow *f);
+
 /* Jobs taken and not yet decided (queued, in flight or decided-unpolled). */
 int provider_flow_pending(const struct provider_flow *f);
 
 /*
- * Forgets every job not yet returned by poll, cancelling their requests:
- * after a FAIL, or when the broker connection was lost (their deliveries
- * return to the queue). Their intents keep their leases: a redelivery waits
- * for the lease, then looks the request up or resends it under the same
- * key. Owner thread.
+ * Forgets every job not yet returned by poll, cancelling their requests
+ * (as a crash would; provider_flow_free does it). Their intents keep their
+ * leases: a redelivery waits for the lease, then looks the request up or
+ * resends it under the same key. Owner thread.
  */
 void provider_flow_abandon(struct provider_flow *f);
+
+/*
+ * The deliveries of every job are gone (a broker reconnect, after a FAIL
+ * too): drops the decisions not yet polled (what they record is committed;
+ * a redelivery finds it) and the queued jobs (never claimed), and keeps
+ * the calls in flight: poll still records their answers (transaction 2)
+ * but hands out no decision for them. A redelivery of such a job (same
+ * input, key and body) given to provider_flow_start takes it over: its
+ * decision comes when the answer is recorded. Owner thread.
+ */
+void provider_flow_detach(struct provider_flow *f);
+
+/*
+ * A stop: queued jobs (no transaction 1 yet, never claimed) are dropped
+ * (the caller gives their deliveries back to the broker) and nothing new
+ * is sent from now on: a step that would send a request or lookup is
+ * recorded as not sent at once. Calls already in flight go on; poll until
+ * provider_flow_pending is 0. Owner thread.
+ */
+void provider_flow_drain(struct provider_flow *f);
 
 /* Releases what a decision owns and zeroes it. */
 void provider_flow_decision_clear(struct provider_decision *d);

@@ -75,7 +75,7 @@ void provider_run_free(struct provider_run *pr)
     if (!pr)
         return;
     provider_run_abandon(pr);
-    provider_flow_free(pr->flow);
+    provider_flow_free(pr->flow); /* cancels the calls still in flight */
     reconcile_sweep_free(pr->sweep);
     free(pr);
 }
@@ -185,9 +185,21 @@ void provider_run_abandon(struct provider_run *pr)
 {
     if (!pr)
         return;
-    provider_flow_abandon(pr->flow);
+    provider_flow_detach(pr->flow);
     while (pr->head.next != &pr->head)
         pending_free(pr->head.next);
+}
+
+void provider_run_drain(struct provider_run *pr)
+{
+    if (pr)
+        provider_flow_drain(pr->flow);
+}
+
+void provider_run_pump(struct provider_run *pr)
+{
+    if (pr)
+        provider_flow_pump(pr->flow);
 }
 
 int provider_run_pending(const struct provider_run *pr)

@@ -8,7 +8,8 @@
  *
  * API: provider_run_new -> per batch provider_run_take -> each loop
  *      provider_run_poll, settle, provider_run_done ... provider_run_sweep
- *      ... provider_run_abandon (connection lost) -> provider_run_free.
+ *      ... provider_run_abandon (broker connection lost) ...
+ *      [provider_run_drain (stop) -> provider_run_poll ...] -> provider_run_free.
  * One worker thread.
  */
 #ifndef IDEMQ_PROVIDER_RUN_H
@@ -39,7 +40,7 @@ struct provider_run;
 idemq_err_t provider_run_new(const struct conf *c, int worker_id, struct provider_run **out,
                              char *errbuf, size_t errlen) IDEMQ_MUSTCHECK;
 
-/* Abandons what is in flight and frees pr. NULL is fine. */
+/* Cancels what is in flight and frees pr. NULL is fine. */
 void provider_run_free(struct provider_run *pr);
 
 /*
@@ -68,10 +69,21 @@ int provider_run_poll(struct provider_run *pr, PGconn *db, int wait_ms, struct j
  * plans' references. */
 void provider_run_done(struct provider_run *pr, struct plan *plans, bool settled);
 
-/* Forgets every delivery not decided yet: their channel is gone. Their
- * intents keep their leases (a redelivery looks the call up or resends it
- * under the same key). */
+/* Forgets every delivery not decided yet: their channel is gone. Calls in
+ * flight go on and later polls record their answers (no decision for
+ * them); a redelivery that arrives meanwhile takes its call over (see
+ * provider_flow_detach). */
 void provider_run_abandon(struct provider_run *pr);
+
+/* A stop: jobs not started (never claimed) are given up (their deliveries
+ * return when the connection closes); nothing new is sent; keep polling
+ * until provider_run_pending is 0 for the calls in flight. */
+void provider_run_drain(struct provider_run *pr);
+
+/* Drives the provider calls in flight without waiting and without the
+ * database (their answers wait for the next poll): for the worker's
+ * backoff naps. */
+void provider_run_pump(struct provider_run *pr);
 
 /* Deliveries awaiting a decision. */
 int provider_run_pending(const struct provider_run *pr);

@@ -141,11 +141,17 @@ static void set_ready(struct worker *w, bool ready, const char *why)
 }
 
 /* Backing off is waiting by design, not being stuck: naps in 1 s steps,
- * noting progress (liveness) after each. */
+ * noting progress (liveness) after each. Provider calls in flight keep
+ * being driven meanwhile (100 ms steps), so their answers are read before
+ * their timeouts and recorded once the worker is connected again. */
 static void progressing_nap(struct session *s, long ms)
 {
-    for (long left = ms; left > 0 && !sig_stop_requested(); left -= 1000) {
-        nap(left < 1000 ? left : 1000);
+    for (long left = ms; left > 0 && !sig_stop_requested();) {
+        long step = provider_run_pending(s->pr) ? 100 : 1000;
+        step = left < step ? left : step;
+        nap(step);
+        left -= step;
+        provider_run_pump(s->pr);
         worker_progress(s->w);
     }
 }
@@ -166,7 +172,7 @@ static void drop_broker(struct session *s)
     broker_close(s->b); /* unacknowledged deliveries go back to the queue */
     s->b = NULL;
     lane_clear(s->lanes); /* held deliveries too: their tags died with the channel */
-    provider_run_abandon(s->pr); /* and provider jobs (their intents keep leases) */
+    provider_run_abandon(s->pr); /* and provider deliveries (their calls go on) */
 }
 
 /* Connects the database session and checks schema and effects. */
@@ -829,12 +835,19 @@ idemq_err_t worker_run(struct worker *w)
             run_report_interval(w, now_ns(), s.c->perf_interval_s);
         recover(&s, st);
     }
-    /* A drain: provider calls in flight get their answers (within their
-     * timeout) and are settled before the connections close. */
+    /* A drain: provider jobs not started go back to the broker (with the
+     * connection); calls in flight get their answers (within their lease)
+     * and are settled before the connections close. Without a broker the
+     * answers are still recorded. */
+    provider_run_drain(s.pr);
     for (long long end = now_ms() + PROVIDER_DRAIN_MS;
-         s.b && s.db && provider_run_pending(s.pr) && now_ms() < end;)
-        if (provider_settle(&s, 100) != STEP_OK)
+         s.db && provider_run_pending(s.pr) && now_ms() < end;) {
+        enum step st = provider_settle(&s, 100);
+        if (st == STEP_BROKER)
+            drop_broker(&s); /* the rest is recorded without settling */
+        else if (st != STEP_OK)
             break;
+    }
 out:
     set_ready(w, false, "stopped");
     session_free(&s);

@@ -2,6 +2,8 @@
  * a real RabbitMQ, PostgreSQL and idemq-test-provider (the worker loop
  * drives consumer/provider_flow). */
 #include <check.h>
+#include <curl/curl.h>
+#include <jansson.h>
 
 #include "check_run.h"
 #include <signal.h>
@@ -13,6 +15,7 @@
 #include <unistd.h>
 
 #include "itest.h"
+#include "ledger_db.h"
 #include "tprov.h"
 #include "topology.h"
 
@@ -304,6 +307,266 @@ START_TEST(test10_demo)
 }
 END_TEST
 
+/* Collects a management API answer. */
+static size_t mgmt_body(char *d, size_t size, size_t n, void *arg)
+{
+    char *buf = arg;
+    size_t have = strlen(buf), take = size * n;
+    if (have + take >= 65536)
+        take = 65535 - have;
+    memcpy(buf + have, d, take);
+    buf[have + take] = '\0';
+    return size * n;
+}
+
+/* One request to the broker's management API (guest); returns the status. */
+static long mgmt(const char *method, const char *path, char *out)
+{
+    CURL *e = curl_easy_init();
+    char url[1024];
+    long status = 0;
+    const char *base = getenv("IDEMQ_RABBIT_MGMT_URL");
+    ck_assert_msg(base && e, "needs IDEMQ_RABBIT_MGMT_URL (scripts/services env)");
+    snprintf(url, sizeof url, "%s%s", base, path);
+    out[0] = '\0';
+    curl_easy_setopt(e, CURLOPT_URL, url);
+    curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, method);
+    curl_easy_setopt(e, CURLOPT_USERPWD, "guest:guest");
+    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, mgmt_body);
+    curl_easy_setopt(e, CURLOPT_WRITEDATA, out);
+    curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, 10000L);
+    ck_assert_int_eq(curl_easy_perform(e), CURLE_OK);
+    curl_easy_getinfo(e, CURLINFO_RESPONSE_CODE, &status);
+    curl_easy_cleanup(e);
+    return status;
+}
+
+/* The names of the AMQP connections whose client-given name contains
+ * needle, as the broker's management API lists them (it lists a new
+ * connection within its statistics interval, some seconds), into a JSON
+ * array (caller frees). */
+static json_t *connections(const char *needle)
+{
+    static char out[65536];
+    json_t *list, *names = json_array(), *c;
+    size_t i;
+    ck_assert_int_eq(mgmt("GET", "/api/connections?columns=name,client_properties", out), 200);
+    list = json_loads(out, 0, NULL);
+    ck_assert_ptr_nonnull(list);
+    json_array_foreach(list, i, c) {
+        const char *cn = json_string_value(
+            json_object_get(json_object_get(c, "client_properties"), "connection_name"));
+        const char *name = json_string_value(json_object_get(c, "name"));
+        if (cn && name && strstr(cn, needle))
+            json_array_append_new(names, json_string(name));
+    }
+    json_decref(list);
+    return names;
+}
+
+/* Waits up to ms until the broker lists a connection named with needle. */
+static void wait_connection(const char *needle, int ms)
+{
+    for (int waited = 0;; waited += 100) {
+        json_t *names = connections(needle);
+        size_t n = json_array_size(names);
+        json_decref(names);
+        if (n > 0)
+            return;
+        ck_assert_msg(waited < ms, "no connection of %s listed by the broker", needle);
+        usleep(100000);
+    }
+}
+
+/* Closes (from the broker's side, as an operator or a node would) every
+ * AMQP connection whose client-given name contains needle; returns how
+ * many. The worker sees its channel gone and reconnects. */
+static int close_connections(const char *needle)
+{
+    static char out[65536];
+    json_t *names = connections(needle), *v;
+    size_t i;
+    int n = 0;
+    json_array_foreach(names, i, v) {
+        char path[600], *esc = curl_easy_escape(NULL, json_string_value(v), 0);
+        snprintf(path, sizeof path, "/api/connections/%s", esc);
+        curl_free(esc);
+        ck_assert_int_eq(mgmt("DELETE", path, out) / 100, 2);
+        n++;
+    }
+    json_decref(names);
+    return n;
+}
+
+/* Waits up to ms for the provider to have counted at least want requests. */
+static long wait_requests(long want, int ms)
+{
+    long n = tprov_stat(&P, NULL, "requests");
+    for (int i = 0; i < ms / 20 && n < want; i++) {
+        usleep(20000);
+        n = tprov_stat(&P, NULL, "requests");
+    }
+    return n;
+}
+
+#define LEASE_EXPIRED_LIKE \
+    "SELECT count(*) FROM idemq.attempts WHERE key LIKE $1 || '%' AND error_code = " \
+    "'lease_expired'"
+#define APPLIED_LIKE "SELECT count(*) FROM idemq.jobs WHERE key LIKE $1 || '%' AND state = 'applied'"
+#define EFFECTS_LIKE "SELECT count(*) FROM idemq_test.effects WHERE key LIKE $1 || '%'"
+
+/* 11 (D6). A broker reconnect while calls are in flight: the calls go on,
+ * their answers are recorded, the redeliveries settle with them. Each
+ * charge once, one request each, no unknown outcome, no lease expired. */
+START_TEST(test11_broker_reconnect_keeps_calls)
+{
+    enum { N = 4 };
+    char key[128], b[256], log[300], ctl[128];
+    pid_t pid;
+    int st;
+    setup_provider("pe11", NULL, "max_in_flight = 8;");
+    snprintf(log, sizeof log, "/tmp/%s.log", T.name);
+    snprintf(ctl, sizeof ctl, "{\"fault\":\"latency=%d\",\"count\":%d}", itest_ms(1500), N);
+    pid = itest_spawn_log(T.cfg_path, 10, NULL, log);
+    wait_connection(T.name, itest_ms(20000)); /* so it can be closed at once below */
+    tprov_control(&P, ctl);
+    for (int i = 0; i < N; i++) {
+        snprintf(key, sizeof key, "%s-k11-%d", T.name, i);
+        publish_payout(key, NULL);
+    }
+    ck_assert_int_eq(wait_requests(N, itest_ms(10000)), N); /* all in flight */
+    ck_assert_int_ge(close_connections(T.name), 1);
+    st = itest_wait(pid, itest_ms(60000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "idemq: 0x%x (see %s)", st,
+                  log);
+    ck_assert_int_ge(itest_count_lines(log, "broker failure"), 1); /* it did reconnect */
+    ck_assert_int_eq(itest_long(&T, LEASE_EXPIRED_LIKE, T.name), 0);
+    ck_assert_int_eq(itest_long(&T, "SELECT count(*) FROM idemq.intents WHERE key LIKE $1 || "
+                                    "'%' AND (uncertain OR unknowns > 0)", T.name), 0);
+    ck_assert_int_eq(itest_long(&T, APPLIED_LIKE, T.name), N);
+    ck_assert_int_eq(itest_long(&T, EFFECTS_LIKE, T.name), N);
+    ck_assert_int_eq(tprov_stat(&P, NULL, "requests"), N); /* never resent */
+    for (int i = 0; i < N; i++) {
+        snprintf(key, sizeof key, "%s-k11-%d", T.name, i);
+        ck_assert_int_eq(tprov_stat(&P, key, "key_charges"), 1);
+        ck_assert_str_eq(itest_text(&T, STATE, key, b, sizeof b), "applied");
+    }
+    ck_assert_int_eq(itest_queue_ready(&T, T.conf->inputs[0].queue), 0);
+    unlink(log);
+    teardown();
+}
+END_TEST
+
+/* 12 (D13). SIGTERM with provider jobs queued behind max_in_flight: only
+ * the calls in flight are awaited; the queued jobs go back to the broker
+ * unclaimed. After a restart every job is applied once, and no intent ever
+ * had its lease expire. */
+START_TEST(test12_stop_drain_starts_nothing)
+{
+    enum { N = 40 };
+    char key[128], ctl[128];
+    pid_t pid;
+    int st;
+    long at_stop, t0;
+    struct timespec ts;
+    setup_provider("pe12", NULL, "max_in_flight = 2;");
+    snprintf(ctl, sizeof ctl, "{\"fault\":\"latency=%d\",\"count\":%d}", itest_ms(1500), N);
+    tprov_control(&P, ctl);
+    for (int i = 0; i < N; i++) {
+        snprintf(key, sizeof key, "%s-k12-%d", T.name, i);
+        publish_payout(key, NULL);
+    }
+    pid = itest_spawn(&T, T.cfg_path, 60, NULL);
+    ck_assert_int_ge(wait_requests(2, itest_ms(10000)), 2);
+    at_stop = tprov_stat(&P, NULL, "requests");
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    t0 = ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    kill(pid, SIGTERM);
+    st = itest_wait(pid, itest_ms(60000));
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ck_assert_msg(st != -1 && WIFEXITED(st), "idemq did not stop (0x%x)", st);
+    /* the drain waited for the calls in flight (one latency), not more */
+    ck_assert_int_le(tprov_stat(&P, NULL, "requests"), at_stop + 2);
+    ck_assert_int_lt(ts.tv_sec * 1000 + ts.tv_nsec / 1000000 - t0, itest_ms(10000));
+    ck_assert_int_eq(itest_long(&T, "SELECT count(*) FROM idemq.intents WHERE key LIKE $1 || "
+                                    "'%' AND state = 'pending'", T.name), 0);
+    tprov_control(&P, "{\"fault\":\"\"}");
+    itest_run_until_idle(&T, 3);
+    ck_assert_int_eq(itest_long(&T, LEASE_EXPIRED_LIKE, T.name), 0);
+    ck_assert_int_eq(itest_long(&T, APPLIED_LIKE, T.name), N);
+    ck_assert_int_eq(itest_long(&T, EFFECTS_LIKE, T.name), N);
+    for (int i = 0; i < N; i++) {
+        snprintf(key, sizeof key, "%s-k12-%d", T.name, i);
+        ck_assert_int_eq(tprov_stat(&P, key, "key_charges"), 1);
+    }
+    teardown();
+}
+END_TEST
+
+/* 13 (D11). Transaction 1 waited so long (here: on another session's
+ * uncommitted claim of the key) that little of its lease is left when the
+ * request would leave: it is not sent, and that is recorded at once (the
+ * intent stays certain, not an unknown outcome at the lease's end); the
+ * retry sends it, one charge. */
+START_TEST(test13_lease_bounds_the_call)
+{
+    char key[128], b[256], sql[512];
+    const char *p[1] = {key};
+    PGresult *r;
+    pid_t pid;
+    itest_extra_conf = "database: { statement_timeout_ms = 40000; };"; /* the wait is long */
+    setup_provider("pe13", NULL, NULL);
+    itest_extra_conf = NULL;
+    snprintf(key, sizeof key, "%s-k13", T.name);
+    itest_sql(&T, "BEGIN");
+    snprintf(sql, sizeof sql, "INSERT INTO idemq.jobs (key, state, source_queue, payload_sha256) "
+                              "VALUES ($1, 'pending', 'x', 'x')");
+    r = PQexecParams(T.db, sql, 1, NULL, p, NULL, NULL, 0);
+    ck_assert_int_eq(PQresultStatus(r), PGRES_COMMAND_OK);
+    PQclear(r);
+    publish_payout(key, NULL);
+    pid = itest_spawn(&T, T.cfg_path, 3, NULL);
+    {
+        /* a session of our own sees transaction 1 wait for the claim */
+        char err[256];
+        PGconn *watch = ledger_db_connect(getenv("IDEMQ_PG_DSN"), "itest watch", 0, err,
+                                          sizeof err);
+        ck_assert_msg(watch != NULL, "%s", err);
+        for (int i = 0;; i++) {
+            r = PQexec(watch, "SELECT count(*) FROM pg_stat_activity WHERE application_name "
+                              "LIKE 'idemq worker%' AND wait_event_type = 'Lock'");
+            ck_assert_int_eq(PQresultStatus(r), PGRES_TUPLES_OK);
+            if (strcmp(PQgetvalue(r, 0, 0), "0") != 0) {
+                PQclear(r);
+                break;
+            }
+            PQclear(r);
+            ck_assert_msg(i < itest_ms(20000) / 20, "transaction 1 never waited for the claim");
+            usleep(20000);
+        }
+        PQfinish(watch);
+    }
+    /* the lease is timeout_ms + 5 s from the start of transaction 1; hold
+     * the claim until less than 2.25 s of it are left (a send needs 2 s of
+     * margin and 0.5 s of call) */
+    usleep((useconds_t)(T.conf->inputs[0].provider.timeout_ms + 5000 - 2250) * 1000);
+    ck_assert_int_eq(tprov_stat(&P, NULL, "requests"), 0);
+    itest_sql(&T, "ROLLBACK");
+    ck_assert_int_ne(itest_wait(pid, itest_ms(60000)), -1);
+    /* (the wait counted as idle time: the retry copy may still be queued) */
+    itest_run_until_idle(&T, 3);
+    ck_assert_str_eq(itest_text(&T, STATE, key, b, sizeof b), "applied");
+    ck_assert_int_eq(itest_long(&T, "SELECT count(*) FROM idemq.attempts WHERE key = $1 AND "
+                                    "error_code = 'provider_not_sent'", key), 1);
+    ck_assert_int_eq(itest_long(&T, LEASE_EXPIRED_LIKE, key), 0);
+    ck_assert_int_eq(itest_long(&T, "SELECT count(*) FROM idemq.intents WHERE key = $1 AND "
+                                    "NOT uncertain AND unknowns = 0", key), 1);
+    ck_assert_int_eq(tprov_stat(&P, NULL, "requests"), 1); /* only the retry left */
+    ck_assert_int_eq(tprov_stat(&P, key, "key_charges"), 1);
+    teardown();
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("provider_e2e");
@@ -319,6 +582,13 @@ int main(void)
     tcase_add_test(tc, test8_key_window);
     tcase_add_test(tc, test9_non_idempotent_resolve);
     tcase_add_test(tc, test10_demo);
+    suite_add_tcase(s, tc);
+    /* calls in flight across a reconnect and a stop (issue 16: D6, D13) */
+    tc = tcase_create("in_flight");
+    tcase_set_timeout(tc, itest_ms(240));
+    tcase_add_test(tc, test11_broker_reconnect_keeps_calls);
+    tcase_add_test(tc, test12_stop_drain_starts_nothing);
+    tcase_add_test(tc, test13_lease_bounds_the_call);
     suite_add_tcase(s, tc);
     return check_run(s);
 }

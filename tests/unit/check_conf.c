@@ -289,6 +289,75 @@ START_TEST(test_sample_documents_every_key)
 }
 END_TEST
 
+/* D14: plaintext and unverified provider transport. http:// is refused
+ * unless the host is loopback or provider.allow_plaintext says so; what is
+ * accepted is reported by conf_input_insecure (a warning at start and in
+ * check-config) without the URL's userinfo. */
+static struct conf *provider_url_conf(const char *url, const char *extra, char *err, size_t len)
+{
+    char text[1024];
+    struct conf *c = NULL;
+    snprintf(text, sizeof text,
+             "inputs = ( { name = \"pay\"; queue = \"q\"; provider: { url = \"%s\"; %s }; } );\n",
+             url, extra ? extra : "");
+    err[0] = '\0';
+    if (conf_load_string(text, &c, err, len) != IDEMQ_OK)
+        return NULL;
+    return c;
+}
+
+START_TEST(test_provider_transport)
+{
+    char err[1024], warn[512];
+    struct conf *c;
+    const char *loop[] = {"http://127.0.0.1:8080", "http://localhost/api", "http://[::1]:9",
+                          "http://127.3.2.1", "http://LOCALHOST:1"};
+    const char *remote[] = {"http://pay.example.com", "http://127.0.0.1.evil.example",
+                            "http://127.0.0.1@evil.example/x", "http://10.0.0.7:80",
+                            "http://[::2]:9"};
+
+    for (size_t i = 0; i < sizeof remote / sizeof *remote; i++) {
+        c = provider_url_conf(remote[i], NULL, err, sizeof err);
+        ck_assert_msg(c == NULL, "%s accepted", remote[i]);
+        ck_assert_msg(strstr(err, "provider.allow_plaintext = true") != NULL, "%s: %s", remote[i],
+                      err);
+        ck_assert_msg(strstr(err, "127.0.0.1@") == NULL, "userinfo shown: %s", err);
+        c = provider_url_conf(remote[i], "allow_plaintext = true;", err, sizeof err);
+        ck_assert_msg(c != NULL, "%s: %s", remote[i], err);
+        ck_assert(conf_input_insecure(&c->inputs[0], warn, sizeof warn));
+        ck_assert_msg(strstr(warn, "plaintext http://") && strstr(warn, "allow_plaintext"), "%s",
+                      warn);
+        conf_free(c);
+    }
+    for (size_t i = 0; i < sizeof loop / sizeof *loop; i++) {
+        c = provider_url_conf(loop[i], NULL, err, sizeof err);
+        ck_assert_msg(c != NULL, "%s: %s", loop[i], err);
+        ck_assert(conf_input_insecure(&c->inputs[0], warn, sizeof warn));
+        ck_assert_msg(strstr(warn, "(loopback)") != NULL, "%s", warn);
+        conf_free(c);
+    }
+    c = provider_url_conf("http://user:secret@pay.example.com", "allow_plaintext = true;", err,
+                          sizeof err);
+    ck_assert_ptr_nonnull(c);
+    ck_assert(conf_input_insecure(&c->inputs[0], warn, sizeof warn));
+    ck_assert_msg(strstr(warn, "secret") == NULL && strstr(warn, "pay.example.com"), "%s", warn);
+    conf_free(c);
+
+    c = provider_url_conf("https://pay.example.com", "verify_tls = false;", err, sizeof err);
+    ck_assert_msg(c != NULL, "%s", err);
+    ck_assert(conf_input_insecure(&c->inputs[0], warn, sizeof warn));
+    ck_assert_msg(strstr(warn, "provider.verify_tls = false") != NULL, "%s", warn);
+    conf_free(c);
+
+    c = provider_url_conf("https://pay.example.com", NULL, err, sizeof err);
+    ck_assert_msg(c != NULL, "%s", err);
+    ck_assert(!conf_input_insecure(&c->inputs[0], warn, sizeof warn));
+    ck_assert_str_eq(warn, "");
+    ck_assert(!c->inputs[0].provider.allow_plaintext);
+    conf_free(c);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("conf");
@@ -301,6 +370,7 @@ int main(void)
     tcase_add_test(tc, test_print_roundtrip);
     tcase_add_test(tc, test_sample_documents_every_key);
     tcase_add_test(tc, test_provider_settings);
+    tcase_add_test(tc, test_provider_transport);
     suite_add_tcase(s, tc);
     return check_run(s);
 }

@@ -2,6 +2,9 @@
  * (no broker, no database): classification of every answer, the key header
  * check, request bodies, the in-flight cap, credentials and TLS. */
 #include <check.h>
+#include <curl/curl.h>
+#include <limits.h>
+#include <time.h>
 
 #include "check_run.h"
 #include <stdio.h>
@@ -497,6 +500,144 @@ START_TEST(test_tls_verification)
 }
 END_TEST
 
+/* S1: "possibly sent" is decided from whether the transfer began, never
+ * from the byte counters: a first write of 0 bytes (EAGAIN) leaves
+ * CURLINFO_REQUEST_SIZE at 0 while the request goes out later. */
+START_TEST(test_failure_class_conservative)
+{
+    /* a timeout or reset once the transfer began: unknown, even at 0 bytes */
+    ck_assert_int_eq(effect_http_failure_class(CURLE_OPERATION_TIMEDOUT, 420, 0),
+                     EFFECT_HTTP_UNKNOWN);
+    ck_assert_int_eq(effect_http_failure_class(CURLE_SEND_ERROR, 380, 0), EFFECT_HTTP_UNKNOWN);
+    ck_assert_int_eq(effect_http_failure_class(CURLE_RECV_ERROR, 380, 153), EFFECT_HTTP_UNKNOWN);
+    ck_assert_int_eq(effect_http_failure_class(CURLE_GOT_NOTHING, 380, 0), EFFECT_HTTP_UNKNOWN);
+    /* nothing began (a connect timeout, no connection): not sent */
+    ck_assert_int_eq(effect_http_failure_class(CURLE_OPERATION_TIMEDOUT, 0, 0),
+                     EFFECT_HTTP_NOT_SENT);
+    /* connect, DNS and TLS failures prove it */
+    ck_assert_int_eq(effect_http_failure_class(CURLE_COULDNT_CONNECT, 0, 0), EFFECT_HTTP_NOT_SENT);
+    ck_assert_int_eq(effect_http_failure_class(CURLE_COULDNT_RESOLVE_HOST, 0, 0),
+                     EFFECT_HTTP_NOT_SENT);
+    ck_assert_int_eq(effect_http_failure_class(CURLE_PEER_FAILED_VERIFICATION, 0, 0),
+                     EFFECT_HTTP_NOT_SENT);
+    /* bytes counted but no transfer time: still possibly sent */
+    ck_assert_int_eq(effect_http_failure_class(CURLE_PARTIAL_FILE, 0, 200), EFFECT_HTTP_UNKNOWN);
+    /* once the transfer began, no code proves "not sent" */
+    ck_assert_int_eq(effect_http_failure_class(CURLE_SSL_CONNECT_ERROR, 380, 0),
+                     EFFECT_HTTP_UNKNOWN);
+}
+END_TEST
+
+/* D4: a Retry-After never exceeds what the ledger takes (int4 ms), in
+ * either form, however large; the provider's 429 end to end too. */
+START_TEST(test_retry_after_clamped)
+{
+    struct conf *c;
+    struct effect_http *h;
+    struct effect_http_result r;
+    long long now = (long long)time(NULL);
+
+    ck_assert_int_eq(effect_http_retry_after_ms("120", now), 120000);
+    ck_assert_int_eq(effect_http_retry_after_ms("0", now), 0);
+    ck_assert_int_eq(effect_http_retry_after_ms("2147483", now), 2147483000L);
+    ck_assert_int_eq(effect_http_retry_after_ms("2147484", now), EFFECT_HTTP_RETRY_AFTER_MAX_MS);
+    ck_assert_int_eq(effect_http_retry_after_ms("2592000", now), EFFECT_HTTP_RETRY_AFTER_MAX_MS);
+    ck_assert_int_eq(effect_http_retry_after_ms("99999999999999999999999", now),
+                     EFFECT_HTTP_RETRY_AFTER_MAX_MS);
+    ck_assert_int_eq(effect_http_retry_after_ms("Sun, 06 Nov 1994 08:49:37 GMT", now), 0);
+    ck_assert_int_eq(effect_http_retry_after_ms("Fri, 31 Dec 2055 23:59:59 GMT", now),
+                     EFFECT_HTTP_RETRY_AFTER_MAX_MS);
+    {
+        char date[64];
+        time_t when = (time_t)now + 3600;
+        struct tm tm;
+        long ms;
+        gmtime_r(&when, &tm);
+        strftime(date, sizeof date, "%a, %d %b %Y %H:%M:%S GMT", &tm);
+        ms = effect_http_retry_after_ms(date, now);
+        ck_assert_msg(ms >= 3599000 && ms <= 3600000, "%s: %ld", date, ms);
+    }
+    ck_assert_int_eq(effect_http_retry_after_ms("soon", now), -1);
+    ck_assert_int_eq(effect_http_retry_after_ms("", now), -1);
+
+    c = provider_conf(P.url, NULL);
+    h = engine(c);
+    tprov_control(&P, "{\"fault\":\"rate=2592000\",\"count\":1}");
+    call1(h, EFFECT_HTTP_CALL, "ra1", "{}", &r);
+    ck_assert_int_eq(r.cls, EFFECT_HTTP_RATE_LIMITED);
+    ck_assert_int_eq(r.retry_after_ms, EFFECT_HTTP_RETRY_AFTER_MAX_MS);
+    ck_assert_int_le(r.retry_after_ms, INT_MAX);
+    effect_http_result_clear(&r);
+    effect_http_free(h);
+    conf_free(c);
+}
+END_TEST
+
+/* Waits up to ms for the provider to have counted want requests in all,
+ * without polling the engine. */
+static long wait_requests(long want, int ms)
+{
+    long n = tprov_stat(&P, NULL, "requests");
+    for (int i = 0; i < ms / 20 && n < want; i++) {
+        struct timespec ts = {0, 20 * 1000000L};
+        nanosleep(&ts, NULL);
+        n = tprov_stat(&P, NULL, "requests");
+    }
+    return n;
+}
+
+/* D11: the request leaves at submit, not at the next poll (the caller may
+ * be busy for seconds before it polls); and a bounded call never outlives
+ * its budget, or is refused unsent when too little of it is left. */
+START_TEST(test_sent_at_submit_and_bounded)
+{
+    struct conf *c = provider_conf(P.url, NULL);
+    struct effect_http *h = engine(c);
+    struct effect_http_result r;
+    char err[256];
+    long before;
+    int n = 0;
+
+    tprov_control(&P, "{\"fault\":\"latency=1500\",\"count\":1}");
+    before = tprov_stat(&P, NULL, "requests");
+    ck_assert_int_eq(effect_http_submit(h, 0, EFFECT_HTTP_CALL, "s1", "{}", 2, (void *)"s1", err,
+                                        sizeof err),
+                     IDEMQ_OK);
+    /* nobody polls the engine meanwhile */
+    ck_assert_int_eq(wait_requests(before + 1, 1000 * mult()), before + 1);
+    for (int i = 0; i < 300 && n == 0; i++)
+        n = effect_http_poll(h, 100, &r, 1);
+    ck_assert_int_eq(n, 1);
+    ck_assert_int_eq(r.cls, EFFECT_HTTP_SUCCESS);
+    effect_http_result_clear(&r);
+
+    /* too little budget left: refused, nothing sent */
+    before = tprov_stat(&P, NULL, "requests");
+    ck_assert_int_eq(effect_http_submit_within(h, 0, EFFECT_HTTP_CALL, "s2", "{}", 2,
+                                               (void *)"s2", EFFECT_HTTP_MIN_CALL_MS - 1, err,
+                                               sizeof err),
+                     IDEMQ_ERR_TIMEOUT);
+    ck_assert_int_eq(effect_http_in_flight(h, 0), 0);
+    ck_assert_int_eq(effect_http_poll(h, 0, &r, 1), 0);
+    ck_assert_int_eq(tprov_stat(&P, NULL, "requests"), before);
+
+    /* a budget below provider.timeout_ms (10 s) bounds the call */
+    tprov_control(&P, "{\"fault\":\"latency=6000\",\"count\":1}");
+    ck_assert_int_eq(effect_http_submit_within(h, 0, EFFECT_HTTP_CALL, "s3", "{}", 2,
+                                               (void *)"s3", 1000 * mult(), err, sizeof err),
+                     IDEMQ_OK);
+    n = 0;
+    for (int i = 0; i < 300 && n == 0; i++)
+        n = effect_http_poll(h, 100, &r, 1);
+    ck_assert_int_eq(n, 1);
+    ck_assert_int_eq(r.cls, EFFECT_HTTP_UNKNOWN);
+    ck_assert_msg(r.elapsed_ms < 1000 * mult() + 500, "elapsed %lld ms", r.elapsed_ms);
+    effect_http_result_clear(&r);
+    effect_http_free(h);
+    conf_free(c);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("effect_http");
@@ -514,6 +655,9 @@ int main(void)
     tcase_add_test(tc, test_refusals);
     tcase_add_test(tc, test_credentials);
     tcase_add_test(tc, test_tls_verification);
+    tcase_add_test(tc, test_failure_class_conservative);
+    tcase_add_test(tc, test_retry_after_clamped);
+    tcase_add_test(tc, test_sent_at_submit_and_bounded);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
