@@ -423,7 +423,8 @@ BEGIN
             RETURN NEXT;
             RETURN;
         END IF;
-        IF v_int.state = 'parked' AND v_int.provider_ref IS NULL
+        IF v_int.provider_ref IS NULL AND v_int.state <> 'not_applied'
+           AND (v_int.state = 'parked' OR v_int.uncertain)
            AND NOT ((p_opts->>'lookup_key')::boolean OR (p_opts->>'lookup_ref')::boolean) THEN
             -- Uncertain and nothing can settle it: back to the dead letters.
             RETURN QUERY SELECT 'park'::text, v_job.attempts, NULL::integer, NULL::integer,
@@ -447,8 +448,10 @@ BEGIN
         UPDATE idemq.intents i SET generation = i.generation + 1, unknowns = 0, waits = 0,
                failures = 0, updated_at = v_now, run_after = NULL,
                -- a recorded reference: the local effect runs again; uncertain
-               -- parks are looked up first; the others are resent
-               uncertain = (i.state = 'parked' AND i.provider_ref IS NULL),
+               -- parks are looked up first (or refused above); the others
+               -- are resent
+               uncertain = (i.provider_ref IS NULL AND i.state <> 'not_applied'
+                            AND (i.state = 'parked' OR i.uncertain)),
                state = CASE WHEN i.provider_ref IS NOT NULL THEN 'confirmed'
                             WHEN i.state = 'parked' THEN 'unknown' ELSE 'waiting' END
          WHERE i.key = v_key;
@@ -590,6 +593,16 @@ BEGIN
             format('the provider answered %s without the reference field %s: the charge '
                    'probably happened. Find it, then idemq resolve %s --applied REF',
                    v_text, p_opts->>'reference_field', p_key), 'parked', p_consumer, p_meta);
+        r_action := 'park';
+    ELSIF p_op = 'call' AND p_class = 'permanent' AND v_uncertain THEN
+        -- A 4xx to a resend says nothing about the earlier request of this
+        -- key (a 401 during a credential rotation, a WAF, a changed path):
+        -- it may have applied. The intent stays uncertain; only an answer
+        -- about this key, or an operator, settles it.
+        r_park := idemq.provider_park(p_key, 'unknown_outcome', 'provider_rejected',
+            format('the provider rejected the resend (%s), but an earlier request of this key '
+                   'may have applied: the outcome is unknown. Check the provider, then idemq '
+                   'resolve.', v_text), 'parked', p_consumer, p_meta);
         r_action := 'park';
     ELSIF p_op = 'call' AND p_class = 'permanent' THEN
         r_park := idemq.provider_park(p_key, 'permanent', 'provider_rejected',

@@ -180,6 +180,27 @@ static void settle(struct job *j, struct provider_decision *d, int *rounds, long
     }
 }
 
+/* Runs one statement with key as $1 and checks it changed one row. */
+static void on_key(const char *q, const char *key)
+{
+    const char *p[1] = {key};
+    PGresult *r = PQexecParams(T.db, q, 1, NULL, p, NULL, NULL, 0);
+    ck_assert_msg(PQresultStatus(r) == PGRES_COMMAND_OK, "%s\n%s", PQerrorMessage(T.db), q);
+    ck_assert_str_eq(PQcmdTuples(r), "1");
+    PQclear(r);
+}
+
+/* A redrive of j's park (generation gen in x-idemq-generation), as idemq
+ * redrive publishes it. */
+static void make_redrive(struct job *r, const struct job *j, int gen)
+{
+    job_init(r);
+    ck_assert_int_eq(job_set_body(r, j->body, j->body_len), IDEMQ_OK);
+    r->input = j->input;
+    json_object_set_new(r->headers, "x-idemq-generation", json_integer(gen));
+    ck_assert_int_eq(job_decode(r, &T.c->inputs[j->input]), IDEMQ_OK);
+}
+
 #define JOB_STATE "SELECT state FROM idemq.jobs WHERE key = $1"
 #define INTENT_STATE "SELECT state FROM idemq.intents WHERE key = $1"
 #define INTENT_REF "SELECT provider_ref FROM idemq.intents WHERE key = $1"
@@ -1134,6 +1155,46 @@ START_TEST(test_gauges_promtool)
 }
 END_TEST
 
+/* D1: a 4xx to the resend of an uncertain request proves nothing about the
+ * first one: the key parks as unknown_outcome (not rejected), stays
+ * uncertain, and a redrive after the provider's key window is refused
+ * instead of starting a new window (a second charge). */
+START_TEST(test_4xx_after_unknown_stays_uncertain)
+{
+    struct job j, r;
+    struct provider_decision d;
+    char key[300], b[512];
+
+    make_job(&j, "d1", NULL, key, sizeof key);
+    tprov_control(&T.p, "{\"fault\":\"drop\",\"count\":1}"); /* charged, answer lost */
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_RETRY);
+    nap_ms(d.delay_ms);
+    provider_flow_decision_clear(&d);
+    tprov_control(&T.p, "{\"fault\":\"status=401\",\"count\":1}"); /* the resend: 401 */
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_PARK);
+    ck_assert_str_eq(json_string_value(json_object_get(d.park, "error_class")),
+                     "unknown_outcome");
+    ck_assert_str_eq(val(INTENT_STATE, key, b, sizeof b), "parked");
+    ck_assert_str_eq(val("SELECT uncertain FROM idemq.intents WHERE key = $1", key, b, sizeof b),
+                     "t");
+    provider_flow_decision_clear(&d);
+    /* the key window passes; the provider forgets the key */
+    on_key("UPDATE idemq.intents SET first_request_at = first_request_at - interval '2 days' "
+           "WHERE key = $1", key);
+    tprov_control(&T.p, "{\"expire_keys\":true}");
+    make_redrive(&r, &j, 0);
+    deliver(&r, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_PARK);
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 2);
+    ck_assert_int_eq(tprov_stat(&T.p, key, "key_charges"), 1);
+    provider_flow_decision_clear(&d);
+    job_destroy(&j);
+    job_destroy(&r);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("provider_flow");
@@ -1165,6 +1226,11 @@ int main(void)
     tcase_add_test(tc, test_commands_reconcile_resolve_show);
     tcase_add_test(tc, test_uncertain_park_redrive_refused);
     tcase_add_test(tc, test_gauges_promtool);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("edges");
+    tcase_set_timeout(tc, 120 * mult());
+    tcase_add_checked_fixture(tc, setup, teardown);
+    tcase_add_test(tc, test_4xx_after_unknown_stays_uncertain);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
