@@ -442,6 +442,11 @@ BEGIN
             CASE WHEN jsonb_typeof(v_meta->'headers'->'x-idemq-park-id') = 'number'
                  THEN (v_meta->'headers'->>'x-idemq-park-id')::bigint END,
             coalesce(v_meta->'headers'->>'x-idemq-redriven-by', 'broker'), p_consumer);
+        -- Its parks are dealt with: the message is back in flight (as for a
+        -- SQL key, functions.sql); a new park of this generation is a new row.
+        PERFORM idemq.close_park(p.id, 'redriven to generation ' || (v_job.generation + 1),
+            coalesce(v_meta->'headers'->>'x-idemq-redriven-by', 'broker'))
+           FROM idemq.parked p WHERE p.key = v_key AND p.generation <= v_job.generation;
         UPDATE idemq.jobs j SET generation = j.generation + 1, budget_base = j.attempts,
                state = 'provider_unknown', run_after = NULL
          WHERE j.key = v_key;

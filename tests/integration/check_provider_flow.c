@@ -1195,6 +1195,34 @@ START_TEST(test_4xx_after_unknown_stays_uncertain)
 }
 END_TEST
 
+/* D8: a redrive of a parked provider key closes its open park (moved to
+ * idemq.park_history, like a SQL key's), so parked list no longer shows an
+ * applied key. */
+START_TEST(test_redrive_closes_park)
+{
+    struct job j, r;
+    struct provider_decision d;
+    char key[300], b[512];
+
+    make_job(&j, "d8", NULL, key, sizeof key);
+    tprov_control(&T.p, "{\"fault\":\"status=402\",\"count\":1}");
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_PARK);
+    provider_flow_decision_clear(&d);
+    ck_assert_int_eq(num("SELECT count(*) FROM idemq.parked WHERE key = $1", key), 1);
+    make_redrive(&r, &j, 0);
+    deliver(&r, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_ACK);
+    ck_assert_str_eq(d.outcome, "applied");
+    provider_flow_decision_clear(&d);
+    ck_assert_int_eq(num("SELECT count(*) FROM idemq.parked WHERE key = $1", key), 0);
+    ck_assert_str_eq(val("SELECT resolution FROM idemq.park_history WHERE key = $1", key, b,
+                         sizeof b), "redriven to generation 1");
+    job_destroy(&j);
+    job_destroy(&r);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("provider_flow");
@@ -1231,6 +1259,7 @@ int main(void)
     tcase_set_timeout(tc, 120 * mult());
     tcase_add_checked_fixture(tc, setup, teardown);
     tcase_add_test(tc, test_4xx_after_unknown_stays_uncertain);
+    tcase_add_test(tc, test_redrive_closes_park);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
