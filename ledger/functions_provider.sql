@@ -148,7 +148,9 @@ $fn$;
 -- with the provider's answer in meta.provider, then marks the job and the
 -- intent applied. Locks held. An effect error rolls back only the
 -- subtransaction: the reference stays recorded (intent 'confirmed') and the
--- error is returned for the caller to classify.
+-- error is returned for the caller to classify. A reference already
+-- recorded is never replaced: a different p_ref is a second charge at the
+-- provider, written to the key's history as an alarm (r_message holds it).
 CREATE OR REPLACE FUNCTION idemq.provider_apply(
     p_key text, p_ref text, p_answer jsonb, p_how text, p_opts jsonb, p_meta jsonb,
     p_consumer text)
@@ -161,13 +163,24 @@ DECLARE
     v_call   text;
     v_result jsonb;
     v_meta   jsonb;
+    v_first  text;
+    v_alarm  text;
 BEGIN
-    UPDATE idemq.intents i SET state = 'confirmed', provider_ref = p_ref,
+    SELECT i.provider_ref INTO v_first FROM idemq.intents i WHERE i.key = p_key;
+    IF v_first IS NOT NULL AND p_ref IS DISTINCT FROM v_first THEN
+        v_alarm := format('%s: provider reference %s, but %s is recorded for this key: CHECK '
+                          'THE PROVIDER FOR A SECOND CHARGE', p_how, p_ref, v_first);
+        PERFORM idemq.provider_note(p_key, 'duplicate', v_now, NULL, 'second_reference',
+                                    v_alarm, NULL, p_meta, p_consumer);
+    END IF;
+    UPDATE idemq.intents i SET state = 'confirmed', provider_ref = coalesce(i.provider_ref, p_ref),
            confirmed_at = coalesce(i.confirmed_at, v_now),
-           last_response = coalesce(p_answer, i.last_response), lease_until = NULL,
-           run_after = NULL, updated_at = v_now
+           last_response = CASE WHEN v_alarm IS NULL THEN coalesce(p_answer, i.last_response)
+                                ELSE i.last_response END,
+           lease_until = NULL, run_after = NULL, updated_at = v_now
      WHERE i.key = p_key
     RETURNING * INTO v_int;
+    p_ref := v_int.provider_ref; -- the first reference is the job's
     SELECT * INTO v_job FROM idemq.jobs j WHERE j.key = p_key;
     v_meta := coalesce(p_meta, '{}'::jsonb) || jsonb_build_object(
         'attempt', v_job.attempts, 'generation', v_job.generation,
@@ -195,6 +208,7 @@ BEGIN
         PERFORM idemq.provider_note(p_key, 'applied', v_now, NULL, NULL,
             format('provider reference %s (%s)', p_ref, p_how), NULL, p_meta, p_consumer);
         r_ok := true;
+        r_message := v_alarm;
     EXCEPTION WHEN OTHERS THEN
         GET STACKED DIAGNOSTICS r_sqlstate = RETURNED_SQLSTATE, r_message = MESSAGE_TEXT;
         r_ok := false;
@@ -531,13 +545,13 @@ BEGIN
     IF p_class = 'success' AND p_ref <> '' THEN
         -- A confirmed reference is a fact, whichever request it answers.
         IF v_int.state = 'applied' THEN
-            PERFORM idemq.provider_note(p_key, 'duplicate', v_now, NULL, NULL,
-                CASE WHEN v_int.provider_ref IS DISTINCT FROM p_ref
+            r_message := CASE WHEN v_int.provider_ref IS DISTINCT FROM p_ref
                      THEN format('%s %s answered reference %s, but %s is applied: CHECK THE '
                                  'PROVIDER FOR A SECOND CHARGE', v_what, p_lease, p_ref,
                                  v_int.provider_ref)
-                     ELSE format('late answer of %s %s: already applied', v_what, p_lease) END,
-                NULL, p_meta, p_consumer);
+                     ELSE format('late answer of %s %s: already applied', v_what, p_lease) END;
+            PERFORM idemq.provider_note(p_key, 'duplicate', v_now, NULL, NULL, r_message, NULL,
+                                        p_meta, p_consumer);
             r_action := 'duplicate';
             RETURN NEXT;
             RETURN;

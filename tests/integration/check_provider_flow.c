@@ -1223,6 +1223,50 @@ START_TEST(test_redrive_closes_park)
 }
 END_TEST
 
+/* D15: a second, different reference while the intent is confirmed (two
+ * requests answered, the local effect not committed yet) never replaces
+ * the first: it is recorded as a CHECK THE PROVIDER alarm. */
+START_TEST(test_second_reference_while_confirmed)
+{
+    struct job j;
+    struct provider_decision d;
+    struct ledger_provider_step s;
+    struct ledger_db_error e;
+    char key[300], b[512], q[512], *opts;
+    int rounds;
+
+    make_job(&j, "d15", NULL, key, sizeof key);
+    snprintf(q, sizeof q, "INSERT INTO idemq_test.failing VALUES ('%s', '40001')", key);
+    sql(q);
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_RETRY);
+    provider_flow_decision_clear(&d);
+    ck_assert_str_eq(val(INTENT_STATE, key, b, sizeof b), "confirmed");
+    ck_assert_str_eq(val(INTENT_REF, key, b, sizeof b), "ch_000001");
+    /* the late success of another request of the key (another replica's) */
+    opts = ledger_provider_opts(T.c, 0);
+    memset(&s, 0, sizeof s);
+    ck_assert_int_eq(ledger_provider_result(T.db, key, 1, "call", "success", 201,
+                                            "{\"status\": 201, \"body\": {\"id\": \"ch_other\"}}",
+                                            "ch_other", -1, "", opts, NULL, "check", true, &s, &e),
+                     IDEMQ_OK);
+    ledger_provider_step_clear(&s);
+    free(opts);
+    ck_assert_str_eq(val(INTENT_REF, key, b, sizeof b), "ch_000001");
+    ck_assert_int_eq(num("SELECT count(*) FROM idemq.attempts WHERE key = $1 AND message LIKE "
+                         "'%ch_other%CHECK THE PROVIDER FOR A SECOND CHARGE%'", key), 1);
+    snprintf(q, sizeof q, "DELETE FROM idemq_test.failing WHERE key = '%s'", key);
+    sql(q);
+    settle(&j, &d, &rounds, 3000);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_ACK);
+    ck_assert_str_eq(val("SELECT meta->'provider'->>'reference' FROM idemq_test.effects "
+                         "WHERE key = $1", key, b, sizeof b), "ch_000001");
+    ck_assert_str_eq(val(INTENT_REF, key, b, sizeof b), "ch_000001");
+    provider_flow_decision_clear(&d);
+    job_destroy(&j);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("provider_flow");
@@ -1260,6 +1304,7 @@ int main(void)
     tcase_add_checked_fixture(tc, setup, teardown);
     tcase_add_test(tc, test_4xx_after_unknown_stays_uncertain);
     tcase_add_test(tc, test_redrive_closes_park);
+    tcase_add_test(tc, test_second_reference_while_confirmed);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
