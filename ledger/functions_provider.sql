@@ -534,6 +534,7 @@ DECLARE
     v_text      text := idemq.provider_answer_text(p_answer);
     v_wait_max  integer := (p_opts->>'wait_max')::integer;
     v_deadline  timestamptz;
+    v_quiet     timestamptz;
 BEGIN
     SELECT * INTO v_job FROM idemq.jobs j WHERE j.key = p_key FOR UPDATE;
     SELECT * INTO v_int FROM idemq.intents i WHERE i.key = p_key FOR UPDATE;
@@ -628,8 +629,13 @@ BEGIN
             'the provider rejected the request: ' || v_text, 'rejected', p_consumer, p_meta);
         r_action := 'park';
     ELSIF p_class IN ('conflict', 'rate_limited') THEN
-        UPDATE idemq.intents i SET waits = i.waits + 1 WHERE i.key = p_key
+        -- A 409 from a provider with keys: a request under this key is in
+        -- progress there, so one may apply: uncertain from now on.
+        UPDATE idemq.intents i SET waits = i.waits + 1,
+               uncertain = i.uncertain OR (p_class = 'conflict' AND i.idempotent)
+         WHERE i.key = p_key
         RETURNING * INTO v_int;
+        v_uncertain := v_int.uncertain;
         r_delay_ms := CASE WHEN p_class = 'rate_limited' AND p_retry_after_ms >= 0
                            THEN greatest(100, p_retry_after_ms)
                            ELSE idemq.provider_backoff(v_int.waits, p_opts) END;
@@ -708,7 +714,22 @@ BEGIN
             p_consumer);
         v_deadline := v_int.last_request_at
                       + make_interval(secs => (p_opts->>'reconcile_after_s')::numeric);
-        IF v_int.idempotent AND v_now + make_interval(secs => (p_opts->>'timeout_ms')::numeric
+        -- A request of this generation may still be on its way to the
+        -- provider (or in its queue) until its lease and a call's timeout
+        -- have passed: "no record" proves nothing before that.
+        v_quiet := v_int.last_request_at
+                   + make_interval(secs => ((p_opts->>'lease_ms')::numeric
+                                            + (p_opts->>'timeout_ms')::numeric) / 1000);
+        IF v_int.uncertain AND v_now < v_quiet THEN
+            r_delay_ms := greatest(100, ceil(extract(epoch FROM v_quiet - v_now) * 1000));
+            UPDATE idemq.intents i SET state = 'unknown', run_after = v_quiet WHERE i.key = p_key;
+            UPDATE idemq.jobs j SET state = 'provider_unknown', run_after = v_quiet
+             WHERE j.key = p_key;
+            r_action := 'retry';
+            r_message := format('the provider has no record yet, but the request of %s may '
+                                'still be in flight: looked up again after %s',
+                                v_int.last_request_at, v_quiet);
+        ELSIF v_int.idempotent AND v_now + make_interval(secs => (p_opts->>'timeout_ms')::numeric
                                                         / 1000)
                                 < v_int.first_request_at
                                   + make_interval(secs => (p_opts->>'key_window_s')::numeric)

@@ -1267,6 +1267,74 @@ START_TEST(test_second_reference_while_confirmed)
 }
 END_TEST
 
+/* D12: a 409 proves a request under the key is in progress: the intent
+ * becomes uncertain. */
+START_TEST(test_409_makes_uncertain)
+{
+    struct job j;
+    struct provider_decision d;
+    char key[300], b[512];
+    int rounds, st;
+    pid_t other;
+
+    make_job(&j, "d12-409", NULL, key, sizeof key);
+    other = concurrent_post(key, (const char *)j.body, 1500 * mult());
+    for (int i = 0; i < 200 && tprov_stat(&T.p, NULL, "requests") < 1; i++)
+        nap_ms(10);
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_RETRY);
+    ck_assert_str_eq(val("SELECT uncertain FROM idemq.intents WHERE key = $1", key, b, sizeof b),
+                     "t");
+    ck_assert_str_eq(val(INTENT_STATE, key, b, sizeof b), "unknown");
+    provider_flow_decision_clear(&d);
+    ck_assert_int_eq(waitpid(other, &st, 0), other);
+    settle(&j, &d, &rounds, 3000);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_ACK);
+    ck_assert_int_eq(tprov_stat(&T.p, key, "key_charges"), 1);
+    provider_flow_decision_clear(&d);
+    job_destroy(&j);
+}
+END_TEST
+
+/* D12: a lookup 404 cannot clear uncertainty while a request of the
+ * generation may still be in flight (younger than its lease plus the call's
+ * timeout); once older, it can (and the request goes out again, same key). */
+START_TEST(test_lookup_404_young_request_stays_uncertain)
+{
+    struct job j;
+    struct provider_decision d;
+    char key[300], b[512];
+
+    teardown();
+    setup_with(NULL, "lookup_key_path = \"/charges/by-idempotency-key/{key}\";",
+               "idemq_test.record");
+    make_job(&j, "d12-404", NULL, key, sizeof key);
+    tprov_control(&T.p, "{\"fault\":\"status=503\",\"count\":1}"); /* unknown, not applied */
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_RETRY);
+    nap_ms(d.delay_ms);
+    provider_flow_decision_clear(&d);
+    deliver(&j, &d); /* the lookup: 404, but the request is seconds old */
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_RETRY);
+    ck_assert_int_ge(d.delay_ms, 1000);
+    ck_assert_str_eq(val("SELECT uncertain FROM idemq.intents WHERE key = $1", key, b, sizeof b),
+                     "t");
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 1);
+    provider_flow_decision_clear(&d);
+    /* the request is old now: the next 404 settles it, the resend applies */
+    on_key("UPDATE idemq.intents SET last_request_at = last_request_at - interval '1 minute', "
+           "run_after = now() WHERE key = $1", key);
+    on_key("UPDATE idemq.jobs SET run_after = now() WHERE key = $1", key);
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_ACK);
+    ck_assert_str_eq(d.outcome, "applied");
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 2);
+    ck_assert_int_eq(tprov_stat(&T.p, key, "key_charges"), 1);
+    provider_flow_decision_clear(&d);
+    job_destroy(&j);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("provider_flow");
@@ -1305,6 +1373,8 @@ int main(void)
     tcase_add_test(tc, test_4xx_after_unknown_stays_uncertain);
     tcase_add_test(tc, test_redrive_closes_park);
     tcase_add_test(tc, test_second_reference_while_confirmed);
+    tcase_add_test(tc, test_409_makes_uncertain);
+    tcase_add_test(tc, test_lookup_404_young_request_stays_uncertain);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
