@@ -496,7 +496,7 @@ BEGIN
     END IF;
     IF v_int.state <> 'pending' AND coalesce(v_int.run_after, '-infinity') > v_now + interval '50 ms'
     THEN
-        r_delay_ms := ceil(extract(epoch FROM v_int.run_after - v_now) * 1000);
+        r_delay_ms := least(2147483647, ceil(extract(epoch FROM v_int.run_after - v_now) * 1000));
         PERFORM idemq.provider_note(v_key, 'delayed', v_now, NULL, NULL,
             format('intent %s: next step at %s', v_int.state, v_int.run_after), r_delay_ms,
             v_meta, p_consumer);
@@ -596,9 +596,9 @@ BEGIN
             RETURN;
         END IF;
         r_action := 'wait';
-        r_delay_ms := greatest(100, ceil(extract(epoch FROM
+        r_delay_ms := least(2147483647, greatest(100, ceil(extract(epoch FROM
             greatest(coalesce(v_int.lease_until, v_now), coalesce(v_int.run_after, v_now)) - v_now)
-            * 1000));
+            * 1000)));
         RETURN NEXT;
         RETURN;
     END IF;
@@ -610,9 +610,10 @@ BEGIN
 
     IF p_op = 'call' AND p_class = 'success' THEN
         r_park := idemq.provider_park(p_key, 'unknown_outcome', 'provider_bad_response',
-            format('the provider answered %s without the reference field %s: the charge '
-                   'probably happened. Find it, then idemq resolve %s --applied REF',
-                   v_text, p_opts->>'reference_field', p_key), 'parked', p_consumer, p_meta);
+            format('the provider answered %s without a usable reference field %s (%s): the '
+                   'charge probably happened. Find it, then idemq resolve %s --applied REF',
+                   v_text, p_opts->>'reference_field', coalesce(nullif(p_detail, ''), 'absent'),
+                   p_key), 'parked', p_consumer, p_meta);
         r_action := 'park';
     ELSIF p_op = 'call' AND p_class = 'permanent' AND v_uncertain THEN
         -- A 4xx to a resend says nothing about the earlier request of this
@@ -750,7 +751,8 @@ BEGIN
                 'not_applied', p_consumer, p_meta);
             r_action := 'park';
         ELSE
-            r_delay_ms := greatest(100, ceil(extract(epoch FROM v_deadline - v_now) * 1000));
+            r_delay_ms := least(2147483647,  -- a deadline up to 30 days ahead
+                                greatest(100, ceil(extract(epoch FROM v_deadline - v_now) * 1000)));
             UPDATE idemq.intents i SET state = 'unknown', run_after = v_deadline
              WHERE i.key = p_key;
             UPDATE idemq.jobs j SET state = 'provider_unknown', run_after = v_deadline

@@ -70,11 +70,16 @@ idemq_err_t ledger_provider_begin(PGconn *db, const char *doc, const char *opts,
                                   struct ledger_provider_step *s,
                                   struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
+/* The longest provider reference idemq records, in bytes. */
+#define LEDGER_PROVIDER_REF_MAX 255
+
 /*
  * Transaction 2: the answer to request or lookup `lease` of key. op is
  * "call", "key" or "reference"; cls an effect_http class name; answer the
  * answer as JSON text ({"status", "body", ...}); ref the reference found
- * ("" if none). doc: the delivery's one-job array, or NULL for the
+ * ("" if none; one longer than LEDGER_PROVIDER_REF_MAX bytes or not UTF-8
+ * counts as none, with the reason as detail); retry_after_ms above INT_MAX
+ * counts as INT_MAX. doc: the delivery's one-job array, or NULL for the
  * reconciler (sweep = true). Fills *s; same errors as ledger_provider_begin.
  */
 idemq_err_t ledger_provider_result(PGconn *db, const char *key, int lease, const char *op,

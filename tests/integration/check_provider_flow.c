@@ -109,10 +109,12 @@ static void setup_with(const char *const *prov_args, const char *extra, const ch
              "consumer: { id = \"%s\"; };\n"
              "inputs = ( { name = \"%s\"; queue = \"%s.q\"; %s%s%s\n"
              "  provider: { url = \"%s\"; path = \"/charges\"; timeout_ms = %d; "
-             "retry_after_max_ms = 2000; reconcile_after_s = 60; %s }; } );\n",
+             "retry_after_max_ms = 2000; %s %s }; } );\n",
              T.prefix, T.prefix, T.prefix, effect ? "effect_function = \"" : "",
              effect ? effect : "",
-             effect ? "\";" : "", T.p.url, 3000 * mult(), extra ? extra : "");
+             effect ? "\";" : "", T.p.url, 3000 * mult(),
+             extra && strstr(extra, "reconcile_after_s") ? "" : "reconcile_after_s = 60;",
+             extra ? extra : "");
     ck_assert_msg(conf_load_string(text, &T.c, err, sizeof err) == IDEMQ_OK, "%s\n%s", err, text);
     T.f = provider_flow_new(T.c, 0, err, sizeof err);
     ck_assert_msg(T.f != NULL, "%s", err);
@@ -1335,6 +1337,83 @@ START_TEST(test_lookup_404_young_request_stays_uncertain)
 }
 END_TEST
 
+/* D4: values from the wire or the config that do not fit a parameter:
+ * a Retry-After of 30 days parks provider_rate_limited (not a database
+ * error); a reference longer than 255 bytes is a bad response, parked with
+ * the answer kept, never cut. */
+START_TEST(test_oversized_wire_values)
+{
+    struct job j, k;
+    struct provider_decision d;
+    char key[300], key2[300], b[512], fields[400], ref[301];
+
+    make_job(&j, "d4-rate", NULL, key, sizeof key);
+    tprov_control(&T.p, "{\"fault\":\"rate=2592000\",\"count\":1}");
+    deliver(&j, &d);
+    ck_assert_msg(d.kind == PROVIDER_FLOW_PARK, "%s: %s", d.outcome, d.reason);
+    ck_assert_str_eq(json_string_value(json_object_get(d.park, "error_code")),
+                     "provider_rate_limited");
+    provider_flow_decision_clear(&d);
+    job_destroy(&j);
+
+    teardown();
+    setup_with(NULL,
+               "reference_field = \"reference\"; body_template = \"{\\\"reference\\\": "
+               "{{payload.ref}}}\";",
+               "idemq_test.record");
+    memset(ref, 'r', 300);
+    ref[300] = '\0';
+    snprintf(fields, sizeof fields, "\"ref\":\"%s\"", ref);
+    make_job(&k, "d4-ref", fields, key2, sizeof key2);
+    deliver(&k, &d);
+    ck_assert_msg(d.kind == PROVIDER_FLOW_PARK, "%s: %s", d.outcome, d.reason);
+    ck_assert_str_eq(json_string_value(json_object_get(d.park, "error_code")),
+                     "provider_bad_response");
+    ck_assert_str_eq(val(INTENT_REF, key2, b, sizeof b), "");
+    ck_assert_int_eq(num("SELECT length(last_response->'body'->>'reference') FROM idemq.intents "
+                         "WHERE key = $1", key2), 300);
+    ck_assert_int_eq(num(EFFECTS, key2), 0);
+    provider_flow_decision_clear(&d);
+    job_destroy(&k);
+}
+END_TEST
+
+/* D4: a deadline more than 24.8 days ahead (reconcile_after_s up to 30
+ * days) does not overflow the step's delay. */
+START_TEST(test_far_deadline_delay)
+{
+    const char *args[] = {"--non-idempotent", NULL};
+    struct job j;
+    struct provider_decision d;
+    char key[300];
+
+    teardown();
+    setup_with(args,
+               "idempotent = false; lookup_reference_path = \"/charges?reference={key}\"; "
+               "body_template = \"{\\\"reference\\\": {{key}}}\"; "
+               "reconcile_after_s = 2592000;",
+               "idemq_test.record");
+    make_job(&j, "d4-deadline", NULL, key, sizeof key);
+    tprov_control(&T.p, "{\"fault\":\"status=503\",\"count\":1}");
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_RETRY);
+    provider_flow_decision_clear(&d);
+    on_key("UPDATE idemq.intents SET last_request_at = last_request_at - interval '1 minute', "
+           "run_after = now() WHERE key = $1", key);
+    on_key("UPDATE idemq.jobs SET run_after = now() WHERE key = $1", key);
+    deliver(&j, &d); /* lookup: no record; the deadline is 30 days after the request */
+    ck_assert_msg(d.kind == PROVIDER_FLOW_RETRY, "%s: %s", d.outcome, d.reason);
+    ck_assert_int_gt(d.delay_ms, 86400L * 1000);
+    provider_flow_decision_clear(&d);
+    deliver(&j, &d); /* back early: waits the rest */
+    ck_assert_msg(d.kind == PROVIDER_FLOW_WAIT, "%s: %s", d.outcome, d.reason);
+    ck_assert_int_gt(d.delay_ms, 86400L * 1000);
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 1);
+    provider_flow_decision_clear(&d);
+    job_destroy(&j);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("provider_flow");
@@ -1375,6 +1454,8 @@ int main(void)
     tcase_add_test(tc, test_second_reference_while_confirmed);
     tcase_add_test(tc, test_409_makes_uncertain);
     tcase_add_test(tc, test_lookup_404_young_request_stays_uncertain);
+    tcase_add_test(tc, test_oversized_wire_values);
+    tcase_add_test(tc, test_far_deadline_delay);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
