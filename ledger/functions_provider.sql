@@ -22,6 +22,9 @@
 --             come back after r_delay_ms (no attempt used)
 --   retry     an attempt failed: come back after r_delay_ms, same key
 --   park      parked (r_park: the park's facts, as idemq.park_info)
+--   confirmed the provider's reference is recorded (committed): run the
+--             local effect next with idemq.provider_confirmed (r_message: a
+--             second-reference alarm, if any)
 --   effect_error  the local effect raised r_sqlstate: classify it, then
 --             call idemq.provider_effect_failed
 --   leave     (reconciler) nothing to do now
@@ -143,28 +146,18 @@ BEGIN
 END
 $fn$;
 
--- Records the provider's reference and, in a subtransaction, runs the
--- input's SQL effect (p_opts.effect, a regprocedure text; none = no effect)
--- with the provider's answer in meta.provider, then marks the job and the
--- intent applied. Locks held. An effect error rolls back only the
--- subtransaction: the reference stays recorded (intent 'confirmed') and the
--- error is returned for the caller to classify. A reference already
--- recorded is never replaced: a different p_ref is a second charge at the
--- provider, written to the key's history as an alarm (r_message holds it).
-CREATE OR REPLACE FUNCTION idemq.provider_apply(
-    p_key text, p_ref text, p_answer jsonb, p_how text, p_opts jsonb, p_meta jsonb,
-    p_consumer text)
-RETURNS TABLE (r_ok boolean, r_sqlstate text, r_message text)
+-- Records the provider's reference p_ref (locks held): the intent becomes
+-- 'confirmed'. A reference already recorded is never replaced: a different
+-- p_ref is a second charge at the provider, written to the key's history
+-- as an alarm, which is returned (NULL when there is none).
+CREATE OR REPLACE FUNCTION idemq.provider_confirm(
+    p_key text, p_ref text, p_answer jsonb, p_how text, p_meta jsonb, p_consumer text)
+RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, idemq AS $fn$
 DECLARE
-    v_now    timestamptz := clock_timestamp();
-    v_int    idemq.intents;
-    v_job    idemq.jobs;
-    v_call   text;
-    v_result jsonb;
-    v_meta   jsonb;
-    v_first  text;
-    v_alarm  text;
+    v_now   timestamptz := clock_timestamp();
+    v_first text;
+    v_alarm text;
 BEGIN
     SELECT i.provider_ref INTO v_first FROM idemq.intents i WHERE i.key = p_key;
     IF v_first IS NOT NULL AND p_ref IS DISTINCT FROM v_first THEN
@@ -178,14 +171,45 @@ BEGIN
            last_response = CASE WHEN v_alarm IS NULL THEN coalesce(p_answer, i.last_response)
                                 ELSE i.last_response END,
            lease_until = NULL, run_after = NULL, updated_at = v_now
-     WHERE i.key = p_key
-    RETURNING * INTO v_int;
-    p_ref := v_int.provider_ref; -- the first reference is the job's
+     WHERE i.key = p_key;
+    RETURN v_alarm;
+END
+$fn$;
+
+-- Records the provider's reference (idemq.provider_confirm) and, in a
+-- subtransaction, runs the input's SQL effect (p_opts.effect, a
+-- regprocedure text; none = no effect) with the provider's answer in
+-- meta.provider, then marks the job and the intent applied. Locks held. An
+-- effect error rolls back only the subtransaction: the reference stays
+-- recorded (intent 'confirmed') and the error is returned for the caller
+-- to classify; r_message holds a second-reference alarm on success. Errors
+-- WHEN OTHERS does not catch (57014, P0004) roll back the whole statement:
+-- the worker's answers therefore commit the reference first
+-- (provider_result) and run the effect in a statement of its own
+-- (provider_confirmed); only idemq resolve runs both at once.
+CREATE OR REPLACE FUNCTION idemq.provider_apply(
+    p_key text, p_ref text, p_answer jsonb, p_how text, p_opts jsonb, p_meta jsonb,
+    p_consumer text)
+RETURNS TABLE (r_ok boolean, r_sqlstate text, r_message text)
+LANGUAGE plpgsql SET search_path = pg_catalog, idemq AS $fn$
+DECLARE
+    v_now    timestamptz := clock_timestamp();
+    v_int    idemq.intents;
+    v_job    idemq.jobs;
+    v_call   text;
+    v_result jsonb;
+    v_meta   jsonb;
+    v_alarm  text;
+    v_ref    text;
+BEGIN
+    v_alarm := idemq.provider_confirm(p_key, p_ref, p_answer, p_how, p_meta, p_consumer);
+    SELECT * INTO v_int FROM idemq.intents i WHERE i.key = p_key;
+    v_ref := v_int.provider_ref; -- the first reference is the job's
     SELECT * INTO v_job FROM idemq.jobs j WHERE j.key = p_key;
     v_meta := coalesce(p_meta, '{}'::jsonb) || jsonb_build_object(
         'attempt', v_job.attempts, 'generation', v_job.generation,
         'provider', jsonb_build_object(
-            'name', v_int.provider, 'reference', p_ref, 'how', p_how,
+            'name', v_int.provider, 'reference', v_ref, 'how', p_how,
             'answer', v_int.last_response, 'requests', v_int.requests,
             'first_request_at', v_int.first_request_at, 'confirmed_at', v_int.confirmed_at,
             'latency_ms', (extract(epoch FROM v_int.confirmed_at - v_int.first_request_at)
@@ -202,17 +226,49 @@ BEGIN
         END IF;
         UPDATE idemq.jobs j SET state = 'applied', applied_at = v_now, last_attempt_at = v_now,
                run_after = NULL,
-               result = coalesce(v_result, jsonb_build_object('provider_reference', p_ref))
+               result = coalesce(v_result, jsonb_build_object('provider_reference', v_ref))
          WHERE j.key = p_key;
         UPDATE idemq.intents i SET state = 'applied', updated_at = v_now WHERE i.key = p_key;
         PERFORM idemq.provider_note(p_key, 'applied', v_now, NULL, NULL,
-            format('provider reference %s (%s)', p_ref, p_how), NULL, p_meta, p_consumer);
+            format('provider reference %s (%s)', v_ref, p_how), NULL, p_meta, p_consumer);
         r_ok := true;
         r_message := v_alarm;
     EXCEPTION WHEN OTHERS THEN
         GET STACKED DIAGNOSTICS r_sqlstate = RETURNED_SQLSTATE, r_message = MESSAGE_TEXT;
         r_ok := false;
     END;
+    RETURN NEXT;
+END
+$fn$;
+
+-- Transaction 2b: the local effect of key p_key, whose reference is
+-- recorded and committed (intent 'confirmed'). p_how says how the
+-- reference was found ('answer', 'lookup by key', 'local retry', ...).
+-- Returns applied, effect_error (classify it, then provider_effect_failed),
+-- or duplicate when the key was settled meanwhile. When the statement
+-- fails as a whole (a statement timeout, an ASSERT), the reference stays
+-- recorded: the caller classifies that error as the effect's.
+CREATE OR REPLACE FUNCTION idemq.provider_confirmed(p_key text, p_how text, p_opts jsonb,
+                                                    p_meta jsonb, p_consumer text)
+RETURNS TABLE (r_action text, r_attempt integer, r_lease integer, r_delay_ms integer,
+               r_park jsonb, r_message text, r_lookup text, r_sqlstate text, r_body bytea)
+LANGUAGE plpgsql SET search_path = pg_catalog, idemq AS $fn$
+DECLARE
+    v_int idemq.intents;
+    v_ok  boolean;
+BEGIN
+    SELECT j.attempts INTO r_attempt FROM idemq.jobs j WHERE j.key = p_key FOR UPDATE;
+    SELECT * INTO v_int FROM idemq.intents i WHERE i.key = p_key FOR UPDATE;
+    IF v_int.key IS NULL OR v_int.state <> 'confirmed' THEN
+        r_action := 'duplicate';
+        r_message := format('the intent is %s', coalesce(v_int.state, 'gone'));
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    SELECT a.r_ok, a.r_sqlstate, a.r_message INTO v_ok, r_sqlstate, r_message
+      FROM idemq.provider_apply(p_key, v_int.provider_ref, NULL, p_how, p_opts, p_meta,
+                                p_consumer) a;
+    r_action := CASE WHEN v_ok THEN 'applied' ELSE 'effect_error' END;
     RETURN NEXT;
 END
 $fn$;
@@ -237,7 +293,6 @@ DECLARE
     v_open      boolean;
     v_key_ok    boolean;
     v_att       integer;
-    v_ok        boolean;
 BEGIN
     SELECT * INTO v_int FROM idemq.intents i WHERE i.key = p_key;
     SELECT j.attempts INTO r_attempt FROM idemq.jobs j WHERE j.key = p_key;
@@ -255,12 +310,9 @@ BEGIN
             CASE WHEN p_sweep THEN ' - reconciler' ELSE '' END), NULL, p_meta, p_consumer);
     END IF;
     IF v_int.state = 'confirmed' THEN
-        -- The provider confirmed, the local effect has not committed yet.
-        SELECT a.r_ok, a.r_sqlstate, a.r_message INTO v_ok, r_sqlstate, r_message
-          FROM idemq.provider_apply(p_key, v_int.provider_ref, NULL,
-                                    CASE WHEN p_sweep THEN 'reconciler' ELSE 'local retry' END,
-                                    p_opts, p_meta, p_consumer) a;
-        r_action := CASE WHEN v_ok THEN 'applied' ELSE 'effect_error' END;
+        -- The provider confirmed, the local effect has not committed yet:
+        -- the caller runs it next (idemq.provider_confirmed).
+        r_action := 'confirmed';
         RETURN NEXT;
         RETURN;
     END IF;
@@ -528,7 +580,6 @@ DECLARE
     v_now       timestamptz := clock_timestamp();
     v_job       idemq.jobs;
     v_int       idemq.intents;
-    v_ok        boolean;
     v_uncertain boolean;
     v_what      text := CASE WHEN p_op = 'call' THEN 'request' ELSE 'lookup' END;
     v_text      text := idemq.provider_answer_text(p_answer);
@@ -572,12 +623,14 @@ BEGIN
                 format('lookup %s found provider reference %s', p_lease, p_ref), NULL, p_meta,
                 p_consumer);
         END IF;
-        SELECT a.r_ok, a.r_sqlstate, a.r_message INTO v_ok, r_sqlstate, r_message
-          FROM idemq.provider_apply(p_key, p_ref, p_answer,
-                                    CASE WHEN p_op = 'call' THEN 'answer'
-                                         ELSE 'lookup by ' || p_op END,
-                                    p_opts, p_meta, p_consumer) a;
-        r_action := CASE WHEN v_ok THEN 'applied' ELSE 'effect_error' END;
+        -- Recorded and committed before the local effect runs (its own
+        -- statement, idemq.provider_confirmed): nothing the effect does can
+        -- lose the reference.
+        r_message := idemq.provider_confirm(p_key, p_ref, p_answer,
+                                            CASE WHEN p_op = 'call' THEN 'answer'
+                                                 ELSE 'lookup by ' || p_op END,
+                                            p_meta, p_consumer);
+        r_action := 'confirmed';
         RETURN NEXT;
         RETURN;
     END IF;

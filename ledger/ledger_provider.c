@@ -25,6 +25,7 @@ const char *ledger_provider_action_name(enum ledger_provider_action a)
     case LEDGER_PROVIDER_RETRY: return "retry";
     case LEDGER_PROVIDER_PARK: return "park";
     case LEDGER_PROVIDER_EFFECT_ERROR: return "effect_error";
+    case LEDGER_PROVIDER_CONFIRMED: return "confirmed";
     }
     return "?";
 }
@@ -89,6 +90,7 @@ static idemq_err_t run_steps(PGconn *db, const char *sql, int n, const char *con
                     : strcmp(a, "wait") == 0      ? LEDGER_PROVIDER_WAIT
                     : strcmp(a, "retry") == 0     ? LEDGER_PROVIDER_RETRY
                     : strcmp(a, "park") == 0      ? LEDGER_PROVIDER_PARK
+                    : strcmp(a, "confirmed") == 0 ? LEDGER_PROVIDER_CONFIRMED
                                                   : LEDGER_PROVIDER_EFFECT_ERROR;
         if (s->action == LEDGER_PROVIDER_EFFECT_ERROR && strcmp(a, "effect_error") != 0) {
             snprintf(e->sqlstate, sizeof e->sqlstate, "XX000");
@@ -208,6 +210,17 @@ idemq_err_t ledger_provider_result(PGconn *db, const char *key, int lease, const
                     "coalesce(($11::jsonb)->0->'m', '{\"reconciler\": true}'), $12, "
                     "$13::boolean)",
                     13, vals, NULL, NULL, s, e);
+}
+
+idemq_err_t ledger_provider_confirmed(PGconn *db, const char *key, const char *how,
+                                      const char *opts, const char *doc, const char *consumer,
+                                      struct ledger_provider_step *s, struct ledger_db_error *e)
+{
+    const char *vals[5] = {key, how, opts, doc, consumer};
+    return run_step(db,
+                    "SELECT " STEP_COLUMNS " FROM idemq.provider_confirmed($1, $2, $3::jsonb, "
+                    "coalesce(($4::jsonb)->0->'m', '{\"reconciler\": true}'), $5)",
+                    5, vals, NULL, NULL, s, e);
 }
 
 idemq_err_t ledger_provider_effect_failed(PGconn *db, const char *key, const char *cls,

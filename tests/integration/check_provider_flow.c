@@ -1414,6 +1414,50 @@ START_TEST(test_far_deadline_delay)
 }
 END_TEST
 
+/* D5: the provider's reference is durable before the local effect runs: a
+ * statement timeout (57014) or an ASSERT (P0004) in the effect, which
+ * PL/pgSQL's WHEN OTHERS does not catch, keeps the reference recorded; a
+ * transient one retries only the effect (no new request), a permanent one
+ * parks with the reference. */
+START_TEST(test_effect_timeout_keeps_reference)
+{
+    struct job j, k;
+    struct provider_decision d;
+    char key[300], key2[300], b[512], q[512];
+    int rounds;
+
+    make_job(&j, "d5-57014", NULL, key, sizeof key);
+    snprintf(q, sizeof q, "INSERT INTO idemq_test.failing VALUES ('%s', '57014')", key);
+    sql(q);
+    deliver(&j, &d);
+    ck_assert_msg(d.kind == PROVIDER_FLOW_RETRY, "%s: %s", d.outcome, d.reason);
+    ck_assert_str_eq(val(INTENT_STATE, key, b, sizeof b), "confirmed");
+    ck_assert_str_eq(val(INTENT_REF, key, b, sizeof b), "ch_000001");
+    provider_flow_decision_clear(&d);
+    snprintf(q, sizeof q, "DELETE FROM idemq_test.failing WHERE key = '%s'", key);
+    sql(q);
+    settle(&j, &d, &rounds, 3000);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_ACK);
+    ck_assert_int_eq(num(EFFECTS, key), 1);
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 1); /* never sent again */
+    ck_assert_str_eq(val("SELECT meta->'provider'->>'reference' FROM idemq_test.effects "
+                         "WHERE key = $1", key, b, sizeof b), "ch_000001");
+    provider_flow_decision_clear(&d);
+
+    make_job(&k, "d5-assert", "\"raise\":\"P0004\"", key2, sizeof key2);
+    deliver(&k, &d);
+    ck_assert_msg(d.kind == PROVIDER_FLOW_PARK, "%s: %s", d.outcome, d.reason);
+    ck_assert_str_eq(json_string_value(json_object_get(d.park, "error_class")), "permanent");
+    ck_assert_ptr_nonnull(strstr(json_string_value(json_object_get(d.park, "reason")),
+                                 "provider reference ch_000002 is recorded"));
+    ck_assert_str_eq(val(INTENT_REF, key2, b, sizeof b), "ch_000002");
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 2);
+    provider_flow_decision_clear(&d);
+    job_destroy(&j);
+    job_destroy(&k);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("provider_flow");
@@ -1456,6 +1500,7 @@ int main(void)
     tcase_add_test(tc, test_lookup_404_young_request_stays_uncertain);
     tcase_add_test(tc, test_oversized_wire_values);
     tcase_add_test(tc, test_far_deadline_delay);
+    tcase_add_test(tc, test_effect_timeout_keeps_reference);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
