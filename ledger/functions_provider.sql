@@ -121,6 +121,31 @@ BEGIN
 END
 $fn$;
 
+-- The key's job was settled by an input of another kind (a SQL input
+-- applied it while this intent was open): the intent parks as key_conflict
+-- with its message in a park row of its own; the job is not touched (locks
+-- held). Returns the park's facts.
+CREATE OR REPLACE FUNCTION idemq.provider_conflict(p_key text, p_reason text, p_meta jsonb,
+                                                   p_consumer text)
+RETURNS jsonb
+LANGUAGE plpgsql SET search_path = pg_catalog, idemq AS $fn$
+DECLARE
+    v_now  timestamptz := clock_timestamp();
+    v_park jsonb;
+BEGIN
+    UPDATE idemq.intents i SET state = 'parked', lease_until = NULL, run_after = NULL,
+           updated_at = v_now
+     WHERE i.key = p_key;
+    PERFORM idemq.provider_note(p_key, 'permanent_error', v_now, 'permanent', 'key_conflict',
+                                p_reason, NULL, p_meta, p_consumer);
+    SELECT idemq.park_message(i.key, i.source_queue, i.exchange, i.routing_key, i.body,
+                              i.headers, i.properties, 'key_conflict', left(p_reason, 2000),
+                              p_consumer, NULL, NULL, true)
+      INTO v_park FROM idemq.intents i WHERE i.key = p_key;
+    RETURN v_park;
+END
+$fn$;
+
 -- A copy of a parked key: its park is published again when the first
 -- dead-letter publish was never confirmed, else it is a duplicate.
 CREATE OR REPLACE FUNCTION idemq.provider_parked_copy(p_key text, p_meta jsonb,
@@ -293,9 +318,21 @@ DECLARE
     v_open      boolean;
     v_key_ok    boolean;
     v_att       integer;
+    v_jstate    text;
 BEGIN
     SELECT * INTO v_int FROM idemq.intents i WHERE i.key = p_key;
-    SELECT j.attempts INTO r_attempt FROM idemq.jobs j WHERE j.key = p_key;
+    SELECT j.attempts, j.state INTO r_attempt, v_jstate FROM idemq.jobs j WHERE j.key = p_key;
+    IF v_jstate IN ('applied', 'stale') THEN
+        -- Another input's effect settled the key: never turned back into a
+        -- provider state, nothing sent.
+        r_park := idemq.provider_conflict(p_key, format('key %s is %s by another (non-provider) '
+            'input while its provider intent was %s: nothing sent. A request of this key may '
+            'have applied at %s: check the provider (keys are business keys: keep them apart '
+            'per input)', p_key, v_jstate, v_int.state, v_int.provider), p_meta, p_consumer);
+        r_action := 'park';
+        RETURN NEXT;
+        RETURN;
+    END IF;
     IF v_int.state = 'pending' THEN
         -- No answer was recorded before the lease ran out: a crash, a lost
         -- connection, or an abandoned call. The request may have applied.
@@ -466,7 +503,7 @@ BEGIN
         r_park := idemq.park_message(v_key, v_q, v_meta->>'exchange', v_meta->>'routing_key',
             p_body, v_meta->'headers', p_props, 'key_conflict',
             format('key %s belongs to a %s job of another (non-provider) input', v_key,
-                   v_job.state), p_consumer);
+                   v_job.state), p_consumer, NULL, NULL, true);
         r_action := 'park';
         RETURN NEXT;
         RETURN;
@@ -593,6 +630,23 @@ BEGIN
         RAISE EXCEPTION 'idemq: no intent for key %', p_key USING ERRCODE = 'XX000';
     END IF;
     r_attempt := v_job.attempts;
+
+    IF v_job.state IN ('applied', 'stale') AND v_int.state <> 'applied' THEN
+        -- Another input's effect settled the key meanwhile: a reference is
+        -- still recorded (a fact), the job is not touched.
+        IF p_class = 'success' AND p_ref <> '' THEN
+            r_message := idemq.provider_confirm(p_key, p_ref, p_answer,
+                CASE WHEN p_op = 'call' THEN 'answer' ELSE 'lookup by ' || p_op END,
+                p_meta, p_consumer);
+        END IF;
+        r_park := idemq.provider_conflict(p_key, format('key %s is %s by another (non-provider) '
+            'input; the provider answered %s %s: %s%s. Check the provider', p_key, v_job.state,
+            v_what, p_lease, v_text, CASE WHEN p_ref <> '' THEN ' (reference ' || p_ref || ')'
+                                          ELSE '' END), p_meta, p_consumer);
+        r_action := 'park';
+        RETURN NEXT;
+        RETURN;
+    END IF;
 
     IF p_class = 'success' AND p_ref <> '' THEN
         -- A confirmed reference is a fact, whichever request it answers.

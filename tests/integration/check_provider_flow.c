@@ -19,6 +19,7 @@
 #include "ledger_db.h"
 #include "ledger_migrate.h"
 #include "ledger_provider.h"
+#include "ledger_txn.h"
 #include "provider_flow.h"
 #include "reconcile.h"
 #include "tprov.h"
@@ -1458,6 +1459,117 @@ START_TEST(test_effect_timeout_keeps_reference)
 }
 END_TEST
 
+/* Applies one copy of key (a SQL input of its own, effect idemq_test.record)
+ * in one transaction of a session of its own, as a worker's batch would;
+ * returns its outcome and
+ * the park's error_code in code ("" if none). */
+static enum ledger_outcome sql_copy(const char *key, char *code, size_t codelen)
+{
+    struct conf *c;
+    struct ledger_txn *lt;
+    struct ledger_result res;
+    struct ledger_db_error e;
+    struct job j, *jp = &j;
+    PGconn *db;
+    char text[1024], err[512], body[400];
+    enum ledger_outcome out;
+
+    snprintf(text, sizeof text,
+             "consumer: { id = \"%s-sql\"; };\n"
+             "inputs = ( { name = \"%s-sql\"; queue = \"%s-sql.q\"; "
+             "effect_function = \"idemq_test.record\"; } );\n",
+             T.prefix, T.prefix, T.prefix);
+    ck_assert_msg(conf_load_string(text, &c, err, sizeof err) == IDEMQ_OK, "%s", err);
+    db = ledger_db_connect(getenv("IDEMQ_PG_DSN"), "check_provider_flow sql", 0, err, sizeof err);
+    ck_assert_msg(db != NULL, "%s", err);
+    lt = ledger_txn_new(db, c, err, sizeof err);
+    ck_assert_msg(lt != NULL, "%s", err);
+    snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"amount_minor\":500}", key);
+    job_init(&j);
+    ck_assert_int_eq(job_set_body(&j, body, strlen(body)), IDEMQ_OK);
+    j.input = 0;
+    ck_assert_int_eq(job_decode(&j, &c->inputs[0]), IDEMQ_OK);
+    memset(&res, 0, sizeof res);
+    ck_assert_int_eq(ledger_txn_begin(lt, &e), IDEMQ_OK);
+    ck_assert_msg(ledger_txn_apply(lt, &jp, 1, &res, &e) == IDEMQ_OK, "%s %s", e.sqlstate,
+                  e.message);
+    out = res.outcome;
+    snprintf(code, codelen, "%s", "");
+    if (out == LEDGER_CONFLICT) { /* what the worker's batch does with it */
+        json_t *park = NULL;
+        ck_assert_int_eq(ledger_txn_park_message(lt, &j, "key_conflict", res.message, true,
+                                                 &park, &e),
+                         IDEMQ_OK);
+        snprintf(code, codelen, "%s",
+                 json_string_value(json_object_get(park, "error_code")));
+        json_decref(park);
+    }
+    ck_assert_int_eq(ledger_txn_commit(lt, &e), IDEMQ_OK);
+    ledger_txn_result_clear(&res);
+    ledger_txn_free(lt);
+    PQfinish(db);
+    job_destroy(&j);
+    conf_free(c);
+    return out;
+}
+
+/* D10: a key held by a provider job is not a SQL input's to apply: the SQL
+ * copy is a key_conflict (the provider job untouched, no effect); and the
+ * reconciler never turns a job applied by another input back into a
+ * provider state (parked key_conflict, nothing sent). */
+START_TEST(test_cross_input_key_conflict)
+{
+    struct job j;
+    struct reconcile_counts n;
+    char key[300], b[512], code[64];
+    long before;
+
+    make_job(&j, "d10", NULL, key, sizeof key);
+    orphan_call(&j, "hold=200"); /* charged; the worker vanished: intent pending */
+    nap_ms(300);
+    ck_assert_str_eq(val(JOB_STATE, key, b, sizeof b), "provider_pending");
+    ck_assert_int_eq(sql_copy(key, code, sizeof code), LEDGER_CONFLICT);
+    ck_assert_str_eq(code, "key_conflict");
+    ck_assert_int_eq(num(EFFECTS, key), 0);
+    ck_assert_str_eq(val(JOB_STATE, key, b, sizeof b), "provider_pending");
+
+    /* a job applied by a SQL input while its intent was pending (before
+     * this fix, or by hand): the sweep leaves the job alone */
+    on_key("UPDATE idemq.jobs SET state = 'applied', applied_at = now() WHERE key = $1", key);
+    age_intent(key);
+    before = tprov_stat(&T.p, NULL, "requests");
+    n = sweep();
+    ck_assert_int_eq(n.parked, 1);
+    ck_assert_str_eq(val(JOB_STATE, key, b, sizeof b), "applied");
+    ck_assert_str_eq(val(INTENT_STATE, key, b, sizeof b), "parked");
+    ck_assert_str_eq(val("SELECT error_code FROM idemq.parked WHERE key = $1", key, b, sizeof b),
+                     "key_conflict");
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), before);
+    n = sweep(); /* settled: not taken again */
+    ck_assert_int_eq(n.taken, 0);
+    job_destroy(&j);
+
+    /* the other way round: a provider copy of a SQL input's unsettled key */
+    {
+        struct job k;
+        struct provider_decision d;
+        char key2[300];
+        make_job(&k, "d10-sql", NULL, key2, sizeof key2);
+        ck_assert_int_eq(sql_copy(key2, code, sizeof code), LEDGER_APPLIED);
+        on_key("UPDATE idemq.jobs SET state = 'retrying' WHERE key = $1", key2);
+        before = tprov_stat(&T.p, NULL, "requests");
+        deliver(&k, &d);
+        ck_assert_msg(d.kind == PROVIDER_FLOW_PARK, "%s: %s", d.outcome, d.reason);
+        ck_assert_str_eq(json_string_value(json_object_get(d.park, "error_code")),
+                         "key_conflict");
+        ck_assert_str_eq(val(JOB_STATE, key2, b, sizeof b), "retrying");
+        ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), before);
+        provider_flow_decision_clear(&d);
+        job_destroy(&k);
+    }
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("provider_flow");
@@ -1501,6 +1613,7 @@ int main(void)
     tcase_add_test(tc, test_oversized_wire_values);
     tcase_add_test(tc, test_far_deadline_delay);
     tcase_add_test(tc, test_effect_timeout_keeps_reference);
+    tcase_add_test(tc, test_cross_input_key_conflict);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
