@@ -17,6 +17,7 @@
 #include "effect_http.h"
 #include "job.h"
 #include "ledger_db.h"
+#include "ledger_grants.h"
 #include "ledger_migrate.h"
 #include "ledger_provider.h"
 #include "ledger_txn.h"
@@ -1570,6 +1571,45 @@ START_TEST(test_cross_input_key_conflict)
 }
 END_TEST
 
+/* The flow under the least-privileged role of idemq migrate --grant: the
+ * reference and the local effect (transaction 2b, provider_confirmed) run
+ * with the owner's rights, as every other provider function. */
+START_TEST(test_flow_under_grant_role)
+{
+    struct job j;
+    struct provider_decision d;
+    char key[300], role[80], q[256], err[512], dsn[1024], *u;
+    PGconn *owner = T.db, *db;
+
+    snprintf(role, sizeof role, "%s_run", T.prefix);
+    for (char *c = role; *c; c++)
+        if (*c == '-')
+            *c = '_';
+    snprintf(q, sizeof q, "CREATE ROLE %s LOGIN", role);
+    sql(q);
+    ck_assert_msg(ledger_grants_apply(owner, T.c, role, err, sizeof err) == IDEMQ_OK, "%s", err);
+    snprintf(dsn, sizeof dsn, "%s", getenv("IDEMQ_PG_DSN"));
+    u = strstr(dsn, "user=");
+    ck_assert_ptr_nonnull(u);
+    snprintf(u, sizeof dsn - (size_t)(u - dsn), "user=%s", role);
+    db = PQconnectdb(dsn);
+    ck_assert_msg(PQstatus(db) == CONNECTION_OK, "%s", PQerrorMessage(db));
+
+    make_job(&j, "grant", NULL, key, sizeof key);
+    T.db = db; /* the flow's statements, as idemq run's */
+    deliver(&j, &d);
+    T.db = owner;
+    ck_assert_msg(d.kind == PROVIDER_FLOW_ACK, "%s: %s", d.outcome, d.reason);
+    ck_assert_str_eq(d.outcome, "applied");
+    ck_assert_int_eq(num(EFFECTS, key), 1);
+    provider_flow_decision_clear(&d);
+    PQfinish(db);
+    snprintf(q, sizeof q, "DROP OWNED BY %s; DROP ROLE %s", role, role);
+    sql(q);
+    job_destroy(&j);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("provider_flow");
@@ -1614,6 +1654,7 @@ int main(void)
     tcase_add_test(tc, test_far_deadline_delay);
     tcase_add_test(tc, test_effect_timeout_keeps_reference);
     tcase_add_test(tc, test_cross_input_key_conflict);
+    tcase_add_test(tc, test_flow_under_grant_role);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
