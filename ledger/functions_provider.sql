@@ -639,11 +639,18 @@ BEGIN
                 CASE WHEN p_op = 'call' THEN 'answer' ELSE 'lookup by ' || p_op END,
                 p_meta, p_consumer);
         END IF;
-        r_park := idemq.provider_conflict(p_key, format('key %s is %s by another (non-provider) '
-            'input; the provider answered %s %s: %s%s. Check the provider', p_key, v_job.state,
-            v_what, p_lease, v_text, CASE WHEN p_ref <> '' THEN ' (reference ' || p_ref || ')'
-                                          ELSE '' END), p_meta, p_consumer);
-        r_action := 'park';
+        v_text := format('key %s is %s by another (non-provider) input; the provider '
+            'answered %s %s: %s%s. Check the provider', p_key, v_job.state, v_what, p_lease,
+            v_text, CASE WHEN p_ref <> '' THEN ' (reference ' || p_ref || ')' ELSE '' END);
+        IF v_int.state IN ('parked', 'discarded') THEN -- parked already: noted only
+            UPDATE idemq.intents i SET state = v_int.state WHERE i.key = p_key;
+            PERFORM idemq.provider_note(p_key, 'duplicate', v_now, NULL, 'key_conflict', v_text,
+                                        NULL, p_meta, p_consumer);
+            r_action := 'duplicate';
+        ELSE
+            r_park := idemq.provider_conflict(p_key, v_text, p_meta, p_consumer);
+            r_action := 'park';
+        END IF;
         RETURN NEXT;
         RETURN;
     END IF;

@@ -1548,6 +1548,23 @@ START_TEST(test_cross_input_key_conflict)
     ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), before);
     n = sweep(); /* settled: not taken again */
     ck_assert_int_eq(n.taken, 0);
+    { /* the held answer arrives after all: its reference is recorded, nothing else moves */
+        struct ledger_provider_step st;
+        struct ledger_db_error e;
+        char *opts = ledger_provider_opts(T.c, 0);
+        memset(&st, 0, sizeof st);
+        ck_assert_int_eq(ledger_provider_result(T.db, key, 1, "call", "success", 201,
+                                                "{\"status\": 201}", "ch_000001", -1, "", opts,
+                                                NULL, "check", true, &st, &e),
+                         IDEMQ_OK);
+        ck_assert_int_eq(st.action, LEDGER_PROVIDER_DUPLICATE);
+        ledger_provider_step_clear(&st);
+        free(opts);
+        ck_assert_str_eq(val(INTENT_REF, key, b, sizeof b), "ch_000001");
+        ck_assert_str_eq(val(INTENT_STATE, key, b, sizeof b), "parked");
+        ck_assert_str_eq(val(JOB_STATE, key, b, sizeof b), "applied");
+        ck_assert_int_eq(num(EFFECTS, key), 0);
+    }
     job_destroy(&j);
 
     /* the other way round: a provider copy of a SQL input's unsettled key */
