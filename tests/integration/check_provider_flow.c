@@ -79,11 +79,37 @@ static char *slurp(const char *path)
     return buf;
 }
 
+/* (Re)loads T.c and a new flow for one provider input of the running
+ * provider configured with the extra provider lines; effect = the SQL
+ * effect or NULL. */
+static void configure(const char *extra, const char *effect)
+{
+    char text[4096], err[1024];
+
+    provider_flow_free(T.f);
+    conf_free(T.c);
+    snprintf(text, sizeof text,
+             "retry: { max_attempts = 4; base_delay_ms = 100; max_delay_ms = 2000; "
+             "jitter = \"none\"; };\n"
+             "consumer: { id = \"%s\"; };\n"
+             "inputs = ( { name = \"%s\"; queue = \"%s.q\"; %s%s%s\n"
+             "  provider: { url = \"%s\"; path = \"/charges\"; timeout_ms = %d; "
+             "retry_after_max_ms = 2000; %s %s }; } );\n",
+             T.prefix, T.prefix, T.prefix, effect ? "effect_function = \"" : "",
+             effect ? effect : "",
+             effect ? "\";" : "", T.p.url, 3000 * mult(),
+             extra && strstr(extra, "reconcile_after_s") ? "" : "reconcile_after_s = 60;",
+             extra ? extra : "");
+    ck_assert_msg(conf_load_string(text, &T.c, err, sizeof err) == IDEMQ_OK, "%s\n%s", err, text);
+    T.f = provider_flow_new(T.c, 0, err, sizeof err);
+    ck_assert_msg(T.f != NULL, "%s", err);
+}
+
 /* Starts the provider (args) and a flow for one provider input configured
  * with the extra provider lines; effect = the SQL effect or NULL. */
 static void setup_with(const char *const *prov_args, const char *extra, const char *effect)
 {
-    char text[4096], err[1024];
+    char err[1024];
     int applied;
     struct timespec ts;
     static int seq;
@@ -105,21 +131,7 @@ static void setup_with(const char *const *prov_args, const char *extra, const ch
     }
     sql("SELECT pg_advisory_unlock(4242)");
     tprov_start(&T.p, prov_args);
-    snprintf(text, sizeof text,
-             "retry: { max_attempts = 4; base_delay_ms = 100; max_delay_ms = 2000; "
-             "jitter = \"none\"; };\n"
-             "consumer: { id = \"%s\"; };\n"
-             "inputs = ( { name = \"%s\"; queue = \"%s.q\"; %s%s%s\n"
-             "  provider: { url = \"%s\"; path = \"/charges\"; timeout_ms = %d; "
-             "retry_after_max_ms = 2000; %s %s }; } );\n",
-             T.prefix, T.prefix, T.prefix, effect ? "effect_function = \"" : "",
-             effect ? effect : "",
-             effect ? "\";" : "", T.p.url, 3000 * mult(),
-             extra && strstr(extra, "reconcile_after_s") ? "" : "reconcile_after_s = 60;",
-             extra ? extra : "");
-    ck_assert_msg(conf_load_string(text, &T.c, err, sizeof err) == IDEMQ_OK, "%s\n%s", err, text);
-    T.f = provider_flow_new(T.c, 0, err, sizeof err);
-    ck_assert_msg(T.f != NULL, "%s", err);
+    configure(extra, effect);
 }
 
 static void setup(void) { setup_with(NULL, NULL, "idemq_test.record"); }
@@ -1627,6 +1639,40 @@ START_TEST(test_flow_under_grant_role)
 }
 END_TEST
 
+/* D1 with a lookup route (added after the park): the redrive of the
+ * uncertain key asks the provider about that key and adopts its charge,
+ * instead of sending the request again. */
+START_TEST(test_uncertain_redrive_looks_up)
+{
+    struct job j, r;
+    struct provider_decision d;
+    char key[300], b[512];
+
+    make_job(&j, "d1-lookup", NULL, key, sizeof key);
+    tprov_control(&T.p, "{\"fault\":\"drop\",\"count\":1}");
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_RETRY);
+    nap_ms(d.delay_ms);
+    provider_flow_decision_clear(&d);
+    tprov_control(&T.p, "{\"fault\":\"status=403\",\"count\":1}");
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_PARK);
+    provider_flow_decision_clear(&d);
+    configure("lookup_key_path = \"/charges/by-idempotency-key/{key}\";", "idemq_test.record");
+    make_redrive(&r, &j, 0);
+    deliver(&r, &d);
+    ck_assert_msg(d.kind == PROVIDER_FLOW_ACK, "%s: %s", d.outcome, d.reason);
+    ck_assert_str_eq(d.outcome, "applied");
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 2); /* POSTs: no third one */
+    ck_assert_int_eq(tprov_stat(&T.p, key, "key_charges"), 1);
+    ck_assert_str_eq(val("SELECT meta->'provider'->>'how' FROM idemq_test.effects WHERE key = $1",
+                         key, b, sizeof b), "lookup by key");
+    provider_flow_decision_clear(&d);
+    job_destroy(&j);
+    job_destroy(&r);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("provider_flow");
@@ -1663,6 +1709,7 @@ int main(void)
     tcase_set_timeout(tc, 120 * mult());
     tcase_add_checked_fixture(tc, setup, teardown);
     tcase_add_test(tc, test_4xx_after_unknown_stays_uncertain);
+    tcase_add_test(tc, test_uncertain_redrive_looks_up);
     tcase_add_test(tc, test_redrive_closes_park);
     tcase_add_test(tc, test_second_reference_while_confirmed);
     tcase_add_test(tc, test_409_makes_uncertain);
