@@ -459,10 +459,12 @@ static size_t on_header(char *line, size_t size, size_t n, void *arg)
     return len;
 }
 
-/* The configured field (a dotted path) of a JSON answer, as text. */
-static void find_reference(const char *path, const char *body, size_t len, char *out,
+/* The configured field (a dotted path) of a JSON answer, as text; "" when
+ * absent or when it does not fit out (never cut: returns false then). */
+static bool find_reference(const char *path, const char *body, size_t len, char *out,
                            size_t outlen)
 {
+    int w = 0;
     json_t *root = json_loadb(body ? body : "", len, 0, NULL), *v = root;
     char part[128];
     const char *p = path;
@@ -475,10 +477,15 @@ static void find_reference(const char *path, const char *body, size_t len, char 
         p += n + (p[n] == '.');
     }
     if (json_is_string(v))
-        snprintf(out, outlen, "%s", json_string_value(v));
+        w = snprintf(out, outlen, "%s", json_string_value(v));
     else if (json_is_integer(v))
-        snprintf(out, outlen, "%" JSON_INTEGER_FORMAT, json_integer_value(v));
+        w = snprintf(out, outlen, "%" JSON_INTEGER_FORMAT, json_integer_value(v));
     json_decref(root);
+    if (w < 0 || (size_t)w >= outlen) {
+        out[0] = '\0';
+        return false;
+    }
+    return true;
 }
 
 static bool is_lookup(enum effect_http_op op) { return op != EFFECT_HTTP_CALL; }
@@ -524,9 +531,11 @@ static void classify(struct effect_http *h, struct call *k, CURLcode rc)
     }
     if (r->status >= 200 && r->status < 300) {
         r->cls = EFFECT_HTTP_SUCCESS;
-        find_reference(in->provider.reference_field, r->body, r->body_len, r->reference,
-                       sizeof r->reference);
-        if (!r->reference[0])
+        if (!find_reference(in->provider.reference_field, r->body, r->body_len, r->reference,
+                            sizeof r->reference))
+            snprintf(r->detail, sizeof r->detail, "HTTP %ld: %s is longer than %zu bytes",
+                     r->status, in->provider.reference_field, sizeof r->reference - 1);
+        else if (!r->reference[0])
             snprintf(r->detail, sizeof r->detail, "HTTP %ld without %s in the answer", r->status,
                      in->provider.reference_field);
     } else if (is_lookup(r->op) && (r->status == 404 || r->status == 410)) {

@@ -288,6 +288,21 @@ static enum step run_txn(struct batch *bt, struct job *jobs, int n, struct plan 
             p->how = jobs[i].deferred_id ? SETTLE_NONE : SETTLE_HOLD;
             p->delay_ms = 0;
             break;
+        case LEDGER_CONFLICT: /* a provider job's key: park this copy, that job untouched */
+            if (ledger_txn_park_message(bt->lt, &jobs[i], "key_conflict", r->message, true,
+                                        &p->park, &e)) {
+                st = call_failed(bt, &e, "park_message");
+                goto rollback;
+            }
+            if (!p->park) {
+                snprintf(bt->why, sizeof bt->why, "park_message returned no park facts");
+                st = STEP_SPLIT;
+                goto rollback;
+            }
+            p->how = SETTLE_DEAD;
+            log_job(LOG_LVL_WARN, jobs[i].key, jobs[i].tag, r->attempt,
+                    "parked key_conflict: %s", r->message);
+            break;
         case LEDGER_EARLY:
             if (is_ordered(bt, &jobs[i])) { /* wait in place, never overtaken */
                 p->how = jobs[i].deferred_id ? SETTLE_NONE : SETTLE_HOLD;

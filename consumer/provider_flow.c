@@ -24,6 +24,7 @@
 /* A request must be over this long before its lease ends: the time to
  * record its answer (transaction 2) while the lease still holds. */
 #define LEASE_MARGIN_MS 2000
+#define RESULT_TRIES 3 /* transaction 2's tries for one answer */
 
 /* One job between start and decision. */
 struct pf_job {
@@ -44,6 +45,7 @@ struct pf_job {
     size_t req_len;
     char req_sha[65];
     long long redelivery_tag; /* for log lines: the delivery tag */
+    const char *how;          /* how a confirmed reference was found (meta.provider.how) */
 };
 
 struct provider_flow {
@@ -297,6 +299,42 @@ static void db_failed(struct provider_flow *f, struct pf_job *p, const char *wha
 
 static void act(struct provider_flow *f, PGconn *db, struct pf_job *p,
                 struct ledger_provider_step *s);
+static void effect_error(struct provider_flow *f, PGconn *db, struct pf_job *p,
+                         struct ledger_provider_step *s);
+
+/* Transaction 2b: the reference is committed; the local effect runs in a
+ * statement of its own, so nothing it does (a statement timeout, an
+ * ASSERT, a deadlock) can lose the reference. Such a failure of the whole
+ * statement is the effect's error: a transient one retries only the
+ * effect, no new request. */
+static void run_confirmed(struct provider_flow *f, PGconn *db, struct pf_job *p,
+                          struct ledger_provider_step *s)
+{
+    struct ledger_db_error e;
+    struct ledger_provider_step next;
+
+    if (s->message[0]) /* a second reference: an alarm */
+        log_job(LOG_LVL_WARN, p->key, (unsigned long long)p->redelivery_tag, s->attempt,
+                "provider: %s", s->message);
+    memset(&next, 0, sizeof next);
+    if (ledger_provider_confirmed(db, p->key, p->how ? p->how : "local retry",
+                                  f->opts[p->input], p->doc, f->c->consumer_id, &next,
+                                  &e) != IDEMQ_OK) {
+        if (classify_sqlstate(e.sqlstate, e.conn_lost, &f->c->rules) == CLASS_INFRA) {
+            db_failed(f, p, "provider_confirmed", &e);
+            return;
+        }
+        memset(&next, 0, sizeof next);
+        next.action = LEDGER_PROVIDER_EFFECT_ERROR;
+        next.attempt = s->attempt;
+        snprintf(next.sqlstate, sizeof next.sqlstate, "%s", e.sqlstate);
+        snprintf(next.message, sizeof next.message, "%s", e.message);
+        effect_error(f, db, p, &next);
+        return;
+    }
+    act(f, db, p, &next);
+    ledger_provider_step_clear(&next);
+}
 
 static void answered(struct provider_flow *f, PGconn *db, struct effect_http_result *r);
 
@@ -407,6 +445,9 @@ static void act(struct provider_flow *f, PGconn *db, struct pf_job *p,
     case LEDGER_PROVIDER_EFFECT_ERROR:
         effect_error(f, db, p, s);
         return;
+    case LEDGER_PROVIDER_CONFIRMED:
+        run_confirmed(f, db, p, s);
+        return;
     }
     IDEMQ_PANIC("unhandled provider step %d", (int)s->action);
 }
@@ -476,6 +517,7 @@ static void begin(struct provider_flow *f, PGconn *db, struct pf_job *p)
     }
     memset(&s, 0, sizeof s);
     p->step_ms = now_ms();
+    p->how = "local retry"; /* a reference recorded before this delivery */
     if (ledger_provider_begin(db, p->doc, f->opts[p->input], f->c->consumer_id, p->body,
                               p->body_len, p->props, p->req_sha, p->req, p->req_len, &s,
                               &e) != IDEMQ_OK) {
@@ -609,15 +651,29 @@ static void answered(struct provider_flow *f, PGconn *db, struct effect_http_res
         db_failed(f, p, "answer", &nomem);
         return;
     }
-    memset(&s, 0, sizeof s);
-    p->step_ms = now_ms();
-    if (ledger_provider_result(db, p->key, p->lease, op, effect_http_class_name(r->cls),
-                               r->status, answer, r->reference, r->retry_after_ms, r->detail,
-                               f->opts[p->input], p->doc, f->c->consumer_id, false, &s,
-                               &e) != IDEMQ_OK) {
-        free(answer);
-        db_failed(f, p, "provider_result", &e);
-        return;
+    p->how = r->op == EFFECT_HTTP_CALL         ? "answer"
+             : r->op == EFFECT_HTTP_LOOKUP_KEY ? "lookup by key"
+                                               : "lookup by reference";
+    /* The answer exists only here: a transient failure (a deadlock, a lock
+     * or statement timeout) is tried again at once, a few times, before it
+     * is given up to the lease (then looked up or resent). */
+    for (int tries = 1;; tries++) {
+        memset(&s, 0, sizeof s);
+        p->step_ms = now_ms();
+        if (ledger_provider_result(db, p->key, p->lease, op, effect_http_class_name(r->cls),
+                                   r->status, answer, r->reference, r->retry_after_ms,
+                                   r->detail, f->opts[p->input], p->doc, f->c->consumer_id,
+                                   false, &s, &e) == IDEMQ_OK)
+            break;
+        if (tries == RESULT_TRIES ||
+            classify_sqlstate(e.sqlstate, e.conn_lost, &f->c->rules) != CLASS_TRANSIENT) {
+            free(answer);
+            db_failed(f, p, "provider_result", &e);
+            return;
+        }
+        log_job(LOG_LVL_WARN, p->key, (unsigned long long)p->redelivery_tag, 0,
+                "provider_result failed (%s %s): recording the answer again", e.sqlstate,
+                e.message);
     }
     free(answer);
     if (s.action == LEDGER_PROVIDER_CALL || s.action == LEDGER_PROVIDER_LOOKUP)

@@ -178,6 +178,37 @@ static idemq_err_t effect_error(struct reconcile_sweep *s, PGconn *db, int input
     return err;
 }
 
+/* The reference is committed: the local effect runs in its own statement;
+ * a failure of that whole statement (a statement timeout, an ASSERT) is
+ * the effect's error, the reference stays recorded. */
+static idemq_err_t run_confirmed(struct reconcile_sweep *s, PGconn *db, int input,
+                                 struct ledger_provider_step *st, struct reconcile_counts *n,
+                                 struct ledger_db_error *e)
+{
+    struct ledger_provider_step next;
+    idemq_err_t err;
+
+    if (st->message[0])
+        event(s, st->key, "%s", st->message); /* a second reference: an alarm */
+    memset(&next, 0, sizeof next);
+    err = ledger_provider_confirmed(db, st->key, "reconciler", s->opts[input], NULL, s->who,
+                                    &next, e);
+    if (err != IDEMQ_OK && classify_sqlstate(e->sqlstate, e->conn_lost, &s->c->rules) !=
+                               CLASS_INFRA) {
+        memset(&next, 0, sizeof next);
+        next.action = LEDGER_PROVIDER_EFFECT_ERROR;
+        snprintf(next.sqlstate, sizeof next.sqlstate, "%s", e->sqlstate);
+        snprintf(next.message, sizeof next.message, "%s", e->message);
+        err = IDEMQ_OK;
+    }
+    if (err == IDEMQ_OK) {
+        snprintf(next.key, sizeof next.key, "%s", st->key);
+        err = act(s, db, input, &next, n, e);
+    }
+    ledger_provider_step_clear(&next);
+    return err;
+}
+
 /* Turns one ledger step into a request, or counts its outcome. */
 static idemq_err_t act(struct reconcile_sweep *s, PGconn *db, int input,
                        struct ledger_provider_step *st, struct reconcile_counts *n,
@@ -201,6 +232,8 @@ static idemq_err_t act(struct reconcile_sweep *s, PGconn *db, int input,
         return IDEMQ_OK;
     case LEDGER_PROVIDER_EFFECT_ERROR:
         return effect_error(s, db, input, st, n, e);
+    case LEDGER_PROVIDER_CONFIRMED:
+        return run_confirmed(s, db, input, st, n, e);
     case LEDGER_PROVIDER_DUPLICATE:
     case LEDGER_PROVIDER_WAIT:
     case LEDGER_PROVIDER_RETRY:

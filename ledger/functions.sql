@@ -233,6 +233,21 @@ BEGIN
                 RETURN NEXT;
                 CONTINUE;
             END IF;
+            IF v_state IN ('provider_pending', 'provider_unknown') THEN
+                -- The key belongs to a provider job (another input's kind of
+                -- effect): this copy is parked as key_conflict by the worker,
+                -- the provider job is not touched and no effect runs.
+                v_fin := clock_timestamp();
+                r_message := format('key %s belongs to a provider job (%s) of another input: '
+                                    'not applied', v_key, v_state);
+                PERFORM idemq.add_attempt(v_key, v_att, v_gen, 'duplicate', v_start, v_fin,
+                                          v_q, v_meta, p_consumer, NULL,
+                                          'key_conflict: a copy from ' || v_q || ' parked');
+                r_outcome := 'conflict'; r_attempt := v_att; r_base := v_base;
+                r_finished := v_fin;
+                RETURN NEXT;
+                CONTINUE;
+            END IF;
             IF v_state = 'retrying' AND v_after > clock_timestamp() + interval '50 ms' THEN
                 -- Back before its time (a duplicate copy, or a redelivery after
                 -- a crash): wait the rest on the broker; no attempt is used.

@@ -22,6 +22,9 @@
 --             come back after r_delay_ms (no attempt used)
 --   retry     an attempt failed: come back after r_delay_ms, same key
 --   park      parked (r_park: the park's facts, as idemq.park_info)
+--   confirmed the provider's reference is recorded (committed): run the
+--             local effect next with idemq.provider_confirmed (r_message: a
+--             second-reference alarm, if any)
 --   effect_error  the local effect raised r_sqlstate: classify it, then
 --             call idemq.provider_effect_failed
 --   leave     (reconciler) nothing to do now
@@ -118,6 +121,31 @@ BEGIN
 END
 $fn$;
 
+-- The key's job was settled by an input of another kind (a SQL input
+-- applied it while this intent was open): the intent parks as key_conflict
+-- with its message in a park row of its own; the job is not touched (locks
+-- held). Returns the park's facts.
+CREATE OR REPLACE FUNCTION idemq.provider_conflict(p_key text, p_reason text, p_meta jsonb,
+                                                   p_consumer text)
+RETURNS jsonb
+LANGUAGE plpgsql SET search_path = pg_catalog, idemq AS $fn$
+DECLARE
+    v_now  timestamptz := clock_timestamp();
+    v_park jsonb;
+BEGIN
+    UPDATE idemq.intents i SET state = 'parked', lease_until = NULL, run_after = NULL,
+           updated_at = v_now
+     WHERE i.key = p_key;
+    PERFORM idemq.provider_note(p_key, 'permanent_error', v_now, 'permanent', 'key_conflict',
+                                p_reason, NULL, p_meta, p_consumer);
+    SELECT idemq.park_message(i.key, i.source_queue, i.exchange, i.routing_key, i.body,
+                              i.headers, i.properties, 'key_conflict', left(p_reason, 2000),
+                              p_consumer, NULL, NULL, true)
+      INTO v_park FROM idemq.intents i WHERE i.key = p_key;
+    RETURN v_park;
+END
+$fn$;
+
 -- A copy of a parked key: its park is published again when the first
 -- dead-letter publish was never confirmed, else it is a duplicate.
 CREATE OR REPLACE FUNCTION idemq.provider_parked_copy(p_key text, p_meta jsonb,
@@ -143,12 +171,47 @@ BEGIN
 END
 $fn$;
 
--- Records the provider's reference and, in a subtransaction, runs the
--- input's SQL effect (p_opts.effect, a regprocedure text; none = no effect)
--- with the provider's answer in meta.provider, then marks the job and the
--- intent applied. Locks held. An effect error rolls back only the
--- subtransaction: the reference stays recorded (intent 'confirmed') and the
--- error is returned for the caller to classify.
+-- Records the provider's reference p_ref (locks held): the intent becomes
+-- 'confirmed'. A reference already recorded is never replaced: a different
+-- p_ref is a second charge at the provider, written to the key's history
+-- as an alarm, which is returned (NULL when there is none).
+CREATE OR REPLACE FUNCTION idemq.provider_confirm(
+    p_key text, p_ref text, p_answer jsonb, p_how text, p_meta jsonb, p_consumer text)
+RETURNS text
+LANGUAGE plpgsql SET search_path = pg_catalog, idemq AS $fn$
+DECLARE
+    v_now   timestamptz := clock_timestamp();
+    v_first text;
+    v_alarm text;
+BEGIN
+    SELECT i.provider_ref INTO v_first FROM idemq.intents i WHERE i.key = p_key;
+    IF v_first IS NOT NULL AND p_ref IS DISTINCT FROM v_first THEN
+        v_alarm := format('%s: provider reference %s, but %s is recorded for this key: CHECK '
+                          'THE PROVIDER FOR A SECOND CHARGE', p_how, p_ref, v_first);
+        PERFORM idemq.provider_note(p_key, 'duplicate', v_now, NULL, 'second_reference',
+                                    v_alarm, NULL, p_meta, p_consumer);
+    END IF;
+    UPDATE idemq.intents i SET state = 'confirmed', provider_ref = coalesce(i.provider_ref, p_ref),
+           confirmed_at = coalesce(i.confirmed_at, v_now),
+           last_response = CASE WHEN v_alarm IS NULL THEN coalesce(p_answer, i.last_response)
+                                ELSE i.last_response END,
+           lease_until = NULL, run_after = NULL, updated_at = v_now
+     WHERE i.key = p_key;
+    RETURN v_alarm;
+END
+$fn$;
+
+-- Records the provider's reference (idemq.provider_confirm) and, in a
+-- subtransaction, runs the input's SQL effect (p_opts.effect, a
+-- regprocedure text; none = no effect) with the provider's answer in
+-- meta.provider, then marks the job and the intent applied. Locks held. An
+-- effect error rolls back only the subtransaction: the reference stays
+-- recorded (intent 'confirmed') and the error is returned for the caller
+-- to classify; r_message holds a second-reference alarm on success. Errors
+-- WHEN OTHERS does not catch (57014, P0004) roll back the whole statement:
+-- the worker's answers therefore commit the reference first
+-- (provider_result) and run the effect in a statement of its own
+-- (provider_confirmed); only idemq resolve runs both at once.
 CREATE OR REPLACE FUNCTION idemq.provider_apply(
     p_key text, p_ref text, p_answer jsonb, p_how text, p_opts jsonb, p_meta jsonb,
     p_consumer text)
@@ -161,18 +224,17 @@ DECLARE
     v_call   text;
     v_result jsonb;
     v_meta   jsonb;
+    v_alarm  text;
+    v_ref    text;
 BEGIN
-    UPDATE idemq.intents i SET state = 'confirmed', provider_ref = p_ref,
-           confirmed_at = coalesce(i.confirmed_at, v_now),
-           last_response = coalesce(p_answer, i.last_response), lease_until = NULL,
-           run_after = NULL, updated_at = v_now
-     WHERE i.key = p_key
-    RETURNING * INTO v_int;
+    v_alarm := idemq.provider_confirm(p_key, p_ref, p_answer, p_how, p_meta, p_consumer);
+    SELECT * INTO v_int FROM idemq.intents i WHERE i.key = p_key;
+    v_ref := v_int.provider_ref; -- the first reference is the job's
     SELECT * INTO v_job FROM idemq.jobs j WHERE j.key = p_key;
     v_meta := coalesce(p_meta, '{}'::jsonb) || jsonb_build_object(
         'attempt', v_job.attempts, 'generation', v_job.generation,
         'provider', jsonb_build_object(
-            'name', v_int.provider, 'reference', p_ref, 'how', p_how,
+            'name', v_int.provider, 'reference', v_ref, 'how', p_how,
             'answer', v_int.last_response, 'requests', v_int.requests,
             'first_request_at', v_int.first_request_at, 'confirmed_at', v_int.confirmed_at,
             'latency_ms', (extract(epoch FROM v_int.confirmed_at - v_int.first_request_at)
@@ -189,16 +251,49 @@ BEGIN
         END IF;
         UPDATE idemq.jobs j SET state = 'applied', applied_at = v_now, last_attempt_at = v_now,
                run_after = NULL,
-               result = coalesce(v_result, jsonb_build_object('provider_reference', p_ref))
+               result = coalesce(v_result, jsonb_build_object('provider_reference', v_ref))
          WHERE j.key = p_key;
         UPDATE idemq.intents i SET state = 'applied', updated_at = v_now WHERE i.key = p_key;
         PERFORM idemq.provider_note(p_key, 'applied', v_now, NULL, NULL,
-            format('provider reference %s (%s)', p_ref, p_how), NULL, p_meta, p_consumer);
+            format('provider reference %s (%s)', v_ref, p_how), NULL, p_meta, p_consumer);
         r_ok := true;
+        r_message := v_alarm;
     EXCEPTION WHEN OTHERS THEN
         GET STACKED DIAGNOSTICS r_sqlstate = RETURNED_SQLSTATE, r_message = MESSAGE_TEXT;
         r_ok := false;
     END;
+    RETURN NEXT;
+END
+$fn$;
+
+-- Transaction 2b: the local effect of key p_key, whose reference is
+-- recorded and committed (intent 'confirmed'). p_how says how the
+-- reference was found ('answer', 'lookup by key', 'local retry', ...).
+-- Returns applied, effect_error (classify it, then provider_effect_failed),
+-- or duplicate when the key was settled meanwhile. When the statement
+-- fails as a whole (a statement timeout, an ASSERT), the reference stays
+-- recorded: the caller classifies that error as the effect's.
+CREATE OR REPLACE FUNCTION idemq.provider_confirmed(p_key text, p_how text, p_opts jsonb,
+                                                    p_meta jsonb, p_consumer text)
+RETURNS TABLE (r_action text, r_attempt integer, r_lease integer, r_delay_ms integer,
+               r_park jsonb, r_message text, r_lookup text, r_sqlstate text, r_body bytea)
+LANGUAGE plpgsql SET search_path = pg_catalog, idemq AS $fn$
+DECLARE
+    v_int idemq.intents;
+    v_ok  boolean;
+BEGIN
+    SELECT j.attempts INTO r_attempt FROM idemq.jobs j WHERE j.key = p_key FOR UPDATE;
+    SELECT * INTO v_int FROM idemq.intents i WHERE i.key = p_key FOR UPDATE;
+    IF v_int.key IS NULL OR v_int.state <> 'confirmed' THEN
+        r_action := 'duplicate';
+        r_message := format('the intent is %s', coalesce(v_int.state, 'gone'));
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    SELECT a.r_ok, a.r_sqlstate, a.r_message INTO v_ok, r_sqlstate, r_message
+      FROM idemq.provider_apply(p_key, v_int.provider_ref, NULL, p_how, p_opts, p_meta,
+                                p_consumer) a;
+    r_action := CASE WHEN v_ok THEN 'applied' ELSE 'effect_error' END;
     RETURN NEXT;
 END
 $fn$;
@@ -223,10 +318,21 @@ DECLARE
     v_open      boolean;
     v_key_ok    boolean;
     v_att       integer;
-    v_ok        boolean;
+    v_jstate    text;
 BEGIN
     SELECT * INTO v_int FROM idemq.intents i WHERE i.key = p_key;
-    SELECT j.attempts INTO r_attempt FROM idemq.jobs j WHERE j.key = p_key;
+    SELECT j.attempts, j.state INTO r_attempt, v_jstate FROM idemq.jobs j WHERE j.key = p_key;
+    IF v_jstate IN ('applied', 'stale') THEN
+        -- Another input's effect settled the key: never turned back into a
+        -- provider state, nothing sent.
+        r_park := idemq.provider_conflict(p_key, format('key %s is %s by another (non-provider) '
+            'input while its provider intent was %s: nothing sent. A request of this key may '
+            'have applied at %s: check the provider (keys are business keys: keep them apart '
+            'per input)', p_key, v_jstate, v_int.state, v_int.provider), p_meta, p_consumer);
+        r_action := 'park';
+        RETURN NEXT;
+        RETURN;
+    END IF;
     IF v_int.state = 'pending' THEN
         -- No answer was recorded before the lease ran out: a crash, a lost
         -- connection, or an abandoned call. The request may have applied.
@@ -241,12 +347,9 @@ BEGIN
             CASE WHEN p_sweep THEN ' - reconciler' ELSE '' END), NULL, p_meta, p_consumer);
     END IF;
     IF v_int.state = 'confirmed' THEN
-        -- The provider confirmed, the local effect has not committed yet.
-        SELECT a.r_ok, a.r_sqlstate, a.r_message INTO v_ok, r_sqlstate, r_message
-          FROM idemq.provider_apply(p_key, v_int.provider_ref, NULL,
-                                    CASE WHEN p_sweep THEN 'reconciler' ELSE 'local retry' END,
-                                    p_opts, p_meta, p_consumer) a;
-        r_action := CASE WHEN v_ok THEN 'applied' ELSE 'effect_error' END;
+        -- The provider confirmed, the local effect has not committed yet:
+        -- the caller runs it next (idemq.provider_confirmed).
+        r_action := 'confirmed';
         RETURN NEXT;
         RETURN;
     END IF;
@@ -400,7 +503,7 @@ BEGIN
         r_park := idemq.park_message(v_key, v_q, v_meta->>'exchange', v_meta->>'routing_key',
             p_body, v_meta->'headers', p_props, 'key_conflict',
             format('key %s belongs to a %s job of another (non-provider) input', v_key,
-                   v_job.state), p_consumer);
+                   v_job.state), p_consumer, NULL, NULL, true);
         r_action := 'park';
         RETURN NEXT;
         RETURN;
@@ -423,7 +526,8 @@ BEGIN
             RETURN NEXT;
             RETURN;
         END IF;
-        IF v_int.state = 'parked' AND v_int.provider_ref IS NULL
+        IF v_int.provider_ref IS NULL AND v_int.state <> 'not_applied'
+           AND (v_int.state = 'parked' OR v_int.uncertain)
            AND NOT ((p_opts->>'lookup_key')::boolean OR (p_opts->>'lookup_ref')::boolean) THEN
             -- Uncertain and nothing can settle it: back to the dead letters.
             RETURN QUERY SELECT 'park'::text, v_job.attempts, NULL::integer, NULL::integer,
@@ -441,14 +545,21 @@ BEGIN
             CASE WHEN jsonb_typeof(v_meta->'headers'->'x-idemq-park-id') = 'number'
                  THEN (v_meta->'headers'->>'x-idemq-park-id')::bigint END,
             coalesce(v_meta->'headers'->>'x-idemq-redriven-by', 'broker'), p_consumer);
+        -- Its parks are dealt with: the message is back in flight (as for a
+        -- SQL key, functions.sql); a new park of this generation is a new row.
+        PERFORM idemq.close_park(p.id, 'redriven to generation ' || (v_job.generation + 1),
+            coalesce(v_meta->'headers'->>'x-idemq-redriven-by', 'broker'))
+           FROM idemq.parked p WHERE p.key = v_key AND p.generation <= v_job.generation;
         UPDATE idemq.jobs j SET generation = j.generation + 1, budget_base = j.attempts,
                state = 'provider_unknown', run_after = NULL
          WHERE j.key = v_key;
         UPDATE idemq.intents i SET generation = i.generation + 1, unknowns = 0, waits = 0,
                failures = 0, updated_at = v_now, run_after = NULL,
                -- a recorded reference: the local effect runs again; uncertain
-               -- parks are looked up first; the others are resent
-               uncertain = (i.state = 'parked' AND i.provider_ref IS NULL),
+               -- parks are looked up first (or refused above); the others
+               -- are resent
+               uncertain = (i.provider_ref IS NULL AND i.state <> 'not_applied'
+                            AND (i.state = 'parked' OR i.uncertain)),
                state = CASE WHEN i.provider_ref IS NOT NULL THEN 'confirmed'
                             WHEN i.state = 'parked' THEN 'unknown' ELSE 'waiting' END
          WHERE i.key = v_key;
@@ -474,7 +585,7 @@ BEGIN
     END IF;
     IF v_int.state <> 'pending' AND coalesce(v_int.run_after, '-infinity') > v_now + interval '50 ms'
     THEN
-        r_delay_ms := ceil(extract(epoch FROM v_int.run_after - v_now) * 1000);
+        r_delay_ms := least(2147483647, ceil(extract(epoch FROM v_int.run_after - v_now) * 1000));
         PERFORM idemq.provider_note(v_key, 'delayed', v_now, NULL, NULL,
             format('intent %s: next step at %s', v_int.state, v_int.run_after), r_delay_ms,
             v_meta, p_consumer);
@@ -506,12 +617,12 @@ DECLARE
     v_now       timestamptz := clock_timestamp();
     v_job       idemq.jobs;
     v_int       idemq.intents;
-    v_ok        boolean;
     v_uncertain boolean;
     v_what      text := CASE WHEN p_op = 'call' THEN 'request' ELSE 'lookup' END;
     v_text      text := idemq.provider_answer_text(p_answer);
     v_wait_max  integer := (p_opts->>'wait_max')::integer;
     v_deadline  timestamptz;
+    v_quiet     timestamptz;
 BEGIN
     SELECT * INTO v_job FROM idemq.jobs j WHERE j.key = p_key FOR UPDATE;
     SELECT * INTO v_int FROM idemq.intents i WHERE i.key = p_key FOR UPDATE;
@@ -520,16 +631,40 @@ BEGIN
     END IF;
     r_attempt := v_job.attempts;
 
+    IF v_job.state IN ('applied', 'stale') AND v_int.state <> 'applied' THEN
+        -- Another input's effect settled the key meanwhile: a reference is
+        -- still recorded (a fact), the job is not touched.
+        IF p_class = 'success' AND p_ref <> '' THEN
+            r_message := idemq.provider_confirm(p_key, p_ref, p_answer,
+                CASE WHEN p_op = 'call' THEN 'answer' ELSE 'lookup by ' || p_op END,
+                p_meta, p_consumer);
+        END IF;
+        v_text := format('key %s is %s by another (non-provider) input; the provider '
+            'answered %s %s: %s%s. Check the provider', p_key, v_job.state, v_what, p_lease,
+            v_text, CASE WHEN p_ref <> '' THEN ' (reference ' || p_ref || ')' ELSE '' END);
+        IF v_int.state IN ('parked', 'discarded') THEN -- parked already: noted only
+            UPDATE idemq.intents i SET state = v_int.state WHERE i.key = p_key;
+            PERFORM idemq.provider_note(p_key, 'duplicate', v_now, NULL, 'key_conflict', v_text,
+                                        NULL, p_meta, p_consumer);
+            r_action := 'duplicate';
+        ELSE
+            r_park := idemq.provider_conflict(p_key, v_text, p_meta, p_consumer);
+            r_action := 'park';
+        END IF;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+
     IF p_class = 'success' AND p_ref <> '' THEN
         -- A confirmed reference is a fact, whichever request it answers.
         IF v_int.state = 'applied' THEN
-            PERFORM idemq.provider_note(p_key, 'duplicate', v_now, NULL, NULL,
-                CASE WHEN v_int.provider_ref IS DISTINCT FROM p_ref
+            r_message := CASE WHEN v_int.provider_ref IS DISTINCT FROM p_ref
                      THEN format('%s %s answered reference %s, but %s is applied: CHECK THE '
                                  'PROVIDER FOR A SECOND CHARGE', v_what, p_lease, p_ref,
                                  v_int.provider_ref)
-                     ELSE format('late answer of %s %s: already applied', v_what, p_lease) END,
-                NULL, p_meta, p_consumer);
+                     ELSE format('late answer of %s %s: already applied', v_what, p_lease) END;
+            PERFORM idemq.provider_note(p_key, 'duplicate', v_now, NULL, NULL, r_message, NULL,
+                                        p_meta, p_consumer);
             r_action := 'duplicate';
             RETURN NEXT;
             RETURN;
@@ -549,12 +684,14 @@ BEGIN
                 format('lookup %s found provider reference %s', p_lease, p_ref), NULL, p_meta,
                 p_consumer);
         END IF;
-        SELECT a.r_ok, a.r_sqlstate, a.r_message INTO v_ok, r_sqlstate, r_message
-          FROM idemq.provider_apply(p_key, p_ref, p_answer,
-                                    CASE WHEN p_op = 'call' THEN 'answer'
-                                         ELSE 'lookup by ' || p_op END,
-                                    p_opts, p_meta, p_consumer) a;
-        r_action := CASE WHEN v_ok THEN 'applied' ELSE 'effect_error' END;
+        -- Recorded and committed before the local effect runs (its own
+        -- statement, idemq.provider_confirmed): nothing the effect does can
+        -- lose the reference.
+        r_message := idemq.provider_confirm(p_key, p_ref, p_answer,
+                                            CASE WHEN p_op = 'call' THEN 'answer'
+                                                 ELSE 'lookup by ' || p_op END,
+                                            p_meta, p_consumer);
+        r_action := 'confirmed';
         RETURN NEXT;
         RETURN;
     END IF;
@@ -573,9 +710,9 @@ BEGIN
             RETURN;
         END IF;
         r_action := 'wait';
-        r_delay_ms := greatest(100, ceil(extract(epoch FROM
+        r_delay_ms := least(2147483647, greatest(100, ceil(extract(epoch FROM
             greatest(coalesce(v_int.lease_until, v_now), coalesce(v_int.run_after, v_now)) - v_now)
-            * 1000));
+            * 1000)));
         RETURN NEXT;
         RETURN;
     END IF;
@@ -587,17 +724,33 @@ BEGIN
 
     IF p_op = 'call' AND p_class = 'success' THEN
         r_park := idemq.provider_park(p_key, 'unknown_outcome', 'provider_bad_response',
-            format('the provider answered %s without the reference field %s: the charge '
-                   'probably happened. Find it, then idemq resolve %s --applied REF',
-                   v_text, p_opts->>'reference_field', p_key), 'parked', p_consumer, p_meta);
+            format('the provider answered %s without a usable reference field %s (%s): the '
+                   'charge probably happened. Find it, then idemq resolve %s --applied REF',
+                   v_text, p_opts->>'reference_field', coalesce(nullif(p_detail, ''), 'absent'),
+                   p_key), 'parked', p_consumer, p_meta);
+        r_action := 'park';
+    ELSIF p_op = 'call' AND p_class = 'permanent' AND v_uncertain THEN
+        -- A 4xx to a resend says nothing about the earlier request of this
+        -- key (a 401 during a credential rotation, a WAF, a changed path):
+        -- it may have applied. The intent stays uncertain; only an answer
+        -- about this key, or an operator, settles it.
+        r_park := idemq.provider_park(p_key, 'unknown_outcome', 'provider_rejected',
+            format('the provider rejected the resend (%s), but an earlier request of this key '
+                   'may have applied: the outcome is unknown. Check the provider, then idemq '
+                   'resolve.', v_text), 'parked', p_consumer, p_meta);
         r_action := 'park';
     ELSIF p_op = 'call' AND p_class = 'permanent' THEN
         r_park := idemq.provider_park(p_key, 'permanent', 'provider_rejected',
             'the provider rejected the request: ' || v_text, 'rejected', p_consumer, p_meta);
         r_action := 'park';
     ELSIF p_class IN ('conflict', 'rate_limited') THEN
-        UPDATE idemq.intents i SET waits = i.waits + 1 WHERE i.key = p_key
+        -- A 409 from a provider with keys: a request under this key is in
+        -- progress there, so one may apply: uncertain from now on.
+        UPDATE idemq.intents i SET waits = i.waits + 1,
+               uncertain = i.uncertain OR (p_class = 'conflict' AND i.idempotent)
+         WHERE i.key = p_key
         RETURNING * INTO v_int;
+        v_uncertain := v_int.uncertain;
         r_delay_ms := CASE WHEN p_class = 'rate_limited' AND p_retry_after_ms >= 0
                            THEN greatest(100, p_retry_after_ms)
                            ELSE idemq.provider_backoff(v_int.waits, p_opts) END;
@@ -676,7 +829,22 @@ BEGIN
             p_consumer);
         v_deadline := v_int.last_request_at
                       + make_interval(secs => (p_opts->>'reconcile_after_s')::numeric);
-        IF v_int.idempotent AND v_now + make_interval(secs => (p_opts->>'timeout_ms')::numeric
+        -- A request of this generation may still be on its way to the
+        -- provider (or in its queue) until its lease and a call's timeout
+        -- have passed: "no record" proves nothing before that.
+        v_quiet := v_int.last_request_at
+                   + make_interval(secs => ((p_opts->>'lease_ms')::numeric
+                                            + (p_opts->>'timeout_ms')::numeric) / 1000);
+        IF v_int.uncertain AND v_now < v_quiet THEN
+            r_delay_ms := greatest(100, ceil(extract(epoch FROM v_quiet - v_now) * 1000));
+            UPDATE idemq.intents i SET state = 'unknown', run_after = v_quiet WHERE i.key = p_key;
+            UPDATE idemq.jobs j SET state = 'provider_unknown', run_after = v_quiet
+             WHERE j.key = p_key;
+            r_action := 'retry';
+            r_message := format('the provider has no record yet, but the request of %s may '
+                                'still be in flight: looked up again after %s',
+                                v_int.last_request_at, v_quiet);
+        ELSIF v_int.idempotent AND v_now + make_interval(secs => (p_opts->>'timeout_ms')::numeric
                                                         / 1000)
                                 < v_int.first_request_at
                                   + make_interval(secs => (p_opts->>'key_window_s')::numeric)
@@ -697,7 +865,8 @@ BEGIN
                 'not_applied', p_consumer, p_meta);
             r_action := 'park';
         ELSE
-            r_delay_ms := greatest(100, ceil(extract(epoch FROM v_deadline - v_now) * 1000));
+            r_delay_ms := least(2147483647,  -- a deadline up to 30 days ahead
+                                greatest(100, ceil(extract(epoch FROM v_deadline - v_now) * 1000)));
             UPDATE idemq.intents i SET state = 'unknown', run_after = v_deadline
              WHERE i.key = p_key;
             UPDATE idemq.jobs j SET state = 'provider_unknown', run_after = v_deadline

@@ -5,6 +5,7 @@
  */
 #include "ledger_provider.h"
 
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +25,7 @@ const char *ledger_provider_action_name(enum ledger_provider_action a)
     case LEDGER_PROVIDER_RETRY: return "retry";
     case LEDGER_PROVIDER_PARK: return "park";
     case LEDGER_PROVIDER_EFFECT_ERROR: return "effect_error";
+    case LEDGER_PROVIDER_CONFIRMED: return "confirmed";
     }
     return "?";
 }
@@ -88,6 +90,7 @@ static idemq_err_t run_steps(PGconn *db, const char *sql, int n, const char *con
                     : strcmp(a, "wait") == 0      ? LEDGER_PROVIDER_WAIT
                     : strcmp(a, "retry") == 0     ? LEDGER_PROVIDER_RETRY
                     : strcmp(a, "park") == 0      ? LEDGER_PROVIDER_PARK
+                    : strcmp(a, "confirmed") == 0 ? LEDGER_PROVIDER_CONFIRMED
                                                   : LEDGER_PROVIDER_EFFECT_ERROR;
         if (s->action == LEDGER_PROVIDER_EFFECT_ERROR && strcmp(a, "effect_error") != 0) {
             snprintf(e->sqlstate, sizeof e->sqlstate, "XX000");
@@ -152,6 +155,30 @@ idemq_err_t ledger_provider_begin(PGconn *db, const char *doc, const char *opts,
                     7, vals, lens, fmts, s, e);
 }
 
+/* Whether s[0..len) is well-formed UTF-8 (no overlongs, no surrogates). */
+static bool utf8_valid(const unsigned char *s, size_t len)
+{
+    size_t i = 0;
+    while (i < len) {
+        unsigned char c = s[i];
+        size_t n = c < 0x80 ? 0 : (c & 0xe0) == 0xc0 ? 1 : (c & 0xf0) == 0xe0 ? 2
+                               : (c & 0xf8) == 0xf0 ? 3 : 4;
+        unsigned long cp = n == 0 ? c : n == 1 ? c & 0x1fu : n == 2 ? c & 0x0fu : c & 0x07u;
+        if (n == 4 || (n == 1 && c < 0xc2) || n > len - i - 1) /* bad lead byte, or cut */
+            return false;
+        for (size_t k = 1; k <= n; k++) {
+            if ((s[i + k] & 0xc0) != 0x80)
+                return false;
+            cp = (cp << 6) | (s[i + k] & 0x3fu);
+        }
+        if ((n == 2 && (cp < 0x800 || (cp >= 0xd800 && cp <= 0xdfff))) ||
+            (n == 3 && (cp < 0x10000 || cp > 0x10ffff)))
+            return false;
+        i += n + 1;
+    }
+    return true;
+}
+
 idemq_err_t ledger_provider_result(PGconn *db, const char *key, int lease, const char *op,
                                    const char *cls, long status, const char *answer,
                                    const char *ref, long retry_after_ms, const char *detail,
@@ -159,18 +186,41 @@ idemq_err_t ledger_provider_result(PGconn *db, const char *key, int lease, const
                                    bool sweep, struct ledger_provider_step *s,
                                    struct ledger_db_error *e)
 {
-    char lease_s[16], status_s[16], ra[24];
+    char lease_s[16], status_s[16], ra[24], why[160];
+    size_t ref_len = strlen(ref);
     const char *vals[13] = {key,  lease_s, op,     cls, status_s, answer, ref,
                             ra,   detail,  opts,   doc, consumer, sweep ? "true" : "false"};
     snprintf(lease_s, sizeof lease_s, "%d", lease);
     snprintf(status_s, sizeof status_s, "%ld", status);
-    snprintf(ra, sizeof ra, "%ld", retry_after_ms);
+    /* p_retry_after_ms is an integer: any longer wait is "too long" alike */
+    snprintf(ra, sizeof ra, "%ld", retry_after_ms > INT_MAX ? (long)INT_MAX : retry_after_ms);
+    if (ref_len > LEDGER_PROVIDER_REF_MAX ||
+        !utf8_valid((const unsigned char *)ref, ref_len)) {
+        /* Never cut, never sent to PostgreSQL invalid: no usable reference
+         * (a 2xx without one parks as a bad response, the answer kept). */
+        snprintf(why, sizeof why, "the reference field holds %s (%zu bytes; at most %d bytes "
+                 "of UTF-8): not recorded", ref_len > LEDGER_PROVIDER_REF_MAX ? "too much"
+                 : "invalid UTF-8", ref_len, LEDGER_PROVIDER_REF_MAX);
+        vals[6] = "";
+        vals[8] = why;
+    }
     return run_step(db,
                     "SELECT " STEP_COLUMNS " FROM idemq.provider_result($1, $2::integer, $3, $4, "
                     "$5::integer, $6::jsonb, $7, $8::integer, $9, $10::jsonb, "
                     "coalesce(($11::jsonb)->0->'m', '{\"reconciler\": true}'), $12, "
                     "$13::boolean)",
                     13, vals, NULL, NULL, s, e);
+}
+
+idemq_err_t ledger_provider_confirmed(PGconn *db, const char *key, const char *how,
+                                      const char *opts, const char *doc, const char *consumer,
+                                      struct ledger_provider_step *s, struct ledger_db_error *e)
+{
+    const char *vals[5] = {key, how, opts, doc, consumer};
+    return run_step(db,
+                    "SELECT " STEP_COLUMNS " FROM idemq.provider_confirmed($1, $2, $3::jsonb, "
+                    "coalesce(($4::jsonb)->0->'m', '{\"reconciler\": true}'), $5)",
+                    5, vals, NULL, NULL, s, e);
 }
 
 idemq_err_t ledger_provider_effect_failed(PGconn *db, const char *key, const char *cls,

@@ -1,8 +1,9 @@
 /*
  * ledger_provider: how idemq calls the provider-effect functions of the
  * ledger (ledger/functions_provider.sql), with parameters only: transaction
- * 1 (provider_begin), transaction 2 (provider_result), a failed local effect
- * after a confirmed reference, the reconciler's sweep, operator
+ * 1 (provider_begin), transaction 2 (provider_result, then
+ * provider_confirmed for the local effect), a failed local effect after a
+ * confirmed reference, the reconciler's sweep, operator
  * resolutions, and the observability queries. Each call is one statement,
  * so one transaction of its own (autocommit): none may run inside an open
  * transaction.
@@ -29,6 +30,8 @@ enum ledger_provider_action {
     LEDGER_PROVIDER_RETRY,      /* an attempt failed; come back after delay_ms */
     LEDGER_PROVIDER_PARK,       /* parked; park holds the facts */
     LEDGER_PROVIDER_EFFECT_ERROR, /* the local effect raised sqlstate: classify it */
+    LEDGER_PROVIDER_CONFIRMED,  /* the reference is committed: run the local effect next
+                                 * (ledger_provider_confirmed); message: an alarm or "" */
 };
 
 struct ledger_provider_step {
@@ -70,11 +73,16 @@ idemq_err_t ledger_provider_begin(PGconn *db, const char *doc, const char *opts,
                                   struct ledger_provider_step *s,
                                   struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
+/* The longest provider reference idemq records, in bytes. */
+#define LEDGER_PROVIDER_REF_MAX 255
+
 /*
  * Transaction 2: the answer to request or lookup `lease` of key. op is
  * "call", "key" or "reference"; cls an effect_http class name; answer the
  * answer as JSON text ({"status", "body", ...}); ref the reference found
- * ("" if none). doc: the delivery's one-job array, or NULL for the
+ * ("" if none; one longer than LEDGER_PROVIDER_REF_MAX bytes or not UTF-8
+ * counts as none, with the reason as detail); retry_after_ms above INT_MAX
+ * counts as INT_MAX. doc: the delivery's one-job array, or NULL for the
  * reconciler (sweep = true). Fills *s; same errors as ledger_provider_begin.
  */
 idemq_err_t ledger_provider_result(PGconn *db, const char *key, int lease, const char *op,
@@ -83,6 +91,20 @@ idemq_err_t ledger_provider_result(PGconn *db, const char *key, int lease, const
                                    const char *opts, const char *doc, const char *consumer,
                                    bool sweep, struct ledger_provider_step *s,
                                    struct ledger_db_error *e) IDEMQ_MUSTCHECK;
+
+/*
+ * After LEDGER_PROVIDER_CONFIRMED: transaction 2b, the local effect of key,
+ * whose reference is committed; how says how it was found ("answer",
+ * "lookup by key", "local retry", "reconciler"). Fills *s (APPLIED,
+ * EFFECT_ERROR or DUPLICATE). On IDEMQ_ERR_SQL the statement failed as a
+ * whole (a statement timeout, an ASSERT, a deadlock in the effect): the
+ * reference stays recorded; classify e->sqlstate as the effect's error.
+ * doc as for ledger_provider_result.
+ */
+idemq_err_t ledger_provider_confirmed(PGconn *db, const char *key, const char *how,
+                                      const char *opts, const char *doc, const char *consumer,
+                                      struct ledger_provider_step *s,
+                                      struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
 /* After LEDGER_PROVIDER_EFFECT_ERROR: records the local effect's failure
  * with its class ("transient" or "permanent") and code; fills *s (RETRY or

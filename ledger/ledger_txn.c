@@ -320,6 +320,7 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
                      : strcmp(outcome, "deferred") == 0  ? LEDGER_DEFERRED
                      : strcmp(outcome, "held") == 0      ? LEDGER_HELD
                      : strcmp(outcome, "outside") == 0   ? LEDGER_OUTSIDE
+                     : strcmp(outcome, "conflict") == 0  ? LEDGER_CONFLICT
                                                          : LEDGER_ERROR;
         x->attempt = atoi(PQgetvalue(r, row, 2));
         x->base = atoi(PQgetvalue(r, row, 3));

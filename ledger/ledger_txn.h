@@ -38,6 +38,9 @@ enum ledger_outcome {
     LEDGER_OUTSIDE,     /* claimed now, but its message is older than the dedup
                          * window (its key may have been applied and pruned):
                          * park it (outside_dedup_window); message says why */
+    LEDGER_CONFLICT,    /* the key belongs to a job of another kind of input (a
+                         * provider job): park this copy as key_conflict
+                         * (ledger_txn_park_message), the job untouched */
 };
 
 struct ledger_result {

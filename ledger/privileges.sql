@@ -24,7 +24,9 @@ BEGIN
                'take_deferred', 'report_deferred', 'adopt_dead_letter',
                -- provider effects (issue 9): the flow and the reconciler of run
                'provider_begin', 'provider_result', 'provider_effect_failed',
-               'provider_sweep', 'provider_gauges', 'provider_latency'])
+               'provider_sweep', 'provider_gauges', 'provider_latency',
+               -- transaction 2b: the local effect after a committed reference
+               'provider_confirmed'])
     LOOP
         EXECUTE format('ALTER FUNCTION %s SECURITY DEFINER '
                        'SET search_path = pg_catalog, idemq, pg_temp', f);

@@ -17,8 +17,10 @@
 #include "effect_http.h"
 #include "job.h"
 #include "ledger_db.h"
+#include "ledger_grants.h"
 #include "ledger_migrate.h"
 #include "ledger_provider.h"
+#include "ledger_txn.h"
 #include "provider_flow.h"
 #include "reconcile.h"
 #include "tprov.h"
@@ -77,11 +79,37 @@ static char *slurp(const char *path)
     return buf;
 }
 
+/* (Re)loads T.c and a new flow for one provider input of the running
+ * provider configured with the extra provider lines; effect = the SQL
+ * effect or NULL. */
+static void configure(const char *extra, const char *effect)
+{
+    char text[4096], err[1024];
+
+    provider_flow_free(T.f);
+    conf_free(T.c);
+    snprintf(text, sizeof text,
+             "retry: { max_attempts = 4; base_delay_ms = 100; max_delay_ms = 2000; "
+             "jitter = \"none\"; };\n"
+             "consumer: { id = \"%s\"; };\n"
+             "inputs = ( { name = \"%s\"; queue = \"%s.q\"; %s%s%s\n"
+             "  provider: { url = \"%s\"; path = \"/charges\"; timeout_ms = %d; "
+             "retry_after_max_ms = 2000; %s %s }; } );\n",
+             T.prefix, T.prefix, T.prefix, effect ? "effect_function = \"" : "",
+             effect ? effect : "",
+             effect ? "\";" : "", T.p.url, 3000 * mult(),
+             extra && strstr(extra, "reconcile_after_s") ? "" : "reconcile_after_s = 60;",
+             extra ? extra : "");
+    ck_assert_msg(conf_load_string(text, &T.c, err, sizeof err) == IDEMQ_OK, "%s\n%s", err, text);
+    T.f = provider_flow_new(T.c, 0, err, sizeof err);
+    ck_assert_msg(T.f != NULL, "%s", err);
+}
+
 /* Starts the provider (args) and a flow for one provider input configured
  * with the extra provider lines; effect = the SQL effect or NULL. */
 static void setup_with(const char *const *prov_args, const char *extra, const char *effect)
 {
-    char text[4096], err[1024];
+    char err[1024];
     int applied;
     struct timespec ts;
     static int seq;
@@ -103,19 +131,7 @@ static void setup_with(const char *const *prov_args, const char *extra, const ch
     }
     sql("SELECT pg_advisory_unlock(4242)");
     tprov_start(&T.p, prov_args);
-    snprintf(text, sizeof text,
-             "retry: { max_attempts = 4; base_delay_ms = 100; max_delay_ms = 2000; "
-             "jitter = \"none\"; };\n"
-             "consumer: { id = \"%s\"; };\n"
-             "inputs = ( { name = \"%s\"; queue = \"%s.q\"; %s%s%s\n"
-             "  provider: { url = \"%s\"; path = \"/charges\"; timeout_ms = %d; "
-             "retry_after_max_ms = 2000; reconcile_after_s = 60; %s }; } );\n",
-             T.prefix, T.prefix, T.prefix, effect ? "effect_function = \"" : "",
-             effect ? effect : "",
-             effect ? "\";" : "", T.p.url, 3000 * mult(), extra ? extra : "");
-    ck_assert_msg(conf_load_string(text, &T.c, err, sizeof err) == IDEMQ_OK, "%s\n%s", err, text);
-    T.f = provider_flow_new(T.c, 0, err, sizeof err);
-    ck_assert_msg(T.f != NULL, "%s", err);
+    configure(extra, effect);
 }
 
 static void setup(void) { setup_with(NULL, NULL, "idemq_test.record"); }
@@ -178,6 +194,27 @@ static void settle(struct job *j, struct provider_decision *d, int *rounds, long
         nap_ms(d->delay_ms < cap_ms ? d->delay_ms : cap_ms);
         provider_flow_decision_clear(d);
     }
+}
+
+/* Runs one statement with key as $1 and checks it changed one row. */
+static void on_key(const char *q, const char *key)
+{
+    const char *p[1] = {key};
+    PGresult *r = PQexecParams(T.db, q, 1, NULL, p, NULL, NULL, 0);
+    ck_assert_msg(PQresultStatus(r) == PGRES_COMMAND_OK, "%s\n%s", PQerrorMessage(T.db), q);
+    ck_assert_str_eq(PQcmdTuples(r), "1");
+    PQclear(r);
+}
+
+/* A redrive of j's park (generation gen in x-idemq-generation), as idemq
+ * redrive publishes it. */
+static void make_redrive(struct job *r, const struct job *j, int gen)
+{
+    job_init(r);
+    ck_assert_int_eq(job_set_body(r, j->body, j->body_len), IDEMQ_OK);
+    r->input = j->input;
+    json_object_set_new(r->headers, "x-idemq-generation", json_integer(gen));
+    ck_assert_int_eq(job_decode(r, &T.c->inputs[j->input]), IDEMQ_OK);
 }
 
 #define JOB_STATE "SELECT state FROM idemq.jobs WHERE key = $1"
@@ -1134,6 +1171,508 @@ START_TEST(test_gauges_promtool)
 }
 END_TEST
 
+/* D1: a 4xx to the resend of an uncertain request proves nothing about the
+ * first one: the key parks as unknown_outcome (not rejected), stays
+ * uncertain, and a redrive after the provider's key window is refused
+ * instead of starting a new window (a second charge). */
+START_TEST(test_4xx_after_unknown_stays_uncertain)
+{
+    struct job j, r;
+    struct provider_decision d;
+    char key[300], b[512];
+
+    make_job(&j, "d1", NULL, key, sizeof key);
+    tprov_control(&T.p, "{\"fault\":\"drop\",\"count\":1}"); /* charged, answer lost */
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_RETRY);
+    nap_ms(d.delay_ms);
+    provider_flow_decision_clear(&d);
+    tprov_control(&T.p, "{\"fault\":\"status=401\",\"count\":1}"); /* the resend: 401 */
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_PARK);
+    ck_assert_str_eq(json_string_value(json_object_get(d.park, "error_class")),
+                     "unknown_outcome");
+    ck_assert_str_eq(val(INTENT_STATE, key, b, sizeof b), "parked");
+    ck_assert_str_eq(val("SELECT uncertain FROM idemq.intents WHERE key = $1", key, b, sizeof b),
+                     "t");
+    provider_flow_decision_clear(&d);
+    /* the key window passes; the provider forgets the key */
+    on_key("UPDATE idemq.intents SET first_request_at = first_request_at - interval '2 days' "
+           "WHERE key = $1", key);
+    tprov_control(&T.p, "{\"expire_keys\":true}");
+    make_redrive(&r, &j, 0);
+    deliver(&r, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_PARK);
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 2);
+    ck_assert_int_eq(tprov_stat(&T.p, key, "key_charges"), 1);
+    provider_flow_decision_clear(&d);
+    job_destroy(&j);
+    job_destroy(&r);
+}
+END_TEST
+
+/* D8: a redrive of a parked provider key closes its open park (moved to
+ * idemq.park_history, like a SQL key's), so parked list no longer shows an
+ * applied key. */
+START_TEST(test_redrive_closes_park)
+{
+    struct job j, r;
+    struct provider_decision d;
+    char key[300], b[512];
+
+    make_job(&j, "d8", NULL, key, sizeof key);
+    tprov_control(&T.p, "{\"fault\":\"status=402\",\"count\":1}");
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_PARK);
+    provider_flow_decision_clear(&d);
+    ck_assert_int_eq(num("SELECT count(*) FROM idemq.parked WHERE key = $1", key), 1);
+    make_redrive(&r, &j, 0);
+    deliver(&r, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_ACK);
+    ck_assert_str_eq(d.outcome, "applied");
+    provider_flow_decision_clear(&d);
+    ck_assert_int_eq(num("SELECT count(*) FROM idemq.parked WHERE key = $1", key), 0);
+    ck_assert_str_eq(val("SELECT resolution FROM idemq.park_history WHERE key = $1", key, b,
+                         sizeof b), "redriven to generation 1");
+    job_destroy(&j);
+    job_destroy(&r);
+}
+END_TEST
+
+/* D15: a second, different reference while the intent is confirmed (two
+ * requests answered, the local effect not committed yet) never replaces
+ * the first: it is recorded as a CHECK THE PROVIDER alarm. */
+START_TEST(test_second_reference_while_confirmed)
+{
+    struct job j;
+    struct provider_decision d;
+    struct ledger_provider_step s;
+    struct ledger_db_error e;
+    char key[300], b[512], q[512], *opts;
+    int rounds;
+
+    make_job(&j, "d15", NULL, key, sizeof key);
+    snprintf(q, sizeof q, "INSERT INTO idemq_test.failing VALUES ('%s', '40001')", key);
+    sql(q);
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_RETRY);
+    provider_flow_decision_clear(&d);
+    ck_assert_str_eq(val(INTENT_STATE, key, b, sizeof b), "confirmed");
+    ck_assert_str_eq(val(INTENT_REF, key, b, sizeof b), "ch_000001");
+    /* the late success of another request of the key (another replica's) */
+    opts = ledger_provider_opts(T.c, 0);
+    memset(&s, 0, sizeof s);
+    ck_assert_int_eq(ledger_provider_result(T.db, key, 1, "call", "success", 201,
+                                            "{\"status\": 201, \"body\": {\"id\": \"ch_other\"}}",
+                                            "ch_other", -1, "", opts, NULL, "check", true, &s, &e),
+                     IDEMQ_OK);
+    ledger_provider_step_clear(&s);
+    free(opts);
+    ck_assert_str_eq(val(INTENT_REF, key, b, sizeof b), "ch_000001");
+    ck_assert_int_eq(num("SELECT count(*) FROM idemq.attempts WHERE key = $1 AND message LIKE "
+                         "'%ch_other%CHECK THE PROVIDER FOR A SECOND CHARGE%'", key), 1);
+    snprintf(q, sizeof q, "DELETE FROM idemq_test.failing WHERE key = '%s'", key);
+    sql(q);
+    settle(&j, &d, &rounds, 3000);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_ACK);
+    ck_assert_str_eq(val("SELECT meta->'provider'->>'reference' FROM idemq_test.effects "
+                         "WHERE key = $1", key, b, sizeof b), "ch_000001");
+    ck_assert_str_eq(val(INTENT_REF, key, b, sizeof b), "ch_000001");
+    provider_flow_decision_clear(&d);
+    job_destroy(&j);
+}
+END_TEST
+
+/* D12: a 409 proves a request under the key is in progress: the intent
+ * becomes uncertain. */
+START_TEST(test_409_makes_uncertain)
+{
+    struct job j;
+    struct provider_decision d;
+    char key[300], b[512];
+    int rounds, st;
+    pid_t other;
+
+    make_job(&j, "d12-409", NULL, key, sizeof key);
+    other = concurrent_post(key, (const char *)j.body, 1500 * mult());
+    for (int i = 0; i < 200 && tprov_stat(&T.p, NULL, "requests") < 1; i++)
+        nap_ms(10);
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_RETRY);
+    ck_assert_str_eq(val("SELECT uncertain FROM idemq.intents WHERE key = $1", key, b, sizeof b),
+                     "t");
+    ck_assert_str_eq(val(INTENT_STATE, key, b, sizeof b), "unknown");
+    provider_flow_decision_clear(&d);
+    ck_assert_int_eq(waitpid(other, &st, 0), other);
+    settle(&j, &d, &rounds, 3000);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_ACK);
+    ck_assert_int_eq(tprov_stat(&T.p, key, "key_charges"), 1);
+    provider_flow_decision_clear(&d);
+    job_destroy(&j);
+}
+END_TEST
+
+/* D12: a lookup 404 cannot clear uncertainty while a request of the
+ * generation may still be in flight (younger than its lease plus the call's
+ * timeout); once older, it can (and the request goes out again, same key). */
+START_TEST(test_lookup_404_young_request_stays_uncertain)
+{
+    struct job j;
+    struct provider_decision d;
+    char key[300], b[512];
+
+    teardown();
+    setup_with(NULL, "lookup_key_path = \"/charges/by-idempotency-key/{key}\";",
+               "idemq_test.record");
+    make_job(&j, "d12-404", NULL, key, sizeof key);
+    tprov_control(&T.p, "{\"fault\":\"status=503\",\"count\":1}"); /* unknown, not applied */
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_RETRY);
+    nap_ms(d.delay_ms);
+    provider_flow_decision_clear(&d);
+    deliver(&j, &d); /* the lookup: 404, but the request is seconds old */
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_RETRY);
+    ck_assert_int_ge(d.delay_ms, 1000);
+    ck_assert_str_eq(val("SELECT uncertain FROM idemq.intents WHERE key = $1", key, b, sizeof b),
+                     "t");
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 1);
+    provider_flow_decision_clear(&d);
+    /* the request is old now: the next 404 settles it, the resend applies */
+    on_key("UPDATE idemq.intents SET last_request_at = last_request_at - interval '1 minute', "
+           "run_after = now() WHERE key = $1", key);
+    on_key("UPDATE idemq.jobs SET run_after = now() WHERE key = $1", key);
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_ACK);
+    ck_assert_str_eq(d.outcome, "applied");
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 2);
+    ck_assert_int_eq(tprov_stat(&T.p, key, "key_charges"), 1);
+    provider_flow_decision_clear(&d);
+    job_destroy(&j);
+}
+END_TEST
+
+/* D4: values from the wire or the config that do not fit a parameter:
+ * a Retry-After of 30 days parks provider_rate_limited (not a database
+ * error); a reference longer than 255 bytes is a bad response, parked with
+ * the answer kept, never cut. */
+START_TEST(test_oversized_wire_values)
+{
+    struct job j, k;
+    struct provider_decision d;
+    char key[300], key2[300], b[512], fields[400], ref[301];
+
+    make_job(&j, "d4-rate", NULL, key, sizeof key);
+    tprov_control(&T.p, "{\"fault\":\"rate=2592000\",\"count\":1}");
+    deliver(&j, &d);
+    ck_assert_msg(d.kind == PROVIDER_FLOW_PARK, "%s: %s", d.outcome, d.reason);
+    ck_assert_str_eq(json_string_value(json_object_get(d.park, "error_code")),
+                     "provider_rate_limited");
+    provider_flow_decision_clear(&d);
+    job_destroy(&j);
+
+    teardown();
+    setup_with(NULL,
+               "reference_field = \"reference\"; body_template = \"{\\\"reference\\\": "
+               "{{payload.ref}}}\";",
+               "idemq_test.record");
+    memset(ref, 'r', 300);
+    ref[300] = '\0';
+    snprintf(fields, sizeof fields, "\"ref\":\"%s\"", ref);
+    make_job(&k, "d4-ref", fields, key2, sizeof key2);
+    deliver(&k, &d);
+    ck_assert_msg(d.kind == PROVIDER_FLOW_PARK, "%s: %s", d.outcome, d.reason);
+    ck_assert_str_eq(json_string_value(json_object_get(d.park, "error_code")),
+                     "provider_bad_response");
+    ck_assert_str_eq(val(INTENT_REF, key2, b, sizeof b), "");
+    ck_assert_int_eq(num("SELECT length(last_response->'body'->>'reference') FROM idemq.intents "
+                         "WHERE key = $1", key2), 300);
+    ck_assert_int_eq(num(EFFECTS, key2), 0);
+    provider_flow_decision_clear(&d);
+    job_destroy(&k);
+}
+END_TEST
+
+/* D4: a deadline more than 24.8 days ahead (reconcile_after_s up to 30
+ * days) does not overflow the step's delay. */
+START_TEST(test_far_deadline_delay)
+{
+    const char *args[] = {"--non-idempotent", NULL};
+    struct job j;
+    struct provider_decision d;
+    char key[300];
+
+    teardown();
+    setup_with(args,
+               "idempotent = false; lookup_reference_path = \"/charges?reference={key}\"; "
+               "body_template = \"{\\\"reference\\\": {{key}}}\"; "
+               "reconcile_after_s = 2592000;",
+               "idemq_test.record");
+    make_job(&j, "d4-deadline", NULL, key, sizeof key);
+    tprov_control(&T.p, "{\"fault\":\"status=503\",\"count\":1}");
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_RETRY);
+    provider_flow_decision_clear(&d);
+    on_key("UPDATE idemq.intents SET last_request_at = last_request_at - interval '1 minute', "
+           "run_after = now() WHERE key = $1", key);
+    on_key("UPDATE idemq.jobs SET run_after = now() WHERE key = $1", key);
+    deliver(&j, &d); /* lookup: no record; the deadline is 30 days after the request */
+    ck_assert_msg(d.kind == PROVIDER_FLOW_RETRY, "%s: %s", d.outcome, d.reason);
+    ck_assert_int_gt(d.delay_ms, 86400L * 1000);
+    provider_flow_decision_clear(&d);
+    deliver(&j, &d); /* back early: waits the rest */
+    ck_assert_msg(d.kind == PROVIDER_FLOW_WAIT, "%s: %s", d.outcome, d.reason);
+    ck_assert_int_gt(d.delay_ms, 86400L * 1000);
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 1);
+    provider_flow_decision_clear(&d);
+    job_destroy(&j);
+}
+END_TEST
+
+/* D5: the provider's reference is durable before the local effect runs: a
+ * statement timeout (57014) or an ASSERT (P0004) in the effect, which
+ * PL/pgSQL's WHEN OTHERS does not catch, keeps the reference recorded; a
+ * transient one retries only the effect (no new request), a permanent one
+ * parks with the reference. */
+START_TEST(test_effect_timeout_keeps_reference)
+{
+    struct job j, k;
+    struct provider_decision d;
+    char key[300], key2[300], b[512], q[512];
+    int rounds;
+
+    make_job(&j, "d5-57014", NULL, key, sizeof key);
+    snprintf(q, sizeof q, "INSERT INTO idemq_test.failing VALUES ('%s', '57014')", key);
+    sql(q);
+    deliver(&j, &d);
+    ck_assert_msg(d.kind == PROVIDER_FLOW_RETRY, "%s: %s", d.outcome, d.reason);
+    ck_assert_str_eq(val(INTENT_STATE, key, b, sizeof b), "confirmed");
+    ck_assert_str_eq(val(INTENT_REF, key, b, sizeof b), "ch_000001");
+    provider_flow_decision_clear(&d);
+    snprintf(q, sizeof q, "DELETE FROM idemq_test.failing WHERE key = '%s'", key);
+    sql(q);
+    settle(&j, &d, &rounds, 3000);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_ACK);
+    ck_assert_int_eq(num(EFFECTS, key), 1);
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 1); /* never sent again */
+    ck_assert_str_eq(val("SELECT meta->'provider'->>'reference' FROM idemq_test.effects "
+                         "WHERE key = $1", key, b, sizeof b), "ch_000001");
+    provider_flow_decision_clear(&d);
+
+    make_job(&k, "d5-assert", "\"raise\":\"P0004\"", key2, sizeof key2);
+    deliver(&k, &d);
+    ck_assert_msg(d.kind == PROVIDER_FLOW_PARK, "%s: %s", d.outcome, d.reason);
+    ck_assert_str_eq(json_string_value(json_object_get(d.park, "error_class")), "permanent");
+    ck_assert_ptr_nonnull(strstr(json_string_value(json_object_get(d.park, "reason")),
+                                 "provider reference ch_000002 is recorded"));
+    ck_assert_str_eq(val(INTENT_REF, key2, b, sizeof b), "ch_000002");
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 2);
+    provider_flow_decision_clear(&d);
+    job_destroy(&j);
+    job_destroy(&k);
+}
+END_TEST
+
+/* Applies one copy of key (a SQL input of its own, effect idemq_test.record)
+ * in one transaction of a session of its own, as a worker's batch would;
+ * returns its outcome and
+ * the park's error_code in code ("" if none). */
+static enum ledger_outcome sql_copy(const char *key, char *code, size_t codelen)
+{
+    struct conf *c;
+    struct ledger_txn *lt;
+    struct ledger_result res;
+    struct ledger_db_error e;
+    struct job j, *jp = &j;
+    PGconn *db;
+    char text[1024], err[512], body[400];
+    enum ledger_outcome out;
+
+    snprintf(text, sizeof text,
+             "consumer: { id = \"%s-sql\"; };\n"
+             "inputs = ( { name = \"%s-sql\"; queue = \"%s-sql.q\"; "
+             "effect_function = \"idemq_test.record\"; } );\n",
+             T.prefix, T.prefix, T.prefix);
+    ck_assert_msg(conf_load_string(text, &c, err, sizeof err) == IDEMQ_OK, "%s", err);
+    db = ledger_db_connect(getenv("IDEMQ_PG_DSN"), "check_provider_flow sql", 0, err, sizeof err);
+    ck_assert_msg(db != NULL, "%s", err);
+    lt = ledger_txn_new(db, c, err, sizeof err);
+    ck_assert_msg(lt != NULL, "%s", err);
+    snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"amount_minor\":500}", key);
+    job_init(&j);
+    ck_assert_int_eq(job_set_body(&j, body, strlen(body)), IDEMQ_OK);
+    j.input = 0;
+    ck_assert_int_eq(job_decode(&j, &c->inputs[0]), IDEMQ_OK);
+    memset(&res, 0, sizeof res);
+    ck_assert_int_eq(ledger_txn_begin(lt, &e), IDEMQ_OK);
+    ck_assert_msg(ledger_txn_apply(lt, &jp, 1, &res, &e) == IDEMQ_OK, "%s %s", e.sqlstate,
+                  e.message);
+    out = res.outcome;
+    snprintf(code, codelen, "%s", "");
+    if (out == LEDGER_CONFLICT) { /* what the worker's batch does with it */
+        json_t *park = NULL;
+        ck_assert_int_eq(ledger_txn_park_message(lt, &j, "key_conflict", res.message, true,
+                                                 &park, &e),
+                         IDEMQ_OK);
+        snprintf(code, codelen, "%s",
+                 json_string_value(json_object_get(park, "error_code")));
+        json_decref(park);
+    }
+    ck_assert_int_eq(ledger_txn_commit(lt, &e), IDEMQ_OK);
+    ledger_txn_result_clear(&res);
+    ledger_txn_free(lt);
+    PQfinish(db);
+    job_destroy(&j);
+    conf_free(c);
+    return out;
+}
+
+/* D10: a key held by a provider job is not a SQL input's to apply: the SQL
+ * copy is a key_conflict (the provider job untouched, no effect); and the
+ * reconciler never turns a job applied by another input back into a
+ * provider state (parked key_conflict, nothing sent). */
+START_TEST(test_cross_input_key_conflict)
+{
+    struct job j;
+    struct reconcile_counts n;
+    char key[300], b[512], code[64];
+    long before;
+
+    make_job(&j, "d10", NULL, key, sizeof key);
+    orphan_call(&j, "hold=200"); /* charged; the worker vanished: intent pending */
+    nap_ms(300);
+    ck_assert_str_eq(val(JOB_STATE, key, b, sizeof b), "provider_pending");
+    ck_assert_int_eq(sql_copy(key, code, sizeof code), LEDGER_CONFLICT);
+    ck_assert_str_eq(code, "key_conflict");
+    ck_assert_int_eq(num(EFFECTS, key), 0);
+    ck_assert_str_eq(val(JOB_STATE, key, b, sizeof b), "provider_pending");
+
+    /* a job applied by a SQL input while its intent was pending (before
+     * this fix, or by hand): the sweep leaves the job alone */
+    on_key("UPDATE idemq.jobs SET state = 'applied', applied_at = now() WHERE key = $1", key);
+    age_intent(key);
+    before = tprov_stat(&T.p, NULL, "requests");
+    n = sweep();
+    ck_assert_int_eq(n.parked, 1);
+    ck_assert_str_eq(val(JOB_STATE, key, b, sizeof b), "applied");
+    ck_assert_str_eq(val(INTENT_STATE, key, b, sizeof b), "parked");
+    ck_assert_str_eq(val("SELECT error_code FROM idemq.parked WHERE key = $1", key, b, sizeof b),
+                     "key_conflict");
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), before);
+    n = sweep(); /* settled: not taken again */
+    ck_assert_int_eq(n.taken, 0);
+    { /* the held answer arrives after all: its reference is recorded, nothing else moves */
+        struct ledger_provider_step st;
+        struct ledger_db_error e;
+        char *opts = ledger_provider_opts(T.c, 0);
+        memset(&st, 0, sizeof st);
+        ck_assert_int_eq(ledger_provider_result(T.db, key, 1, "call", "success", 201,
+                                                "{\"status\": 201}", "ch_000001", -1, "", opts,
+                                                NULL, "check", true, &st, &e),
+                         IDEMQ_OK);
+        ck_assert_int_eq(st.action, LEDGER_PROVIDER_DUPLICATE);
+        ledger_provider_step_clear(&st);
+        free(opts);
+        ck_assert_str_eq(val(INTENT_REF, key, b, sizeof b), "ch_000001");
+        ck_assert_str_eq(val(INTENT_STATE, key, b, sizeof b), "parked");
+        ck_assert_str_eq(val(JOB_STATE, key, b, sizeof b), "applied");
+        ck_assert_int_eq(num(EFFECTS, key), 0);
+    }
+    job_destroy(&j);
+
+    /* the other way round: a provider copy of a SQL input's unsettled key */
+    {
+        struct job k;
+        struct provider_decision d;
+        char key2[300];
+        make_job(&k, "d10-sql", NULL, key2, sizeof key2);
+        ck_assert_int_eq(sql_copy(key2, code, sizeof code), LEDGER_APPLIED);
+        on_key("UPDATE idemq.jobs SET state = 'retrying' WHERE key = $1", key2);
+        before = tprov_stat(&T.p, NULL, "requests");
+        deliver(&k, &d);
+        ck_assert_msg(d.kind == PROVIDER_FLOW_PARK, "%s: %s", d.outcome, d.reason);
+        ck_assert_str_eq(json_string_value(json_object_get(d.park, "error_code")),
+                         "key_conflict");
+        ck_assert_str_eq(val(JOB_STATE, key2, b, sizeof b), "retrying");
+        ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), before);
+        provider_flow_decision_clear(&d);
+        job_destroy(&k);
+    }
+}
+END_TEST
+
+/* The flow under the least-privileged role of idemq migrate --grant: the
+ * reference and the local effect (transaction 2b, provider_confirmed) run
+ * with the owner's rights, as every other provider function. */
+START_TEST(test_flow_under_grant_role)
+{
+    struct job j;
+    struct provider_decision d;
+    char key[300], role[80], q[256], err[512], dsn[1024], *u;
+    PGconn *owner = T.db, *db;
+
+    snprintf(role, sizeof role, "%s_run", T.prefix);
+    for (char *c = role; *c; c++)
+        if (*c == '-')
+            *c = '_';
+    snprintf(q, sizeof q, "CREATE ROLE %s LOGIN", role);
+    sql(q);
+    ck_assert_msg(ledger_grants_apply(owner, T.c, role, err, sizeof err) == IDEMQ_OK, "%s", err);
+    snprintf(dsn, sizeof dsn, "%s", getenv("IDEMQ_PG_DSN"));
+    u = strstr(dsn, "user=");
+    ck_assert_ptr_nonnull(u);
+    snprintf(u, sizeof dsn - (size_t)(u - dsn), "user=%s", role);
+    db = PQconnectdb(dsn);
+    ck_assert_msg(PQstatus(db) == CONNECTION_OK, "%s", PQerrorMessage(db));
+
+    make_job(&j, "grant", NULL, key, sizeof key);
+    T.db = db; /* the flow's statements, as idemq run's */
+    deliver(&j, &d);
+    T.db = owner;
+    ck_assert_msg(d.kind == PROVIDER_FLOW_ACK, "%s: %s", d.outcome, d.reason);
+    ck_assert_str_eq(d.outcome, "applied");
+    ck_assert_int_eq(num(EFFECTS, key), 1);
+    provider_flow_decision_clear(&d);
+    PQfinish(db);
+    snprintf(q, sizeof q, "DROP OWNED BY %s; DROP ROLE %s", role, role);
+    sql(q);
+    job_destroy(&j);
+}
+END_TEST
+
+/* D1 with a lookup route (added after the park): the redrive of the
+ * uncertain key asks the provider about that key and adopts its charge,
+ * instead of sending the request again. */
+START_TEST(test_uncertain_redrive_looks_up)
+{
+    struct job j, r;
+    struct provider_decision d;
+    char key[300], b[512];
+
+    make_job(&j, "d1-lookup", NULL, key, sizeof key);
+    tprov_control(&T.p, "{\"fault\":\"drop\",\"count\":1}");
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_RETRY);
+    nap_ms(d.delay_ms);
+    provider_flow_decision_clear(&d);
+    tprov_control(&T.p, "{\"fault\":\"status=403\",\"count\":1}");
+    deliver(&j, &d);
+    ck_assert_int_eq(d.kind, PROVIDER_FLOW_PARK);
+    provider_flow_decision_clear(&d);
+    configure("lookup_key_path = \"/charges/by-idempotency-key/{key}\";", "idemq_test.record");
+    make_redrive(&r, &j, 0);
+    deliver(&r, &d);
+    ck_assert_msg(d.kind == PROVIDER_FLOW_ACK, "%s: %s", d.outcome, d.reason);
+    ck_assert_str_eq(d.outcome, "applied");
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 2); /* POSTs: no third one */
+    ck_assert_int_eq(tprov_stat(&T.p, key, "key_charges"), 1);
+    ck_assert_str_eq(val("SELECT meta->'provider'->>'how' FROM idemq_test.effects WHERE key = $1",
+                         key, b, sizeof b), "lookup by key");
+    provider_flow_decision_clear(&d);
+    job_destroy(&j);
+    job_destroy(&r);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("provider_flow");
@@ -1165,6 +1704,21 @@ int main(void)
     tcase_add_test(tc, test_commands_reconcile_resolve_show);
     tcase_add_test(tc, test_uncertain_park_redrive_refused);
     tcase_add_test(tc, test_gauges_promtool);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("edges");
+    tcase_set_timeout(tc, 120 * mult());
+    tcase_add_checked_fixture(tc, setup, teardown);
+    tcase_add_test(tc, test_4xx_after_unknown_stays_uncertain);
+    tcase_add_test(tc, test_uncertain_redrive_looks_up);
+    tcase_add_test(tc, test_redrive_closes_park);
+    tcase_add_test(tc, test_second_reference_while_confirmed);
+    tcase_add_test(tc, test_409_makes_uncertain);
+    tcase_add_test(tc, test_lookup_404_young_request_stays_uncertain);
+    tcase_add_test(tc, test_oversized_wire_values);
+    tcase_add_test(tc, test_far_deadline_delay);
+    tcase_add_test(tc, test_effect_timeout_keeps_reference);
+    tcase_add_test(tc, test_cross_input_key_conflict);
+    tcase_add_test(tc, test_flow_under_grant_role);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
