@@ -155,7 +155,7 @@ static const struct conf_key input_keys[] = {
     {"deferred_report_after_s", CT_INT, I(deferred_report_after_s), 1, 86400 * 30, NULL, 300, 0,
      "deferred jobs (waiting for a predecessor) older than this are reported"},
     /* provider effects (issue 9): keep these rows together */
-    {"provider.url", CT_STR, I(provider.url), 0, 1024, "", 0, 0,
+    {"provider.url", CT_STR, I(provider.url), 0, 1024, "", 0, CF_SENSITIVE,
      "provider base URL (http:// or https://); non-empty makes the effect a provider call"},
     {"provider.name", CT_STR, I(provider.name), 0, 64, "", 0, 0,
      "provider name recorded on intents; empty = the input's name"},
@@ -672,7 +672,7 @@ static idemq_err_t validate_provider(const struct conf *c, struct conf_input *in
                                      const char *file, char *errbuf, size_t errlen)
 {
     const struct conf_provider *p = &in->provider;
-    char bad[64];
+    char bad[64], red[1100];
 
 #define PROVIDER_ERR(...)                                                                    \
     do {                                                                                     \
@@ -683,7 +683,7 @@ static idemq_err_t validate_provider(const struct conf *c, struct conf_input *in
         return IDEMQ_OK;
     if (strncmp(p->url, "http://", 7) && strncmp(p->url, "https://", 8))
         PROVIDER_ERR("%s:%d: input %s: provider.url \"%s\" must start with http:// or https://",
-                     file, line, in->name, p->url);
+                     file, line, in->name, conf_redact(p->url, red, sizeof red));
     if (strpbrk(p->url, " \t\r\n") || strpbrk(p->path, " \t\r\n") ||
         strpbrk(p->lookup_key_path, " \t\r\n") || strpbrk(p->lookup_reference_path, " \t\r\n"))
         PROVIDER_ERR("%s:%d: input %s: provider URLs and paths must not contain blanks", file,
@@ -1165,9 +1165,27 @@ static void put(char *buf, size_t buflen, size_t *o, const char *s, size_t n)
         buf[(*o)++] = *s++;
 }
 
+/* A blank between libpq's key=value pairs: any C whitespace (libpq uses
+ * isspace), not only a space. */
+static bool dsn_blank(char ch) { return isspace((unsigned char)ch) != 0; }
+
+/* The "://" of s if s is a URL (leading blanks, then a scheme: a letter and
+ * letters, digits, '+', '-' or '.'), else NULL: a key=value DSN whose
+ * values hold "://" stays a DSN. */
+static const char *url_scheme_end(const char *s)
+{
+    while (dsn_blank(*s))
+        s++;
+    if (!isalpha((unsigned char)*s))
+        return NULL;
+    while (isalnum((unsigned char)*s) || *s == '+' || *s == '-' || *s == '.')
+        s++;
+    return strncmp(s, "://", 3) == 0 ? s : NULL;
+}
+
 char *conf_redact(const char *s, char *buf, size_t buflen)
 {
-    const char *scheme = strstr(s, "://");
+    const char *scheme = url_scheme_end(s);
     const char *p = s;
     size_t o = 0;
 
@@ -1204,13 +1222,13 @@ char *conf_redact(const char *s, char *buf, size_t buflen)
         size_t kw = strncmp(p, "password", 8) == 0      ? 8
                     : strncmp(p, "sslpassword", 11) == 0 ? 11
                                                          : 0;
-        if ((p == s || p[-1] == ' ') && kw) {
+        if ((p == s || dsn_blank(p[-1])) && kw) {
             const char *q = p + kw;
-            while (*q == ' ')
+            while (dsn_blank(*q))
                 q++;
             if (*q == '=') {
                 q++;
-                while (*q == ' ')
+                while (dsn_blank(*q))
                     q++;
                 if (*q == '\'') {
                     q++;
@@ -1219,7 +1237,7 @@ char *conf_redact(const char *s, char *buf, size_t buflen)
                     if (*q)
                         q++;
                 } else {
-                    while (*q && *q != ' ')
+                    while (*q && !dsn_blank(*q))
                         q++;
                 }
                 put(buf, buflen, &o, p, kw);

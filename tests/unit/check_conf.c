@@ -189,6 +189,58 @@ START_TEST(test_redact)
 }
 END_TEST
 
+/* S8: password= after any blank libpq accepts (tab, newline, ...), a
+ * "://" inside a key=value value, and provider.url with user:password in
+ * check-config and in its error message. */
+START_TEST(test_redact_blanks_and_provider_url)
+{
+    char buf[256], err[1024] = "";
+    struct conf *c = NULL;
+    char *out = NULL;
+    size_t len = 0;
+    FILE *f;
+
+    ck_assert_str_eq(conf_redact("host=h\tpassword=abc dbname=d", buf, sizeof buf),
+                     "host=h\tpassword=*** dbname=d");
+    ck_assert_str_eq(conf_redact("host=h\npassword\t=\tabc\ndbname=d", buf, sizeof buf),
+                     "host=h\npassword=***\ndbname=d");
+    ck_assert_str_eq(conf_redact("host=h\r\n\v\fsslpassword=k dbname=d", buf, sizeof buf),
+                     "host=h\r\n\v\fsslpassword=*** dbname=d");
+    ck_assert_str_eq(conf_redact("  postgresql://u:pw@h/db", buf, sizeof buf),
+                     "  postgresql://u:***@h/db");
+    ck_assert_str_eq(conf_redact("postgres://u:pw@h1:5432,h2/db", buf, sizeof buf),
+                     "postgres://u:***@h1:5432,h2/db");
+    /* a key=value DSN whose values happen to hold "://" is still a DSN */
+    ck_assert_str_eq(conf_redact("sslrootcert=file://x password=pw", buf, sizeof buf),
+                     "sslrootcert=file://x password=***");
+    ck_assert_str_eq(conf_redact("password=a://b@c host=h", buf, sizeof buf),
+                     "password=*** host=h");
+    ck_assert_str_eq(conf_redact("https://user:pw@api.example.com/v1", buf, sizeof buf),
+                     "https://user:***@api.example.com/v1");
+
+    unsetenv("IDEMQ_AMQP_URL");
+    unsetenv("IDEMQ_PG_DSN");
+    ck_assert_int_eq(conf_load_string("inputs = ( { name = \"a\"; queue = \"q\"; provider: "
+                                      "{ url = \"ftp://u:hunter2@x\"; }; } );",
+                                      &c, err, sizeof err),
+                     IDEMQ_ERR_CONFIG);
+    ck_assert_msg(strstr(err, "hunter2") == NULL, "%s", err);
+    ck_assert_msg(strstr(err, "ftp://u:***@x") != NULL, "%s", err);
+    ck_assert_int_eq(conf_load_string("inputs = ( { name = \"a\"; queue = \"q\"; provider: "
+                                      "{ url = \"https://u:hunter2@api.example.com\"; }; } );",
+                                      &c, err, sizeof err),
+                     IDEMQ_OK);
+    ck_assert_str_eq(c->inputs[0].provider.url, "https://u:hunter2@api.example.com");
+    f = open_memstream(&out, &len);
+    conf_print(c, f);
+    fclose(f);
+    ck_assert_msg(strstr(out, "hunter2") == NULL, "%s", out);
+    ck_assert_ptr_nonnull(strstr(out, "url = \"https://u:***@api.example.com\";"));
+    free(out);
+    conf_free(c);
+}
+END_TEST
+
 /* check-config output hides secrets and is itself a valid config. */
 START_TEST(test_print_roundtrip)
 {
@@ -298,6 +350,7 @@ int main(void)
     tcase_add_test(tc, test_env_overrides);
     tcase_add_test(tc, test_parse_interval);
     tcase_add_test(tc, test_redact);
+    tcase_add_test(tc, test_redact_blanks_and_provider_url);
     tcase_add_test(tc, test_print_roundtrip);
     tcase_add_test(tc, test_sample_documents_every_key);
     tcase_add_test(tc, test_provider_settings);
