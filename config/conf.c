@@ -5,6 +5,7 @@
  */
 #include "conf.h"
 
+#include <arpa/inet.h>
 #include <ctype.h>
 #include <errno.h>
 #include <libconfig.h>
@@ -92,7 +93,8 @@ static const struct conf_key global_keys[] = {
      "publish a retry again from the ledger when no copy came back this long after its "
      "retry time (one replica at a time); 0 = off"},
     {"metrics.listen", CT_STR, G(metrics_listen), 0, 64, "", 0, 0,
-     "IPv4:port for GET /metrics and /ready of `idemq run`; empty = off"},
+     "numeric IPv4:port (e.g. 127.0.0.1:9187; 0.0.0.0:PORT = every address) for GET "
+     "/metrics, /ready and /live of `idemq run`; empty = off"},
     {"log.level", CT_STR, G(log_level), 1, 10, "info", 0, 0, "error, warn, info or debug"},
     /* operations (issue 11): TLS, least privilege, logs, liveness */
     {"broker.tls.ca_file", CT_STR, G(tls_ca_file), 0, 4096, "/etc/ssl/certs/ca-certificates.crt",
@@ -982,6 +984,16 @@ static idemq_err_t validate_ops(struct conf *c, const char *file, char *errbuf, 
         return IDEMQ_ERR_CONFIG;
     }
     c->topology_passive = strcmp(c->topology_verify, "passive") == 0;
+    if (c->metrics_listen[0]) {
+        char ip[16];
+        int port;
+        if (!conf_listen_parse(c->metrics_listen, ip, &port)) {
+            errf(errbuf, errlen, "%s: metrics.listen \"%s\" must be IPv4:port with a numeric "
+                 "address, e.g. 127.0.0.1:9187 (or 0.0.0.0:9187 for every address); "
+                 "empty = off", file, c->metrics_listen);
+            return IDEMQ_ERR_CONFIG;
+        }
+    }
     if (strcmp(c->log_format, "text") && strcmp(c->log_format, "json")) {
         errf(errbuf, errlen, "%s: log.format must be \"text\" or \"json\", not \"%s\"", file,
              c->log_format);
@@ -1181,6 +1193,29 @@ static const char *url_scheme_end(const char *s)
     while (isalnum((unsigned char)*s) || *s == '+' || *s == '-' || *s == '.')
         s++;
     return strncmp(s, "://", 3) == 0 ? s : NULL;
+}
+
+bool conf_listen_parse(const char *s, char ip[16], int *port)
+{
+    const char *colon = strrchr(s, ':');
+    struct in_addr a;
+    long v = 0;
+
+    if (!colon || colon == s || colon - s > 15 || !colon[1])
+        return false;
+    for (const char *d = colon + 1; *d; d++) {
+        if (!isdigit((unsigned char)*d) || v > 65535)
+            return false;
+        v = v * 10 + (*d - '0');
+    }
+    if (v < 1 || v > 65535)
+        return false;
+    memcpy(ip, s, (size_t)(colon - s));
+    ip[colon - s] = '\0';
+    if (inet_pton(AF_INET, ip, &a) != 1)
+        return false;
+    *port = (int)v;
+    return true;
 }
 
 char *conf_redact(const char *s, char *buf, size_t buflen)

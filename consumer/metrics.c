@@ -146,16 +146,15 @@ idemq_err_t metrics_start(const struct conf *c, struct worker *ws, int n, struct
 {
     struct metrics_server *m;
     struct sockaddr_in sa;
-    char host[64];
-    const char *colon = strrchr(c->metrics_listen, ':');
-    long port = colon ? strtol(colon + 1, NULL, 10) : 0;
+    char host[16];
+    int port = 0;
 
     *out = NULL;
     memset(&sa, 0, sizeof sa);
     sa.sin_family = AF_INET;
-    snprintf(host, sizeof host, "%.*s", colon ? (int)(colon - c->metrics_listen) : 0,
-             c->metrics_listen);
-    if (!colon || port < 1 || port > 65535 || inet_pton(AF_INET, host, &sa.sin_addr) != 1) {
+    /* the check of conf_load: a conf that loaded never fails here */
+    if (!conf_listen_parse(c->metrics_listen, host, &port) ||
+        inet_pton(AF_INET, host, &sa.sin_addr) != 1) {
         snprintf(errbuf, errlen, "metrics.listen \"%s\" must be IPv4:port, e.g. 127.0.0.1:9187",
                  c->metrics_listen);
         return IDEMQ_ERR_CONFIG;
