@@ -14,6 +14,10 @@
 #include "reconcile.h"
 #include "liveness.h"
 
+#define CONN_TIMEOUT_S 5 /* a connection idle this long is closed */
+#define CONN_MAX 64       /* connections at a time */
+#define CONN_PER_IP 16    /* of them from one address */
+
 struct metrics_server {
     struct MHD_Daemon *d;
     struct worker *ws;
@@ -116,12 +120,12 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
             status = MHD_HTTP_SERVICE_UNAVAILABLE;
         }
     } else if (strcmp(url, "/ready") == 0) {
+        /* terse and unauthenticated: why a worker is not ready (a job key,
+         * a database error) is in the log and in idemq_workers_ready */
         len = (size_t)snprintf(buf, sizeof buf, "ready\n");
         for (int i = 0; i < m->n; i++) {
             if (!atomic_load(&m->ws[i].ready)) {
-                char why[512];
-                worker_status(&m->ws[i], why, sizeof why);
-                len = (size_t)snprintf(buf, sizeof buf, "not ready: worker %d: %s\n", i, why);
+                len = (size_t)snprintf(buf, sizeof buf, "not ready\n");
                 status = MHD_HTTP_SERVICE_UNAVAILABLE;
                 break;
             }
@@ -168,8 +172,15 @@ idemq_err_t metrics_start(const struct conf *c, struct worker *ws, int n, struct
     m->n = n;
     m->g = g;
     m->stall_ms = (long long)c->live_stall_s * 1000;
+    /* Idle or slow clients cannot hold the server: each connection is
+     * closed after CONN_TIMEOUT_S without traffic, and one address holds at
+     * most CONN_PER_IP of CONN_MAX, so a probe from another still gets in. */
     m->d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD, 0, NULL, NULL, answer, m,
-                            MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa, MHD_OPTION_END);
+                            MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
+                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)CONN_TIMEOUT_S,
+                            MHD_OPTION_CONNECTION_LIMIT, (unsigned int)CONN_MAX,
+                            MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned int)CONN_PER_IP,
+                            MHD_OPTION_END);
     if (!m->d) {
         snprintf(errbuf, errlen, "cannot listen on %s for metrics", c->metrics_listen);
         free(m);
