@@ -24,7 +24,10 @@ BEGIN
                'take_deferred', 'report_deferred', 'adopt_dead_letter',
                -- provider effects (issue 9): the flow and the reconciler of run
                'provider_begin', 'provider_result', 'provider_effect_failed',
-               'provider_sweep', 'provider_gauges', 'provider_latency'])
+               'provider_sweep', 'provider_gauges', 'provider_latency',
+               -- the rescuer of run (issue 12) and the operator commands that
+               -- write: `resolve` of a provider key, `archive export`
+               'rescue_take', 'rescue_record', 'provider_resolve', 'archive_exported'])
     LOOP
         EXECUTE format('ALTER FUNCTION %s SECURITY DEFINER '
                        'SET search_path = pg_catalog, idemq, pg_temp', f);
