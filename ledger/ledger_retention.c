@@ -79,6 +79,22 @@ idemq_err_t ledger_retention_maintain(PGconn *db, const char *who, int budget_ms
     return IDEMQ_OK;
 }
 
+long ledger_retention_log_failures(json_t *result)
+{
+    json_t *errs = json_object_get(result, "errors"), *e;
+    size_t i;
+
+    json_array_foreach(errs, i, e) {
+        log_warn("maintenance: step %s of %s failed (the other steps ran; trying again in the "
+                 "next call): %s %s",
+                 json_string_value(json_object_get(e, "step")),
+                 json_string_value(json_object_get(e, "rel")),
+                 json_string_value(json_object_get(e, "sqlstate")),
+                 json_string_value(json_object_get(e, "message")));
+    }
+    return (long)json_integer_value(json_object_get(result, "failed"));
+}
+
 struct ledger_retention *ledger_retention_new(const struct conf *c, const char *who)
 {
     struct ledger_retention *lr = calloc(1, sizeof *lr);
@@ -148,6 +164,7 @@ static void collect(struct ledger_retention *lr, long long now_ms)
         log_debug("maintenance: another replica is at it");
     } else {
         long long created = json_integer_value(json_object_get(v, "created"));
+        ledger_retention_log_failures(v);
         long long pruned = json_integer_value(json_object_get(v, "pruned"));
         long long archived = json_integer_value(json_object_get(v, "archived"));
         long long dropped = json_integer_value(json_object_get(v, "dropped"));
