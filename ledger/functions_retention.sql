@@ -172,12 +172,12 @@ $fn$;
 -- Maintenance step: moves at most p_rows rows of [lo, hi) of a filling
 -- table p_rel (created unattached for a past slot whose rows wait in the
 -- default partition) from the default partition into it, one bounded
--- DELETE ... INSERT by ctid; when none is left, attaches it (no writer
--- inserts into a slot that ended minutes ago; if one did, the ATTACH fails
--- with 23514 and the next call moves that row too). Returns
--- {"moved": rows, "attached": bool}.
+-- DELETE ... INSERT by ctid; when none is left it can be attached (no writer
+-- inserts into a slot that ended minutes ago; if one did, the ATTACH
+-- (idemq.attach_filling, its own step) fails with 23514 and the next call
+-- moves that row too). Returns the rows moved.
 CREATE OR REPLACE FUNCTION idemq.fill_partition(p_rel text, p_rows integer)
-RETURNS jsonb
+RETURNS bigint
 LANGUAGE plpgsql
 SET search_path = pg_catalog, idemq
 AS $fn$
@@ -197,13 +197,26 @@ BEGIN
           USING h.lo, h.hi, p_rows;
         GET DIAGNOSTICS v_moved = ROW_COUNT;
     END IF;
-    IF v_moved >= p_rows THEN
-        RETURN jsonb_build_object('moved', v_moved, 'attached', false);
-    END IF;
+    RETURN v_moved;
+END
+$fn$;
+
+-- Maintenance step: attaches filling partition p_rel once no row of its
+-- range is left in the default partition.
+CREATE OR REPLACE FUNCTION idemq.attach_filling(p_rel text)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, idemq
+AS $fn$
+DECLARE
+    h        idemq.history_parts;
+    v_parent text;
+BEGIN
+    SELECT * INTO STRICT h FROM idemq.history_parts x WHERE x.relname = p_rel;
+    SELECT x.parent INTO v_parent FROM idemq.history_parent(h.kind) x;
     EXECUTE format('ALTER TABLE idemq.%I ATTACH PARTITION idemq.%I FOR VALUES FROM (%L) TO (%L)',
                    v_parent, p_rel, h.lo, h.hi);
     UPDATE idemq.history_parts x SET attached = true WHERE x.relname = p_rel;
-    RETURN jsonb_build_object('moved', v_moved, 'attached', true);
 END
 $fn$;
 
@@ -246,7 +259,7 @@ DECLARE
     v_lo      timestamptz;
     v_hi      timestamptz;
     v_rel     text;
-    v_res     jsonb;
+    v_n       bigint;
     v_rows    integer := greatest(p_rows, 0);
     v_created integer := 0;
     v_rescued bigint := 0;
@@ -306,14 +319,35 @@ BEGIN
             EXIT;
         END IF;
         BEGIN
-            v_res := idemq.fill_partition(v_rel, v_rows);
-            v_rescued := v_rescued + (v_res->>'moved')::bigint;
-            v_rows := v_rows - (v_res->>'moved')::integer;
-            IF (v_res->>'attached')::boolean THEN
-                v_created := v_created + 1;
-            ELSE
+            v_n := idemq.fill_partition(v_rel, v_rows);
+            v_rescued := v_rescued + v_n;
+            v_rows := v_rows - v_n::integer;
+        EXCEPTION
+            WHEN lock_not_available THEN
+                v_waits := v_waits + 1;
                 v_more := true;
-            END IF;
+                CONTINUE;
+            WHEN query_canceled THEN
+                IF SQLERRM NOT LIKE '%statement timeout%' THEN
+                    RAISE;
+                END IF;
+                v_failed := v_failed + 1;
+                v_more := true;
+                v_errors := idemq.maintenance_error(v_errors, 'move', v_rel, SQLSTATE, SQLERRM);
+                CONTINUE;
+            WHEN OTHERS THEN
+                v_failed := v_failed + 1;
+                v_more := true;
+                v_errors := idemq.maintenance_error(v_errors, 'move', v_rel, SQLSTATE, SQLERRM);
+                CONTINUE;
+        END;
+        IF v_rows <= 0 THEN -- the bound reached: maybe more rows of it wait
+            v_more := true;
+            CONTINUE;
+        END IF;
+        BEGIN
+            PERFORM idemq.attach_filling(v_rel);
+            v_created := v_created + 1;
         EXCEPTION
             WHEN lock_not_available THEN
                 v_waits := v_waits + 1;
@@ -324,11 +358,11 @@ BEGIN
                 END IF;
                 v_failed := v_failed + 1;
                 v_more := true;
-                v_errors := idemq.maintenance_error(v_errors, 'move', v_rel, SQLSTATE, SQLERRM);
+                v_errors := idemq.maintenance_error(v_errors, 'attach', v_rel, SQLSTATE, SQLERRM);
             WHEN OTHERS THEN
                 v_failed := v_failed + 1;
                 v_more := true;
-                v_errors := idemq.maintenance_error(v_errors, 'move', v_rel, SQLSTATE, SQLERRM);
+                v_errors := idemq.maintenance_error(v_errors, 'attach', v_rel, SQLSTATE, SQLERRM);
         END;
     END LOOP;
     -- 3. Ahead, contiguously from the last partition, never over a slot
@@ -942,6 +976,7 @@ $fn$;
 REVOKE EXECUTE ON FUNCTION idemq.create_partition(text, timestamptz, timestamptz, boolean)
     FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION idemq.fill_partition(text, integer) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION idemq.attach_filling(text) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION idemq.ensure_partitions(text, interval, timestamptz, timestamptz,
                                                    integer)
     FROM PUBLIC;

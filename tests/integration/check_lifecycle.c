@@ -593,6 +593,82 @@ START_TEST(test_maintenance_catches_up_under_inserts)
 }
 END_TEST
 
+/* 7. One failing step does not stop the others (D2): a row that arrives in
+ * a past slot while its rows move (forced here by a trigger on the default
+ * partition) makes that slot's ATTACH fail with 23514; the call still
+ * archives, reports the failure, and the next call moves the late row and
+ * attaches the slot. The log says which step failed. */
+START_TEST(test_maintenance_step_failure_reported)
+{
+    struct itest t;
+    PGconn *c;
+    char v[4096], when[64], sql[512], out[16384];
+    json_t *res, *e;
+
+    lc_setup(&t, "stepfail",
+             "dedup_window_days = 0.01; partition_interval = \"10 seconds\"; "
+             "history_hot_days = 0.005; history_retention_days = 0.02;");
+    c = own_connect(NULL);
+    run_ok(c, "CREATE FUNCTION idemq_test.late_row() RETURNS trigger LANGUAGE plpgsql AS $$ "
+              "BEGIN IF OLD.key LIKE 'd2:past%' THEN INSERT INTO idemq.attempts (key, attempt, "
+              "outcome, started_at, finished_at, consumer_id) VALUES ('d2:late', 1, 'duplicate', "
+              "OLD.started_at, OLD.finished_at, 'late'); END IF; RETURN NULL; END $$; "
+              "CREATE TRIGGER late_row AFTER DELETE ON idemq.attempts_default FOR EACH ROW "
+              "EXECUTE FUNCTION idemq_test.late_row()",
+           v, sizeof v);
+    /* rows of a slot 10 minutes back, which has no partition */
+    run_ok(c, "INSERT INTO idemq.attempts (key, attempt, outcome, started_at, finished_at, "
+              "consumer_id) SELECT 'd2:past:' || i, 1, 'duplicate', clock_timestamp() - "
+              "interval '10 minutes', clock_timestamp(), 'past' FROM generate_series(1, 100) i",
+           v, sizeof v);
+    /* 8 minutes on: past the hot window too, so there is archiving to do */
+    itest_text(&t, "SELECT (now() + interval '8 minutes')::text", NULL, when, sizeof when);
+    snprintf(sql, sizeof sql,
+             "SELECT idemq.maintain('d2 test', 2000) FROM (SELECT set_config("
+             "'idemq.maintenance_now', '%s', false)) s",
+             when);
+    run_ok(c, sql, v, sizeof v);
+    ck_assert_ptr_nonnull(res = json_loads(v, 0, NULL));
+    ck_assert_msg(json_integer_value(json_object_get(res, "failed")) == 1, "%s", v);
+    e = json_array_get(json_object_get(res, "errors"), 0);
+    ck_assert_msg(e && strcmp(json_string_value(json_object_get(e, "sqlstate")), "23514") == 0 &&
+                      strcmp(json_string_value(json_object_get(e, "step")), "attach") == 0,
+                  "%s", v);
+    ck_assert_msg(json_integer_value(json_object_get(res, "archived")) == 1, "%s", v);
+    ck_assert_msg(json_integer_value(json_object_get(res, "rescued")) == 100, "%s", v);
+    json_decref(res);
+    /* the moved rows are still read through the key's history */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.key_attempts($1)", "d2:past:7"),
+                     1);
+    /* the next call moves the late rows and attaches the slot */
+    run_ok(c, sql, v, sizeof v);
+    ck_assert_ptr_nonnull(res = json_loads(v, 0, NULL));
+    ck_assert_msg(json_integer_value(json_object_get(res, "failed")) == 0, "%s", v);
+    json_decref(res);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts_default", NULL), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts WHERE key LIKE 'd2:%'",
+                                NULL),
+                     200);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.history_parts WHERE kind = "
+                                    "'attempts' AND NOT attached AND location = 'hot' AND lo > "
+                                    "'-infinity'",
+                                NULL),
+                     0);
+    /* `idemq maintain` logs a failed step: another past slot, 20 minutes back */
+    run_ok(c, "INSERT INTO idemq.attempts (key, attempt, outcome, started_at, finished_at, "
+              "consumer_id) SELECT 'd2:past2:' || i, 1, 'duplicate', clock_timestamp() - "
+              "interval '20 minutes', clock_timestamp(), 'past' FROM generate_series(1, 10) i",
+           v, sizeof v);
+    maintain_at(&t, "SELECT now()", out, sizeof out);
+    ck_assert_msg(strstr(out, "step attach of attempts_p") && strstr(out, "failed") &&
+                      strstr(out, "23514"),
+                  "%s", out);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts_default", NULL), 0);
+    PQfinish(c);
+    lc_teardown(&t);
+}
+END_TEST
+
 /* 5. A populated version 3 ledger (the current release's schema, filled as
  * it fills it) migrates in place: every row of history is kept, no table
  * is rewritten or copied (same files), the old history is registered and
@@ -733,6 +809,7 @@ int main(void)
     tcase_add_test(tc, test_one_maintainer);
     tcase_add_test(tc, test_least_privilege_maintenance);
     tcase_add_test(tc, test_maintenance_catches_up_under_inserts);
+    tcase_add_test(tc, test_maintenance_step_failure_reported);
     tcase_add_test(tc, test_v3_upgrade);
     suite_add_tcase(s, tc);
     return check_run(s);
