@@ -176,6 +176,7 @@ $fn$;
 -- inserts into a slot that ended minutes ago; if one did, the ATTACH
 -- (idemq.attach_filling, its own step) fails with 23514 and the next call
 -- moves that row too). Returns the rows moved.
+DROP FUNCTION IF EXISTS idemq.fill_partition(text, integer); -- its return type changed
 CREATE OR REPLACE FUNCTION idemq.fill_partition(p_rel text, p_rows integer)
 RETURNS bigint
 LANGUAGE plpgsql
