@@ -669,6 +669,78 @@ START_TEST(test_maintenance_step_failure_reported)
 }
 END_TEST
 
+/* 8. The background paths of `run` and the archive commands under the role
+ * of `idemq migrate --grant` (D7): maintenance in `run` creates partitions
+ * and moves rows (as the ledger's owner, through idemq.maintain), and
+ * `archive export` reads the archive and records the export; no 42501. */
+START_TEST(test_grant_role_maintenance_and_archive)
+{
+    struct itest t;
+    PGconn *c;
+    char v[512], sql[512], out[16384], role[64], dsn[800], owner[700], log[160], dir[256],
+        cmd[600], k[128];
+    int st;
+
+    lc_setup(&t, "grantbg",
+             "dedup_window_days = 0.01; partition_interval = \"10 seconds\"; "
+             "history_hot_days = 0.005; history_retention_days = 0.02;");
+    snprintf(role, sizeof role, "idemq_lc_run_%d", (int)getpid());
+    snprintf(sql, sizeof sql, "DROP ROLE IF EXISTS %s; CREATE ROLE %s LOGIN", role, role);
+    itest_sql(&t, sql);
+    snprintf(sql, sizeof sql, "migrate --grant %s", role);
+    ck_assert_msg(itest_idemq(&t, sql, out, sizeof out) == 0, "%s", out);
+    c = own_connect(NULL);
+    lose_partitions(c); /* maintenance has work to do when run starts */
+    run_ok(c, "INSERT INTO idemq.attempts (key, attempt, outcome, started_at, finished_at, "
+              "consumer_id) SELECT 'gr:past:' || i, 1, 'duplicate', clock_timestamp() - "
+              "interval '10 minutes', clock_timestamp(), 'past' FROM generate_series(1, 50) i",
+           v, sizeof v);
+    key(&t, k, sizeof k, "job");
+    publish_ts(&t, k, NULL, 0);
+    snprintf(owner, sizeof owner, "%s", getenv("IDEMQ_PG_DSN"));
+    snprintf(dsn, sizeof dsn, "%s user=%s", owner, role); /* the last user wins */
+    setenv("IDEMQ_PG_DSN", dsn, 1);
+    snprintf(log, sizeof log, "/tmp/%s.log", t.name);
+    st = itest_wait(itest_spawn_log(t.cfg_path, 3, NULL, log), itest_ms(60000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x (%s)", st, log);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, k), 1);
+    ck_assert_msg(itest_count_lines(log, "permission denied") == 0, "42501 in %s", log);
+    ck_assert_msg(itest_count_lines(log, "maintain failed") == 0, "%s", log);
+    ck_assert_msg(itest_count_lines(log, "partitions created") >= 1, "no maintenance in %s", log);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts_default WHERE key LIKE "
+                                    "'gr:past:%'",
+                                NULL),
+                     0);
+    /* archive (as the owner, at a later time), then export as the role */
+    setenv("IDEMQ_PG_DSN", owner, 1);
+    maintain_at(&t, "SELECT now() + interval '8 minutes'", out, sizeof out);
+    ck_assert_int_ge(itest_long(&t, "SELECT count(*) FROM idemq.history_parts WHERE location = "
+                                    "'archive'",
+                                NULL),
+                     1);
+    setenv("IDEMQ_PG_DSN", dsn, 1);
+    snprintf(dir, sizeof dir, "/tmp/%s_archive", t.name);
+    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", dir, dir);
+    ck_assert_int_eq(system(cmd), 0);
+    snprintf(sql, sizeof sql, "archive export --dir %s", dir);
+    st = itest_idemq(&t, sql, out, sizeof out);
+    setenv("IDEMQ_PG_DSN", owner, 1);
+    ck_assert_msg(st == 0 && strstr(out, "exported ") && !strstr(out, "permission denied"), "%s",
+                  out);
+    ck_assert_int_ge(itest_long(&t, "SELECT count(*) FROM idemq.history_parts WHERE "
+                                    "exported_at IS NOT NULL",
+                                NULL),
+                     1);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    ck_assert_int_eq(system(cmd), 0);
+    unlink(log);
+    PQfinish(c);
+    snprintf(sql, sizeof sql, "DROP OWNED BY %s; DROP ROLE %s", role, role);
+    itest_sql(&t, sql);
+    lc_teardown(&t);
+}
+END_TEST
+
 /* 5. A populated version 3 ledger (the current release's schema, filled as
  * it fills it) migrates in place: every row of history is kept, no table
  * is rewritten or copied (same files), the old history is registered and
@@ -810,6 +882,7 @@ int main(void)
     tcase_add_test(tc, test_least_privilege_maintenance);
     tcase_add_test(tc, test_maintenance_catches_up_under_inserts);
     tcase_add_test(tc, test_maintenance_step_failure_reported);
+    tcase_add_test(tc, test_grant_role_maintenance_and_archive);
     tcase_add_test(tc, test_v3_upgrade);
     suite_add_tcase(s, tc);
     return check_run(s);
