@@ -269,14 +269,20 @@ DECLARE
     v_errors  jsonb := '[]';
     v_more    boolean := false;
     v_any     boolean;
+    v_filling boolean;
 BEGIN
     SELECT h.parent, h.col INTO v_parent, v_col FROM idemq.history_parent(p_kind) h;
     v_target := p_now + make_interval(secs => greatest(4 * v_step, 60));
     -- 1. Past slots with rows in the default partition: new filling
-    --    partitions (cut to the free part between existing ones).
+    --    partitions (cut to the free part between existing ones). Looked
+    --    for (a scan of the default partition) only when none is filling.
+    SELECT EXISTS (SELECT 1 FROM idemq.history_parts h WHERE h.kind = p_kind
+                     AND idemq.history_filling(h.attached, h.location, h.lo))
+      INTO v_filling;
     FOR v_slot IN EXECUTE format('SELECT DISTINCT idemq.align_time(d.%I, $1) FROM idemq.%I d '
-                                 'WHERE d.%I < $2 ORDER BY 1', v_col, v_parent || '_default',
-                                 v_col) USING v_step, v_past LOOP
+                                 'WHERE d.%I < $2 AND NOT $3 ORDER BY 1', v_col,
+                                 v_parent || '_default', v_col)
+                    USING v_step, v_past, v_filling LOOP
         EXIT WHEN v_slot + p_interval > v_past;
         SELECT coalesce(max(h.hi) FILTER (WHERE h.hi <= v_slot + p_interval), v_slot),
                coalesce(min(h.lo) FILTER (WHERE h.lo >= v_slot), v_slot + p_interval)
@@ -370,7 +376,10 @@ BEGIN
     --    that may receive inserts while the ATTACH runs.
     SELECT max(h.hi) INTO v_next FROM idemq.history_parts h
      WHERE h.kind = p_kind AND (h.attached OR idemq.history_filling(h.attached, h.location, h.lo));
-    EXECUTE format('SELECT EXISTS (SELECT 1 FROM idemq.%I)', v_parent || '_default') INTO v_any;
+    IF v_next IS NULL THEN
+        EXECUTE format('SELECT EXISTS (SELECT 1 FROM idemq.%I)', v_parent || '_default')
+           INTO v_any;
+    END IF;
     IF v_next IS NULL AND NOT v_any THEN
         -- a new ledger (`idemq migrate`, before any worker wrote history):
         -- from the slot covering now
