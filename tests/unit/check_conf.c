@@ -261,7 +261,8 @@ START_TEST(test_metrics_listen)
     unsetenv("IDEMQ_PG_DSN");
     for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
         snprintf(text, sizeof text,
-                 "metrics: { listen = \"%s\"; };\ninputs = ( { name = \"a\"; queue = \"q\"; effect_function = \"public.f\"; } );",
+                 "metrics: { listen = \"%s\"; };\ninputs = ( { name = \"a\"; queue = \"q\"; "
+                 "effect_function = \"public.f\"; } );",
                  good[i]);
         c = NULL;
         ck_assert_msg(conf_load_string(text, &c, err, sizeof err) == IDEMQ_OK, "%s: %s", good[i],
@@ -272,7 +273,8 @@ START_TEST(test_metrics_listen)
     }
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         snprintf(text, sizeof text,
-                 "metrics: { listen = \"%s\"; };\ninputs = ( { name = \"a\"; queue = \"q\"; effect_function = \"public.f\"; } );",
+                 "metrics: { listen = \"%s\"; };\ninputs = ( { name = \"a\"; queue = \"q\"; "
+                 "effect_function = \"public.f\"; } );",
                  bad[i]);
         c = NULL;
         err[0] = '\0';
@@ -306,7 +308,8 @@ START_TEST(test_metrics_listen_run)
         size_t n;
         int st;
         FILE *p;
-        snprintf(cmd, sizeof cmd, "timeout 20 env -u IDEMQ_AMQP_URL -u IDEMQ_PG_DSN %s %s -c %s 2>&1",
+        snprintf(cmd, sizeof cmd,
+                 "timeout 20 env -u IDEMQ_AMQP_URL -u IDEMQ_PG_DSN %s %s -c %s 2>&1",
                  IDEMQ_BINARY, cmds[i], cfg);
         p = popen(cmd, "r");
         ck_assert_ptr_nonnull(p);
