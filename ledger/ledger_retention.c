@@ -135,6 +135,7 @@ static void collect(struct ledger_retention *lr, long long now_ms)
     PGresult *r, *first = NULL;
     json_t *v = NULL;
     bool more = false;
+    long failed = 0;
 
     while ((r = PQgetResult(lr->db))) {
         if (!first)
@@ -164,11 +165,11 @@ static void collect(struct ledger_retention *lr, long long now_ms)
         log_debug("maintenance: another replica is at it");
     } else {
         long long created = json_integer_value(json_object_get(v, "created"));
-        ledger_retention_log_failures(v);
         long long pruned = json_integer_value(json_object_get(v, "pruned"));
         long long archived = json_integer_value(json_object_get(v, "archived"));
         long long dropped = json_integer_value(json_object_get(v, "dropped"));
         long long rescued = json_integer_value(json_object_get(v, "rescued"));
+        failed = ledger_retention_log_failures(v);
         if (created || archived || dropped || rescued)
             log_info("maintenance: %lld partitions created, %lld archived, %lld dropped, "
                      "%lld rows moved out of default partitions, %lld keys pruned%s",
@@ -177,7 +178,8 @@ static void collect(struct ledger_retention *lr, long long now_ms)
             log_debug("maintenance: %lld keys pruned%s", pruned, more ? " (more to do)" : "");
     }
     json_decref(v);
-    lr->next_ms = now_ms + (more ? AGAIN_MS : lr->idle_ms);
+    /* a step that failed is tried again after FAIL_MS, as a failed call */
+    lr->next_ms = now_ms + (failed ? FAIL_MS : more ? AGAIN_MS : lr->idle_ms);
 }
 
 void ledger_retention_tick(struct ledger_retention *lr, long long now_ms)
