@@ -288,11 +288,13 @@ BEGIN
                coalesce(min(h.lo) FILTER (WHERE h.lo >= v_slot), v_slot + p_interval)
           INTO v_lo, v_hi
           FROM idemq.history_parts h
-         WHERE h.kind = p_kind AND (h.attached OR idemq.history_filling(h.attached, h.location, h.lo));
+         WHERE h.kind = p_kind
+           AND (h.attached OR idemq.history_filling(h.attached, h.location, h.lo));
         v_lo := greatest(v_lo, v_slot);
         v_hi := least(v_hi, v_slot + p_interval);
         CONTINUE WHEN v_lo >= v_hi OR EXISTS (SELECT 1 FROM idemq.history_parts h
-            WHERE h.kind = p_kind AND (h.attached OR idemq.history_filling(h.attached, h.location, h.lo))
+            WHERE h.kind = p_kind
+              AND (h.attached OR idemq.history_filling(h.attached, h.location, h.lo))
               AND h.lo < v_hi AND h.hi > v_lo);
         IF clock_timestamp() >= p_deadline THEN
             v_more := true;
@@ -365,17 +367,20 @@ BEGIN
                 END IF;
                 v_failed := v_failed + 1;
                 v_more := true;
-                v_errors := idemq.maintenance_error(v_errors, 'attach', v_rel, SQLSTATE, SQLERRM);
+                v_errors := idemq.maintenance_error(v_errors, 'attach', v_rel, SQLSTATE,
+                                                    SQLERRM);
             WHEN OTHERS THEN
                 v_failed := v_failed + 1;
                 v_more := true;
-                v_errors := idemq.maintenance_error(v_errors, 'attach', v_rel, SQLSTATE, SQLERRM);
+                v_errors := idemq.maintenance_error(v_errors, 'attach', v_rel, SQLSTATE,
+                                                    SQLERRM);
         END;
     END LOOP;
     -- 3. Ahead, contiguously from the last partition, never over a slot
     --    that may receive inserts while the ATTACH runs.
     SELECT max(h.hi) INTO v_next FROM idemq.history_parts h
-     WHERE h.kind = p_kind AND (h.attached OR idemq.history_filling(h.attached, h.location, h.lo));
+     WHERE h.kind = p_kind
+       AND (h.attached OR idemq.history_filling(h.attached, h.location, h.lo));
     IF v_next IS NULL THEN
         EXECUTE format('SELECT EXISTS (SELECT 1 FROM idemq.%I)', v_parent || '_default')
            INTO v_any;
@@ -588,7 +593,8 @@ BEGIN
 
     -- 3. Past the retention: drop (detached tables only here).
     FOR p IN SELECT h.* FROM idemq.history_parts h
-              WHERE h.location <> 'dropped' AND NOT h.attached AND NOT idemq.history_filling(h.attached, h.location, h.lo)
+              WHERE h.location <> 'dropped' AND NOT h.attached
+                AND NOT idemq.history_filling(h.attached, h.location, h.lo)
                 AND h.hi <= v_now - s.history_retention
                 AND (h.pruned_at IS NOT NULL OR h.kind IN ('redrives', 'parks'))
               ORDER BY h.lo LOOP
