@@ -5,6 +5,7 @@
  */
 #include "conf.h"
 
+#include <arpa/inet.h>
 #include <ctype.h>
 #include <errno.h>
 #include <libconfig.h>
@@ -93,7 +94,8 @@ static const struct conf_key global_keys[] = {
      "publish a retry again from the ledger when no copy came back this long after its "
      "retry time (one replica at a time); 0 = off"},
     {"metrics.listen", CT_STR, G(metrics_listen), 0, 64, "", 0, 0,
-     "IPv4:port for GET /metrics and /ready of `idemq run`; empty = off"},
+     "numeric IPv4:port (e.g. 127.0.0.1:9187; 0.0.0.0:PORT = every address) for GET "
+     "/metrics, /ready and /live of `idemq run`; empty = off"},
     {"log.level", CT_STR, G(log_level), 1, 10, "info", 0, 0, "error, warn, info or debug"},
     /* operations (issue 11): TLS, least privilege, logs, liveness */
     {"broker.tls.ca_file", CT_STR, G(tls_ca_file), 0, 4096, "/etc/ssl/certs/ca-certificates.crt",
@@ -156,7 +158,7 @@ static const struct conf_key input_keys[] = {
     {"deferred_report_after_s", CT_INT, I(deferred_report_after_s), 1, 86400 * 30, NULL, 300, 0,
      "deferred jobs (waiting for a predecessor) older than this are reported"},
     /* provider effects (issue 9): keep these rows together */
-    {"provider.url", CT_STR, I(provider.url), 0, 1024, "", 0, 0,
+    {"provider.url", CT_STR, I(provider.url), 0, 1024, "", 0, CF_SENSITIVE,
      "provider base URL (http:// or https://); non-empty makes the effect a provider call"},
     {"provider.name", CT_STR, I(provider.name), 0, 64, "", 0, 0,
      "provider name recorded on intents; empty = the input's name"},
@@ -734,7 +736,7 @@ static idemq_err_t validate_provider(const struct conf *c, struct conf_input *in
                                      const char *file, char *errbuf, size_t errlen)
 {
     const struct conf_provider *p = &in->provider;
-    char bad[64];
+    char bad[64], red[1100];
 
 #define PROVIDER_ERR(...)                                                                    \
     do {                                                                                     \
@@ -745,7 +747,7 @@ static idemq_err_t validate_provider(const struct conf *c, struct conf_input *in
         return IDEMQ_OK;
     if (strncmp(p->url, "http://", 7) && strncmp(p->url, "https://", 8))
         PROVIDER_ERR("%s:%d: input %s: provider.url \"%s\" must start with http:// or https://",
-                     file, line, in->name, p->url);
+                     file, line, in->name, conf_redact(p->url, red, sizeof red));
     if (strpbrk(p->url, " \t\r\n") || strpbrk(p->path, " \t\r\n") ||
         strpbrk(p->lookup_key_path, " \t\r\n") || strpbrk(p->lookup_reference_path, " \t\r\n"))
         PROVIDER_ERR("%s:%d: input %s: provider URLs and paths must not contain blanks", file,
@@ -1053,6 +1055,16 @@ static idemq_err_t validate_ops(struct conf *c, const char *file, char *errbuf, 
         return IDEMQ_ERR_CONFIG;
     }
     c->topology_passive = strcmp(c->topology_verify, "passive") == 0;
+    if (c->metrics_listen[0]) {
+        char ip[16];
+        int port;
+        if (!conf_listen_parse(c->metrics_listen, ip, &port)) {
+            errf(errbuf, errlen, "%s: metrics.listen \"%s\" must be IPv4:port with a numeric "
+                 "address, e.g. 127.0.0.1:9187 (or 0.0.0.0:9187 for every address); "
+                 "empty = off", file, c->metrics_listen);
+            return IDEMQ_ERR_CONFIG;
+        }
+    }
     if (strcmp(c->log_format, "text") && strcmp(c->log_format, "json")) {
         errf(errbuf, errlen, "%s: log.format must be \"text\" or \"json\", not \"%s\"", file,
              c->log_format);
@@ -1236,9 +1248,50 @@ static void put(char *buf, size_t buflen, size_t *o, const char *s, size_t n)
         buf[(*o)++] = *s++;
 }
 
+/* A blank between libpq's key=value pairs: any C whitespace (libpq uses
+ * isspace), not only a space. */
+static bool dsn_blank(char ch) { return isspace((unsigned char)ch) != 0; }
+
+/* The "://" of s if s is a URL (leading blanks, then a scheme: a letter and
+ * letters, digits, '+', '-' or '.'), else NULL: a key=value DSN whose
+ * values hold "://" stays a DSN. */
+static const char *url_scheme_end(const char *s)
+{
+    while (dsn_blank(*s))
+        s++;
+    if (!isalpha((unsigned char)*s))
+        return NULL;
+    while (isalnum((unsigned char)*s) || *s == '+' || *s == '-' || *s == '.')
+        s++;
+    return strncmp(s, "://", 3) == 0 ? s : NULL;
+}
+
+bool conf_listen_parse(const char *s, char ip[16], int *port)
+{
+    const char *colon = strrchr(s, ':');
+    struct in_addr a;
+    long v = 0;
+
+    if (!colon || colon == s || colon - s > 15 || !colon[1])
+        return false;
+    for (const char *d = colon + 1; *d; d++) {
+        if (!isdigit((unsigned char)*d) || v > 65535)
+            return false;
+        v = v * 10 + (*d - '0');
+    }
+    if (v < 1 || v > 65535)
+        return false;
+    memcpy(ip, s, (size_t)(colon - s));
+    ip[colon - s] = '\0';
+    if (inet_pton(AF_INET, ip, &a) != 1)
+        return false;
+    *port = (int)v;
+    return true;
+}
+
 char *conf_redact(const char *s, char *buf, size_t buflen)
 {
-    const char *scheme = strstr(s, "://");
+    const char *scheme = url_scheme_end(s);
     const char *p = s;
     size_t o = 0;
 
@@ -1275,13 +1328,13 @@ char *conf_redact(const char *s, char *buf, size_t buflen)
         size_t kw = strncmp(p, "password", 8) == 0      ? 8
                     : strncmp(p, "sslpassword", 11) == 0 ? 11
                                                          : 0;
-        if ((p == s || p[-1] == ' ') && kw) {
+        if ((p == s || dsn_blank(p[-1])) && kw) {
             const char *q = p + kw;
-            while (*q == ' ')
+            while (dsn_blank(*q))
                 q++;
             if (*q == '=') {
                 q++;
-                while (*q == ' ')
+                while (dsn_blank(*q))
                     q++;
                 if (*q == '\'') {
                     q++;
@@ -1290,7 +1343,7 @@ char *conf_redact(const char *s, char *buf, size_t buflen)
                     if (*q)
                         q++;
                 } else {
-                    while (*q && *q != ' ')
+                    while (*q && !dsn_blank(*q))
                         q++;
                 }
                 put(buf, buflen, &o, p, kw);

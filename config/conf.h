@@ -206,6 +206,14 @@ char *conf_redact(const char *s, char *buf, size_t buflen);
  */
 bool conf_input_insecure(const struct conf_input *in, char *buf, size_t len);
 
+/*
+ * metrics.listen: true if s is "A.B.C.D:PORT" (a numeric IPv4 address and a
+ * decimal port 1..65535, nothing else), with the address in ip and the port
+ * in *port. The one check of check-config (conf_load) and of `run`'s probe
+ * server: ":PORT", "PORT" and host names are refused, never guessed. Pure.
+ */
+bool conf_listen_parse(const char *s, char ip[16], int *port);
+
 /* Seconds in "N seconds|minutes|hours|days" (singular or plural unit, one
  * space), or -1 if the text is not of that form. Pure. */
 double conf_parse_interval(const char *text);

@@ -102,6 +102,7 @@ int lifecycle_maintain(const struct conf *c, const char *now, FILE *out)
             json_decref(res);
             break;
         }
+        ledger_retention_log_failures(res);
         for (int i = 0; i < 5; i++) {
             total[i] += jint(res, names[i]);
             did = did || jint(res, names[i]);

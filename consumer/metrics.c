@@ -14,6 +14,10 @@
 #include "reconcile.h"
 #include "liveness.h"
 
+#define CONN_TIMEOUT_S 5 /* a connection idle this long is closed */
+#define CONN_MAX 64       /* connections at a time */
+#define CONN_PER_IP 16    /* of them from one address */
+
 struct metrics_server {
     struct MHD_Daemon *d;
     struct worker *ws;
@@ -116,12 +120,12 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
             status = MHD_HTTP_SERVICE_UNAVAILABLE;
         }
     } else if (strcmp(url, "/ready") == 0) {
+        /* terse and unauthenticated: why a worker is not ready (a job key,
+         * a database error) is in the log and in idemq_workers_ready */
         len = (size_t)snprintf(buf, sizeof buf, "ready\n");
         for (int i = 0; i < m->n; i++) {
             if (!atomic_load(&m->ws[i].ready)) {
-                char why[512];
-                worker_status(&m->ws[i], why, sizeof why);
-                len = (size_t)snprintf(buf, sizeof buf, "not ready: worker %d: %s\n", i, why);
+                len = (size_t)snprintf(buf, sizeof buf, "not ready\n");
                 status = MHD_HTTP_SERVICE_UNAVAILABLE;
                 break;
             }
@@ -146,16 +150,15 @@ idemq_err_t metrics_start(const struct conf *c, struct worker *ws, int n, struct
 {
     struct metrics_server *m;
     struct sockaddr_in sa;
-    char host[64];
-    const char *colon = strrchr(c->metrics_listen, ':');
-    long port = colon ? strtol(colon + 1, NULL, 10) : 0;
+    char host[16];
+    int port = 0;
 
     *out = NULL;
     memset(&sa, 0, sizeof sa);
     sa.sin_family = AF_INET;
-    snprintf(host, sizeof host, "%.*s", colon ? (int)(colon - c->metrics_listen) : 0,
-             c->metrics_listen);
-    if (!colon || port < 1 || port > 65535 || inet_pton(AF_INET, host, &sa.sin_addr) != 1) {
+    /* the check of conf_load: a conf that loaded never fails here */
+    if (!conf_listen_parse(c->metrics_listen, host, &port) ||
+        inet_pton(AF_INET, host, &sa.sin_addr) != 1) {
         snprintf(errbuf, errlen, "metrics.listen \"%s\" must be IPv4:port, e.g. 127.0.0.1:9187",
                  c->metrics_listen);
         return IDEMQ_ERR_CONFIG;
@@ -169,8 +172,15 @@ idemq_err_t metrics_start(const struct conf *c, struct worker *ws, int n, struct
     m->n = n;
     m->g = g;
     m->stall_ms = (long long)c->live_stall_s * 1000;
+    /* Idle or slow clients cannot hold the server: each connection is
+     * closed after CONN_TIMEOUT_S without traffic, and one address holds at
+     * most CONN_PER_IP of CONN_MAX, so a probe from another still gets in. */
     m->d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD, 0, NULL, NULL, answer, m,
-                            MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa, MHD_OPTION_END);
+                            MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
+                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)CONN_TIMEOUT_S,
+                            MHD_OPTION_CONNECTION_LIMIT, (unsigned int)CONN_MAX,
+                            MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned int)CONN_PER_IP,
+                            MHD_OPTION_END);
     if (!m->d) {
         snprintf(errbuf, errlen, "cannot listen on %s for metrics", c->metrics_listen);
         free(m);

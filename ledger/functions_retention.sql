@@ -104,14 +104,40 @@ AS $fn$
     SELECT pg_catalog.to_timestamp(floor(extract(epoch FROM p_t) / p_step) * p_step);
 $fn$;
 
+-- True for a filling partition: created unattached for a past slot whose
+-- rows still move out of the default partition (idemq.fill_partition). The
+-- other unattached hot tables are the v3 tables (from -infinity).
+CREATE OR REPLACE FUNCTION idemq.history_filling(p_attached boolean, p_location text,
+                                                 p_lo timestamptz)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, idemq
+AS $fn$
+    SELECT NOT p_attached AND p_location = 'hot' AND p_lo > '-infinity'::timestamptz;
+$fn$;
+
+-- A maintenance step's failure, for the result of idemq.maintain (at most 8
+-- kept; the count is in "failed").
+CREATE OR REPLACE FUNCTION idemq.maintenance_error(p_errors jsonb, p_step text, p_rel text,
+                                                   p_state text, p_message text)
+RETURNS jsonb
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, idemq
+AS $fn$
+    SELECT CASE WHEN jsonb_array_length(p_errors) >= 8 THEN p_errors
+                ELSE p_errors || jsonb_build_array(jsonb_build_object(
+                         'step', p_step, 'rel', p_rel, 'sqlstate', p_state,
+                         'message', left(p_message, 300))) END;
+$fn$;
+
 -- Maintenance step (inside idemq.maintain): creates partition [p_lo, p_hi)
--- of a kind of history. It is created on its own, rows of its range that
--- went to the default partition meanwhile (maintenance fell behind) move
--- into it, then it is attached: ATTACH takes only SHARE UPDATE EXCLUSIVE on
--- the parent, so inserts go on. Returns the rows moved from the default.
+-- of a kind of history ahead of time (no row of its range exists yet) and
+-- attaches it: ATTACH takes only SHARE UPDATE EXCLUSIVE on the parent, so
+-- inserts go on.
+DROP FUNCTION IF EXISTS idemq.create_partition(text, timestamptz, timestamptz);
 CREATE OR REPLACE FUNCTION idemq.create_partition(p_kind text, p_lo timestamptz,
-                                                  p_hi timestamptz)
-RETURNS bigint
+                                                  p_hi timestamptz, p_attach boolean)
+RETURNS text
 LANGUAGE plpgsql
 SET search_path = pg_catalog, idemq
 AS $fn$
@@ -119,7 +145,6 @@ DECLARE
     v_parent text;
     v_col    text;
     v_name   text;
-    v_moved  bigint;
 BEGIN
     SELECT h.parent, h.col INTO v_parent, v_col FROM idemq.history_parent(p_kind) h;
     v_name := v_parent || '_p' || to_char(p_lo AT TIME ZONE 'UTC', 'YYYYMMDD"_"HH24MISS');
@@ -127,31 +152,98 @@ BEGIN
         v_name := v_name || '_' || (SELECT count(*) FROM idemq.history_parts h
                                      WHERE h.relname LIKE v_name || '%');
     END IF;
+    -- with the parent's indexes: a later ATTACH adopts them, builds nothing
     EXECUTE format('CREATE TABLE idemq.%I (LIKE idemq.%I INCLUDING DEFAULTS INCLUDING '
-                   'CONSTRAINTS INCLUDING STORAGE INCLUDING COMPRESSION)', v_name, v_parent);
+                   'CONSTRAINTS INCLUDING STORAGE INCLUDING COMPRESSION INCLUDING INDEXES)',
+                   v_name, v_parent);
     EXECUTE format('ALTER TABLE idemq.%I ADD CONSTRAINT %I CHECK (%I >= %L::timestamptz '
                    'AND %I < %L::timestamptz)', v_name, v_name || '_range', v_col, p_lo,
                    v_col, p_hi);
-    EXECUTE format('WITH m AS (DELETE FROM idemq.%I d WHERE d.%I >= $1 AND d.%I < $2 '
-                   'RETURNING d.*) INSERT INTO idemq.%I SELECT * FROM m',
-                   v_parent || '_default', v_col, v_col, v_name) USING p_lo, p_hi;
-    GET DIAGNOSTICS v_moved = ROW_COUNT;
-    EXECUTE format('ALTER TABLE idemq.%I ATTACH PARTITION idemq.%I FOR VALUES FROM (%L) TO (%L)',
-                   v_parent, v_name, p_lo, p_hi);
+    IF p_attach THEN
+        EXECUTE format('ALTER TABLE idemq.%I ATTACH PARTITION idemq.%I FOR VALUES FROM (%L) '
+                       'TO (%L)', v_parent, v_name, p_lo, p_hi);
+    END IF;
     INSERT INTO idemq.history_parts (relname, kind, lo, hi, attached, location)
-    VALUES (v_name, p_kind, p_lo, p_hi, true, 'hot');
+    VALUES (v_name, p_kind, p_lo, p_hi, p_attach, 'hot');
+    RETURN v_name;
+END
+$fn$;
+
+-- Maintenance step: moves at most p_rows rows of [lo, hi) of a filling
+-- table p_rel (created unattached for a past slot whose rows wait in the
+-- default partition) from the default partition into it, one bounded
+-- DELETE ... INSERT by ctid; when none is left it can be attached (no writer
+-- inserts into a slot that ended minutes ago; if one did, the ATTACH
+-- (idemq.attach_filling, its own step) fails with 23514 and the next call
+-- moves that row too). Returns the rows moved.
+DROP FUNCTION IF EXISTS idemq.fill_partition(text, integer); -- its return type changed
+CREATE OR REPLACE FUNCTION idemq.fill_partition(p_rel text, p_rows integer)
+RETURNS bigint
+LANGUAGE plpgsql
+SET search_path = pg_catalog, idemq
+AS $fn$
+DECLARE
+    h        idemq.history_parts;
+    v_parent text;
+    v_col    text;
+    v_moved  bigint := 0;
+BEGIN
+    SELECT * INTO STRICT h FROM idemq.history_parts x WHERE x.relname = p_rel;
+    SELECT x.parent, x.col INTO v_parent, v_col FROM idemq.history_parent(h.kind) x;
+    IF p_rows > 0 THEN
+        EXECUTE format('WITH m AS (DELETE FROM idemq.%I d WHERE d.ctid = ANY (ARRAY('
+                       'SELECT x.ctid FROM idemq.%I x WHERE x.%I >= $1 AND x.%I < $2 '
+                       'LIMIT $3)) RETURNING d.*) INSERT INTO idemq.%I SELECT * FROM m',
+                       v_parent || '_default', v_parent || '_default', v_col, v_col, p_rel)
+          USING h.lo, h.hi, p_rows;
+        GET DIAGNOSTICS v_moved = ROW_COUNT;
+    END IF;
     RETURN v_moved;
 END
 $fn$;
 
--- Maintenance step: partitions of one kind of history from the last one up
--- to p_now + max(4 intervals, 1 minute), plus partitions for rows that
--- wait in the default partition (before the first partition, or in a gap
--- left while maintenance did not run). Stops at p_deadline. Returns
--- {"created": n, "rescued": rows moved, "waits": lock waits, "more": bool}.
+-- Maintenance step: attaches filling partition p_rel once no row of its
+-- range is left in the default partition.
+CREATE OR REPLACE FUNCTION idemq.attach_filling(p_rel text)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, idemq
+AS $fn$
+DECLARE
+    h        idemq.history_parts;
+    v_parent text;
+BEGIN
+    SELECT * INTO STRICT h FROM idemq.history_parts x WHERE x.relname = p_rel;
+    SELECT x.parent INTO v_parent FROM idemq.history_parent(h.kind) x;
+    EXECUTE format('ALTER TABLE idemq.%I ATTACH PARTITION idemq.%I FOR VALUES FROM (%L) TO (%L)',
+                   v_parent, p_rel, h.lo, h.hi);
+    UPDATE idemq.history_parts x SET attached = true WHERE x.relname = p_rel;
+END
+$fn$;
+
+-- Maintenance step: the partitions of one kind of history.
+-- * Rows in the default partition (before the first partition, or in a gap
+--   left while maintenance did not run) get a partition for their slot
+--   only once the slot ended more than 5 minutes before p_now: never one
+--   still receiving inserts (an ATTACH over a slot being written makes
+--   those inserts fail). The partition is created unattached ("filling"),
+--   the rows move into it in bounded batches (at most p_rows this call,
+--   continued by the next calls), and it is attached once they are all in.
+--   Meanwhile idemq.key_attempts and the other readers of one key read it.
+-- * Ahead: contiguously from the last partition, but never from before the
+--   slot after the one covering p_now + 30 s, up to p_now + max(4
+--   intervals, 1 minute). The slot covering now stays in the default
+--   partition when there is no partition for it; its rows move once it is
+--   past, as above. Only a new ledger (no partition of the kind yet, an
+--   empty default partition) gets one from the slot covering now.
+-- Stops at p_deadline. A step that fails (a lock wait, a 23514, a statement
+-- timeout, any error) is undone alone, reported, and the others go on.
+-- Returns {"created", "rescued": rows moved, "waits", "more": bool,
+-- "errors": [...], "failed"}.
+DROP FUNCTION IF EXISTS idemq.ensure_partitions(text, interval, timestamptz, timestamptz);
 CREATE OR REPLACE FUNCTION idemq.ensure_partitions(p_kind text, p_interval interval,
                                                    p_now timestamptz,
-                                                   p_deadline timestamptz)
+                                                   p_deadline timestamptz, p_rows integer)
 RETURNS jsonb
 LANGUAGE plpgsql
 SET search_path = pg_catalog, idemq
@@ -160,66 +252,176 @@ DECLARE
     v_parent  text;
     v_col     text;
     v_step    double precision := extract(epoch FROM p_interval);
+    v_past    timestamptz := p_now - interval '5 minutes';
     v_target  timestamptz;
     v_next    timestamptz;
+    v_first   timestamptz;
     v_slot    timestamptz;
     v_lo      timestamptz;
     v_hi      timestamptz;
+    v_rel     text;
+    v_n       bigint;
+    v_rows    integer := greatest(p_rows, 0);
     v_created integer := 0;
     v_rescued bigint := 0;
     v_waits   integer := 0;
+    v_failed  integer := 0;
+    v_errors  jsonb := '[]';
     v_more    boolean := false;
+    v_any     boolean;
+    v_filling boolean;
 BEGIN
     SELECT h.parent, h.col INTO v_parent, v_col FROM idemq.history_parent(p_kind) h;
     v_target := p_now + make_interval(secs => greatest(4 * v_step, 60));
-    -- Rows in the default partition first: each gets a partition for its
-    -- slot (cut to the free part between existing partitions).
+    -- 1. Past slots with rows in the default partition: new filling
+    --    partitions (cut to the free part between existing ones). Looked
+    --    for (a scan of the default partition) only when none is filling.
+    SELECT EXISTS (SELECT 1 FROM idemq.history_parts h WHERE h.kind = p_kind
+                     AND idemq.history_filling(h.attached, h.location, h.lo))
+      INTO v_filling;
     FOR v_slot IN EXECUTE format('SELECT DISTINCT idemq.align_time(d.%I, $1) FROM idemq.%I d '
-                                 'ORDER BY 1', v_col, v_parent || '_default') USING v_step LOOP
+                                 'WHERE d.%I < $2 AND NOT $3 ORDER BY 1', v_col,
+                                 v_parent || '_default', v_col)
+                    USING v_step, v_past, v_filling LOOP
+        EXIT WHEN v_slot + p_interval > v_past;
+        SELECT coalesce(max(h.hi) FILTER (WHERE h.hi <= v_slot + p_interval), v_slot),
+               coalesce(min(h.lo) FILTER (WHERE h.lo >= v_slot), v_slot + p_interval)
+          INTO v_lo, v_hi
+          FROM idemq.history_parts h
+         WHERE h.kind = p_kind
+           AND (h.attached OR idemq.history_filling(h.attached, h.location, h.lo));
+        v_lo := greatest(v_lo, v_slot);
+        v_hi := least(v_hi, v_slot + p_interval);
+        CONTINUE WHEN v_lo >= v_hi OR EXISTS (SELECT 1 FROM idemq.history_parts h
+            WHERE h.kind = p_kind
+              AND (h.attached OR idemq.history_filling(h.attached, h.location, h.lo))
+              AND h.lo < v_hi AND h.hi > v_lo);
         IF clock_timestamp() >= p_deadline THEN
             v_more := true;
             EXIT;
         END IF;
-        SELECT coalesce(max(h.hi) FILTER (WHERE h.hi <= v_slot + p_interval), v_slot),
-               coalesce(min(h.lo) FILTER (WHERE h.lo >= v_slot), v_slot + p_interval)
-          INTO v_lo, v_hi
-          FROM idemq.history_parts h WHERE h.kind = p_kind AND h.attached;
-        v_lo := greatest(v_lo, v_slot);
-        v_hi := least(v_hi, v_slot + p_interval);
-        CONTINUE WHEN v_lo >= v_hi OR EXISTS (SELECT 1 FROM idemq.history_parts h
-            WHERE h.kind = p_kind AND h.attached AND h.lo < v_hi AND h.hi > v_lo);
         BEGIN
-            v_rescued := v_rescued + idemq.create_partition(p_kind, v_lo, v_hi);
-            v_created := v_created + 1;
-        EXCEPTION WHEN lock_not_available THEN
-            v_waits := v_waits + 1;
-            v_more := true;
+            PERFORM idemq.create_partition(p_kind, v_lo, v_hi, false);
+        EXCEPTION
+            WHEN lock_not_available THEN
+                v_waits := v_waits + 1;
+                v_more := true;
+            WHEN query_canceled THEN
+                IF SQLERRM NOT LIKE '%statement timeout%' THEN
+                    RAISE;
+                END IF;
+                v_failed := v_failed + 1;
+                v_errors := idemq.maintenance_error(v_errors, 'partition', p_kind, SQLSTATE,
+                                                    SQLERRM);
+            WHEN OTHERS THEN
+                v_failed := v_failed + 1;
+                v_errors := idemq.maintenance_error(v_errors, 'partition', p_kind, SQLSTATE,
+                                                    SQLERRM);
         END;
     END LOOP;
-    -- Then ahead, contiguously from the last partition (or from now; after
-    -- a long pause, from now: rows of the gap are in the default partition
-    -- and get their partitions above on a later call).
-    SELECT max(h.hi) INTO v_next FROM idemq.history_parts h WHERE h.kind = p_kind AND h.attached;
-    IF v_next IS NULL OR v_next < idemq.align_time(p_now, v_step) - 100 * p_interval THEN
-        v_next := idemq.align_time(p_now, v_step);
+    -- 2. Filling partitions: the next batch of rows, then the ATTACH.
+    FOR v_rel IN SELECT h.relname FROM idemq.history_parts h
+                  WHERE h.kind = p_kind AND idemq.history_filling(h.attached, h.location, h.lo)
+                  ORDER BY h.lo LOOP
+        IF clock_timestamp() >= p_deadline OR v_rows <= 0 THEN
+            v_more := true;
+            EXIT;
+        END IF;
+        BEGIN
+            v_n := idemq.fill_partition(v_rel, v_rows);
+            v_rescued := v_rescued + v_n;
+            v_rows := v_rows - v_n::integer;
+        EXCEPTION
+            WHEN lock_not_available THEN
+                v_waits := v_waits + 1;
+                v_more := true;
+                CONTINUE;
+            WHEN query_canceled THEN
+                IF SQLERRM NOT LIKE '%statement timeout%' THEN
+                    RAISE;
+                END IF;
+                v_failed := v_failed + 1;
+                v_more := true;
+                v_errors := idemq.maintenance_error(v_errors, 'move', v_rel, SQLSTATE, SQLERRM);
+                CONTINUE;
+            WHEN OTHERS THEN
+                v_failed := v_failed + 1;
+                v_more := true;
+                v_errors := idemq.maintenance_error(v_errors, 'move', v_rel, SQLSTATE, SQLERRM);
+                CONTINUE;
+        END;
+        IF v_rows <= 0 THEN -- the bound reached: maybe more rows of it wait
+            v_more := true;
+            CONTINUE;
+        END IF;
+        BEGIN
+            PERFORM idemq.attach_filling(v_rel);
+            v_created := v_created + 1;
+        EXCEPTION
+            WHEN lock_not_available THEN
+                v_waits := v_waits + 1;
+                v_more := true;
+            WHEN query_canceled THEN
+                IF SQLERRM NOT LIKE '%statement timeout%' THEN
+                    RAISE;
+                END IF;
+                v_failed := v_failed + 1;
+                v_more := true;
+                v_errors := idemq.maintenance_error(v_errors, 'attach', v_rel, SQLSTATE,
+                                                    SQLERRM);
+            WHEN OTHERS THEN
+                v_failed := v_failed + 1;
+                v_more := true;
+                v_errors := idemq.maintenance_error(v_errors, 'attach', v_rel, SQLSTATE,
+                                                    SQLERRM);
+        END;
+    END LOOP;
+    -- 3. Ahead, contiguously from the last partition, never over a slot
+    --    that may receive inserts while the ATTACH runs.
+    SELECT max(h.hi) INTO v_next FROM idemq.history_parts h
+     WHERE h.kind = p_kind
+       AND (h.attached OR idemq.history_filling(h.attached, h.location, h.lo));
+    IF v_next IS NULL THEN
+        EXECUTE format('SELECT EXISTS (SELECT 1 FROM idemq.%I)', v_parent || '_default')
+           INTO v_any;
     END IF;
+    IF v_next IS NULL AND NOT v_any THEN
+        -- a new ledger (`idemq migrate`, before any worker wrote history):
+        -- from the slot covering now
+        v_first := idemq.align_time(p_now, v_step);
+    ELSE
+        v_first := idemq.align_time(p_now + interval '30 seconds', v_step) + p_interval;
+    END IF;
+    v_next := greatest(coalesce(v_next, v_first), v_first);
     WHILE v_next < v_target LOOP
         IF clock_timestamp() >= p_deadline THEN
             v_more := true;
             EXIT;
         END IF;
         BEGIN
-            v_rescued := v_rescued + idemq.create_partition(p_kind, v_next, v_next + p_interval);
+            PERFORM idemq.create_partition(p_kind, v_next, v_next + p_interval, true);
             v_created := v_created + 1;
-        EXCEPTION WHEN lock_not_available THEN
-            v_waits := v_waits + 1;
-            v_more := true;
-            EXIT;
+        EXCEPTION
+            WHEN lock_not_available THEN
+                v_waits := v_waits + 1;
+                v_more := true;
+                EXIT;
+            WHEN query_canceled THEN
+                IF SQLERRM NOT LIKE '%statement timeout%' THEN
+                    RAISE;
+                END IF;
+                v_failed := v_failed + 1;
+                v_errors := idemq.maintenance_error(v_errors, 'ahead', p_kind, SQLSTATE, SQLERRM);
+                EXIT;
+            WHEN OTHERS THEN
+                v_failed := v_failed + 1;
+                v_errors := idemq.maintenance_error(v_errors, 'ahead', p_kind, SQLSTATE, SQLERRM);
+                EXIT;
         END;
         v_next := v_next + p_interval;
     END LOOP;
     RETURN jsonb_build_object('created', v_created, 'rescued', v_rescued, 'waits', v_waits,
-                              'more', v_more);
+                              'more', v_more, 'failed', v_failed, 'errors', v_errors);
 END
 $fn$;
 
@@ -290,9 +492,14 @@ $fn$;
 -- last, at most one DETACH (archive, or a drop of a partition still
 -- attached), which holds ACCESS EXCLUSIVE on its parent until this call
 -- commits: as the last statement, that is a few milliseconds. A step that
--- waits longer than lock_timeout for a lock is left for the next call.
--- Returns what it did: {"busy", "created", "rescued", "pruned", "dropped",
--- "archived", "waits", "more" (work is left: call again soon)}.
+-- waits longer than lock_timeout for a lock is left for the next call. Rows
+-- that wait in a default partition move at most 10,000 per call (the rest
+-- in the next calls). A step that fails otherwise (23514, a statement
+-- timeout, any error) is undone alone and reported; the other steps run.
+-- Returns what it did: {"busy", "created", "rescued" (rows moved out of
+-- default partitions), "pruned", "dropped", "archived", "waits", "more"
+-- (work is left: call again soon), "failed" (steps), "errors" (the first 8:
+-- step, rel, sqlstate, message)}.
 CREATE OR REPLACE FUNCTION idemq.maintain(p_who text, p_budget_ms integer DEFAULT 200)
 RETURNS jsonb
 LANGUAGE plpgsql SECURITY DEFINER
@@ -317,6 +524,10 @@ DECLARE
     v_more     boolean := false;
     v_run      bigint;
     v_out      jsonb;
+    v_rows     integer := 10000; -- rows moved out of default partitions per call, at most
+    v_failed   integer := 0;
+    v_errors   jsonb := '[]';
+    v_e        jsonb;
 BEGIN
     IF NOT pg_catalog.pg_try_advisory_xact_lock(7164372136) THEN
         RETURN jsonb_build_object('busy', true, 'more', false);
@@ -327,16 +538,23 @@ BEGIN
 
     -- 1. Partitions ahead (and for rows waiting in a default partition).
     FOREACH k IN ARRAY ARRAY['batches', 'attempts', 'redrives', 'parks'] LOOP
-        v_res := idemq.ensure_partitions(k, s.partition_interval, v_now, v_deadline);
+        v_res := idemq.ensure_partitions(k, s.partition_interval, v_now, v_deadline,
+                                         (v_rows - v_rescued)::integer);
         v_created := v_created + (v_res->>'created')::integer;
         v_rescued := v_rescued + (v_res->>'rescued')::bigint;
         v_waits := v_waits + (v_res->>'waits')::integer;
         v_more := v_more OR (v_res->>'more')::boolean;
+        v_failed := v_failed + (v_res->>'failed')::integer;
+        FOR v_e IN SELECT e FROM jsonb_array_elements(v_res->'errors') AS e LOOP
+            v_errors := idemq.maintenance_error(v_errors, v_e->>'step', v_e->>'rel',
+                                                v_e->>'sqlstate', v_e->>'message');
+        END LOOP;
     END LOOP;
 
     -- 2. The dedup set past the window, read from the history that settled it.
     FOR p IN SELECT h.* FROM idemq.history_parts h
               WHERE h.kind IN ('attempts', 'batches') AND h.location <> 'dropped'
+                AND NOT idemq.history_filling(h.attached, h.location, h.lo)
                 AND h.pruned_at IS NULL AND h.hi <= v_now - s.dedup_window
               ORDER BY h.lo LOOP
         IF clock_timestamp() >= v_deadline THEN
@@ -346,10 +564,24 @@ BEGIN
         BEGIN
             v_res := idemq.prune_part(p.relname, p.kind, idemq.history_schema(p.location),
                                       p.prune_block, v_now - s.dedup_window, v_deadline);
-        EXCEPTION WHEN lock_not_available THEN
-            v_waits := v_waits + 1;
-            v_more := true;
-            EXIT;
+        EXCEPTION
+            WHEN lock_not_available THEN
+                v_waits := v_waits + 1;
+                v_more := true;
+                EXIT;
+            WHEN query_canceled THEN
+                IF SQLERRM NOT LIKE '%statement timeout%' THEN
+                    RAISE;
+                END IF;
+                v_failed := v_failed + 1;
+                v_errors := idemq.maintenance_error(v_errors, 'prune', p.relname, SQLSTATE,
+                                                    SQLERRM);
+                CONTINUE;
+            WHEN OTHERS THEN
+                v_failed := v_failed + 1;
+                v_errors := idemq.maintenance_error(v_errors, 'prune', p.relname, SQLSTATE,
+                                                    SQLERRM);
+                CONTINUE;
         END;
         v_pruned := v_pruned + (v_res->>'pruned')::bigint;
         UPDATE idemq.history_parts h
@@ -362,6 +594,7 @@ BEGIN
     -- 3. Past the retention: drop (detached tables only here).
     FOR p IN SELECT h.* FROM idemq.history_parts h
               WHERE h.location <> 'dropped' AND NOT h.attached
+                AND NOT idemq.history_filling(h.attached, h.location, h.lo)
                 AND h.hi <= v_now - s.history_retention
                 AND (h.pruned_at IS NOT NULL OR h.kind IN ('redrives', 'parks'))
               ORDER BY h.lo LOOP
@@ -374,16 +607,29 @@ BEGIN
             UPDATE idemq.history_parts h SET location = 'dropped', dropped_at = v_now
              WHERE h.relname = p.relname;
             v_dropped := v_dropped + 1;
-        EXCEPTION WHEN lock_not_available THEN
-            v_waits := v_waits + 1;
-            v_more := true;
+        EXCEPTION
+            WHEN lock_not_available THEN
+                v_waits := v_waits + 1;
+                v_more := true;
+            WHEN query_canceled THEN
+                IF SQLERRM NOT LIKE '%statement timeout%' THEN
+                    RAISE;
+                END IF;
+                v_failed := v_failed + 1;
+                v_errors := idemq.maintenance_error(v_errors, 'drop', p.relname, SQLSTATE,
+                                                    SQLERRM);
+            WHEN OTHERS THEN
+                v_failed := v_failed + 1;
+                v_errors := idemq.maintenance_error(v_errors, 'drop', p.relname, SQLSTATE,
+                                                    SQLERRM);
         END;
     END LOOP;
 
     -- 4. Past the hot window (or the retention, still attached): one DETACH
     --    into the archive schema, last.
     FOR p IN SELECT h.* FROM idemq.history_parts h
-              WHERE h.location = 'hot' AND h.hi <= v_now - s.history_hot
+              WHERE h.location = 'hot' AND NOT idemq.history_filling(h.attached, h.location, h.lo)
+                AND h.hi <= v_now - s.history_hot
               ORDER BY h.lo LIMIT 1 LOOP
         BEGIN
             IF p.attached THEN
@@ -402,17 +648,31 @@ BEGIN
              WHERE h.relname = p.relname;
             v_archived := 1;
             v_more := v_more OR EXISTS (SELECT 1 FROM idemq.history_parts h
-                WHERE h.location = 'hot' AND h.hi <= v_now - s.history_hot);
-        EXCEPTION WHEN lock_not_available THEN
-            v_waits := v_waits + 1;
-            v_more := true;
+                WHERE h.location = 'hot' AND NOT idemq.history_filling(h.attached, h.location, h.lo)
+                  AND h.hi <= v_now - s.history_hot);
+        EXCEPTION
+            WHEN lock_not_available THEN
+                v_waits := v_waits + 1;
+                v_more := true;
+            WHEN query_canceled THEN
+                IF SQLERRM NOT LIKE '%statement timeout%' THEN
+                    RAISE;
+                END IF;
+                v_failed := v_failed + 1;
+                v_errors := idemq.maintenance_error(v_errors, 'archive', p.relname, SQLSTATE,
+                                                    SQLERRM);
+            WHEN OTHERS THEN
+                v_failed := v_failed + 1;
+                v_errors := idemq.maintenance_error(v_errors, 'archive', p.relname, SQLSTATE,
+                                                    SQLERRM);
         END;
     END LOOP;
 
     v_out := jsonb_build_object('busy', false, 'created', v_created, 'rescued', v_rescued,
                                 'pruned', v_pruned, 'dropped', v_dropped,
-                                'archived', v_archived, 'waits', v_waits, 'more', v_more);
-    IF v_created + v_rescued + v_pruned + v_dropped + v_archived > 0 THEN
+                                'archived', v_archived, 'waits', v_waits, 'more', v_more,
+                                'failed', v_failed, 'errors', v_errors);
+    IF v_created + v_rescued + v_pruned + v_dropped + v_archived + v_failed > 0 THEN
         v_run := nextval('idemq.maintenance_runs_seq');
         INSERT INTO idemq.maintenance_runs AS m (slot, run_id, started_at, finished_at, who,
                                                  actions)
@@ -729,8 +989,12 @@ END
 $fn$;
 
 -- Only idemq.maintain (as the owner) runs the DDL steps.
-REVOKE EXECUTE ON FUNCTION idemq.create_partition(text, timestamptz, timestamptz) FROM PUBLIC;
-REVOKE EXECUTE ON FUNCTION idemq.ensure_partitions(text, interval, timestamptz, timestamptz)
+REVOKE EXECUTE ON FUNCTION idemq.create_partition(text, timestamptz, timestamptz, boolean)
+    FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION idemq.fill_partition(text, integer) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION idemq.attach_filling(text) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION idemq.ensure_partitions(text, interval, timestamptz, timestamptz,
+                                                   integer)
     FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION idemq.prune_part(text, text, text, bigint, timestamptz, timestamptz)
     FROM PUBLIC;

@@ -47,6 +47,9 @@ static int each_statement(const struct conf *c, const char *role,
         "GRANT USAGE ON SCHEMA idemq",
         "GRANT SELECT ON ALL TABLES IN SCHEMA idemq",
         "GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA idemq",
+        /* archived history (`archive export`, `jobs show`): read only */
+        "GRANT USAGE ON SCHEMA idemq_archive",
+        "GRANT SELECT ON ALL TABLES IN SCHEMA idemq_archive",
         /* tables and functions later migrations create (by this role) */
         "ALTER DEFAULT PRIVILEGES IN SCHEMA idemq GRANT SELECT ON TABLES",
         "ALTER DEFAULT PRIVILEGES IN SCHEMA idemq GRANT EXECUTE ON FUNCTIONS",

@@ -79,6 +79,22 @@ idemq_err_t ledger_retention_maintain(PGconn *db, const char *who, int budget_ms
     return IDEMQ_OK;
 }
 
+long ledger_retention_log_failures(json_t *result)
+{
+    json_t *errs = json_object_get(result, "errors"), *e;
+    size_t i;
+
+    json_array_foreach(errs, i, e) {
+        log_warn("maintenance: step %s of %s failed (the other steps ran; trying again in the "
+                 "next call): %s %s",
+                 json_string_value(json_object_get(e, "step")),
+                 json_string_value(json_object_get(e, "rel")),
+                 json_string_value(json_object_get(e, "sqlstate")),
+                 json_string_value(json_object_get(e, "message")));
+    }
+    return (long)json_integer_value(json_object_get(result, "failed"));
+}
+
 struct ledger_retention *ledger_retention_new(const struct conf *c, const char *who)
 {
     struct ledger_retention *lr = calloc(1, sizeof *lr);
@@ -119,6 +135,7 @@ static void collect(struct ledger_retention *lr, long long now_ms)
     PGresult *r, *first = NULL;
     json_t *v = NULL;
     bool more = false;
+    long failed = 0;
 
     while ((r = PQgetResult(lr->db))) {
         if (!first)
@@ -152,6 +169,7 @@ static void collect(struct ledger_retention *lr, long long now_ms)
         long long archived = json_integer_value(json_object_get(v, "archived"));
         long long dropped = json_integer_value(json_object_get(v, "dropped"));
         long long rescued = json_integer_value(json_object_get(v, "rescued"));
+        failed = ledger_retention_log_failures(v);
         if (created || archived || dropped || rescued)
             log_info("maintenance: %lld partitions created, %lld archived, %lld dropped, "
                      "%lld rows moved out of default partitions, %lld keys pruned%s",
@@ -160,7 +178,8 @@ static void collect(struct ledger_retention *lr, long long now_ms)
             log_debug("maintenance: %lld keys pruned%s", pruned, more ? " (more to do)" : "");
     }
     json_decref(v);
-    lr->next_ms = now_ms + (more ? AGAIN_MS : lr->idle_ms);
+    /* a step that failed is tried again after FAIL_MS, as a failed call */
+    lr->next_ms = now_ms + (failed ? FAIL_MS : more ? AGAIN_MS : lr->idle_ms);
 }
 
 void ledger_retention_tick(struct ledger_retention *lr, long long now_ms)

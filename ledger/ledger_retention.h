@@ -41,6 +41,10 @@ idemq_err_t ledger_retention_maintain(PGconn *db, const char *who, int budget_ms
                                       const char *now, json_t **result,
                                       struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
+/* Logs (warn) each failed step of a maintenance answer ("errors": step,
+ * relation, SQLSTATE, message); returns how many steps failed. */
+long ledger_retention_log_failures(json_t *result);
+
 /* The periodic caller of one process, with its own database session
  * (opened on the first tick). who names the caller in the ledger's
  * maintenance_runs. Returns NULL when out of memory. */

@@ -26,7 +26,10 @@ BEGIN
                'provider_begin', 'provider_result', 'provider_effect_failed',
                'provider_sweep', 'provider_gauges', 'provider_latency',
                -- transaction 2b: the local effect after a committed reference
-               'provider_confirmed'])
+               'provider_confirmed',
+               -- the rescuer of run (issue 12) and the operator commands that
+               -- write: `resolve` of a provider key, `archive export`
+               'rescue_take', 'rescue_record', 'provider_resolve', 'archive_exported'])
     LOOP
         EXECUTE format('ALTER FUNCTION %s SECURITY DEFINER '
                        'SET search_path = pg_catalog, idemq, pg_temp', f);

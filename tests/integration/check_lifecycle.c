@@ -12,6 +12,8 @@
 #include <check.h>
 
 #include "check_run.h"
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -465,6 +467,280 @@ START_TEST(test_least_privilege_maintenance)
 }
 END_TEST
 
+static long long mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* The concurrent writer of D2's tests: inserts attempt rows stamped now
+ * (the slot maintenance must not attach), one transaction each, until told
+ * to stop. */
+struct inserter {
+    const char *dsn;
+    atomic_int stop;
+    long rows;
+    char error[256];
+};
+
+static void *insert_loop(void *arg)
+{
+    struct inserter *in = arg;
+    char err[512];
+    PGconn *c = ledger_db_connect(in->dsn, "itest inserter", 0, err, sizeof err);
+    if (!c) {
+        snprintf(in->error, sizeof in->error, "%s", err);
+        return NULL;
+    }
+    while (!atomic_load(&in->stop)) {
+        PGresult *r = PQexec(c, "INSERT INTO idemq.attempts (key, attempt, outcome, started_at, "
+                                "finished_at, consumer_id) VALUES ('d2:now', 1, 'duplicate', "
+                                "clock_timestamp(), clock_timestamp(), 'inserter')");
+        if (PQresultStatus(r) != PGRES_COMMAND_OK) {
+            snprintf(in->error, sizeof in->error, "%s", PQerrorMessage(c));
+            PQclear(r);
+            break;
+        }
+        PQclear(r);
+        in->rows++;
+    }
+    PQfinish(c);
+    return NULL;
+}
+
+/* Maintenance "fell behind": every partition of attempts and batches is
+ * gone (as after a pause longer than the partitions made ahead), so the
+ * current slot's rows go to the default partitions. */
+static void lose_partitions(PGconn *c)
+{
+    char v[512];
+    run_ok(c,
+           "DO $$ DECLARE p record; BEGIN FOR p IN SELECT h.relname, h.kind FROM "
+           "idemq.history_parts h WHERE h.kind IN ('attempts', 'batches') AND h.attached LOOP "
+           "EXECUTE format('ALTER TABLE idemq.%I DETACH PARTITION idemq.%I', "
+           "(SELECT x.parent FROM idemq.history_parent(p.kind) x), p.relname); "
+           "EXECUTE format('DROP TABLE idemq.%I', p.relname); "
+           "DELETE FROM idemq.history_parts h WHERE h.relname = p.relname; END LOOP; END $$",
+           v, sizeof v);
+}
+
+/* 6. Maintenance resumes after falling behind while a writer inserts into
+ * the current slot (D2): no call fails (the slot still receiving inserts is
+ * not attached), each call moves at most its batch bound of the backlog,
+ * repeated calls catch up, partitions exist from the next slot boundary on,
+ * and no row is lost. */
+START_TEST(test_maintenance_catches_up_under_inserts)
+{
+    struct itest t;
+    struct inserter in = {0};
+    pthread_t th;
+    PGconn *c;
+    char v[4096], state[6];
+    long before, after, calls = 0, moved = 0, left = -1;
+    long long t0;
+
+    lc_setup(&t, "behind",
+             "dedup_window_days = 0.01; partition_interval = \"10 seconds\"; "
+             "history_hot_days = 0.005; history_retention_days = 0.02;");
+    c = own_connect(NULL);
+    lose_partitions(c);
+    /* the backlog: 25,000 rows of 4 minutes that ended 6 minutes ago (past
+     * slots: they ended more than 5 minutes ago) */
+    run_ok(c, "INSERT INTO idemq.attempts (key, attempt, outcome, started_at, finished_at, "
+              "consumer_id) SELECT 'd2:old:' || i, 1, 'duplicate', clock_timestamp() - "
+              "interval '10 minutes' + (i % 240) * interval '1 second', clock_timestamp(), 'old' "
+              "FROM generate_series(1, 25000) i",
+           v, sizeof v);
+    in.dsn = getenv("IDEMQ_PG_DSN");
+    ck_assert_int_eq(pthread_create(&th, NULL, insert_loop, &in), 0);
+    for (int i = 0; i < 1000 && in.rows < 50 && !in.error[0]; i++)
+        usleep(10000);
+    ck_assert_msg(in.rows >= 50, "the inserter does not insert: %s", in.error);
+    t0 = mono_ms();
+    do {
+        json_t *res;
+        run(c, "SELECT idemq.maintain('d2 test', 200)", v, sizeof v, state);
+        ck_assert_msg(!state[0], "call %ld failed: %s %s", calls + 1, state, PQerrorMessage(c));
+        calls++;
+        ck_assert_ptr_nonnull(res = json_loads(v, 0, NULL));
+        ck_assert_msg(json_integer_value(json_object_get(res, "rescued")) <= 10000,
+                      "one call moved more than its bound: %s", v);
+        moved += json_integer_value(json_object_get(res, "rescued"));
+        json_decref(res);
+        left = itest_long(&t, "SELECT count(*) FROM idemq.attempts_default WHERE key LIKE "
+                              "'d2:old:%'",
+                          NULL);
+    } while (left > 0 && mono_ms() - t0 < itest_ms(30000));
+    atomic_store(&in.stop, 1);
+    pthread_join(th, NULL);
+    ck_assert_msg(!in.error[0], "the inserter failed: %s", in.error);
+    ck_assert_msg(left == 0, "%ld backlog rows still in the default partition after %ld calls",
+                  left, calls);
+    ck_assert_msg(calls >= 3 && moved >= 25000, "%ld calls moved %ld rows", calls, moved);
+    /* partitions from the next slot boundary on; none covers the slot the
+     * writer was inserting into when the calls began */
+    ck_assert_int_ge(itest_long(&t, "SELECT count(*) FROM idemq.history_parts WHERE kind = "
+                                    "'attempts' AND attached AND lo > clock_timestamp()",
+                                NULL),
+                     1);
+    /* no row lost: the backlog and the writer's rows, all readable */
+    before = 25000 + in.rows;
+    after = itest_long(&t, "SELECT count(*) FROM idemq.attempts WHERE key LIKE 'd2:%'", NULL);
+    ck_assert_int_eq(after, before);
+    PQfinish(c);
+    lc_teardown(&t);
+}
+END_TEST
+
+/* 7. One failing step does not stop the others (D2): a row that arrives in
+ * a past slot while its rows move (forced here by a trigger on the default
+ * partition) makes that slot's ATTACH fail with 23514; the call still
+ * archives, reports the failure, and the next call moves the late row and
+ * attaches the slot. The log says which step failed. */
+START_TEST(test_maintenance_step_failure_reported)
+{
+    struct itest t;
+    PGconn *c;
+    char v[4096], when[64], sql[512], out[16384];
+    json_t *res, *e;
+
+    lc_setup(&t, "stepfail",
+             "dedup_window_days = 0.01; partition_interval = \"10 seconds\"; "
+             "history_hot_days = 0.005; history_retention_days = 0.02;");
+    c = own_connect(NULL);
+    run_ok(c, "CREATE FUNCTION idemq_test.late_row() RETURNS trigger LANGUAGE plpgsql AS $$ "
+              "BEGIN IF OLD.key LIKE 'd2:past%' THEN INSERT INTO idemq.attempts (key, attempt, "
+              "outcome, started_at, finished_at, consumer_id) VALUES ('d2:late', 1, 'duplicate', "
+              "OLD.started_at, OLD.finished_at, 'late'); END IF; RETURN NULL; END $$; "
+              "CREATE TRIGGER late_row AFTER DELETE ON idemq.attempts_default FOR EACH ROW "
+              "EXECUTE FUNCTION idemq_test.late_row()",
+           v, sizeof v);
+    /* rows of a slot 10 minutes back, which has no partition */
+    run_ok(c, "INSERT INTO idemq.attempts (key, attempt, outcome, started_at, finished_at, "
+              "consumer_id) SELECT 'd2:past:' || i, 1, 'duplicate', clock_timestamp() - "
+              "interval '10 minutes', clock_timestamp(), 'past' FROM generate_series(1, 100) i",
+           v, sizeof v);
+    /* 8 minutes on: past the hot window too, so there is archiving to do */
+    itest_text(&t, "SELECT (now() + interval '8 minutes')::text", NULL, when, sizeof when);
+    snprintf(sql, sizeof sql,
+             "SELECT idemq.maintain('d2 test', 2000) FROM (SELECT set_config("
+             "'idemq.maintenance_now', '%s', false)) s",
+             when);
+    run_ok(c, sql, v, sizeof v);
+    ck_assert_ptr_nonnull(res = json_loads(v, 0, NULL));
+    ck_assert_msg(json_integer_value(json_object_get(res, "failed")) == 1, "%s", v);
+    e = json_array_get(json_object_get(res, "errors"), 0);
+    ck_assert_msg(e && strcmp(json_string_value(json_object_get(e, "sqlstate")), "23514") == 0 &&
+                      strcmp(json_string_value(json_object_get(e, "step")), "attach") == 0,
+                  "%s", v);
+    ck_assert_msg(json_integer_value(json_object_get(res, "archived")) == 1, "%s", v);
+    ck_assert_msg(json_integer_value(json_object_get(res, "rescued")) == 100, "%s", v);
+    json_decref(res);
+    /* the moved rows are still read through the key's history */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.key_attempts($1)", "d2:past:7"),
+                     1);
+    /* the next call moves the late rows and attaches the slot */
+    run_ok(c, sql, v, sizeof v);
+    ck_assert_ptr_nonnull(res = json_loads(v, 0, NULL));
+    ck_assert_msg(json_integer_value(json_object_get(res, "failed")) == 0, "%s", v);
+    json_decref(res);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts_default", NULL), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts WHERE key LIKE 'd2:%'",
+                                NULL),
+                     200);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.history_parts WHERE kind = "
+                                    "'attempts' AND NOT attached AND location = 'hot' AND lo > "
+                                    "'-infinity'",
+                                NULL),
+                     0);
+    /* `idemq maintain` logs a failed step: another past slot, 20 minutes back */
+    run_ok(c, "INSERT INTO idemq.attempts (key, attempt, outcome, started_at, finished_at, "
+              "consumer_id) SELECT 'd2:past2:' || i, 1, 'duplicate', clock_timestamp() - "
+              "interval '20 minutes', clock_timestamp(), 'past' FROM generate_series(1, 10) i",
+           v, sizeof v);
+    maintain_at(&t, "SELECT now()", out, sizeof out);
+    ck_assert_msg(strstr(out, "step attach of attempts_p") && strstr(out, "failed") &&
+                      strstr(out, "23514"),
+                  "%s", out);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts_default", NULL), 0);
+    PQfinish(c);
+    lc_teardown(&t);
+}
+END_TEST
+
+/* 8. The background paths of `run` and the archive commands under the role
+ * of `idemq migrate --grant` (D7): maintenance in `run` creates partitions
+ * and moves rows (as the ledger's owner, through idemq.maintain), and
+ * `archive export` reads the archive and records the export; no 42501. */
+START_TEST(test_grant_role_maintenance_and_archive)
+{
+    struct itest t;
+    PGconn *c;
+    char v[512], sql[512], out[16384], role[64], dsn[800], owner[700], log[160], dir[256],
+        cmd[600], k[128];
+    int st;
+
+    lc_setup(&t, "grantbg",
+             "dedup_window_days = 0.01; partition_interval = \"10 seconds\"; "
+             "history_hot_days = 0.005; history_retention_days = 0.02;");
+    snprintf(role, sizeof role, "idemq_lc_run_%d", (int)getpid());
+    snprintf(sql, sizeof sql, "DROP ROLE IF EXISTS %s; CREATE ROLE %s LOGIN", role, role);
+    itest_sql(&t, sql);
+    snprintf(sql, sizeof sql, "migrate --grant %s", role);
+    ck_assert_msg(itest_idemq(&t, sql, out, sizeof out) == 0, "%s", out);
+    c = own_connect(NULL);
+    lose_partitions(c); /* maintenance has work to do when run starts */
+    run_ok(c, "INSERT INTO idemq.attempts (key, attempt, outcome, started_at, finished_at, "
+              "consumer_id) SELECT 'gr:past:' || i, 1, 'duplicate', clock_timestamp() - "
+              "interval '10 minutes', clock_timestamp(), 'past' FROM generate_series(1, 50) i",
+           v, sizeof v);
+    key(&t, k, sizeof k, "job");
+    publish_ts(&t, k, NULL, 0);
+    snprintf(owner, sizeof owner, "%s", getenv("IDEMQ_PG_DSN"));
+    snprintf(dsn, sizeof dsn, "%s user=%s", owner, role); /* the last user wins */
+    setenv("IDEMQ_PG_DSN", dsn, 1);
+    snprintf(log, sizeof log, "/tmp/%s.log", t.name);
+    st = itest_wait(itest_spawn_log(t.cfg_path, 3, NULL, log), itest_ms(60000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x (%s)", st, log);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, k), 1);
+    ck_assert_msg(itest_count_lines(log, "permission denied") == 0, "42501 in %s", log);
+    ck_assert_msg(itest_count_lines(log, "maintain failed") == 0, "%s", log);
+    ck_assert_msg(itest_count_lines(log, "partitions created") >= 1, "no maintenance in %s", log);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts_default WHERE key LIKE "
+                                    "'gr:past:%'",
+                                NULL),
+                     0);
+    /* archive (as the owner, at a later time), then export as the role */
+    setenv("IDEMQ_PG_DSN", owner, 1);
+    maintain_at(&t, "SELECT now() + interval '8 minutes'", out, sizeof out);
+    ck_assert_int_ge(itest_long(&t, "SELECT count(*) FROM idemq.history_parts WHERE location = "
+                                    "'archive'",
+                                NULL),
+                     1);
+    setenv("IDEMQ_PG_DSN", dsn, 1);
+    snprintf(dir, sizeof dir, "/tmp/%s_archive", t.name);
+    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", dir, dir);
+    ck_assert_int_eq(system(cmd), 0);
+    snprintf(sql, sizeof sql, "archive export --dir %s", dir);
+    st = itest_idemq(&t, sql, out, sizeof out);
+    setenv("IDEMQ_PG_DSN", owner, 1);
+    ck_assert_msg(st == 0 && strstr(out, "exported ") && !strstr(out, "permission denied"), "%s",
+                  out);
+    ck_assert_int_ge(itest_long(&t, "SELECT count(*) FROM idemq.history_parts WHERE "
+                                    "exported_at IS NOT NULL",
+                                NULL),
+                     1);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    ck_assert_int_eq(system(cmd), 0);
+    unlink(log);
+    PQfinish(c);
+    snprintf(sql, sizeof sql, "DROP OWNED BY %s; DROP ROLE %s", role, role);
+    itest_sql(&t, sql);
+    lc_teardown(&t);
+}
+END_TEST
+
 /* 5. A populated version 3 ledger (the current release's schema, filled as
  * it fills it) migrates in place: every row of history is kept, no table
  * is rewritten or copied (same files), the old history is registered and
@@ -604,6 +880,9 @@ int main(void)
     tcase_add_test(tc, test_archive_and_retention);
     tcase_add_test(tc, test_one_maintainer);
     tcase_add_test(tc, test_least_privilege_maintenance);
+    tcase_add_test(tc, test_maintenance_catches_up_under_inserts);
+    tcase_add_test(tc, test_maintenance_step_failure_reported);
+    tcase_add_test(tc, test_grant_role_maintenance_and_archive);
     tcase_add_test(tc, test_v3_upgrade);
     suite_add_tcase(s, tc);
     return check_run(s);

@@ -34,6 +34,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -581,6 +582,112 @@ START_TEST(test_liveness_and_systemd)
 }
 END_TEST
 
+/* 2b. The probe server (D18): idle connections from one address cannot take
+ * /live away from another (a per-address limit), the server closes them
+ * after its connection timeout, and /ready says only "not ready" when a
+ * job key is the cause (the key and the error stay in the log). */
+START_TEST(test_probe_server_limits)
+{
+    enum { IDLE = 1100 }; /* beyond what select() serves (FD_SETSIZE) */
+    struct itest t;
+    char live[128], ready[128], body[4096], key[128], b[256];
+    const char *bodies[1] = {b};
+    static int fds[IDLE];
+    struct sockaddr_in src, dst;
+    struct rlimit rl;
+    int port = free_port(), st, opened = 0;
+    long long t0;
+    pid_t pid;
+    FILE *f;
+
+    ck_assert_int_eq(getrlimit(RLIMIT_NOFILE, &rl), 0);
+    if (rl.rlim_cur < IDLE + 100 && rl.rlim_max >= IDLE + 100) {
+        rl.rlim_cur = IDLE + 100;
+        ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &rl), 0);
+    }
+    ck_assert_msg(rl.rlim_cur >= IDLE + 100, "RLIMIT_NOFILE %ld is too low for this test",
+                  (long)rl.rlim_cur);
+    itest_setup(&t, "probe", "idemq_test.record", "", "");
+    f = fopen(t.cfg_path, "w");
+    ck_assert_ptr_nonnull(f);
+    fprintf(f,
+            "metrics: { listen = \"127.0.0.1:%d\"; };\n"
+            "consumer: { id = \"%s\"; };\n"
+            "inputs = ( { name = \"%s\"; exchange = \"%s\"; queue = \"%s\"; routing_key = \"%s\";\n"
+            "  effect_function = \"idemq_test.record\"; } );\n",
+            port, t.name, t.name, t.name, t.name, t.name);
+    fclose(f);
+    snprintf(live, sizeof live, "http://127.0.0.1:%d/live", port);
+    snprintf(ready, sizeof ready, "http://127.0.0.1:%d/ready", port);
+    pid = itest_spawn(&t, t.cfg_path, 600, NULL);
+    ck_assert_int_eq(wait_http(ready, 200, 20000, body, sizeof body), 200);
+    ck_assert_str_eq(body, "ready\n");
+
+    /* IDLE connections from 127.0.0.2 that never send a request */
+    memset(&src, 0, sizeof src);
+    src.sin_family = AF_INET;
+    inet_pton(AF_INET, "127.0.0.2", &src.sin_addr);
+    memset(&dst, 0, sizeof dst);
+    dst.sin_family = AF_INET;
+    dst.sin_port = htons((uint16_t)port);
+    inet_pton(AF_INET, "127.0.0.1", &dst.sin_addr);
+    for (int i = 0; i < IDLE; i++) {
+        fds[i] = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+        ck_assert_int_ge(fds[i], 0);
+        ck_assert_int_eq(bind(fds[i], (struct sockaddr *)&src, sizeof src), 0);
+        if (connect(fds[i], (struct sockaddr *)&dst, sizeof dst) == 0 || errno == EINPROGRESS)
+            opened++;
+    }
+    ck_assert_int_ge(opened, IDLE / 2);
+    /* /live from 127.0.0.1 still answers, at once */
+    t0 = now_ms();
+    ck_assert_int_eq(wait_http(live, 200, 3000, body, sizeof body), 200);
+    ck_assert_str_eq(body, "live\n");
+    ck_assert_msg(now_ms() - t0 < itest_ms(3000), "/live answered after %lld ms", now_ms() - t0);
+    /* and the server closes an idle connection after its timeout */
+    {
+        struct pollfd pf = {fds[0], POLLIN, 0};
+        char c;
+        int n = poll(&pf, 1, itest_ms(15000));
+        ck_assert_msg(n == 1, "an idle connection is still open after 15 s");
+        ck_assert_int_le(read(fds[0], &c, 1), 0);
+    }
+    for (int i = 0; i < IDLE; i++)
+        close(fds[i]);
+
+    /* a fatal error (42501) on a job pauses the worker: /ready is 503 and
+     * its body names neither the key nor the database's text */
+    snprintf(key, sizeof key, "%s:secret-key-7731", t.name);
+    snprintf(b, sizeof b, "{\"job_id\":\"%s\"}", key);
+    {
+        const char *params[1] = {key};
+        PGresult *r = PQexecParams(t.db, "INSERT INTO idemq_test.failing VALUES ($1, '42501')",
+                                   1, NULL, params, NULL, NULL, 0);
+        ck_assert_int_eq(PQresultStatus(r), PGRES_COMMAND_OK);
+        PQclear(r);
+    }
+    itest_publish(&t, bodies, 1);
+    ck_assert_int_eq(wait_http(ready, 503, 20000, body, sizeof body), 503);
+    ck_assert_msg(strstr(body, "secret-key-7731") == NULL, "/ready shows the key: %s", body);
+    ck_assert_msg(strstr(body, "marked failing") == NULL, "/ready shows the error: %s", body);
+    ck_assert_str_eq(body, "not ready\n");
+    {
+        const char *params[1] = {key};
+        PGresult *r = PQexecParams(t.db, "DELETE FROM idemq_test.failing WHERE key = $1", 1,
+                                   NULL, params, NULL, NULL, 0);
+        ck_assert_int_eq(PQresultStatus(r), PGRES_COMMAND_OK);
+        PQclear(r);
+    }
+    for (int i = 0; i < 300 && itest_long(&t, EFFECTS_FOR, key) < 1; i++)
+        usleep(100000);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    kill(pid, SIGTERM);
+    st = itest_wait(pid, itest_ms(30000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* 3. Least privilege on both servers. */
 START_TEST(test_least_privilege)
 {
@@ -704,7 +811,7 @@ END_TEST
 START_TEST(test_consumer_cancelled)
 {
     struct itest t;
-    char ready[128], body[4096], extra[128], keys[40][128], bufs[40][256];
+    char ready[128], body[4096], extra[128], keys[40][128], bufs[40][256], log[160];
     const char *bodies[40];
     struct broker *b;
     char err[512];
@@ -725,7 +832,8 @@ START_TEST(test_consumer_cancelled)
                  i < 20 ? ",\"sleep_ms\":100" : "");
         bodies[i] = bufs[i];
     }
-    pid = itest_spawn(&t, t.cfg_path, 600, NULL);
+    snprintf(log, sizeof log, "/tmp/%s.log", t.name);
+    pid = itest_spawn_log(t.cfg_path, 600, NULL, log);
     ck_assert_int_eq(wait_http(ready, 200, 20000, body, sizeof body), 200);
     itest_publish(&t, bodies, 20);
     for (int i = 0; i < 100 && itest_long(&t, EFFECTS_FOR, keys[0]) < 1; i++)
@@ -736,7 +844,17 @@ START_TEST(test_consumer_cancelled)
     t0 = now_ms();
     ck_assert_int_eq(wait_http(ready, 503, 5000, body, sizeof body), 503);
     ck_assert_msg(now_ms() - t0 < itest_ms(3000), "noticed after %lld ms", now_ms() - t0);
-    ck_assert_msg(strstr(body, "not ready") && strstr(body, t.name), "%s", body);
+    /* /ready is terse (D18); the log says why, naming the queue */
+    ck_assert_str_eq(body, "not ready\n");
+    {
+        int found = 0;
+        for (int i = 0; i < 50 && !found; i++) {
+            found = sh("grep 'NOT READY' %s | grep -q -- '%s'", log, t.name) == 0;
+            if (!found)
+                usleep(100000);
+        }
+        ck_assert_msg(found, "no NOT READY line naming %s in %s", t.name, log);
+    }
     /* back: declared again (as an operator would), consumption resumes */
     ck_assert(topology_declare(b, t.conf, &t.conf->inputs[0]) == IDEMQ_OK);
     broker_close(b);
@@ -752,6 +870,7 @@ START_TEST(test_consumer_cancelled)
     kill(pid, SIGTERM);
     st = itest_wait(pid, itest_ms(30000));
     ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    unlink(log);
     itest_teardown(&t);
 }
 END_TEST
@@ -875,6 +994,7 @@ int main(void)
     tcase_add_unchecked_fixture(tc, NULL, continue_postgres);
     tcase_add_test(tc, test_json_logs_no_secrets);
     tcase_add_test(tc, test_liveness_and_systemd);
+    tcase_add_test(tc, test_probe_server_limits);
     tcase_add_test(tc, test_least_privilege);
     tcase_add_test(tc, test_consumer_cancelled);
     tcase_add_test(tc, test_quorum_delivery_limit);

@@ -289,6 +289,53 @@ START_TEST(test9_non_idempotent_resolve)
 }
 END_TEST
 
+/* 11. Test 6 under the role of `idemq migrate --grant` (D7): the reconciler
+ * of `run` settles the stale intent through idemq's functions, and `run`
+ * logs no 42501. */
+START_TEST(test11_sweep_in_run_grant_role)
+{
+    const char *env[] = {"IDEMQ_TEST_CRASH=provider_after_call", NULL};
+    char key[128], b[256], role[96], sql[256], out[4096], owner[512], dsn[700], log[160];
+    char *u;
+    int st;
+    setup_provider("pe11", NULL, "lookup_key_path = \"/charges/by-idempotency-key/{key}\";");
+    snprintf(role, sizeof role, "%s_run", T.name);
+    snprintf(sql, sizeof sql, "DROP ROLE IF EXISTS %s; CREATE ROLE %s LOGIN", role, role);
+    itest_sql(&T, sql);
+    snprintf(sql, sizeof sql, "migrate --grant %s", role);
+    ck_assert_msg(itest_idemq(&T, sql, out, sizeof out) == 0, "%s", out);
+    snprintf(owner, sizeof owner, "%s", getenv("IDEMQ_PG_DSN"));
+    snprintf(dsn, sizeof dsn, "%s", owner);
+    ck_assert_ptr_nonnull(u = strstr(dsn, "user="));
+    snprintf(u, sizeof dsn - (size_t)(u - dsn), "user=%s", role);
+    setenv("IDEMQ_PG_DSN", dsn, 1);
+    snprintf(key, sizeof key, "%s-k11", T.name);
+    publish_payout(key, NULL);
+    itest_wait(itest_spawn(&T, T.cfg_path, 30, env), itest_ms(30000));
+    {
+        struct broker *br;
+        char err[256];
+        ck_assert(broker_open(T.conf, "pe11 purge", false, &br, err, sizeof err) == IDEMQ_OK);
+        ck_assert(broker_admin_purge(br, T.conf->inputs[0].queue) == IDEMQ_OK);
+        broker_close(br);
+    }
+    itest_sql(&T, "UPDATE idemq.intents SET lease_until = now() - interval '1 s', "
+                  "last_request_at = now() - interval '1 hour', updated_at = now() - interval "
+                  "'1 hour' WHERE key LIKE 'it_pe11%'");
+    snprintf(log, sizeof log, "/tmp/%s.log", T.name);
+    st = itest_wait(itest_spawn_log(T.cfg_path, 8, NULL, log), itest_ms(60000));
+    setenv("IDEMQ_PG_DSN", owner, 1);
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    ck_assert_msg(itest_count_lines(log, "permission denied") == 0, "42501 in %s", log);
+    ck_assert_str_eq(itest_text(&T, STATE, key, b, sizeof b), "applied");
+    ck_assert_int_eq(tprov_stat(&P, key, "key_charges"), 1);
+    unlink(log);
+    snprintf(sql, sizeof sql, "DROP OWNED BY %s; DROP ROLE %s", role, role);
+    itest_sql(&T, sql);
+    teardown();
+}
+END_TEST
+
 /* 10. The demo: a payout through the test provider with a lost answer and
  * a crash (SIGKILL while the provider holds its answer), one charge each. */
 START_TEST(test10_demo)
@@ -581,6 +628,7 @@ int main(void)
     tcase_add_test(tc, test7_409_and_422);
     tcase_add_test(tc, test8_key_window);
     tcase_add_test(tc, test9_non_idempotent_resolve);
+    tcase_add_test(tc, test11_sweep_in_run_grant_role);
     tcase_add_test(tc, test10_demo);
     suite_add_tcase(s, tc);
     /* calls in flight across a reconnect and a stop (issue 16: D6, D13) */

@@ -162,6 +162,64 @@ START_TEST(test_rescue_lost_copy)
 }
 END_TEST
 
+/* A login role granted by `idemq migrate --grant` (EXECUTE and SELECT only)
+ * and a DSN for it (the test's DSN with its user). */
+static void grant_role(struct itest *t, char *role, size_t rlen, char *dsn, size_t dlen)
+{
+    char sql[512], out[4096];
+    char *u;
+    snprintf(role, rlen, "%s_run", t->name);
+    snprintf(sql, sizeof sql, "DROP ROLE IF EXISTS %s; CREATE ROLE %s LOGIN", role, role);
+    itest_sql(t, sql);
+    snprintf(sql, sizeof sql, "migrate --grant %s", role);
+    ck_assert_msg(itest_idemq(t, sql, out, sizeof out) == 0, "%s", out);
+    snprintf(dsn, dlen, "%s", getenv("IDEMQ_PG_DSN"));
+    ck_assert_ptr_nonnull(u = strstr(dsn, "user="));
+    snprintf(u, dlen - (size_t)(u - dsn), "user=%s", role);
+}
+
+static void drop_role(struct itest *t, const char *role)
+{
+    char sql[256];
+    snprintf(sql, sizeof sql, "DROP OWNED BY %s; DROP ROLE %s", role, role);
+    itest_sql(t, sql);
+}
+
+/* 2b. The same under the least-privilege role of `migrate --grant` (D7):
+ * the rescuer takes, publishes and records the copy through idemq's
+ * functions (it may not write retry_copies or retry_rescues itself). */
+START_TEST(test_rescue_lost_copy_grant_role)
+{
+    struct itest t;
+    char key[128], role[96], dsn[512], owner_dsn[512], log[160];
+    itest_retry_conf = "base_delay_ms = 3000; max_delay_ms = 3000; jitter = \"none\"; "
+                       "rescue_after_s = 1;";
+    itest_setup(&t, "rescuegr", "idemq_test.record", "", "");
+    grant_role(&t, role, sizeof role, dsn, sizeof dsn);
+    snprintf(owner_dsn, sizeof owner_dsn, "%s", getenv("IDEMQ_PG_DSN"));
+    setenv("IDEMQ_PG_DSN", dsn, 1);
+    fail_once_then_lose_copy(&t, key, sizeof key);
+    snprintf(log, sizeof log, "/tmp/%s.log", t.name);
+    {
+        int st = itest_wait(itest_spawn_log(t.cfg_path, 6, NULL, log), itest_ms(60000));
+        ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    }
+    setenv("IDEMQ_PG_DSN", owner_dsn, 1);
+    ck_assert_msg(itest_count_lines(log, "permission denied") == 0, "42501 in %s", log);
+    ck_assert_int_eq(itest_long(&t, RESCUES_FOR, key), 1);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT attempts FROM idemq.jobs WHERE key = $1 AND state = "
+                                    "'applied'",
+                                key),
+                     2);
+    ck_assert_int_eq(itest_queue_ready(&t, t.name), 0);
+    unlink(log);
+    drop_role(&t, role);
+    itest_teardown(&t);
+    itest_retry_conf = NULL;
+}
+END_TEST
+
 /* 3. One replica at a time: while another session holds the queue's rescue
  * lock nobody republishes; once it is released the copy is rescued once. */
 START_TEST(test_rescue_one_at_a_time)
@@ -246,6 +304,7 @@ int main(void)
     tcase_set_timeout(tc, itest_ms(120));
     tcase_add_test(tc, test_quorum_buckets);
     tcase_add_test(tc, test_rescue_lost_copy);
+    tcase_add_test(tc, test_rescue_lost_copy_grant_role);
     tcase_add_test(tc, test_rescue_one_at_a_time);
     tcase_add_test(tc, test_rescue_waits_for_backlog);
     suite_add_tcase(s, tc);

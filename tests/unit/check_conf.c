@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "conf.h"
 
@@ -189,6 +191,140 @@ START_TEST(test_redact)
 }
 END_TEST
 
+/* S8: password= after any blank libpq accepts (tab, newline, ...), a
+ * "://" inside a key=value value, and provider.url with user:password in
+ * check-config and in its error message. */
+START_TEST(test_redact_blanks_and_provider_url)
+{
+    char buf[256], err[1024] = "";
+    struct conf *c = NULL;
+    char *out = NULL;
+    size_t len = 0;
+    FILE *f;
+
+    ck_assert_str_eq(conf_redact("host=h\tpassword=abc dbname=d", buf, sizeof buf),
+                     "host=h\tpassword=*** dbname=d");
+    ck_assert_str_eq(conf_redact("host=h\npassword\t=\tabc\ndbname=d", buf, sizeof buf),
+                     "host=h\npassword=***\ndbname=d");
+    ck_assert_str_eq(conf_redact("host=h\r\n\v\fsslpassword=k dbname=d", buf, sizeof buf),
+                     "host=h\r\n\v\fsslpassword=*** dbname=d");
+    ck_assert_str_eq(conf_redact("  postgresql://u:pw@h/db", buf, sizeof buf),
+                     "  postgresql://u:***@h/db");
+    ck_assert_str_eq(conf_redact("postgres://u:pw@h1:5432,h2/db", buf, sizeof buf),
+                     "postgres://u:***@h1:5432,h2/db");
+    /* a key=value DSN whose values happen to hold "://" is still a DSN */
+    ck_assert_str_eq(conf_redact("sslrootcert=file://x password=pw", buf, sizeof buf),
+                     "sslrootcert=file://x password=***");
+    ck_assert_str_eq(conf_redact("password=a://b@c host=h", buf, sizeof buf),
+                     "password=*** host=h");
+    ck_assert_str_eq(conf_redact("https://user:pw@api.example.com/v1", buf, sizeof buf),
+                     "https://user:***@api.example.com/v1");
+
+    unsetenv("IDEMQ_AMQP_URL");
+    unsetenv("IDEMQ_PG_DSN");
+    ck_assert_int_eq(conf_load_string("inputs = ( { name = \"a\"; queue = \"q\"; provider: "
+                                      "{ url = \"ftp://u:hunter2@x\"; }; } );",
+                                      &c, err, sizeof err),
+                     IDEMQ_ERR_CONFIG);
+    ck_assert_msg(strstr(err, "hunter2") == NULL, "%s", err);
+    ck_assert_msg(strstr(err, "ftp://u:***@x") != NULL, "%s", err);
+    ck_assert_int_eq(conf_load_string("inputs = ( { name = \"a\"; queue = \"q\"; provider: "
+                                      "{ url = \"https://u:hunter2@api.example.com\"; }; } );",
+                                      &c, err, sizeof err),
+                     IDEMQ_OK);
+    ck_assert_str_eq(c->inputs[0].provider.url, "https://u:hunter2@api.example.com");
+    f = open_memstream(&out, &len);
+    conf_print(c, f);
+    fclose(f);
+    ck_assert_msg(strstr(out, "hunter2") == NULL, "%s", out);
+    ck_assert_ptr_nonnull(strstr(out, "url = \"https://u:***@api.example.com\";"));
+    free(out);
+    conf_free(c);
+}
+END_TEST
+
+/* metrics.listen: one validation for check-config and run. A numeric IPv4
+ * address and a port 1..65535 are served; ":PORT", "PORT", a host name
+ * ("localhost:PORT") or a bad port are refused (exit 3, naming the setting)
+ * by check-config and by run alike, never a run without probes. */
+START_TEST(test_metrics_listen)
+{
+    static const char *const good[] = {"127.0.0.1:9187", "0.0.0.0:1", "10.1.2.3:65535"};
+    static const char *const bad[] = {":9187", "9187", "localhost:9187", "127.0.0.1",
+                                      "127.0.0.1:0", "127.0.0.1:65536", "127.0.0.1:9x",
+                                      "127.0.0.1:", "[::1]:9187", "127.0.0.1: 9187"};
+    char text[512], err[1024], ip[16];
+    int port;
+    struct conf *c;
+
+    unsetenv("IDEMQ_AMQP_URL");
+    unsetenv("IDEMQ_PG_DSN");
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        snprintf(text, sizeof text,
+                 "metrics: { listen = \"%s\"; };\ninputs = ( { name = \"a\"; queue = \"q\"; "
+                 "effect_function = \"public.f\"; } );",
+                 good[i]);
+        c = NULL;
+        ck_assert_msg(conf_load_string(text, &c, err, sizeof err) == IDEMQ_OK, "%s: %s", good[i],
+                      err);
+        ck_assert(conf_listen_parse(good[i], ip, &port));
+        ck_assert_int_eq(port, atoi(strrchr(good[i], ':') + 1));
+        conf_free(c);
+    }
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        snprintf(text, sizeof text,
+                 "metrics: { listen = \"%s\"; };\ninputs = ( { name = \"a\"; queue = \"q\"; "
+                 "effect_function = \"public.f\"; } );",
+                 bad[i]);
+        c = NULL;
+        err[0] = '\0';
+        ck_assert_msg(conf_load_string(text, &c, err, sizeof err) == IDEMQ_ERR_CONFIG,
+                      "metrics.listen \"%s\" was accepted", bad[i]);
+        ck_assert_ptr_null(c);
+        ck_assert_msg(strstr(err, "metrics.listen") != NULL, "%s", err);
+        ck_assert(!conf_listen_parse(bad[i], ip, &port));
+    }
+}
+END_TEST
+
+/* The binary agrees: check-config and run both exit 3 on ":PORT", naming
+ * metrics.listen (run before it connects anywhere). */
+START_TEST(test_metrics_listen_run)
+{
+    char dir[] = "/tmp/idemq_conf_XXXXXX", cfg[256], cmd[1024], out[4096];
+    const char *const cmds[] = {"check-config", "run"};
+    FILE *f;
+
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    snprintf(cfg, sizeof cfg, "%s/listen.cfg", dir);
+    f = fopen(cfg, "w");
+    ck_assert_ptr_nonnull(f);
+    fprintf(f, "broker: { url = \"amqp://guest:guest@127.0.0.1:1/\"; };\n"
+               "database: { dsn = \"host=127.0.0.1 port=1 dbname=x\"; };\n"
+               "metrics: { listen = \":9187\"; };\n"
+               "inputs = ( { name = \"a\"; queue = \"q\"; effect_function = \"public.f\"; } );\n");
+    fclose(f);
+    for (size_t i = 0; i < 2; i++) {
+        size_t n;
+        int st;
+        FILE *p;
+        snprintf(cmd, sizeof cmd,
+                 "timeout 20 env -u IDEMQ_AMQP_URL -u IDEMQ_PG_DSN %s %s -c %s 2>&1",
+                 IDEMQ_BINARY, cmds[i], cfg);
+        p = popen(cmd, "r");
+        ck_assert_ptr_nonnull(p);
+        n = fread(out, 1, sizeof out - 1, p);
+        out[n] = '\0';
+        st = pclose(p);
+        ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 3, "%s: status %d: %s", cmds[i], st,
+                      out);
+        ck_assert_msg(strstr(out, "metrics.listen") != NULL, "%s: %s", cmds[i], out);
+    }
+    unlink(cfg);
+    rmdir(dir);
+}
+END_TEST
+
 /* check-config output hides secrets and is itself a valid config. */
 START_TEST(test_print_roundtrip)
 {
@@ -367,6 +503,9 @@ int main(void)
     tcase_add_test(tc, test_env_overrides);
     tcase_add_test(tc, test_parse_interval);
     tcase_add_test(tc, test_redact);
+    tcase_add_test(tc, test_redact_blanks_and_provider_url);
+    tcase_add_test(tc, test_metrics_listen);
+    tcase_add_test(tc, test_metrics_listen_run);
     tcase_add_test(tc, test_print_roundtrip);
     tcase_add_test(tc, test_sample_documents_every_key);
     tcase_add_test(tc, test_provider_settings);
