@@ -610,15 +610,18 @@ static int cmd_reset(const struct conf *c)
  * The ambiguous commit. A loopback TCP proxy between one replica and
  * PostgreSQL that forwards both streams message by message (the v3 wire
  * protocol: an untyped start-up packet, then type byte + length) and, when
- * armed (SIGUSR1 arms one cut), cuts the next connection that sends COMMIT
- * (a simple Query "COMMIT"/"END", or a Parse of one at its Sync) exactly
- * where the client cannot know the outcome. The cuts alternate:
- *   after   COMMIT is forwarded, the server's whole reply (up to its
- *           ReadyForQuery) is read and thrown away, then both sides are
- *           closed: the transaction committed, the client never hears it
- *   before  COMMIT is swallowed and both sides are closed: the server sees
- *           the connection end inside the transaction and rolls it back
- * From the client both look the same (COMMIT sent, connection gone), so an
+ * armed (SIGUSR1 arms one cut), cuts the next connection that commits,
+ * exactly where the client cannot know the outcome. Cut N is of kind N % 3:
+ *   1 after     an explicit COMMIT (a simple Query "COMMIT"/"END", or a Parse
+ *               of one at its Sync) is forwarded, the server's whole reply
+ *               (up to its ReadyForQuery) is read and thrown away, then both
+ *               sides are closed: committed, the client never hears it
+ *   2 before    the COMMIT is swallowed and both sides are closed: the server
+ *               sees the connection end inside the transaction, rolls back
+ *   0 implicit  like "after", for a provider step (a Parse naming
+ *               idemq.provider_begin or idemq.provider_result, sent outside a
+ *               transaction block: one statement that commits by itself)
+ * From the client all look the same (commit sent, connection gone), so an
  * idemq that acks in either case loses a job or applies one twice. An
  * SSLRequest or GSSENCRequest is answered 'N' by the proxy itself (the
  * client goes on in plain text, which the proxy can read). Output: a line
@@ -629,8 +632,8 @@ static int cmd_reset(const struct conf *c)
 #define PG_GSSENC_REQUEST 80877104
 #define PG_MSG_MAX (256L * 1024 * 1024)
 
-static atomic_int proxy_armed;
-static atomic_long proxy_cuts;
+static atomic_long proxy_armed; /* the number of the armed cut, 0: none */
+static atomic_long proxy_arms;
 static struct sockaddr_in proxy_upstream;
 
 struct proxy_pair {
@@ -638,12 +641,15 @@ struct proxy_pair {
     long id;
     atomic_int refs;
     atomic_int cut_after; /* the server's next reply is dropped, then both closed */
+    atomic_int idle;      /* the last ReadyForQuery said 'I': no transaction block */
 };
 
 static void proxy_on_usr1(int sig)
 {
+    long none = 0;
     (void)sig;
-    atomic_store(&proxy_armed, 1);
+    if (atomic_load(&proxy_armed) == 0) /* one armed at most */
+        atomic_compare_exchange_strong(&proxy_armed, &none, atomic_fetch_add(&proxy_arms, 1) + 1);
 }
 
 static bool read_full(int fd, void *buf, size_t n)
@@ -728,12 +734,26 @@ static void pair_release(struct proxy_pair *pp)
     }
 }
 
-/* Takes the armed cut, if any: its number (1, 2, ...), else 0. */
-static long take_cut(void)
+/* Takes the armed cut if it is of this kind (N % 3): its number, else 0. */
+static long take_cut(int kind)
 {
-    if (!atomic_exchange(&proxy_armed, 0))
+    long n = atomic_load(&proxy_armed);
+    if (n == 0 || n % 3 != kind || !atomic_compare_exchange_strong(&proxy_armed, &n, 0))
         return 0;
-    return atomic_fetch_add(&proxy_cuts, 1) + 1;
+    return n;
+}
+
+/* Does the text of this Parse name a provider step that writes? */
+static bool is_provider_step(const unsigned char *q, size_t n)
+{
+    static const char *const steps[] = {"idemq.provider_begin", "idemq.provider_result"};
+    for (size_t k = 0; k < sizeof steps / sizeof steps[0]; k++) {
+        size_t m = strlen(steps[k]);
+        for (size_t i = 0; i + m <= n; i++)
+            if (memcmp(q + i, steps[k], m) == 0)
+                return true;
+    }
+    return false;
 }
 
 /* Client to server: the start-up phase, then typed messages. */
@@ -743,6 +763,7 @@ static void *proxy_c2s(void *arg)
     unsigned char *buf = NULL, hdr[8];
     size_t cap = 0, len = 0;
     bool commit_parsed = false; /* a Parse of COMMIT waits for its Sync */
+    bool step_parsed = false;   /* a Parse of a provider step waits for its Sync */
 
     for (;;) { /* untyped packets: SSL/GSSENC requests, then start-up or cancel */
         uint32_t n, code;
@@ -766,21 +787,30 @@ static void *proxy_c2s(void *arg)
         break;
     }
     while (read_msg(pp->cfd, &buf, &cap, &len)) {
-        bool commit = false;
-        long cut;
+        bool commit = false, step = false;
+        long cut = 0;
         if (buf[0] == 'Q') {
             commit = is_commit_sql(buf + 5, len - 5);
         } else if (buf[0] == 'P') { /* statement name \0 query \0 ... */
             const unsigned char *q = memchr(buf + 5, '\0', len - 5);
-            if (q && ++q < buf + len)
-                commit_parsed = is_commit_sql(q, strnlen((const char *)q, (size_t)(buf + len - q)));
+            if (q && ++q < buf + len) {
+                size_t qn = strnlen((const char *)q, (size_t)(buf + len - q));
+                commit_parsed = commit_parsed || is_commit_sql(q, qn);
+                step_parsed = step_parsed || is_provider_step(q, qn);
+            }
         } else if (buf[0] == 'S') {
             commit = commit_parsed;
-            commit_parsed = false;
+            step = step_parsed && atomic_load(&pp->idle);
+            commit_parsed = step_parsed = false;
         }
-        if (commit && (cut = take_cut()) > 0) {
-            bool after = cut % 2 == 1;
-            printf("cut %ld %s conn %ld\n", cut, after ? "after" : "before", pp->id);
+        if (commit && (cut = take_cut(1)) == 0)
+            cut = take_cut(2);
+        if (step && cut == 0)
+            cut = take_cut(0);
+        if (cut > 0) {
+            bool after = cut % 3 != 2;
+            printf("cut %ld %s conn %ld\n", cut,
+                   cut % 3 == 1 ? "after" : cut % 3 == 2 ? "before" : "implicit", pp->id);
             fflush(stdout);
             if (!after)
                 goto out;
@@ -822,6 +852,8 @@ static void *proxy_s2c(void *arg)
         }
         if (!read_msg(pp->sfd, &buf, &cap, &len))
             break;
+        if (buf[0] == 'Z' && len >= 6)
+            atomic_store(&pp->idle, buf[5] == 'I');
         if (atomic_load(&pp->cut_after)) { /* came with or after the COMMIT */
             if (buf[0] == 'Z')
                 break;
