@@ -616,17 +616,21 @@ static int cmd_reset(const struct conf *c)
  *               of one at its Sync) is forwarded, the server's whole reply
  *               (up to its ReadyForQuery) is read and thrown away, then both
  *               sides are closed: committed, the client never hears it
- *   2 before    the COMMIT is swallowed and both sides are closed: the server
- *               sees the connection end inside the transaction, rolls back
+ *   2 before    a simple Query COMMIT is swallowed and both sides are closed:
+ *               the server sees the connection end inside the transaction
+ *               and rolls back (a Parse'd COMMIT runs at its Execute, before
+ *               the Sync: it only takes "after" cuts)
  *   0 implicit  like "after", for a provider step (a Parse naming
  *               idemq.provider_begin or idemq.provider_result, sent outside a
  *               transaction block: one statement that commits by itself)
- * From the client all look the same (commit sent, connection gone), so an
- * idemq that acks in either case loses a job or applies one twice. An
+ * From the client all look the same (commit sent, connection gone): an
+ * idemq that acks then loses the job of a "before" cut, one that applies
+ * again without asking the ledger doubles an "after" cut. An
  * SSLRequest or GSSENCRequest is answered 'N' by the proxy itself (the
  * client goes on in plain text, which the proxy can read). Output: a line
- * "listening on PORT" at start, then one line per cut ("cut N after|before
- * conn C") on stdout; errors on stderr. Runs until killed.
+ * "listening on PORT" at start, then one line per cut ("cut N
+ * after|before|implicit conn C at HH:MM:SS", UTC) on stdout; errors on
+ * stderr. Runs until killed.
  */
 #define PG_SSL_REQUEST 80877103
 #define PG_GSSENC_REQUEST 80877104
@@ -787,7 +791,7 @@ static void *proxy_c2s(void *arg)
         break;
     }
     while (read_msg(pp->cfd, &buf, &cap, &len)) {
-        bool commit = false, step = false;
+        bool commit = false, commit_ext = false, step = false;
         long cut = 0;
         if (buf[0] == 'Q') {
             commit = is_commit_sql(buf + 5, len - 5);
@@ -799,18 +803,24 @@ static void *proxy_c2s(void *arg)
                 step_parsed = step_parsed || is_provider_step(q, qn);
             }
         } else if (buf[0] == 'S') {
-            commit = commit_parsed;
+            commit_ext = commit_parsed;
             step = step_parsed && atomic_load(&pp->idle);
             commit_parsed = step_parsed = false;
         }
         if (commit && (cut = take_cut(1)) == 0)
             cut = take_cut(2);
+        if (commit_ext && cut == 0)
+            cut = take_cut(1);
         if (step && cut == 0)
             cut = take_cut(0);
         if (cut > 0) {
             bool after = cut % 3 != 2;
-            printf("cut %ld %s conn %ld\n", cut,
-                   cut % 3 == 1 ? "after" : cut % 3 == 2 ? "before" : "implicit", pp->id);
+            time_t now = time(NULL);
+            struct tm tm;
+            char at[16];
+            strftime(at, sizeof at, "%H:%M:%S", gmtime_r(&now, &tm));
+            printf("cut %ld %s conn %ld at %s\n", cut,
+                   cut % 3 == 1 ? "after" : cut % 3 == 2 ? "before" : "implicit", pp->id, at);
             fflush(stdout);
             if (!after)
                 goto out;
