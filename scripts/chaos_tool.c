@@ -610,19 +610,21 @@ static int cmd_reset(const struct conf *c)
  * The ambiguous commit. A loopback TCP proxy between one replica and
  * PostgreSQL that forwards both streams message by message (the v3 wire
  * protocol: an untyped start-up packet, then type byte + length) and, when
- * armed (SIGUSR1 arms one cut), cuts the next connection that commits,
- * exactly where the client cannot know the outcome. Cut N is of kind N % 3:
- *   1 after     an explicit COMMIT (a simple Query "COMMIT"/"END", or a Parse
- *               of one at its Sync) is forwarded, the server's whole reply
- *               (up to its ReadyForQuery) is read and thrown away, then both
- *               sides are closed: committed, the client never hears it
- *   2 before    a simple Query COMMIT is swallowed and both sides are closed:
- *               the server sees the connection end inside the transaction
- *               and rolls back (a Parse'd COMMIT runs at its Execute, before
- *               the Sync: it only takes "after" cuts)
- *   0 implicit  like "after", for a provider step (a Parse naming
- *               idemq.provider_begin or idemq.provider_result, sent outside a
- *               transaction block: one statement that commits by itself)
+ * armed, cuts the next connection that commits, exactly where the client
+ * cannot know the outcome. SIGUSR1 arms one cut of an explicit COMMIT (a
+ * simple Query "COMMIT"/"END", or a Parse of one at its Sync), by turns:
+ *   after     the COMMIT is forwarded, the server's whole reply (up to its
+ *             ReadyForQuery) is read and thrown away, then both sides are
+ *             closed: committed, the client never hears it
+ *   before    a simple Query COMMIT is swallowed and both sides are closed:
+ *             the server sees the connection end inside the transaction and
+ *             rolls back (a Parse'd COMMIT runs at its Execute, before the
+ *             Sync: it only takes "after" cuts)
+ * SIGUSR2 arms one cut of kind
+ *   implicit  like "after", for a provider step (a Parse naming
+ *             idemq.provider_begin or idemq.provider_result, sent outside a
+ *             transaction block: one statement that commits by itself)
+ * Each signal keeps one cut of its kind armed at most, apart from the other.
  * From the client all look the same (commit sent, connection gone): an
  * idemq that acks then loses the job of a "before" cut, one that applies
  * again without asking the ledger doubles an "after" cut. An
@@ -636,8 +638,9 @@ static int cmd_reset(const struct conf *c)
 #define PG_GSSENC_REQUEST 80877104
 #define PG_MSG_MAX (256L * 1024 * 1024)
 
-static atomic_long proxy_armed; /* the number of the armed cut, 0: none */
-static atomic_long proxy_arms;
+enum { CUT_AFTER, CUT_BEFORE, CUT_IMPLICIT };
+static atomic_int proxy_armed_explicit, proxy_armed_implicit; /* 1: one cut armed */
+static atomic_long proxy_cuts, proxy_explicit;                 /* fired so far */
 static struct sockaddr_in proxy_upstream;
 
 struct proxy_pair {
@@ -648,12 +651,9 @@ struct proxy_pair {
     atomic_int idle;      /* the last ReadyForQuery said 'I': no transaction block */
 };
 
-static void proxy_on_usr1(int sig)
+static void proxy_on_signal(int sig)
 {
-    long none = 0;
-    (void)sig;
-    if (atomic_load(&proxy_armed) == 0) /* one armed at most */
-        atomic_compare_exchange_strong(&proxy_armed, &none, atomic_fetch_add(&proxy_arms, 1) + 1);
+    atomic_store(sig == SIGUSR1 ? &proxy_armed_explicit : &proxy_armed_implicit, 1);
 }
 
 static bool read_full(int fd, void *buf, size_t n)
@@ -738,13 +738,20 @@ static void pair_release(struct proxy_pair *pp)
     }
 }
 
-/* Takes the armed cut if it is of this kind (N % 3): its number, else 0. */
-static long take_cut(int kind)
+/* Takes an armed cut for a commit (explicit, or a provider step's
+ * implicit one; simple: a simple Query, which may be cut before): its kind
+ * in *kind and its number (1, 2, ...), or 0 when none is armed. */
+static long take_cut(bool explicit, bool simple, int *kind)
 {
-    long n = atomic_load(&proxy_armed);
-    if (n == 0 || n % 3 != kind || !atomic_compare_exchange_strong(&proxy_armed, &n, 0))
+    if (!atomic_exchange(explicit ? &proxy_armed_explicit : &proxy_armed_implicit, 0))
         return 0;
-    return n;
+    if (!explicit)
+        *kind = CUT_IMPLICIT;
+    else if (!simple)
+        *kind = CUT_AFTER;
+    else
+        *kind = atomic_fetch_add(&proxy_explicit, 1) % 2 == 0 ? CUT_AFTER : CUT_BEFORE;
+    return atomic_fetch_add(&proxy_cuts, 1) + 1;
 }
 
 /* Does the text of this Parse name a provider step that writes? */
@@ -793,6 +800,7 @@ static void *proxy_c2s(void *arg)
     while (read_msg(pp->cfd, &buf, &cap, &len)) {
         bool commit = false, commit_ext = false, step = false;
         long cut = 0;
+        int kind = CUT_AFTER;
         if (buf[0] == 'Q') {
             commit = is_commit_sql(buf + 5, len - 5);
         } else if (buf[0] == 'P') { /* statement name \0 query \0 ... */
@@ -807,20 +815,18 @@ static void *proxy_c2s(void *arg)
             step = step_parsed && atomic_load(&pp->idle);
             commit_parsed = step_parsed = false;
         }
-        if (commit && (cut = take_cut(1)) == 0)
-            cut = take_cut(2);
-        if (commit_ext && cut == 0)
-            cut = take_cut(1);
-        if (step && cut == 0)
-            cut = take_cut(0);
+        if (commit || commit_ext)
+            cut = take_cut(true, commit, &kind);
+        else if (step)
+            cut = take_cut(false, false, &kind);
         if (cut > 0) {
-            bool after = cut % 3 != 2;
+            static const char *const cut_names[] = {"after", "before", "implicit"};
+            bool after = kind != CUT_BEFORE;
             time_t now = time(NULL);
             struct tm tm;
             char at[16];
             strftime(at, sizeof at, "%H:%M:%S", gmtime_r(&now, &tm));
-            printf("cut %ld %s conn %ld at %s\n", cut,
-                   cut % 3 == 1 ? "after" : cut % 3 == 2 ? "before" : "implicit", pp->id, at);
+            printf("cut %ld %s conn %ld at %s\n", cut, cut_names[kind], pp->id, at);
             fflush(stdout);
             if (!after)
                 goto out;
@@ -911,9 +917,10 @@ static int cmd_pgproxy(int argc, char **argv)
         return 2;
     }
     memset(&act, 0, sizeof act);
-    act.sa_handler = proxy_on_usr1;
+    act.sa_handler = proxy_on_signal;
     act.sa_flags = SA_RESTART;
     sigaction(SIGUSR1, &act, NULL);
+    sigaction(SIGUSR2, &act, NULL);
     signal(SIGPIPE, SIG_IGN);
 
     memset(&sa, 0, sizeof sa);
