@@ -6,9 +6,14 @@
  *
  *   idemq-chaos publish -c CFG -n N --run ID --manifest FILE [--dup-pct P]
  *                       [--poison N] [--badjson N] [--transient N] [--rate R]
- *   idemq-chaos counts  -c CFG   (work, bucket and dead-letter queue messages)
- *   idemq-chaos reset   -c CFG   (delete the input's queues and exchanges,
+ *                       [--input NAME]
+ *   idemq-chaos counts  -c CFG   (work, bucket and dead-letter queue messages,
+ *                                 summed over every input)
+ *   idemq-chaos reset   -c CFG   (delete every input's queues and exchanges,
  *                                 declare them again)
+ *   idemq-chaos pgproxy --to HOST:PORT [--listen PORT]
+ *                       (the ambiguous commit: a loopback TCP proxy in front
+ *                        of PostgreSQL; see cmd_pgproxy)
  *
  * The publisher talks to librabbitmq-c directly instead of adapters/broker.c:
  * it tracks every publish by its sequence number (acks and nacks with and
@@ -23,18 +28,29 @@
  * it must retry through the delay buckets), poison (the effect raises 22023:
  * parked at once) and badjson (not JSON, no key: parked as bad_json; never
  * duplicated on purpose; its "key" in the manifest is its whole body).
+ * --input NAME publishes to that input's queue (default: the first input).
  * Output: one line of key=value pairs on stdout; progress on stderr.
  */
 #include <amqp.h>
 #include <amqp_tcp_socket.h>
+#include <arpa/inet.h>
 #include <errno.h>
 #include <getopt.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "broker.h"
 #include "broker_admin.h"
@@ -51,7 +67,7 @@ enum kind { K_NORMAL = 0, K_TRANSIENT, K_POISON, K_BADJSON };
 static const char *const kind_names[] = {"normal", "transient", "poison", "badjson"};
 
 struct opts {
-    const char *cmd, *config, *run, *manifest;
+    const char *cmd, *config, *run, *manifest, *input;
     long n, poison, badjson, transient;
     int dup_pct;
     double rate;
@@ -419,6 +435,13 @@ static int cmd_publish(const struct conf *c, const struct opts *o)
     memset(&p, 0, sizeof p);
     p.c = c;
     p.in = &c->inputs[0];
+    for (int i = 0; o->input && i < c->n_inputs; i++)
+        if (strcmp(c->inputs[i].name, o->input) == 0)
+            p.in = &c->inputs[i];
+    if (o->input && strcmp(p.in->name, o->input) != 0) {
+        fprintf(stderr, "idemq-chaos: no input named %s in %s\n", o->input, o->config);
+        return 2;
+    }
     p.o = o;
     p.low = 1;
     for (const char *s = o->run; *s; s++)
@@ -511,29 +534,34 @@ out:
     return rc;
 }
 
-/* Every queue of the input: the work queue, the delay buckets, the DLQ. */
+/* Every queue of every input: the work queues, the delay buckets, the DLQs. */
 static int cmd_counts(const struct conf *c)
 {
-    const struct conf_input *in = &c->inputs[0];
     struct broker *b;
     char err[512], name[TOPOLOGY_NAME_MAX];
-    uint32_t work = 0, dead = 0, n = 0;
-    unsigned long buckets = 0;
+    uint32_t n = 0;
+    unsigned long work = 0, dead = 0, buckets = 0;
     if (broker_open(c, "idemq-chaos counts", false, &b, err, sizeof err)) {
         fprintf(stderr, "idemq-chaos: %s\n", err);
         return 1;
     }
-    topology_dlq(in, name, sizeof name);
-    if (broker_admin_queue_counts(b, in->queue, &work, NULL) ||
-        broker_admin_queue_counts(b, name, &dead, NULL))
-        goto fail;
-    for (long bucket = TOPOLOGY_MIN_DELAY_MS; bucket <= c->max_delay_ms; bucket *= 2) {
-        topology_bucket_queue(in, bucket, name, sizeof name);
+    for (int i = 0; i < c->n_inputs; i++) {
+        const struct conf_input *in = &c->inputs[i];
+        if (broker_admin_queue_counts(b, in->queue, &n, NULL))
+            goto fail;
+        work += n;
+        topology_dlq(in, name, sizeof name);
         if (broker_admin_queue_counts(b, name, &n, NULL))
             goto fail;
-        buckets += n;
+        dead += n;
+        for (long bucket = TOPOLOGY_MIN_DELAY_MS; bucket <= c->max_delay_ms; bucket *= 2) {
+            topology_bucket_queue(in, bucket, name, sizeof name);
+            if (broker_admin_queue_counts(b, name, &n, NULL))
+                goto fail;
+            buckets += n;
+        }
     }
-    printf("work=%u buckets=%lu dead=%u\n", work, buckets, dead);
+    printf("work=%lu buckets=%lu dead=%lu\n", work, buckets, dead);
     broker_close(b);
     return 0;
 fail:
@@ -544,7 +572,6 @@ fail:
 
 static int cmd_reset(const struct conf *c)
 {
-    const struct conf_input *in = &c->inputs[0];
     struct broker *b;
     char err[512], name[TOPOLOGY_NAME_MAX];
     int rc = 0;
@@ -552,27 +579,406 @@ static int cmd_reset(const struct conf *c)
         fprintf(stderr, "idemq-chaos: %s\n", err);
         return 1;
     }
-    /* Whatever is missing or fails here, the declare below says so. */
-    for (long bucket = TOPOLOGY_MIN_DELAY_MS; bucket <= 86400000L; bucket *= 2) {
-        topology_bucket_queue(in, bucket, name, sizeof name);
-        if (broker_admin_delete_queue(b, name))
-            break;
-    }
-    topology_dlq(in, name, sizeof name);
-    if (broker_admin_delete_queue(b, name) || broker_admin_delete_queue(b, in->queue))
-        fprintf(stderr, "idemq-chaos: %s\n", broker_error(b));
-    topology_delay_exchange(in, name, sizeof name);
-    if (broker_admin_delete_exchange(b, name))
-        fprintf(stderr, "idemq-chaos: %s\n", broker_error(b));
-    topology_dlx(in, name, sizeof name);
-    if (broker_admin_delete_exchange(b, name))
-        fprintf(stderr, "idemq-chaos: %s\n", broker_error(b));
-    if (topology_declare(b, c, in)) {
-        fprintf(stderr, "idemq-chaos: declare: %s\n", broker_error(b));
-        rc = 1;
+    for (int i = 0; i < c->n_inputs && rc == 0; i++) {
+        const struct conf_input *in = &c->inputs[i];
+        /* Whatever is missing or fails here, the declare below says so. */
+        for (long bucket = TOPOLOGY_MIN_DELAY_MS; bucket <= 86400000L; bucket *= 2) {
+            topology_bucket_queue(in, bucket, name, sizeof name);
+            if (broker_admin_delete_queue(b, name))
+                break;
+        }
+        topology_dlq(in, name, sizeof name);
+        if (broker_admin_delete_queue(b, name) || broker_admin_delete_queue(b, in->queue))
+            fprintf(stderr, "idemq-chaos: %s\n", broker_error(b));
+        topology_delay_exchange(in, name, sizeof name);
+        if (broker_admin_delete_exchange(b, name))
+            fprintf(stderr, "idemq-chaos: %s\n", broker_error(b));
+        topology_dlx(in, name, sizeof name);
+        if (broker_admin_delete_exchange(b, name))
+            fprintf(stderr, "idemq-chaos: %s\n", broker_error(b));
+        if (topology_declare(b, c, in)) {
+            fprintf(stderr, "idemq-chaos: declare %s: %s\n", in->name, broker_error(b));
+            rc = 1;
+        }
     }
     broker_close(b);
     return rc;
+}
+
+/* ---------------------------------------------------------------- pgproxy
+ *
+ * The ambiguous commit. A loopback TCP proxy between one replica and
+ * PostgreSQL that forwards both streams message by message (the v3 wire
+ * protocol: an untyped start-up packet, then type byte + length) and, when
+ * armed, cuts the next connection that commits, exactly where the client
+ * cannot know the outcome. SIGUSR1 arms one cut of an explicit COMMIT (a
+ * simple Query "COMMIT"/"END", or a Parse of one at its Sync), by turns:
+ *   after     the COMMIT is forwarded, the server's whole reply (up to its
+ *             ReadyForQuery) is read and thrown away, then both sides are
+ *             closed: committed, the client never hears it
+ *   before    a simple Query COMMIT is swallowed and both sides are closed:
+ *             the server sees the connection end inside the transaction and
+ *             rolls back (a Parse'd COMMIT runs at its Execute, before the
+ *             Sync: it only takes "after" cuts)
+ * SIGUSR2 arms one cut of kind
+ *   implicit  like "after", for a provider step (a Parse naming
+ *             idemq.provider_begin or idemq.provider_result, sent outside a
+ *             transaction block: one statement that commits by itself)
+ * Each signal keeps one cut of its kind armed at most, apart from the other.
+ * From the client all look the same (commit sent, connection gone): an
+ * idemq that acks then loses the job of a "before" cut, one that applies
+ * again without asking the ledger doubles an "after" cut. An
+ * SSLRequest or GSSENCRequest is answered 'N' by the proxy itself (the
+ * client goes on in plain text, which the proxy can read). Output: a line
+ * "listening on PORT" at start, then one line per cut ("cut N
+ * after|before|implicit conn C at HH:MM:SS", UTC) on stdout; errors on
+ * stderr. Runs until killed.
+ */
+#define PG_SSL_REQUEST 80877103
+#define PG_GSSENC_REQUEST 80877104
+#define PG_MSG_MAX (256L * 1024 * 1024)
+
+enum { CUT_AFTER, CUT_BEFORE, CUT_IMPLICIT };
+static atomic_int proxy_armed_explicit, proxy_armed_implicit; /* 1: one cut armed */
+static atomic_long proxy_cuts, proxy_explicit;                 /* fired so far */
+static struct sockaddr_in proxy_upstream;
+
+struct proxy_pair {
+    int cfd, sfd;
+    long id;
+    atomic_int refs;
+    atomic_int cut_after; /* the server's next reply is dropped, then both closed */
+    atomic_int idle;      /* the last ReadyForQuery said 'I': no transaction block */
+};
+
+static void proxy_on_signal(int sig)
+{
+    atomic_store(sig == SIGUSR1 ? &proxy_armed_explicit : &proxy_armed_implicit, 1);
+}
+
+static bool read_full(int fd, void *buf, size_t n)
+{
+    char *p = buf;
+    while (n > 0) {
+        ssize_t r = read(fd, p, n);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return false;
+        p += r;
+        n -= (size_t)r;
+    }
+    return true;
+}
+
+static bool write_full(int fd, const void *buf, size_t n)
+{
+    const char *p = buf;
+    while (n > 0) {
+        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return false;
+        p += w;
+        n -= (size_t)w;
+    }
+    return true;
+}
+
+static uint32_t be32(const unsigned char *p)
+{
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
+/* Reads one typed message (type byte, length, body) into *buf (grown as
+ * needed); *len is the whole message's size. */
+static bool read_msg(int fd, unsigned char **buf, size_t *cap, size_t *len)
+{
+    unsigned char hdr[5];
+    uint32_t n;
+    if (!read_full(fd, hdr, 5))
+        return false;
+    n = be32(hdr + 1);
+    if (n < 4 || n > PG_MSG_MAX)
+        return false;
+    if ((size_t)n + 1 > *cap) {
+        unsigned char *g = realloc(*buf, (size_t)n + 1);
+        if (!g)
+            return false;
+        *buf = g;
+        *cap = (size_t)n + 1;
+    }
+    memcpy(*buf, hdr, 5);
+    *len = (size_t)n + 1;
+    return read_full(fd, *buf + 5, n - 4);
+}
+
+/* Is this SQL text a COMMIT (COMMIT, COMMIT WORK, END ...)? */
+static bool is_commit_sql(const unsigned char *s, size_t n)
+{
+    size_t i = 0;
+    while (i < n && (s[i] == ' ' || s[i] == '\t' || s[i] == '\n' || s[i] == '\r'))
+        i++;
+    if (n - i >= 6 && strncasecmp((const char *)s + i, "COMMIT", 6) == 0 &&
+        (n - i == 6 || !((s[i + 6] | 0x20) >= 'a' && (s[i + 6] | 0x20) <= 'z')))
+        return true;
+    return n - i >= 3 && strncasecmp((const char *)s + i, "END", 3) == 0 &&
+           (n - i == 3 || !((s[i + 3] | 0x20) >= 'a' && (s[i + 3] | 0x20) <= 'z'));
+}
+
+static void pair_release(struct proxy_pair *pp)
+{
+    shutdown(pp->cfd, SHUT_RDWR);
+    shutdown(pp->sfd, SHUT_RDWR);
+    if (atomic_fetch_sub(&pp->refs, 1) == 1) {
+        close(pp->cfd);
+        close(pp->sfd);
+        free(pp);
+    }
+}
+
+/* Takes an armed cut for a commit (explicit, or a provider step's
+ * implicit one; simple: a simple Query, which may be cut before): its kind
+ * in *kind and its number (1, 2, ...), or 0 when none is armed. */
+static long take_cut(bool explicit, bool simple, int *kind)
+{
+    if (!atomic_exchange(explicit ? &proxy_armed_explicit : &proxy_armed_implicit, 0))
+        return 0;
+    if (!explicit)
+        *kind = CUT_IMPLICIT;
+    else if (!simple)
+        *kind = CUT_AFTER;
+    else
+        *kind = atomic_fetch_add(&proxy_explicit, 1) % 2 == 0 ? CUT_AFTER : CUT_BEFORE;
+    return atomic_fetch_add(&proxy_cuts, 1) + 1;
+}
+
+/* Does the text of this Parse name a provider step that writes? */
+static bool is_provider_step(const unsigned char *q, size_t n)
+{
+    static const char *const steps[] = {"idemq.provider_begin", "idemq.provider_result"};
+    for (size_t k = 0; k < sizeof steps / sizeof steps[0]; k++) {
+        size_t m = strlen(steps[k]);
+        for (size_t i = 0; i + m <= n; i++)
+            if (memcmp(q + i, steps[k], m) == 0)
+                return true;
+    }
+    return false;
+}
+
+/* Client to server: the start-up phase, then typed messages. */
+static void *proxy_c2s(void *arg)
+{
+    struct proxy_pair *pp = arg;
+    unsigned char *buf = NULL, hdr[8];
+    size_t cap = 0, len = 0;
+    bool commit_parsed = false; /* a Parse of COMMIT waits for its Sync */
+    bool step_parsed = false;   /* a Parse of a provider step waits for its Sync */
+
+    for (;;) { /* untyped packets: SSL/GSSENC requests, then start-up or cancel */
+        uint32_t n, code;
+        if (!read_full(pp->cfd, hdr, 8))
+            goto out;
+        n = be32(hdr);
+        code = be32(hdr + 4);
+        if (n < 8 || n > 10000)
+            goto out;
+        if (code == PG_SSL_REQUEST || code == PG_GSSENC_REQUEST) {
+            if (!write_full(pp->cfd, "N", 1))
+                goto out;
+            continue;
+        }
+        if (!(buf = malloc(n)))
+            goto out;
+        cap = n;
+        memcpy(buf, hdr, 8);
+        if (!read_full(pp->cfd, buf + 8, n - 8) || !write_full(pp->sfd, buf, n))
+            goto out;
+        break;
+    }
+    while (read_msg(pp->cfd, &buf, &cap, &len)) {
+        bool commit = false, commit_ext = false, step = false;
+        long cut = 0;
+        int kind = CUT_AFTER;
+        if (buf[0] == 'Q') {
+            commit = is_commit_sql(buf + 5, len - 5);
+        } else if (buf[0] == 'P') { /* statement name \0 query \0 ... */
+            const unsigned char *q = memchr(buf + 5, '\0', len - 5);
+            if (q && ++q < buf + len) {
+                size_t qn = strnlen((const char *)q, (size_t)(buf + len - q));
+                commit_parsed = commit_parsed || is_commit_sql(q, qn);
+                step_parsed = step_parsed || is_provider_step(q, qn);
+            }
+        } else if (buf[0] == 'S') {
+            commit_ext = commit_parsed;
+            step = step_parsed && atomic_load(&pp->idle);
+            commit_parsed = step_parsed = false;
+        }
+        if (commit || commit_ext)
+            cut = take_cut(true, commit, &kind);
+        else if (step)
+            cut = take_cut(false, false, &kind);
+        if (cut > 0) {
+            static const char *const cut_names[] = {"after", "before", "implicit"};
+            bool after = kind != CUT_BEFORE;
+            time_t now = time(NULL);
+            struct tm tm;
+            char at[16];
+            strftime(at, sizeof at, "%H:%M:%S", gmtime_r(&now, &tm));
+            printf("cut %ld %s conn %ld at %s\n", cut, cut_names[kind], pp->id, at);
+            fflush(stdout);
+            if (!after)
+                goto out;
+            atomic_store(&pp->cut_after, 1);
+            write_full(pp->sfd, buf, len);
+            /* The other thread drops the reply and closes both sides. */
+            break;
+        }
+        if (!write_full(pp->sfd, buf, len))
+            break;
+    }
+out:
+    free(buf);
+    if (!atomic_load(&pp->cut_after))
+        pair_release(pp);
+    else if (atomic_fetch_sub(&pp->refs, 1) == 1) { /* the other side is done already */
+        close(pp->cfd);
+        close(pp->sfd);
+        free(pp);
+    }
+    return NULL;
+}
+
+/* Server to client: typed messages; after a cut, the reply is dropped up to
+ * its ReadyForQuery (or for at most 10 s), then both sides are closed. */
+static void *proxy_s2c(void *arg)
+{
+    struct proxy_pair *pp = arg;
+    unsigned char *buf = NULL;
+    size_t cap = 0, len = 0;
+
+    for (;;) {
+        if (atomic_load(&pp->cut_after)) {
+            struct pollfd pfd = {pp->sfd, POLLIN, 0};
+            if (poll(&pfd, 1, 10000) <= 0 || !read_msg(pp->sfd, &buf, &cap, &len) ||
+                buf[0] == 'Z')
+                break;
+            continue;
+        }
+        if (!read_msg(pp->sfd, &buf, &cap, &len))
+            break;
+        if (buf[0] == 'Z' && len >= 6)
+            atomic_store(&pp->idle, buf[5] == 'I');
+        if (atomic_load(&pp->cut_after)) { /* came with or after the COMMIT */
+            if (buf[0] == 'Z')
+                break;
+            continue;
+        }
+        if (!write_full(pp->cfd, buf, len))
+            break;
+    }
+    free(buf);
+    pair_release(pp);
+    return NULL;
+}
+
+static int cmd_pgproxy(int argc, char **argv)
+{
+    const char *to = NULL;
+    long listen_port = 0, conns = 0;
+    int lfd, one = 1;
+    struct sockaddr_in sa;
+    socklen_t sl = sizeof sa;
+    struct sigaction act;
+    char host[64];
+    const char *colon;
+
+    for (int i = 2; i + 1 < argc; i += 2) {
+        if (strcmp(argv[i], "--to") == 0)
+            to = argv[i + 1];
+        else if (strcmp(argv[i], "--listen") == 0)
+            listen_port = strtol(argv[i + 1], NULL, 10);
+        else
+            to = NULL, i = argc;
+    }
+    memset(&proxy_upstream, 0, sizeof proxy_upstream);
+    proxy_upstream.sin_family = AF_INET;
+    if (!to || argc % 2 != 0 || !(colon = strrchr(to, ':')) || colon - to >= (long)sizeof host ||
+        listen_port < 0 || listen_port > 65535) {
+        fprintf(stderr, "usage: idemq-chaos pgproxy --to HOST:PORT [--listen PORT]\n");
+        return 2;
+    }
+    memcpy(host, to, (size_t)(colon - to));
+    host[colon - to] = '\0';
+    proxy_upstream.sin_port = htons((uint16_t)strtol(colon + 1, NULL, 10));
+    if (inet_pton(AF_INET, host, &proxy_upstream.sin_addr) != 1) {
+        fprintf(stderr, "idemq-chaos pgproxy: %s is not an IPv4 address\n", host);
+        return 2;
+    }
+    memset(&act, 0, sizeof act);
+    act.sa_handler = proxy_on_signal;
+    act.sa_flags = SA_RESTART;
+    sigaction(SIGUSR1, &act, NULL);
+    sigaction(SIGUSR2, &act, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    sa.sin_port = htons((uint16_t)listen_port);
+    if ((lfd = socket(AF_INET, SOCK_STREAM, 0)) < 0 ||
+        setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) ||
+        bind(lfd, (struct sockaddr *)&sa, sizeof sa) || listen(lfd, 64) ||
+        getsockname(lfd, (struct sockaddr *)&sa, &sl)) {
+        fprintf(stderr, "idemq-chaos pgproxy: cannot listen: %s\n", strerror(errno));
+        return 1;
+    }
+    printf("listening on %u\n", ntohs(sa.sin_port));
+    fflush(stdout);
+    for (;;) {
+        struct proxy_pair *pp;
+        pthread_t t1, t2;
+        int cfd = accept(lfd, NULL, NULL), sfd;
+        if (cfd < 0) {
+            if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE)
+                continue;
+            fprintf(stderr, "idemq-chaos pgproxy: accept: %s\n", strerror(errno));
+            return 1;
+        }
+        sfd = socket(AF_INET, SOCK_STREAM, 0);
+        if (sfd < 0 || connect(sfd, (struct sockaddr *)&proxy_upstream, sizeof proxy_upstream)) {
+            /* PostgreSQL is down (a fault of its own): the client sees a
+             * refused connection as it would without the proxy. */
+            if (sfd >= 0)
+                close(sfd);
+            close(cfd);
+            continue;
+        }
+        setsockopt(cfd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        setsockopt(sfd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        if (!(pp = calloc(1, sizeof *pp))) {
+            close(cfd);
+            close(sfd);
+            continue;
+        }
+        pp->cfd = cfd;
+        pp->sfd = sfd;
+        pp->id = ++conns;
+        atomic_init(&pp->refs, 2);
+        if (pthread_create(&t1, NULL, proxy_c2s, pp)) {
+            close(cfd);
+            close(sfd);
+            free(pp);
+            continue;
+        }
+        pthread_detach(t1);
+        if (pthread_create(&t2, NULL, proxy_s2c, pp)) {
+            pair_release(pp); /* the s2c side: ends c2s too */
+            continue;
+        }
+        pthread_detach(t2);
+    }
 }
 
 static int parse(int argc, char **argv, struct opts *o)
@@ -582,7 +988,8 @@ static int parse(int argc, char **argv, struct opts *o)
         {"run", required_argument, NULL, 'r'},       {"manifest", required_argument, NULL, 'm'},
         {"dup-pct", required_argument, NULL, 'd'},   {"poison", required_argument, NULL, 'p'},
         {"badjson", required_argument, NULL, 'b'},   {"transient", required_argument, NULL, 't'},
-        {"rate", required_argument, NULL, 'R'},      {NULL, 0, NULL, 0}};
+        {"rate", required_argument, NULL, 'R'},      {"input", required_argument, NULL, 'i'},
+        {NULL, 0, NULL, 0}};
     int ch;
     char *end = NULL;
 
@@ -594,6 +1001,7 @@ static int parse(int argc, char **argv, struct opts *o)
         case 'c': o->config = optarg; continue;
         case 'r': o->run = optarg; continue;
         case 'm': o->manifest = optarg; continue;
+        case 'i': o->input = optarg; continue;
         case 'n': o->n = strtol(optarg, &end, 10); break;
         case 'd': o->dup_pct = (int)strtol(optarg, &end, 10); break;
         case 'p': o->poison = strtol(optarg, &end, 10); break;
@@ -623,6 +1031,8 @@ int main(int argc, char **argv)
     char err[1024];
     int rc;
 
+    if (argc > 1 && strcmp(argv[1], "pgproxy") == 0)
+        return cmd_pgproxy(argc, argv);
     if (parse(argc, argv, &o)) {
         fprintf(stderr, "usage: idemq-chaos publish|counts|reset -c CFG [options] (see the top "
                         "of scripts/chaos_tool.c)\n");

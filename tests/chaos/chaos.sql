@@ -9,8 +9,16 @@
 --   idemq_chaos.check(max_attempts)  one row per invariant: name, expected,
 --                         actual, ok and an example key when it fails
 --   idemq_chaos.pending() how many published jobs are not settled yet
+--   idemq_chaos.record_payout  the provider input's local effect: one row in
+--                         idemq_chaos.payouts per committed call (no unique
+--                         constraint either)
+--   idemq_chaos.pay_manifest   the provider input's published keys
+--   idemq_chaos.charges   charges per provider key as the test provider
+--                         counts them (GET /_stats?key=K), loaded at the end
+--   idemq_chaos.check_provider(total_charges)  the provider invariants, in
+--                         the same shape as check()
 -- The checker reads only idemq.jobs, idemq.attempts, idemq.parked and the
--- two tables above, so any test that loads a manifest can reuse it.
+-- tables above, so any test that loads a manifest can reuse it.
 CREATE SCHEMA IF NOT EXISTS idemq_chaos;
 
 CREATE TABLE IF NOT EXISTS idemq_chaos.effects (
@@ -27,6 +35,36 @@ CREATE TABLE IF NOT EXISTS idemq_chaos.manifest (
     copies     integer NOT NULL,  -- confirmed publishes of it
     fail_until integer NOT NULL DEFAULT 0
 );
+
+CREATE TABLE IF NOT EXISTS idemq_chaos.pay_manifest (
+    key    text PRIMARY KEY,
+    copies integer NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS idemq_chaos.payouts (
+    id         bigserial PRIMARY KEY,
+    key        text NOT NULL,
+    reference  text,
+    created_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX IF NOT EXISTS payouts_key_idx ON idemq_chaos.payouts (key);
+
+CREATE TABLE IF NOT EXISTS idemq_chaos.charges (
+    key     text PRIMARY KEY,
+    charges integer NOT NULL
+);
+
+-- The provider input's effect: runs after the provider confirmed, in the
+-- transaction that marks the job applied.
+CREATE OR REPLACE FUNCTION idemq_chaos.record_payout(p_key text, p_payload jsonb, p_meta jsonb)
+RETURNS jsonb LANGUAGE plpgsql
+SET search_path = pg_catalog, idemq_chaos AS $fn$
+BEGIN
+    INSERT INTO idemq_chaos.payouts (key, reference)
+    VALUES (p_key, p_meta->'provider'->>'reference');
+    RETURN jsonb_build_object('reference', p_meta->'provider'->>'reference');
+END
+$fn$;
 
 -- payload.poison: a permanent error (22023, parked at once);
 -- payload.fail_until = n: IR001 (retry) while meta.attempt <= n.
@@ -60,7 +98,10 @@ SET search_path = pg_catalog, idemq_chaos AS $fn$
              WHERE m.kind = 'badjson'
                AND NOT EXISTS (SELECT 1 FROM idemq.parked p
                                 WHERE p.key IS NULL AND p.error_code = 'bad_json'
-                                  AND p.payload_sha256 = encode(sha256(convert_to(m.key, 'UTF8')), 'hex')));
+                                  AND p.payload_sha256 = encode(sha256(convert_to(m.key, 'UTF8')), 'hex')))
+         + (SELECT count(*) FROM idemq_chaos.pay_manifest m
+              LEFT JOIN idemq.jobs j ON j.key = m.key
+             WHERE j.state IS DISTINCT FROM 'applied' AND j.state IS DISTINCT FROM 'parked');
 $fn$;
 
 CREATE OR REPLACE FUNCTION idemq_chaos.check(p_max_attempts integer)
@@ -78,6 +119,7 @@ BEGIN
                max(a.attempt) FILTER (WHERE a.outcome = 'applied') AS applied_at
           FROM idemq.attempts a
          WHERE a.outcome IN ('applied', 'transient_error', 'permanent_error')
+           AND NOT EXISTS (SELECT 1 FROM idemq_chaos.pay_manifest pm WHERE pm.key = a.key)
          GROUP BY a.key, a.generation;
 
     -- 1. every normal and transient key: one effect row, job applied
@@ -174,5 +216,57 @@ BEGIN
            idemq_chaos.pending() = 0, NULL::text;
     DROP TABLE chaos_eff;
     DROP TABLE chaos_att;
+END
+$fn$;
+
+-- The provider input's invariants, one row each like check(): every key
+-- published to it charged exactly once at the provider (none lost, none
+-- charged twice, no charge of an unknown key: p_total_charges is the
+-- provider's count of all charges), its job applied with one payout row
+-- whose reference is the job's, nothing of it parked.
+CREATE OR REPLACE FUNCTION idemq_chaos.check_provider(p_total_charges bigint)
+RETURNS TABLE (invariant text, expected bigint, actual bigint, ok boolean, example text)
+LANGUAGE plpgsql
+SET search_path = pg_catalog, idemq_chaos AS $fn$
+BEGIN
+    RETURN QUERY
+    SELECT 'provider charged once'::text, count(*), count(*) FILTER (WHERE c.charges = 1),
+           count(*) = count(*) FILTER (WHERE c.charges = 1),
+           min(m.key || ': ' || coalesce(c.charges::text, 'not counted') || ' charges')
+               FILTER (WHERE c.charges IS DISTINCT FROM 1)
+      FROM idemq_chaos.pay_manifest m LEFT JOIN idemq_chaos.charges c ON c.key = m.key;
+    RETURN QUERY
+    SELECT 'double charges', 0::bigint, count(*), count(*) = 0, min(c.key)
+      FROM idemq_chaos.charges c WHERE c.charges > 1;
+    RETURN QUERY
+    SELECT 'provider lost', 0::bigint, count(*), count(*) = 0, min(m.key)
+      FROM idemq_chaos.pay_manifest m LEFT JOIN idemq_chaos.charges c ON c.key = m.key
+     WHERE coalesce(c.charges, 0) = 0;
+    RETURN QUERY
+    SELECT 'provider charges in all', (SELECT count(*) FROM idemq_chaos.pay_manifest),
+           p_total_charges, p_total_charges = (SELECT count(*) FROM idemq_chaos.pay_manifest),
+           NULL::text;
+    RETURN QUERY
+    SELECT 'payout recorded once', count(*),
+           count(*) FILTER (WHERE x.n = 1 AND j.state = 'applied'),
+           count(*) = count(*) FILTER (WHERE x.n = 1 AND j.state = 'applied'),
+           min(m.key || ' (' || coalesce(x.n, 0) || ' rows, job ' || coalesce(j.state, 'none')
+               || ')') FILTER (WHERE x.n IS DISTINCT FROM 1 OR j.state IS DISTINCT FROM 'applied')
+      FROM idemq_chaos.pay_manifest m
+      LEFT JOIN (SELECT p.key, count(*) AS n FROM idemq_chaos.payouts p GROUP BY p.key) x
+        ON x.key = m.key
+      LEFT JOIN idemq.jobs j ON j.key = m.key;
+    RETURN QUERY
+    SELECT 'payout reference is the intent''s', 0::bigint, count(*), count(*) = 0, min(p.key)
+      FROM idemq_chaos.payouts p JOIN idemq.intents i ON i.key = p.key
+     WHERE p.reference IS DISTINCT FROM i.provider_ref;
+    RETURN QUERY
+    SELECT 'stray payouts', 0::bigint, count(*), count(*) = 0, min(p.key)
+      FROM idemq_chaos.payouts p
+     WHERE NOT EXISTS (SELECT 1 FROM idemq_chaos.pay_manifest m WHERE m.key = p.key);
+    RETURN QUERY
+    SELECT 'provider parked', 0::bigint, count(*), count(*) = 0, min(m.key || ' ' || j.state)
+      FROM idemq_chaos.pay_manifest m JOIN idemq.jobs j ON j.key = m.key
+     WHERE j.state <> 'applied';
 END
 $fn$;

@@ -24,16 +24,32 @@ BEGIN
     UPDATE idemq.jobs SET state = 'parked'
      WHERE key = (SELECT m.key FROM idemq_chaos.manifest m WHERE m.kind = 'normal'
                    ORDER BY m.key DESC LIMIT 1);
-    SELECT array_agg(c.invariant) INTO v_bad FROM idemq_chaos.check(5) c WHERE NOT c.ok;
+    -- the provider input: a key charged twice, one never charged, a payout
+    -- row missing, one with another reference, a stray charge
+    UPDATE idemq_chaos.charges SET charges = 2
+     WHERE key = (SELECT min(c.key) FROM idemq_chaos.charges c);
+    UPDATE idemq_chaos.charges SET charges = 0
+     WHERE key = (SELECT max(c.key) FROM idemq_chaos.charges c);
+    DELETE FROM idemq_chaos.payouts WHERE id = (SELECT max(p.id) FROM idemq_chaos.payouts p);
+    UPDATE idemq_chaos.payouts SET reference = 'ch_other'
+     WHERE id = (SELECT min(p.id) FROM idemq_chaos.payouts p);
+    SELECT array_agg(c.invariant) INTO v_bad
+      FROM (SELECT * FROM idemq_chaos.check(5)
+            UNION ALL
+            SELECT * FROM idemq_chaos.check_provider(
+                (SELECT count(*) + 1 FROM idemq_chaos.pay_manifest))) c
+     WHERE NOT c.ok;
     SELECT array_agg(w) INTO v_missed
       FROM unnest(ARRAY['applied once', 'lost', 'double', 'parked', 'parked by mistake',
                         'attempts contiguous', 'job row matches its history',
-                        'jobs settled']) AS w
+                        'jobs settled', 'provider charged once', 'double charges',
+                        'provider lost', 'provider charges in all', 'payout recorded once',
+                        'payout reference is the intent''s']) AS w
      WHERE NOT w = ANY (coalesce(v_bad, '{}'));
     IF v_missed IS NOT NULL THEN
         RAISE EXCEPTION 'the chaos checker missed injected violations: %', v_missed;
     END IF;
-    RAISE NOTICE 'checker self-test: % injected violation kinds all reported', 8;
+    RAISE NOTICE 'checker self-test: % injected violation kinds all reported', 14;
 END
 $$;
 ROLLBACK;
