@@ -118,8 +118,9 @@ static enum step plan_failure(struct batch *bt, struct job *j, struct ledger_res
     bool park;
 
     if (cls == CLASS_FATAL) {
-        snprintf(bt->why, sizeof bt->why, "effect of %s failed with %s %s (%s)", j->key,
-                 r->sqlstate, r->message, classify_name(cls));
+        /* the key last: the worker logs the same reason once, whichever job met it */
+        snprintf(bt->why, sizeof bt->why, "effect failed with %s %s (%s; first job %s)",
+                 r->sqlstate, r->message, classify_name(cls), j->key);
         return STEP_FATAL;
     }
     if (cls == CLASS_INFRA || cls == CLASS_NONE)

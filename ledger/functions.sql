@@ -317,6 +317,17 @@ BEGIN
             END IF;
         END IF;
 
+        IF calls[(j->>'i')::integer] IS NULL THEN
+            -- The effect this session resolved is gone: dropped, or replaced
+            -- by DROP + CREATE under a new OID. A deploy error, not the
+            -- job's: raised outside the job's subtransaction, it fails the
+            -- whole call, nothing is recorded, and the worker reports not
+            -- ready and reconnects (resolving the effect again).
+            RAISE EXCEPTION 'the effect function of input % (OID %) does not exist: dropped or '
+                            'replaced since this session resolved it', j->>'i',
+                            p_effects[(j->>'i')::integer]
+                  USING ERRCODE = '42883';
+        END IF;
         v_att := v_att + 1;
         r_attempt := v_att; r_base := v_base;
         BEGIN

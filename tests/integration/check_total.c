@@ -31,6 +31,13 @@ static void sleep_ms(int ms)
     nanosleep(&ts, NULL);
 }
 
+static long long mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
 /* Polls a count query until it reaches want (or the deadline). */
 static long wait_count(struct itest *t, const char *sql, const char *p1, long want, int ms)
 {
@@ -1145,6 +1152,197 @@ START_TEST(test_repark_unconfirmed)
 }
 END_TEST
 
+/* ---- deploys that take the effect away (issue 16) ---- */
+
+enum deploy_fault {
+    DEPLOY_DROP_PLAIN,     /* DROP FUNCTION + CREATE another signature; jobs arrive meanwhile */
+    DEPLOY_DROP_ISOLATING, /* DROP FUNCTION while jobs wait for their retry */
+    DEPLOY_DROP_TABLE,     /* DROP TABLE the effect writes (42P01 inside the effect) */
+};
+
+/* The test's own effect: writes its key into the test's own table. */
+static void deploy_effect(struct itest *t, const char *args)
+{
+    char sql[1200];
+    snprintf(sql, sizeof sql,
+             "CREATE FUNCTION idemq_test.%s_fx(%s) "
+             "RETURNS jsonb LANGUAGE plpgsql AS $fn$ BEGIN "
+             "PERFORM idemq_test.switches($1, $2, $3); "
+             "INSERT INTO idemq_test.%s_t (key) VALUES ($1); "
+             "RETURN jsonb_build_object('ok', true); END $fn$",
+             t->name, args, t->name);
+    itest_sql(t, sql);
+}
+
+static long deploy_count(struct itest *t, const char *what)
+{
+    char sql[400];
+    snprintf(sql, sizeof sql, "SELECT %s FROM idemq_test.%s_t", what, t->name);
+    return itest_long(t, sql, NULL);
+}
+
+/* Polls the test's table until it holds want rows (or the deadline). */
+static long deploy_wait(struct itest *t, long want, int ms)
+{
+    long v = -1;
+    for (int waited = 0; waited <= ms; waited += 50) {
+        if ((v = deploy_count(t, "count(*)")) >= want)
+            return v;
+        sleep_ms(50);
+    }
+    return v;
+}
+
+/* A counter or gauge line of /metrics ("name value"), or -1. */
+static long metric(const char *url, const char *name)
+{
+    char out[32768], pat[200];
+    const char *p;
+    snprintf(pat, sizeof pat, "\n%s ", name);
+    if (itest_http_get(url, out, sizeof out) != 200 || !(p = strstr(out, pat)))
+        return -1;
+    return atol(p + strlen(pat));
+}
+
+static void publish_deploy(struct itest *t, const char *prefix, int n, const char *extra)
+{
+    publish_keys(t, prefix, n, extra);
+}
+
+/*
+ * A deploy takes the effect away under a running worker, with jobs in
+ * flight; then puts it back (a new OID, or a new table). Nothing may be
+ * parked or applied meanwhile; the worker says NOT READY (logged once, not
+ * once per check or per redelivery), gives the deliveries back, and applies
+ * them by itself within broker.reconnect_max_ms (1 s here) of the effect
+ * being back.
+ */
+static void deploy_case(enum deploy_fault fault, const char *tag)
+{
+    struct itest t;
+    char log[300], ready_url[64], metrics_url[64], sql[600], cfg[200], effect[200];
+    char out[4096];
+    const char *fatal = "idemq_attempts_total{class=\"fatal\"}";
+    const char *sig = "p_key text, p_payload jsonb, p_meta jsonb";
+    int port = itest_free_port(), st, lines;
+    long long t0;
+    long fatals = -1, total;
+    pid_t pid;
+
+    snprintf(cfg, sizeof cfg, "metrics: { listen = \"127.0.0.1:%d\"; };", port);
+    itest_extra_conf = cfg;
+    itest_broker_conf = "reconnect_max_ms = 1000;";
+    itest_retry_conf = "base_delay_ms = 1500; jitter = \"none\";";
+    itest_setup(&t, tag, "idemq_test.record", "workers = 1; batch_max = 20;", "");
+    snprintf(sql, sizeof sql, "CREATE TABLE idemq_test.%s_t (key text NOT NULL)", t.name);
+    itest_sql(&t, sql);
+    deploy_effect(&t, sig);
+    snprintf(effect, sizeof effect, "idemq_test.%s_fx", t.name);
+    itest_write_config(&t, t.cfg_path, t.name, effect, "workers = 1; batch_max = 20;", "");
+    itest_extra_conf = itest_broker_conf = itest_retry_conf = NULL;
+    snprintf(ready_url, sizeof ready_url, "http://127.0.0.1:%d/ready", port);
+    snprintf(metrics_url, sizeof metrics_url, "http://127.0.0.1:%d/metrics", port);
+    snprintf(log, sizeof log, "/tmp/%s.log", t.name);
+
+    pid = itest_spawn_log(t.cfg_path, 4, NULL, log);
+    if (fault == DEPLOY_DROP_ISOLATING) {
+        /* first attempts fail transiently: the keys wait in 'retrying', and
+         * their next delivery takes the isolating path */
+        publish_deploy(&t, "a", 10, "\"raise\":\"40001\",\"raise_until\":1");
+        ck_assert_int_eq(wait_count(&t,
+                                    "SELECT count(*) FROM idemq.jobs WHERE key LIKE $1 || ':%' "
+                                    "AND state = 'retrying'",
+                                    t.name, 10, itest_ms(10000)),
+                         10);
+    } else {
+        publish_deploy(&t, "a", 10, NULL);
+        ck_assert_int_eq(deploy_wait(&t, 10, itest_ms(10000)), 10);
+    }
+    /* the deploy */
+    if (fault == DEPLOY_DROP_TABLE) {
+        snprintf(sql, sizeof sql, "DROP TABLE idemq_test.%s_t", t.name);
+        itest_sql(&t, sql);
+    } else {
+        snprintf(sql, sizeof sql, "DROP FUNCTION idemq_test.%s_fx(text, jsonb, jsonb)", t.name);
+        itest_sql(&t, sql);
+        if (fault == DEPLOY_DROP_PLAIN) /* a changed signature: the name, not the function */
+            deploy_effect(&t, "p_key text, p_payload jsonb");
+    }
+    if (fault != DEPLOY_DROP_ISOLATING)
+        publish_deploy(&t, "b", 10, NULL); /* in flight while the effect is gone */
+    /* NOT READY, and several failed tries (the deliveries given back each time) */
+    for (int i = 0; i < 300 && fatals < 3; i++) {
+        fatals = metric(metrics_url, fatal);
+        sleep_ms(50);
+    }
+    ck_assert_msg(fatals >= 3, "the worker did not fail as a deploy error (fatal %ld; log %s)",
+                  fatals, log);
+    ck_assert_int_eq(itest_http_get(ready_url, out, sizeof out), 503);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE source_queue = $1",
+                                t.name),
+                     0);
+    /* logged once, not once per check */
+    lines = itest_count_lines(log, "NOT READY");
+    ck_assert_msg(lines >= 1 && lines <= 2, "%d NOT READY lines for %ld failed tries (log %s)",
+                  lines, fatals, log);
+    /* the deploy is finished: the effect is back (a new OID, or a new table) */
+    if (fault == DEPLOY_DROP_TABLE) {
+        snprintf(sql, sizeof sql, "CREATE TABLE idemq_test.%s_t (key text NOT NULL)", t.name);
+        itest_sql(&t, sql);
+        total = 10;
+    } else {
+        if (fault == DEPLOY_DROP_PLAIN) {
+            snprintf(sql, sizeof sql, "DROP FUNCTION idemq_test.%s_fx(text, jsonb)", t.name);
+            itest_sql(&t, sql);
+        }
+        deploy_effect(&t, sig);
+        total = fault == DEPLOY_DROP_ISOLATING ? 10 : 20;
+    }
+    t0 = mono_ms();
+    ck_assert_int_eq(deploy_wait(&t, total, itest_ms(10000)), total);
+    /* within reconnect_max_ms (1 s), plus a batch's time */
+    ck_assert_int_le(mono_ms() - t0, itest_ms(1000 + 2000));
+    for (int i = 0; i < 100 && itest_http_get(ready_url, out, sizeof out) != 200; i++)
+        sleep_ms(50);
+    ck_assert_int_eq(itest_http_get(ready_url, out, sizeof out), 200);
+    publish_deploy(&t, "c", 5, NULL); /* and goes on */
+    st = itest_wait(pid, itest_ms(60000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x (log %s)", st,
+                  log);
+    ck_assert_int_eq(deploy_count(&t, "count(*)"), total + 5);
+    ck_assert_int_eq(deploy_count(&t, "count(DISTINCT key)"), total + 5);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE source_queue = $1",
+                                t.name),
+                     0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key LIKE $1 || ':%' "
+                                    "AND state <> 'applied'",
+                                t.name),
+                     0);
+    unlink(log);
+    itest_teardown(&t);
+}
+
+/* The plain (lean) path: the prepared statement names the effect. */
+START_TEST(test_deploy_drop_plain)
+{
+    deploy_case(DEPLOY_DROP_PLAIN, "dplain");
+}
+END_TEST
+
+/* The isolating path (idemq.apply_batch): the effect's OID of the session. */
+START_TEST(test_deploy_drop_isolating)
+{
+    deploy_case(DEPLOY_DROP_ISOLATING, "disol");
+}
+END_TEST
+
+/* A table the effect writes is dropped: 42P01 inside the effect. */
+START_TEST(test_deploy_drop_table)
+{
+    deploy_case(DEPLOY_DROP_TABLE, "dtable");
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("total");
@@ -1167,6 +1365,12 @@ int main(void)
     tcase_add_test(tc, test_broker_restart_resume);
     tcase_add_test(tc, test_early_copy_waits);
     tcase_add_test(tc, test_repark_unconfirmed);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("deploy"); /* CK_RUN_CASE=deploy runs these alone */
+    tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, test_deploy_drop_plain);
+    tcase_add_test(tc, test_deploy_drop_isolating);
+    tcase_add_test(tc, test_deploy_drop_table);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
