@@ -240,7 +240,20 @@ static enum step commit(struct batch *bt)
  * records failures, parks the rest, commits. Fills plans[0..n). On any
  * non-OK return the transaction is rolled back and nothing may be settled.
  */
+static enum step run_txn_notices(struct batch *bt, struct job *jobs, int n, struct plan *plans);
+
 static enum step run_txn(struct batch *bt, struct job *jobs, int n, struct plan *plans)
+{
+    enum step st;
+    /* a server notice (RAISE NOTICE in the effect) names the job when the
+     * transaction is about one */
+    ledger_db_set_notice_key(n == 1 && jobs[0].has_key ? jobs[0].key : NULL);
+    st = run_txn_notices(bt, jobs, n, plans);
+    ledger_db_set_notice_key(NULL);
+    return st;
+}
+
+static enum step run_txn_notices(struct batch *bt, struct job *jobs, int n, struct plan *plans)
 {
     struct ledger_db_error e;
     int ngood = 0;
@@ -366,6 +379,7 @@ static enum step failed_txn(struct batch *bt, int i)
     enum step st;
 
     settle_plan_clear(p);
+    ledger_db_set_notice_key(NULL); /* the claim and record functions: no effect runs */
     if (ledger_txn_begin(bt->lt, &e))
         return call_failed(bt, &e, "BEGIN");
     if (ledger_txn_claim_failed(bt->lt, j, r, &e)) {

@@ -8,6 +8,7 @@
 
 #include "check_run.h"
 #include <amqp.h>
+#include <jansson.h>
 #include <openssl/evp.h>
 #include <signal.h>
 #include <stdio.h>
@@ -1343,6 +1344,118 @@ START_TEST(test_deploy_drop_table)
 }
 END_TEST
 
+/* ---- server notices go through the logger (issue 16, Operations) ---- */
+
+/* Effect idemq_test.<name>_fx: RAISE NOTICE and WARNING whose text holds a
+ * newline followed by what would be a forged line. */
+static void notice_effect(struct itest *t)
+{
+    char sql[1200];
+    snprintf(sql, sizeof sql,
+             "CREATE FUNCTION idemq_test.%s_fx(p_key text, p_payload jsonb, p_meta jsonb) "
+             "RETURNS jsonb LANGUAGE plpgsql AS $fn$ BEGIN "
+             "RAISE NOTICE 'hello from %%', E'\\n' || (p_payload->>'forge'); "
+             "RAISE WARNING 'careful%%', E'\\nFORGED warning line'; "
+             "RETURN idemq_test.record(p_key, p_payload, p_meta); END $fn$",
+             t->name);
+    itest_sql(t, sql);
+}
+
+/* Checks log (format json or text) after one job with key: every line is
+ * one of idemq's (a JSON object with "ts", or a text line with the time and
+ * "idemq["), the notice and the warning are lines of their own, escaped,
+ * with the job's key. */
+static void check_notice_log(const char *log, bool json, const char *key)
+{
+    FILE *f = fopen(log, "r");
+    char *line = NULL;
+    size_t cap = 0;
+    ssize_t len;
+    int notices = 0, warnings = 0, lines = 0;
+
+    ck_assert_ptr_nonnull(f);
+    while ((len = getline(&line, &cap, f)) > 0) {
+        lines++;
+        if (line[len - 1] == '\n')
+            line[--len] = '\0';
+        if (json) {
+            json_error_t err;
+            json_t *o = json_loads(line, 0, &err), *ev, *msg, *k, *lvl;
+            ck_assert_msg(json_is_object(o) && json_object_get(o, "ts"),
+                          "line %d of %s is not one of idemq's JSON objects: %s", lines, log,
+                          line);
+            ev = json_object_get(o, "event");
+            msg = json_object_get(o, "msg");
+            k = json_object_get(o, "key");
+            lvl = json_object_get(o, "level");
+            if (json_is_string(ev) && strcmp(json_string_value(ev), "db_notice") == 0) {
+                ck_assert_msg(json_is_string(k) && strcmp(json_string_value(k), key) == 0,
+                              "notice without the job's key: %s", line);
+                if (strstr(json_string_value(msg), "hello from \n{\"level\":\"error\"")) {
+                    ck_assert_str_eq(json_string_value(lvl), "info");
+                    notices++;
+                }
+                if (strstr(json_string_value(msg), "careful\nFORGED warning line")) {
+                    ck_assert_str_eq(json_string_value(lvl), "warn");
+                    warnings++;
+                }
+            }
+            json_decref(o);
+        } else {
+            ck_assert_msg(len > 30 && line[4] == '-' && strstr(line, " idemq["),
+                          "line %d of %s is not one of idemq's: %s", lines, log, line);
+            ck_assert_msg(strstr(line, "FORGED") != line, "a forged line: %s", line);
+            if (strstr(line, "PostgreSQL NOTICE: hello from \\n{\"level\":\"error\"") &&
+                strstr(line, key))
+                notices++;
+            if (strstr(line, "[WARN]") && strstr(line, "careful\\nFORGED warning line") &&
+                strstr(line, key))
+                warnings++;
+        }
+    }
+    free(line);
+    fclose(f);
+    ck_assert_msg(notices >= 1 && warnings >= 1, "notice %d, warning %d lines in %s", notices,
+                  warnings, log);
+}
+
+START_TEST(test_notice_logged)
+{
+    struct itest t;
+    char log[300], effect[200], key[200], body[512];
+
+    itest_log_conf = "format = \"json\";";
+    itest_setup(&t, "notice", "idemq_test.record", "workers = 1;", "");
+    notice_effect(&t);
+    snprintf(effect, sizeof effect, "idemq_test.%s_fx", t.name);
+    itest_write_config(&t, t.cfg_path, t.name, effect, "workers = 1;", "");
+    itest_log_conf = NULL;
+    snprintf(log, sizeof log, "/tmp/%s.log", t.name);
+    snprintf(key, sizeof key, "%s:json", t.name);
+    snprintf(body, sizeof body,
+             "{\"job_id\":\"%s\",\"amount_minor\":1,\"forge\":\"{\\\"level\\\":\\\"error\\\","
+             "\\\"forged\\\":true}\"}",
+             key);
+    itest_publish(&t, (const char *[]){body}, 1);
+    ck_assert_int_eq(run_logged(&t, 1, log, 60000), 0);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    check_notice_log(log, true, key);
+    unlink(log);
+    /* the text format */
+    itest_write_config(&t, t.cfg_path, t.name, effect, "workers = 1;", "");
+    snprintf(key, sizeof key, "%s:text", t.name);
+    snprintf(body, sizeof body,
+             "{\"job_id\":\"%s\",\"amount_minor\":1,\"forge\":\"{\\\"level\\\":\\\"error\\\"}\"}",
+             key);
+    itest_publish(&t, (const char *[]){body}, 1);
+    ck_assert_int_eq(run_logged(&t, 1, log, 60000), 0);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    check_notice_log(log, false, key);
+    unlink(log);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("total");
@@ -1371,6 +1484,10 @@ int main(void)
     tcase_add_test(tc, test_deploy_drop_plain);
     tcase_add_test(tc, test_deploy_drop_isolating);
     tcase_add_test(tc, test_deploy_drop_table);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("notice");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, test_notice_logged);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
