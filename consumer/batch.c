@@ -310,8 +310,8 @@ static enum step run_txn_notices(struct batch *bt, struct job *jobs, int n, stru
             }
             p->how = SETTLE_DELAY;
             p->delay_ms = topology_clamp_delay(bt->c, r->delay_ms);
-            log_job(LOG_LVL_INFO, jobs[i].key, jobs[i].tag, r->attempt,
-                    "back before its retry time: waiting %ld ms more", p->delay_ms);
+            log_job(LOG_LVL_INFO, jobs[i].key, jobs[i].tag, r->attempt, "%s: waiting %ld ms more",
+                    r->message[0] ? r->message : "back before its retry time", p->delay_ms);
             break;
         case LEDGER_REPARK:
             p->how = SETTLE_DEAD;

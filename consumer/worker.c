@@ -426,6 +426,10 @@ static enum step settle_committed(struct session *s, int n)
         if (plans[i].how == SETTLE_DEAD && plans[i].park)
             s->park_ids[parks++] =
                 (long long)json_integer_value(json_object_get(plans[i].park, "park_id"));
+#ifdef IDEMQ_TEST_HOOKS
+    if (parks && getenv("IDEMQ_TEST_MARK_DELAY_MS")) /* widens the S7 window in tests */
+        nap(atol(getenv("IDEMQ_TEST_MARK_DELAY_MS")));
+#endif
     if (parks && ledger_txn_mark_dead_lettered(s->lt, s->park_ids, parks, &e))
         log_warn("worker %d: dead-letter publish confirmed but not noted in the ledger (%s); "
                  "a later duplicate would publish it again", s->w->id, e.message);
