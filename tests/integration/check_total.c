@@ -1496,6 +1496,47 @@ START_TEST(test_repark_race)
 }
 END_TEST
 
+/* ---- jobs show labels an adopted intent certain (issue 16, Operations) ---- */
+
+/*
+ * An intent whose outcome was unknown and whose reference the provider
+ * later confirmed (a lookup or a resend under the key adopted it) keeps
+ * `uncertain` set; jobs show printed "applied (outcome uncertain)". The
+ * provider's answer about the key makes it certain. An intent still
+ * waiting for that answer stays "outcome uncertain".
+ */
+START_TEST(test_jobs_show_adopted)
+{
+    struct itest t;
+    char sql[1500], out[16384], args[300];
+    const char *cases[][3] = {
+        /* key suffix, state and reference, the label wanted */
+        {"adopted", "'applied', 'ref-42'", "(certain: confirmed by the provider after 1 unknown"},
+        {"unknown", "'unknown', NULL", "(outcome uncertain)"},
+    };
+
+    itest_setup(&t, "show", "idemq_test.record", "", "");
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        snprintf(sql, sizeof sql,
+                 "INSERT INTO idemq.jobs (key, state, attempts, first_seen_at, applied_at) "
+                 "VALUES ('%s:%s', 'applied', 2, now(), now()); "
+                 "INSERT INTO idemq.intents (key, input, provider, source_queue, idempotent, "
+                 "  state, provider_ref, uncertain, unknowns, requests, request_sha256, "
+                 "  request_body, body, confirmed_at) "
+                 "VALUES ('%s:%s', 'in', 'prov', '%s', true, %s, true, 1, 2, 'x', '\\x7b7d', "
+                 "  '\\x7b7d', now())",
+                 t.name, cases[i][0], t.name, cases[i][0], t.name, cases[i][1]);
+        itest_sql(&t, sql);
+        snprintf(args, sizeof args, "jobs show '%s:%s'", t.name, cases[i][0]);
+        ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+        ck_assert_msg(strstr(out, cases[i][2]), "no \"%s\" in:\n%s", cases[i][2], out);
+        if (i == 0)
+            ck_assert_msg(!strstr(out, "outcome uncertain"), "%s", out);
+    }
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("total");
@@ -1528,6 +1569,10 @@ int main(void)
     tc = tcase_create("notice");
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, test_notice_logged);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("show");
+    tcase_set_timeout(tc, 60);
+    tcase_add_test(tc, test_jobs_show_adopted);
     suite_add_tcase(s, tc);
     tc = tcase_create("repark");
     tcase_set_timeout(tc, 120);
