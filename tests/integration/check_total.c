@@ -11,6 +11,7 @@
 #include <jansson.h>
 #include <openssl/evp.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1537,6 +1538,167 @@ START_TEST(test_jobs_show_adopted)
 }
 END_TEST
 
+/* ---- broker permissions (issue 16, Operations) ---- */
+
+/* Runs `scripts/services ctl ARGS` (rabbitmqctl on the test node). */
+static void ctl(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void ctl(const char *fmt, ...)
+{
+    char args[900], what[1000];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(args, sizeof args, fmt, ap);
+    va_end(ap);
+    snprintf(what, sizeof what, "ctl %s", args);
+    ck_assert_msg(itest_services(what) == 0, "scripts/services %s failed", what);
+}
+
+/* amqp://user:pw@ the test broker's host and port */
+static void user_url(char *buf, size_t len, const char *user, const char *pw)
+{
+    snprintf(buf, len, "amqp://%s:%s@127.0.0.1%s", user, pw,
+             strrchr(getenv("IDEMQ_AMQP_URL"), ':'));
+}
+
+/* Whether user (URL in IDEMQ_AMQP_URL now) gets a confirmed publish
+ * through exchange ex with routing key rk. */
+static bool may_publish(struct itest *t, const char *ex, const char *rk)
+{
+    struct conf *c;
+    struct broker *b;
+    char err[1024];
+    struct broker_props p = {NULL, NULL, NULL, true, NULL, NULL};
+    bool ok;
+    ck_assert_msg(conf_load(t->cfg_path, &c, err, sizeof err) == IDEMQ_OK, "%s", err);
+    ck_assert_msg(broker_open(c, "itest perms", true, &b, err, sizeof err) == IDEMQ_OK, "%s",
+                  err);
+    ok = broker_publish(b, ex, rk, "{}", 2, &p) == IDEMQ_OK &&
+         broker_wait_confirms(b, 5000) == IDEMQ_OK;
+    broker_close(b);
+    conf_free(c);
+    return ok;
+}
+
+/*
+ * The README's least-privilege RabbitMQ users: `run` may publish only to
+ * its inputs' delay and dead-letter exchanges and consume only its input
+ * queues (no amq.default: that reaches every queue of the vhost); the
+ * operator user of `idemq redrive` / `parked list` reads <queue>.dead and
+ * publishes through amq.default. Under them: a job applies, one retries,
+ * one parks; the operator lists and redrives it, the run user applies it;
+ * the run user can neither publish into an unrelated queue nor redrive.
+ */
+START_TEST(test_broker_least_privilege)
+{
+    struct itest t;
+    char run_user[96], op_user[96], pw[64], run_url[300], op_url[300], other[128], out[16384];
+    char keys[3][128], bufs[3][256], args[300], sql[400], dlq[TOPOLOGY_NAME_MAX];
+    const char *bodies[3] = {bufs[0], bufs[1], bufs[2]};
+    char *admin_url = strdup(getenv("IDEMQ_AMQP_URL"));
+    struct broker *b;
+    char err[512];
+
+    itest_retry_conf = "base_delay_ms = 3000; max_delay_ms = 3000; jitter = \"none\"; "
+                       "rescue_after_s = 1;";
+    itest_extra_conf = "topology: { verify = \"passive\"; };";
+    itest_setup(&t, "bperm", "idemq_test.record", "", "");
+    itest_retry_conf = itest_extra_conf = NULL;
+    topology_dlq(&t.conf->inputs[0], dlq, sizeof dlq);
+    snprintf(run_user, sizeof run_user, "%s_run", t.name);
+    snprintf(op_user, sizeof op_user, "%s_op", t.name);
+    snprintf(pw, sizeof pw, "Bp-%d", (int)getpid());
+    snprintf(other, sizeof other, "%s_other", t.name);
+    ck_assert_int_eq(broker_open(t.conf, "itest other", false, &b, err, sizeof err), IDEMQ_OK);
+    ck_assert_int_eq(broker_admin_declare_queue(b, other, NULL, false), IDEMQ_OK);
+    broker_close(b);
+    /* exactly as README "Roles and permissions" writes them (queue idemq.payouts there) */
+    ctl("add_user %s %s", run_user, pw);
+    ctl("set_permissions -p / %s '^$' '^%s\\.(retry|dlx)$' '^%s$'", run_user, t.name, t.name);
+    ctl("add_user %s %s", op_user, pw);
+    ctl("set_permissions -p / %s '^$' '^amq\\.default$' '^%s\\.dead$'", op_user, t.name);
+    user_url(run_url, sizeof run_url, run_user, pw);
+    user_url(op_url, sizeof op_url, op_user, pw);
+
+    /* run: one applies, one retries (its copy then lost on the broker, and
+     * rescued from the ledger), one parks (until its key is fixed) */
+    for (int i = 0; i < 3; i++)
+        snprintf(keys[i], sizeof keys[i], "%s:%d", t.name, i);
+    snprintf(bufs[0], sizeof bufs[0], "{\"job_id\":\"%s\"}", keys[0]);
+    snprintf(bufs[1], sizeof bufs[1], "{\"job_id\":\"%s\",\"raise\":\"40001\",\"raise_until\":1}",
+             keys[1]);
+    snprintf(bufs[2], sizeof bufs[2], "{\"job_id\":\"%s\"}", keys[2]);
+    snprintf(sql, sizeof sql, "INSERT INTO idemq_test.failing VALUES ('%s', '22023')", keys[2]);
+    itest_sql(&t, sql);
+    itest_publish(&t, bodies, 3);
+    setenv("IDEMQ_AMQP_URL", run_url, 1);
+    ck_assert_int_eq(itest_idemq(&t, "run --until-idle 1", out, sizeof out), 0);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, keys[0]), 1);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, keys[2]), 0);
+    ck_assert_int_eq(itest_queue_ready(&t, dlq), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND "
+                                    "state = 'retrying'",
+                                keys[1]),
+                     1);
+    {
+        char bucket[TOPOLOGY_NAME_MAX];
+        topology_bucket_queue(&t.conf->inputs[0], topology_bucket(3000), bucket, sizeof bucket);
+        ck_assert_int_eq(broker_open(t.conf, "itest purge", false, &b, err, sizeof err),
+                         IDEMQ_OK);
+        ck_assert_int_eq(broker_admin_purge(b, bucket), IDEMQ_OK);
+        broker_close(b);
+    }
+    {
+        char log[300];
+        int st;
+        snprintf(log, sizeof log, "/tmp/%s.log", t.name);
+        st = itest_wait(itest_spawn_log(t.cfg_path, 6, NULL, log), itest_ms(30000));
+        ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0,
+                      "idemq run under the run user did not finish (status 0x%x, log %s)", st,
+                      log);
+        ck_assert_msg(itest_long(&t, EFFECTS_FOR, keys[1]) == 1,
+                      "the lost retry was not rescued (log %s)", log);
+        unlink(log);
+    }
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.retry_rescues WHERE key = $1",
+                                keys[1]),
+                     1);
+    /* the run user reaches no other queue, not even its own work queue directly */
+    ck_assert_msg(!may_publish(&t, "", other), "the run user published into %s", other);
+    ck_assert_msg(!may_publish(&t, "", t.name), "the run user published via amq.default");
+    ck_assert_msg(may_publish(&t, t.name, t.name) == false,
+                  "the run user published to the work exchange");
+    /* and cannot redrive */
+    snprintf(args, sizeof args, "redrive --input %s", t.name);
+    ck_assert_int_ne(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_int_eq(itest_queue_ready(&t, dlq), 1);
+
+    /* the operator lists and redrives */
+    setenv("IDEMQ_AMQP_URL", op_url, 1);
+    snprintf(args, sizeof args, "parked list --input %s", t.name);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, keys[2]), "%s", out);
+    snprintf(sql, sizeof sql, "DELETE FROM idemq_test.failing WHERE key = '%s'", keys[2]);
+    itest_sql(&t, sql);
+    snprintf(args, sizeof args, "redrive --input %s", t.name);
+    ck_assert_msg(itest_idemq(&t, args, out, sizeof out) == 0, "%s", out);
+    ck_assert_msg(strstr(out, "redriven"), "%s", out);
+    setenv("IDEMQ_AMQP_URL", run_url, 1);
+    ck_assert_int_eq(itest_idemq(&t, "run --until-idle 2", out, sizeof out), 0);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, keys[2]), 1);
+    ck_assert_int_eq(itest_queue_ready(&t, dlq), 0);
+
+    setenv("IDEMQ_AMQP_URL", admin_url, 1);
+    free(admin_url);
+    ck_assert_int_eq(itest_queue_ready(&t, other), 0);
+    ctl("delete_user %s", run_user);
+    ctl("delete_user %s", op_user);
+    ck_assert_int_eq(broker_open(t.conf, "itest other", false, &b, err, sizeof err), IDEMQ_OK);
+    ck_assert_int_eq(broker_admin_delete_queue(b, other), IDEMQ_OK);
+    broker_close(b);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("total");
@@ -1573,6 +1735,10 @@ int main(void)
     tc = tcase_create("show");
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, test_jobs_show_adopted);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("perms");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, test_broker_least_privilege);
     suite_add_tcase(s, tc);
     tc = tcase_create("repark");
     tcase_set_timeout(tc, 120);
