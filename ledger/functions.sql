@@ -132,7 +132,8 @@ BEGIN
         calls[n] := (SELECT format('SELECT %I.%I($1, $2, $3)', ns.nspname, pr.proname)
                        FROM pg_catalog.pg_proc pr
                        JOIN pg_catalog.pg_namespace ns ON ns.oid = pr.pronamespace
-                      WHERE pr.oid = p_effects[n]::regprocedure);
+                      WHERE pr.oid = p_effects[n]::regprocedure
+                        AND pg_catalog.has_function_privilege(session_user, pr.oid, 'EXECUTE'));
     END LOOP;
 
     r_idx := 0;
@@ -346,10 +347,19 @@ BEGIN
 
         IF calls[(j->>'i')::integer] IS NULL THEN
             -- The effect this session resolved is gone: dropped, or replaced
-            -- by DROP + CREATE under a new OID. A deploy error, not the
+            -- by DROP + CREATE under a new OID; or its EXECUTE was revoked
+            -- from the session's role (checked here because this function
+            -- may run with its owner's rights). A deploy error, not the
             -- job's: raised outside the job's subtransaction, it fails the
             -- whole call, nothing is recorded, and the worker reports not
             -- ready and reconnects (resolving the effect again).
+            IF EXISTS (SELECT 1 FROM pg_catalog.pg_proc pr
+                        WHERE pr.oid = p_effects[(j->>'i')::integer]::regprocedure) THEN
+                RAISE EXCEPTION 'role % may not EXECUTE the effect function % of input %',
+                                session_user, p_effects[(j->>'i')::integer]::regprocedure,
+                                j->>'i'
+                      USING ERRCODE = '42501';
+            END IF;
             RAISE EXCEPTION 'the effect function of input % (OID %) does not exist: dropped or '
                             'replaced since this session resolved it', j->>'i',
                             p_effects[(j->>'i')::integer]

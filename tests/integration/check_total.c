@@ -1161,6 +1161,7 @@ enum deploy_fault {
     DEPLOY_DROP_PLAIN,     /* DROP FUNCTION + CREATE another signature; jobs arrive meanwhile */
     DEPLOY_DROP_ISOLATING, /* DROP FUNCTION while jobs wait for their retry */
     DEPLOY_DROP_TABLE,     /* DROP TABLE the effect writes (42P01 inside the effect) */
+    DEPLOY_REVOKE,         /* REVOKE EXECUTE from the run role (made by migrate --grant) */
 };
 
 /* The test's own effect: writes its key into the test's own table. */
@@ -1224,7 +1225,8 @@ static void deploy_case(enum deploy_fault fault, const char *tag)
 {
     struct itest t;
     char log[300], ready_url[64], metrics_url[64], sql[600], cfg[200], effect[200];
-    char out[4096];
+    char out[4096], role[100] = "", dsn[600];
+    const char *env[2] = {NULL, NULL};
     const char *fatal = "idemq_attempts_total{class=\"fatal\"}";
     const char *sig = "p_key text, p_payload jsonb, p_meta jsonb";
     int port = itest_free_port(), st, lines;
@@ -1247,7 +1249,21 @@ static void deploy_case(enum deploy_fault fault, const char *tag)
     snprintf(metrics_url, sizeof metrics_url, "http://127.0.0.1:%d/metrics", port);
     snprintf(log, sizeof log, "/tmp/%s.log", t.name);
 
-    pid = itest_spawn_log(t.cfg_path, 4, NULL, log);
+    if (fault == DEPLOY_REVOKE) {
+        /* a least-privilege role: every batch takes the isolating path, whose
+         * SECURITY DEFINER functions call the effect with the owner's rights */
+        char *u;
+        snprintf(role, sizeof role, "%s_r", t.name);
+        snprintf(sql, sizeof sql, "CREATE ROLE %s LOGIN", role);
+        itest_sql(&t, sql);
+        snprintf(sql, sizeof sql, "migrate --grant %s", role);
+        ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+        snprintf(dsn, sizeof dsn, "IDEMQ_PG_DSN=%s", getenv("IDEMQ_PG_DSN"));
+        ck_assert_ptr_nonnull(u = strstr(dsn, "user="));
+        snprintf(u, sizeof dsn - (size_t)(u - dsn), "user=%s", role);
+        env[0] = dsn;
+    }
+    pid = itest_spawn_log(t.cfg_path, 4, env[0] ? env : NULL, log);
     if (fault == DEPLOY_DROP_ISOLATING) {
         /* first attempts fail transiently: the keys wait in 'retrying', and
          * their next delivery takes the isolating path */
@@ -1262,7 +1278,12 @@ static void deploy_case(enum deploy_fault fault, const char *tag)
         ck_assert_int_eq(deploy_wait(&t, 10, itest_ms(10000)), 10);
     }
     /* the deploy */
-    if (fault == DEPLOY_DROP_TABLE) {
+    if (fault == DEPLOY_REVOKE) {
+        snprintf(sql, sizeof sql,
+                 "REVOKE EXECUTE ON FUNCTION idemq_test.%s_fx(text, jsonb, jsonb) FROM PUBLIC, %s",
+                 t.name, role);
+        itest_sql(&t, sql);
+    } else if (fault == DEPLOY_DROP_TABLE) {
         snprintf(sql, sizeof sql, "DROP TABLE idemq_test.%s_t", t.name);
         itest_sql(&t, sql);
     } else {
@@ -1289,7 +1310,13 @@ static void deploy_case(enum deploy_fault fault, const char *tag)
     ck_assert_msg(lines >= 1 && lines <= 2, "%d NOT READY lines for %ld failed tries (log %s)",
                   lines, fatals, log);
     /* the deploy is finished: the effect is back (a new OID, or a new table) */
-    if (fault == DEPLOY_DROP_TABLE) {
+    if (fault == DEPLOY_REVOKE) {
+        snprintf(sql, sizeof sql,
+                 "GRANT EXECUTE ON FUNCTION idemq_test.%s_fx(text, jsonb, jsonb) TO %s", t.name,
+                 role);
+        itest_sql(&t, sql);
+        total = 20;
+    } else if (fault == DEPLOY_DROP_TABLE) {
         snprintf(sql, sizeof sql, "CREATE TABLE idemq_test.%s_t (key text NOT NULL)", t.name);
         itest_sql(&t, sql);
         total = 10;
@@ -1322,6 +1349,10 @@ static void deploy_case(enum deploy_fault fault, const char *tag)
                                 t.name),
                      0);
     unlink(log);
+    if (fault == DEPLOY_REVOKE) {
+        snprintf(sql, sizeof sql, "DROP OWNED BY %s; DROP ROLE %s", role, role);
+        itest_sql(&t, sql);
+    }
     itest_teardown(&t);
 }
 
@@ -1336,6 +1367,13 @@ END_TEST
 START_TEST(test_deploy_drop_isolating)
 {
     deploy_case(DEPLOY_DROP_ISOLATING, "disol");
+}
+END_TEST
+
+/* EXECUTE on the effect revoked from the run role (isolating path). */
+START_TEST(test_deploy_revoke)
+{
+    deploy_case(DEPLOY_REVOKE, "drevoke");
 }
 END_TEST
 
@@ -1727,6 +1765,7 @@ int main(void)
     tcase_add_test(tc, test_deploy_drop_plain);
     tcase_add_test(tc, test_deploy_drop_isolating);
     tcase_add_test(tc, test_deploy_drop_table);
+    tcase_add_test(tc, test_deploy_revoke);
     suite_add_tcase(s, tc);
     tc = tcase_create("notice");
     tcase_set_timeout(tc, 120);
