@@ -398,16 +398,17 @@ END_TEST
 START_TEST(test_contention_while_recording)
 {
     struct itest t;
-    char key[200], body[512], log[300], url[64], out[4096];
+    char key[200], body[512], log[300], url[64], out[4096], extra[100];
     pid_t pid;
-    int st, not_ready = 0;
+    int st, not_ready = 0, port = itest_free_port();
 
-    itest_extra_conf = "metrics: { listen = \"127.0.0.1:19387\"; };";
+    snprintf(extra, sizeof extra, "metrics: { listen = \"127.0.0.1:%d\"; };", port);
+    itest_extra_conf = extra;
     itest_retry_conf = "base_delay_ms = 100; max_delay_ms = 200; jitter = \"none\";";
     itest_setup(&t, "contend", "idemq_test.record", "", "");
     itest_extra_conf = NULL;
     itest_retry_conf = NULL;
-    snprintf(url, sizeof url, "http://127.0.0.1:19387/ready");
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/ready", port);
     snprintf(log, sizeof log, "/tmp/%s.log", t.name);
     snprintf(key, sizeof key, "%s:busy", t.name);
     payout(body, sizeof body, key, "\"raise\":\"40001\",\"raise_until\":1");
@@ -632,16 +633,20 @@ END_TEST
 START_TEST(test_frozen_database)
 {
     struct itest t;
-    char log[300], url[64], out[4096], cont[600];
+    char log[300], url[64], out[4096], cont[600], extra[200];
     pid_t pid;
-    int st, not_ready = 0, stopped;
+    int st, not_ready = 0, stopped, port = itest_free_port();
     long long t0;
 
-    itest_extra_conf = "database: { statement_timeout_ms = 1000; }; "
-                       "metrics: { listen = \"127.0.0.1:19388\"; };";
+    /* not a fixed port: other sessions on the machine run this test too */
+    snprintf(extra, sizeof extra,
+             "database: { statement_timeout_ms = 1000; }; "
+             "metrics: { listen = \"127.0.0.1:%d\"; };",
+             port);
+    itest_extra_conf = extra;
     itest_setup(&t, "frozen", "idemq_test.record", "workers = 2; batch_max = 10;", "");
     itest_extra_conf = NULL;
-    snprintf(url, sizeof url, "http://127.0.0.1:19388/ready");
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/ready", port);
     snprintf(log, sizeof log, "/tmp/%s.log", t.name);
     publish_keys(&t, "first", 50, "\"sleep_ms\":20");
     /* idle long enough that no worker finishes while the server is frozen */
@@ -795,9 +800,12 @@ START_TEST(test_oldest_age_resets)
     pid_t pid;
     int st;
     double age = -2;
-    char *m;
+    char *m, extra[100], murl[64];
+    int port = itest_free_port();
 
-    itest_extra_conf = "metrics: { listen = \"127.0.0.1:19389\"; };";
+    snprintf(extra, sizeof extra, "metrics: { listen = \"127.0.0.1:%d\"; };", port);
+    snprintf(murl, sizeof murl, "http://127.0.0.1:%d/metrics", port);
+    itest_extra_conf = extra;
     itest_setup(&t, "age", "idemq_test.record", "", "");
     itest_extra_conf = NULL;
     in = &t.conf->inputs[0];
@@ -815,7 +823,7 @@ START_TEST(test_oldest_age_resets)
     ck_assert_int_eq(wait_count(&t, EFFECTS_FOR, key, 1, itest_ms(20000)), 1);
     /* idle now: the age drops to 0 */
     for (int i = 0; i < 100; i++) {
-        ck_assert_int_eq(itest_http_get("http://127.0.0.1:19389/metrics", out, sizeof out), 200);
+        ck_assert_int_eq(itest_http_get(murl, out, sizeof out), 200);
         m = strstr(out, "\nidemq_oldest_ready_age_seconds ");
         ck_assert_ptr_nonnull(m);
         age = atof(m + strlen("\nidemq_oldest_ready_age_seconds "));
