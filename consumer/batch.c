@@ -118,8 +118,9 @@ static enum step plan_failure(struct batch *bt, struct job *j, struct ledger_res
     bool park;
 
     if (cls == CLASS_FATAL) {
-        snprintf(bt->why, sizeof bt->why, "effect of %s failed with %s %s (%s)", j->key,
-                 r->sqlstate, r->message, classify_name(cls));
+        /* the key last: the worker logs the same reason once, whichever job met it */
+        snprintf(bt->why, sizeof bt->why, "effect failed with %s %s (%s; first job %s)",
+                 r->sqlstate, r->message, classify_name(cls), j->key);
         return STEP_FATAL;
     }
     if (cls == CLASS_INFRA || cls == CLASS_NONE)
@@ -239,7 +240,20 @@ static enum step commit(struct batch *bt)
  * records failures, parks the rest, commits. Fills plans[0..n). On any
  * non-OK return the transaction is rolled back and nothing may be settled.
  */
+static enum step run_txn_notices(struct batch *bt, struct job *jobs, int n, struct plan *plans);
+
 static enum step run_txn(struct batch *bt, struct job *jobs, int n, struct plan *plans)
+{
+    enum step st;
+    /* a server notice (RAISE NOTICE in the effect) names the job when the
+     * transaction is about one */
+    ledger_db_set_notice_key(n == 1 && jobs[0].has_key ? jobs[0].key : NULL);
+    st = run_txn_notices(bt, jobs, n, plans);
+    ledger_db_set_notice_key(NULL);
+    return st;
+}
+
+static enum step run_txn_notices(struct batch *bt, struct job *jobs, int n, struct plan *plans)
 {
     struct ledger_db_error e;
     int ngood = 0;
@@ -311,8 +325,8 @@ static enum step run_txn(struct batch *bt, struct job *jobs, int n, struct plan 
             }
             p->how = SETTLE_DELAY;
             p->delay_ms = topology_clamp_delay(bt->c, r->delay_ms);
-            log_job(LOG_LVL_INFO, jobs[i].key, jobs[i].tag, r->attempt,
-                    "back before its retry time: waiting %ld ms more", p->delay_ms);
+            log_job(LOG_LVL_INFO, jobs[i].key, jobs[i].tag, r->attempt, "%s: waiting %ld ms more",
+                    r->message[0] ? r->message : "back before its retry time", p->delay_ms);
             break;
         case LEDGER_REPARK:
             p->how = SETTLE_DEAD;
@@ -380,6 +394,7 @@ static enum step failed_txn(struct batch *bt, int i)
     enum step st;
 
     settle_plan_clear(p);
+    ledger_db_set_notice_key(NULL); /* the claim and record functions: no effect runs */
     if (ledger_txn_begin(bt->lt, &e))
         return call_failed(bt, &e, "BEGIN");
     if (ledger_txn_claim_failed(bt->lt, j, r, &e)) {

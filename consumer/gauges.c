@@ -13,6 +13,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "ledger_db.h"
 #include "log.h"
 
 #define GAUGES_PERIOD_MS 5000   /* refresh interval */
@@ -71,8 +72,10 @@ static PGconn *connect_db(struct gauges *g)
     snprintf(timeout, sizeof timeout, "%d", GAUGES_DEADLINE_MS / 1000);
     snprintf(options, sizeof options, "-c statement_timeout=%d", GAUGES_DEADLINE_MS);
     db = PQconnectdbParams(keys, vals, 1);
-    if (db && PQstatus(db) == CONNECTION_OK)
+    if (db && PQstatus(db) == CONNECTION_OK) {
+        ledger_db_route_notices(db); /* no raw notice text on stderr */
         return db;
+    }
     snprintf(g->last_error, sizeof g->last_error, "%s",
              db ? PQerrorMessage(db) : "out of memory");
     g->last_error[strcspn(g->last_error, "\n")] = '\0';

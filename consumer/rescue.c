@@ -15,6 +15,7 @@
 #include "ledger_rescue.h"
 #include "log.h"
 #include "republish.h"
+#include "topology.h"
 
 #define CONFIRM_MS 10000 /* well inside the heartbeat window */
 
@@ -42,22 +43,29 @@ static long long interval_ms(struct rescue *r, const struct conf *c)
     return base + (long long)(r->rng % (uint64_t)(base / 4 + 1));
 }
 
-/* Publishes one copy again: to its work queue through the default exchange
- * (a fanout work exchange cannot copy it elsewhere), with the retry's
- * headers (origin, attempt) and x-idemq-rescued. Confirm pending. */
+/* Publishes one copy again: through the input's delay exchange into its
+ * shortest bucket, which dead-letters it to the work queue itself (a
+ * fanout work exchange cannot copy it elsewhere), with the retry's headers
+ * (origin, attempt) and x-idemq-rescued. Not through the default exchange:
+ * write on amq.default would let the run user publish into any queue of
+ * the vhost (README "Roles and permissions"). Confirm pending. */
 static idemq_err_t publish_copy(struct broker *b, const struct conf *c,
                                 const struct ledger_rescue_copy *x)
 {
     const struct conf_input *in = &c->inputs[x->job.input];
     json_t *h = republish_delay_headers(&x->job, in, x->attempt);
-    struct broker_props p = {NULL, NULL, h, true, NULL, x->job.props};
+    char ex[TOPOLOGY_NAME_MAX], key[32], ttl[32];
+    struct broker_props p = {NULL, NULL, h, true, ttl, x->job.props};
     idemq_err_t err;
 
     if (!h || json_object_set_new(h, "x-idemq-rescued", json_true())) {
         json_decref(h);
         return IDEMQ_ERR_NOMEM;
     }
-    err = broker_publish(b, "", in->queue, x->job.body, x->job.body_len, &p);
+    topology_delay_exchange(in, ex, sizeof ex);
+    snprintf(key, sizeof key, "%ld", topology_bucket(TOPOLOGY_MIN_DELAY_MS));
+    snprintf(ttl, sizeof ttl, "%ld", TOPOLOGY_MIN_DELAY_MS);
+    err = broker_publish(b, ex, key, x->job.body, x->job.body_len, &p);
     json_decref(h);
     return err;
 }

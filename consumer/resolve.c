@@ -115,9 +115,23 @@ void resolve_show(PGconn *db, const char *key, FILE *out)
         "FROM idemq.intents WHERE key = $1",
         1, NULL, params, NULL, NULL, 0);
     if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1) {
+        /* uncertain stays set on an intent whose unknown outcome the
+         * provider later answered (a lookup or a resend under the key
+         * adopted its reference): that answer about the key makes it
+         * certain */
+        bool uncertain = strcmp(v(r, 0, 21), "t") == 0;
+        bool answered = !PQgetisnull(r, 0, 14) &&
+                        (strcmp(v(r, 0, 0), "confirmed") == 0 || strcmp(v(r, 0, 0), "applied") == 0);
+        char label[160];
+        if (uncertain && answered)
+            snprintf(label, sizeof label, "certain: confirmed by the provider after %s unknown "
+                                          "outcome(s)",
+                     v(r, 0, 6));
+        else
+            snprintf(label, sizeof label, "%s", uncertain ? "outcome uncertain" : "certain");
         fprintf(out, "provider intent: %s (%s), provider %s of input %s, idempotent %s\n",
-                v(r, 0, 0), strcmp(v(r, 0, 21), "t") == 0 ? "outcome uncertain" : "certain",
-                v(r, 0, 1), v(r, 0, 2), strcmp(v(r, 0, 3), "t") == 0 ? "yes" : "no");
+                v(r, 0, 0), label, v(r, 0, 1), v(r, 0, 2),
+                strcmp(v(r, 0, 3), "t") == 0 ? "yes" : "no");
         fprintf(out, "  %s requests, %s unknown outcomes, %s waits (409/429), %s lookups; "
                      "lease %s until %s; next step after %s\n",
                 v(r, 0, 5), v(r, 0, 6), v(r, 0, 7), v(r, 0, 8), v(r, 0, 9), v(r, 0, 12),

@@ -67,6 +67,9 @@ struct session {
     uint64_t rng;
     int batch_limit;          /* batch_max, or less under consumer.max_rate */
     int redelivers;           /* consecutive STEP_REDELIVER, for the backoff */
+    int fatals;               /* deploy errors since the last committed batch or idle poll:
+                               * the backoff, and not ready until a batch goes through */
+    char logged[512];         /* the NOT READY reason last logged (each is logged once) */
     /* ordered lanes */
     struct lane_set *lanes;
     bool lanes_keyed;         /* some ordered input has an ordering key */
@@ -138,6 +141,31 @@ static void set_ready(struct worker *w, bool ready, const char *why)
     snprintf(w->status, sizeof w->status, "%s", ready ? "ready" : why);
     pthread_mutex_unlock(&w->lock);
     atomic_store(&w->ready, ready ? 1 : 0);
+}
+
+/* Whether why is not the reason last logged as NOT READY (then it is
+ * now). A job's key in a batch's reason ("; first job ...") is not part of
+ * it: the same deploy error on the next redelivery is not news. */
+static bool news(struct session *s, const char *why)
+{
+    const char *cut = strstr(why, "; first job ");
+    size_t n = cut ? (size_t)(cut - why) : strlen(why);
+    if (n < sizeof s->logged && strncmp(s->logged, why, n) == 0 && s->logged[n] == '\0')
+        return false;
+    snprintf(s->logged, sizeof s->logged, "%.*s", (int)n, why);
+    return true;
+}
+
+/* Ready again after a deploy error: a batch committed, or nothing failed
+ * in a poll round. */
+static void deploy_fixed(struct session *s)
+{
+    if (!s->fatals)
+        return;
+    log_info("worker %d: ready again after %d deploy errors", s->w->id, s->fatals);
+    s->fatals = 0;
+    s->logged[0] = '\0';
+    set_ready(s->w, true, NULL);
 }
 
 /* Backing off is waiting by design, not being stuck: naps in 1 s steps,
@@ -272,15 +300,23 @@ static bool ensure_connected(struct session *s, bool *reconnected)
             st = connect_broker(s);
         if (st == STEP_OK) {
             if (failures)
-                log_info("worker %d: ready again after %d failed checks", s->w->id, failures);
-            set_ready(s->w, true, NULL);
+                log_info("worker %d: %s after %d failed checks", s->w->id,
+                         s->fatals ? "connected again (ready once a batch goes through)"
+                                   : "ready again",
+                         failures);
+            if (!s->fatals) { /* after a deploy error: ready once a batch goes through */
+                s->logged[0] = '\0';
+                set_ready(s->w, true, NULL);
+            }
             return true;
         }
         drop_broker(s);
         failures++;
         set_ready(s->w, false, s->why);
         atomic_fetch_add(&s->w->stats.by_class[st == STEP_FATAL ? CLASS_FATAL : CLASS_INFRA], 1);
-        if (st == STEP_FATAL)
+        if (!news(s, s->why)) /* the same reason as the last check: said already */
+            log_debug("worker %d: still not ready: %s", s->w->id, s->why);
+        else if (st == STEP_FATAL)
             log_error("worker %d: NOT READY, not consuming: %s (checking again with backoff)",
                       s->w->id, s->why);
         else
@@ -396,6 +432,10 @@ static enum step settle_committed(struct session *s, int n)
         if (plans[i].how == SETTLE_DEAD && plans[i].park)
             s->park_ids[parks++] =
                 (long long)json_integer_value(json_object_get(plans[i].park, "park_id"));
+#ifdef IDEMQ_TEST_HOOKS
+    if (parks && getenv("IDEMQ_TEST_MARK_DELAY_MS")) /* widens the S7 window in tests */
+        nap(atol(getenv("IDEMQ_TEST_MARK_DELAY_MS")));
+#endif
     if (parks && ledger_txn_mark_dead_lettered(s->lt, s->park_ids, parks, &e))
         log_warn("worker %d: dead-letter publish confirmed but not noted in the ledger (%s); "
                  "a later duplicate would publish it again", s->w->id, e.message);
@@ -717,12 +757,24 @@ static void recover(struct session *s, enum step st)
         drop_db(s);
         break;
     case STEP_FATAL:
+        /* A deploy error (a missing or replaced effect, a dropped table, a
+         * privilege): nothing parked, the deliveries go back; the session
+         * is made again (resolving the effects again) after a backoff, and
+         * the worker stays not ready until a batch goes through. */
+        s->fatals++;
+        pause = backoff_delay_ms(s->fatals, PAUSE_MIN_MS, s->c->reconnect_max_ms,
+                                 BACKOFF_JITTER_EQUAL, &s->rng);
         set_ready(w, false, s->why);
         atomic_fetch_add(&w->stats.by_class[CLASS_FATAL], 1);
-        log_error("worker %d: NOT READY: %s: deploy or configuration problem, no job parked; "
-                  "stopping consumption until it is fixed", w->id, s->why);
+        if (news(s, s->why))
+            log_error("worker %d: NOT READY: %s: deploy or configuration problem, no job "
+                      "parked; giving the deliveries back and checking again with backoff",
+                      w->id, s->why);
+        else
+            log_debug("worker %d: still not ready (try %d): %s", w->id, s->fatals, s->why);
         drop_broker(s);
         drop_db(s);
+        progressing_nap(s, pause);
         break;
     case STEP_REDELIVER:
         s->redelivers++;
@@ -803,14 +855,18 @@ idemq_err_t worker_run(struct worker *w)
                 wait = 0; /* provider answers are waited for below */
             st = collect(&s, wait);
         }
-        if (st == STEP_OK && s.bt.n == 0)
+        if (st == STEP_OK && s.bt.n == 0) {
             atomic_store(&w->stats.head_age_ms, 0); /* nothing ready: the queue is idle */
+            deploy_fixed(&s);
+        }
         if (st == STEP_OK && s.bt.n > 0) {
             last_delivery = now_ms();
             gate_wait(&s, s.bt.n);
             st = process(&s);
-            if (st == STEP_OK)
+            if (st == STEP_OK) {
                 note_acked(&s);
+                deploy_fixed(&s);
+            }
         }
         if (st == STEP_OK && s.b && !broker_readable(s.b)) {
             /* an undecodable delivery was rejected: the connection cannot

@@ -67,7 +67,10 @@ $fn$;
 --   parked, a redrive of the current generation (x-idemq-generation header)
 --                      -> a new generation with a fresh attempt budget, applied
 --   parked otherwise   -> 'duplicate', or 'repark' if its dead-letter publish
---                         was never confirmed (the worker publishes it again)
+--                         was never confirmed (the worker publishes it again);
+--                         'early' (wait on the broker, look again) while the
+--                         park is under 15 s old and its publish not noted:
+--                         its own publisher may still be confirming it
 --   retrying, run_after still ahead -> 'early' (re-delay, no attempt used)
 --   a key claimed now (never claimed, or pruned past the dedup window) whose
 --   message is older than the dedup window ("w": true, from its AMQP
@@ -123,12 +126,14 @@ DECLARE
     v_block  text;
     v_redriven boolean;
     v_why    text;
+    v_parked_at timestamptz;
 BEGIN
     FOR n IN 1 .. coalesce(array_length(p_effects, 1), 0) LOOP
         calls[n] := (SELECT format('SELECT %I.%I($1, $2, $3)', ns.nspname, pr.proname)
                        FROM pg_catalog.pg_proc pr
                        JOIN pg_catalog.pg_namespace ns ON ns.oid = pr.pronamespace
-                      WHERE pr.oid = p_effects[n]::regprocedure);
+                      WHERE pr.oid = p_effects[n]::regprocedure
+                        AND pg_catalog.has_function_privilege(session_user, pr.oid, 'EXECUTE'));
     END LOOP;
 
     r_idx := 0;
@@ -214,20 +219,43 @@ BEGIN
                 CONTINUE;
             END IF;
             IF v_state IN ('applied', 'parked', 'stale') THEN
-                v_fin := clock_timestamp();
-                PERFORM idemq.add_attempt(v_key, v_att, v_gen, 'duplicate', v_start, v_fin,
-                                          v_q, v_meta, p_consumer);
                 r_outcome := 'duplicate';
                 IF v_state = 'parked' THEN
-                    SELECT p.id INTO v_park FROM idemq.parked p
+                    SELECT p.id, p.parked_at INTO v_park, v_parked_at FROM idemq.parked p
                      WHERE p.key = v_key AND p.generation = v_gen
                      ORDER BY p.id DESC LIMIT 1;
                     IF v_park IS NOT NULL AND NOT EXISTS (SELECT 1 FROM idemq.parked p
                         WHERE p.id = v_park AND p.dlq_published_at IS NOT NULL) THEN
                         r_outcome := 'repark';
                         r_park := idemq.park_info(v_park);
+                        IF v_parked_at > clock_timestamp() - interval '15 seconds' THEN
+                            -- Parked moments ago (this copy may have waited on
+                            -- that transaction's row lock): its publisher may
+                            -- still wait for the confirm (up to 10 s) or be
+                            -- noting it. Not a second copy yet: wait on the
+                            -- broker and look again (a repark only if still
+                            -- not noted 15 s after the park).
+                            r_delay_ms := greatest(50, least(1000, ceil(extract(epoch FROM
+                                v_parked_at + interval '15 seconds' - clock_timestamp()) * 1000)));
+                            v_fin := clock_timestamp();
+                            PERFORM idemq.add_attempt(v_key, v_att, v_gen, 'delayed', v_start,
+                                v_fin, v_q, v_meta, p_consumer, r_delay_ms,
+                                'parked: its dead-letter copy may still be publishing');
+                            r_outcome := 'early'; r_attempt := v_att; r_base := v_base;
+                            r_message := 'parked moments ago: its dead-letter copy may still '
+                                         'be publishing';
+                            r_park := NULL; r_finished := v_fin;
+                            IF v_lane IS NOT NULL THEN
+                                v_lanes := v_lanes || v_lane;
+                            END IF;
+                            RETURN NEXT;
+                            CONTINUE;
+                        END IF;
                     END IF;
                 END IF;
+                v_fin := clock_timestamp();
+                PERFORM idemq.add_attempt(v_key, v_att, v_gen, 'duplicate', v_start, v_fin,
+                                          v_q, v_meta, p_consumer);
                 r_attempt := v_att; r_base := v_base; r_message := v_state;
                 r_finished := v_fin;
                 RETURN NEXT;
@@ -332,6 +360,26 @@ BEGIN
             END IF;
         END IF;
 
+        IF calls[(j->>'i')::integer] IS NULL THEN
+            -- The effect this session resolved is gone: dropped, or replaced
+            -- by DROP + CREATE under a new OID; or its EXECUTE was revoked
+            -- from the session's role (checked here because this function
+            -- may run with its owner's rights). A deploy error, not the
+            -- job's: raised outside the job's subtransaction, it fails the
+            -- whole call, nothing is recorded, and the worker reports not
+            -- ready and reconnects (resolving the effect again).
+            IF EXISTS (SELECT 1 FROM pg_catalog.pg_proc pr
+                        WHERE pr.oid = p_effects[(j->>'i')::integer]::regprocedure) THEN
+                RAISE EXCEPTION 'role % may not EXECUTE the effect function % of input %',
+                                session_user, p_effects[(j->>'i')::integer]::regprocedure,
+                                j->>'i'
+                      USING ERRCODE = '42501';
+            END IF;
+            RAISE EXCEPTION 'the effect function of input % (OID %) does not exist: dropped or '
+                            'replaced since this session resolved it', j->>'i',
+                            p_effects[(j->>'i')::integer]
+                  USING ERRCODE = '42883';
+        END IF;
         v_att := v_att + 1;
         r_attempt := v_att; r_base := v_base;
         BEGIN

@@ -11,12 +11,51 @@
 #include <sys/socket.h>
 #include <time.h>
 
+#include "log.h"
+
 /* The calling thread's deadline per call (0: none), and the deadline that
  * abandoned its last connection (for the error text). */
 static _Thread_local int call_timeout_ms;
 static _Thread_local int expired_ms;
 
 void ledger_db_set_call_timeout(int ms) { call_timeout_ms = ms > 0 ? ms : 0; }
+
+/* The key notices of this thread are about (NULL: none known). libpq calls
+ * the receiver from inside the call that read the notice, on this thread. */
+static _Thread_local const char *notice_key;
+
+void ledger_db_set_notice_key(const char *key) { notice_key = key; }
+
+static void on_notice(void *arg, const PGresult *r)
+{
+    const char *sev = PQresultErrorField(r, PG_DIAG_SEVERITY_NONLOCALIZED);
+    const char *msg = PQresultErrorField(r, PG_DIAG_MESSAGE_PRIMARY);
+    const char *detail = PQresultErrorField(r, PG_DIAG_MESSAGE_DETAIL);
+    const char *hint = PQresultErrorField(r, PG_DIAG_MESSAGE_HINT);
+    struct log_fields lf = LOG_FIELDS_NONE;
+    int lvl = LOG_LVL_INFO;
+
+    (void)arg;
+    if (!sev)
+        sev = PQresultErrorField(r, PG_DIAG_SEVERITY);
+    if (sev && strcmp(sev, "WARNING") == 0)
+        lvl = LOG_LVL_WARN;
+    else if (sev && strcmp(sev, "DEBUG") == 0)
+        lvl = LOG_LVL_DEBUG;
+    lf.event = "db_notice";
+    lf.key = notice_key;
+    lf.sqlstate = PQresultErrorField(r, PG_DIAG_SQLSTATE);
+    /* log_emit escapes control characters (text) or jansson does (JSON) */
+    LOG_FIELDS(lvl, &lf, "PostgreSQL %s: %s%s%s%s%s", sev ? sev : "NOTICE",
+               msg ? msg : PQresultErrorMessage(r), detail ? " DETAIL: " : "",
+               detail ? detail : "", hint ? " HINT: " : "", hint ? hint : "");
+}
+
+void ledger_db_route_notices(PGconn *db)
+{
+    if (db)
+        PQsetNoticeReceiver(db, on_notice, NULL);
+}
 
 PGconn *ledger_db_connect(const char *dsn, const char *app_name, int statement_timeout_ms,
                           char *errbuf, size_t errlen)
@@ -42,6 +81,7 @@ PGconn *ledger_db_connect(const char *dsn, const char *app_name, int statement_t
         PQfinish(db);
         return NULL;
     }
+    ledger_db_route_notices(db);
     /* Nonblocking sends: a large batch to a frozen server must not block
      * in send() past the deadline. */
     PQsetnonblocking(db, 1);

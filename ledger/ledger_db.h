@@ -38,6 +38,22 @@ struct ledger_db_error {
 PGconn *ledger_db_connect(const char *dsn, const char *app_name, int statement_timeout_ms,
                           char *errbuf, size_t errlen);
 
+/*
+ * Routes the server's notices and warnings on db (RAISE NOTICE / WARNING in
+ * an effect, a trigger, the ledger's own functions) through idemq's logger
+ * instead of libpq's default (raw text on stderr): one escaped line in
+ * either log format, event "db_notice", WARNING at warn, DEBUG at debug,
+ * the rest at info, with the SQLSTATE and the key set by
+ * ledger_db_set_notice_key. ledger_db_connect does it for every session it
+ * opens; call it on a connection made otherwise. Any thread.
+ */
+void ledger_db_route_notices(PGconn *db);
+
+/* The job key (or NULL) the calling thread's notices are about until the
+ * next call: set while statements run for one known job. The string must
+ * outlive that. */
+void ledger_db_set_notice_key(const char *key);
+
 /* Sets the client-side deadline of every call below made by the calling
  * thread: ms > 0, or 0 to wait as long as libpq does. */
 void ledger_db_set_call_timeout(int ms);

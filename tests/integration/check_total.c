@@ -8,8 +8,10 @@
 
 #include "check_run.h"
 #include <amqp.h>
+#include <jansson.h>
 #include <openssl/evp.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,6 +31,13 @@ static void sleep_ms(int ms)
 {
     struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
     nanosleep(&ts, NULL);
+}
+
+static long long mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
 /* Polls a count query until it reaches want (or the deadline). */
@@ -389,16 +398,17 @@ END_TEST
 START_TEST(test_contention_while_recording)
 {
     struct itest t;
-    char key[200], body[512], log[300], url[64], out[4096];
+    char key[200], body[512], log[300], url[64], out[4096], extra[100];
     pid_t pid;
-    int st, not_ready = 0;
+    int st, not_ready = 0, port = itest_free_port();
 
-    itest_extra_conf = "metrics: { listen = \"127.0.0.1:19387\"; };";
+    snprintf(extra, sizeof extra, "metrics: { listen = \"127.0.0.1:%d\"; };", port);
+    itest_extra_conf = extra;
     itest_retry_conf = "base_delay_ms = 100; max_delay_ms = 200; jitter = \"none\";";
     itest_setup(&t, "contend", "idemq_test.record", "", "");
     itest_extra_conf = NULL;
     itest_retry_conf = NULL;
-    snprintf(url, sizeof url, "http://127.0.0.1:19387/ready");
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/ready", port);
     snprintf(log, sizeof log, "/tmp/%s.log", t.name);
     snprintf(key, sizeof key, "%s:busy", t.name);
     payout(body, sizeof body, key, "\"raise\":\"40001\",\"raise_until\":1");
@@ -623,16 +633,20 @@ END_TEST
 START_TEST(test_frozen_database)
 {
     struct itest t;
-    char log[300], url[64], out[4096], cont[600];
+    char log[300], url[64], out[4096], cont[600], extra[200];
     pid_t pid;
-    int st, not_ready = 0, stopped;
+    int st, not_ready = 0, stopped, port = itest_free_port();
     long long t0;
 
-    itest_extra_conf = "database: { statement_timeout_ms = 1000; }; "
-                       "metrics: { listen = \"127.0.0.1:19388\"; };";
+    /* not a fixed port: other sessions on the machine run this test too */
+    snprintf(extra, sizeof extra,
+             "database: { statement_timeout_ms = 1000; }; "
+             "metrics: { listen = \"127.0.0.1:%d\"; };",
+             port);
+    itest_extra_conf = extra;
     itest_setup(&t, "frozen", "idemq_test.record", "workers = 2; batch_max = 10;", "");
     itest_extra_conf = NULL;
-    snprintf(url, sizeof url, "http://127.0.0.1:19388/ready");
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/ready", port);
     snprintf(log, sizeof log, "/tmp/%s.log", t.name);
     publish_keys(&t, "first", 50, "\"sleep_ms\":20");
     /* idle long enough that no worker finishes while the server is frozen */
@@ -786,9 +800,12 @@ START_TEST(test_oldest_age_resets)
     pid_t pid;
     int st;
     double age = -2;
-    char *m;
+    char *m, extra[100], murl[64];
+    int port = itest_free_port();
 
-    itest_extra_conf = "metrics: { listen = \"127.0.0.1:19389\"; };";
+    snprintf(extra, sizeof extra, "metrics: { listen = \"127.0.0.1:%d\"; };", port);
+    snprintf(murl, sizeof murl, "http://127.0.0.1:%d/metrics", port);
+    itest_extra_conf = extra;
     itest_setup(&t, "age", "idemq_test.record", "", "");
     itest_extra_conf = NULL;
     in = &t.conf->inputs[0];
@@ -806,7 +823,7 @@ START_TEST(test_oldest_age_resets)
     ck_assert_int_eq(wait_count(&t, EFFECTS_FOR, key, 1, itest_ms(20000)), 1);
     /* idle now: the age drops to 0 */
     for (int i = 0; i < 100; i++) {
-        ck_assert_int_eq(itest_http_get("http://127.0.0.1:19389/metrics", out, sizeof out), 200);
+        ck_assert_int_eq(itest_http_get(murl, out, sizeof out), 200);
         m = strstr(out, "\nidemq_oldest_ready_age_seconds ");
         ck_assert_ptr_nonnull(m);
         age = atof(m + strlen("\nidemq_oldest_ready_age_seconds "));
@@ -1128,8 +1145,9 @@ START_TEST(test_repark_unconfirmed)
     }
     {
         const char *vals[1] = {key};
-        PQclear(PQexecParams(t.db, "UPDATE idemq.parked SET dlq_published_at = NULL WHERE "
-                                   "key = $1",
+        /* ... a while ago (a copy meeting a park of moments ago waits first) */
+        PQclear(PQexecParams(t.db, "UPDATE idemq.parked SET dlq_published_at = NULL, "
+                                   "parked_at = parked_at - interval '1 minute' WHERE key = $1",
                              1, NULL, vals, NULL, NULL, 0));
     }
     itest_publish(&t, (const char *[]){body}, 1); /* the redelivered copy */
@@ -1141,6 +1159,588 @@ START_TEST(test_repark_unconfirmed)
                      1);
     ck_assert_int_eq(itest_queue_ready(&t, dlq), 1);
     ck_assert_int_eq(itest_queue_ready(&t, t.name), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* ---- deploys that take the effect away (issue 16) ---- */
+
+enum deploy_fault {
+    DEPLOY_DROP_PLAIN,     /* DROP FUNCTION + CREATE another signature; jobs arrive meanwhile */
+    DEPLOY_DROP_ISOLATING, /* DROP FUNCTION while jobs wait for their retry */
+    DEPLOY_DROP_TABLE,     /* DROP TABLE the effect writes (42P01 inside the effect) */
+    DEPLOY_REVOKE,         /* REVOKE EXECUTE from the run role (made by migrate --grant) */
+};
+
+/* The test's own effect: writes its key into the test's own table. */
+static void deploy_effect(struct itest *t, const char *args)
+{
+    char sql[1200];
+    snprintf(sql, sizeof sql,
+             "CREATE FUNCTION idemq_test.%s_fx(%s) "
+             "RETURNS jsonb LANGUAGE plpgsql AS $fn$ BEGIN "
+             "PERFORM idemq_test.switches($1, $2, $3); "
+             "INSERT INTO idemq_test.%s_t (key) VALUES ($1); "
+             "RETURN jsonb_build_object('ok', true); END $fn$",
+             t->name, args, t->name);
+    itest_sql(t, sql);
+}
+
+static long deploy_count(struct itest *t, const char *what)
+{
+    char sql[400];
+    snprintf(sql, sizeof sql, "SELECT %s FROM idemq_test.%s_t", what, t->name);
+    return itest_long(t, sql, NULL);
+}
+
+/* Polls the test's table until it holds want rows (or the deadline). */
+static long deploy_wait(struct itest *t, long want, int ms)
+{
+    long v = -1;
+    for (int waited = 0; waited <= ms; waited += 50) {
+        if ((v = deploy_count(t, "count(*)")) >= want)
+            return v;
+        sleep_ms(50);
+    }
+    return v;
+}
+
+/* A counter or gauge line of /metrics ("name value"), or -1. */
+static long metric(const char *url, const char *name)
+{
+    char out[32768], pat[200];
+    const char *p;
+    snprintf(pat, sizeof pat, "\n%s ", name);
+    if (itest_http_get(url, out, sizeof out) != 200 || !(p = strstr(out, pat)))
+        return -1;
+    return atol(p + strlen(pat));
+}
+
+static void publish_deploy(struct itest *t, const char *prefix, int n, const char *extra)
+{
+    publish_keys(t, prefix, n, extra);
+}
+
+/*
+ * A deploy takes the effect away under a running worker, with jobs in
+ * flight; then puts it back (a new OID, or a new table). Nothing may be
+ * parked or applied meanwhile; the worker says NOT READY (logged once, not
+ * once per check or per redelivery), gives the deliveries back, and applies
+ * them by itself within broker.reconnect_max_ms (1 s here) of the effect
+ * being back.
+ */
+static void deploy_case(enum deploy_fault fault, const char *tag)
+{
+    struct itest t;
+    char log[300], ready_url[64], metrics_url[64], sql[600], cfg[200], effect[200];
+    char out[4096], role[100] = "", dsn[600];
+    const char *env[2] = {NULL, NULL};
+    const char *fatal = "idemq_attempts_total{class=\"fatal\"}";
+    const char *sig = "p_key text, p_payload jsonb, p_meta jsonb";
+    int port = itest_free_port(), st, lines;
+    long long t0;
+    long fatals = -1, total;
+    pid_t pid;
+
+    snprintf(cfg, sizeof cfg, "metrics: { listen = \"127.0.0.1:%d\"; };", port);
+    itest_extra_conf = cfg;
+    itest_broker_conf = "reconnect_max_ms = 1000;";
+    itest_retry_conf = "base_delay_ms = 1500; jitter = \"none\";";
+    itest_setup(&t, tag, "idemq_test.record", "workers = 1; batch_max = 20;", "");
+    snprintf(sql, sizeof sql, "CREATE TABLE idemq_test.%s_t (key text NOT NULL)", t.name);
+    itest_sql(&t, sql);
+    deploy_effect(&t, sig);
+    snprintf(effect, sizeof effect, "idemq_test.%s_fx", t.name);
+    itest_write_config(&t, t.cfg_path, t.name, effect, "workers = 1; batch_max = 20;", "");
+    itest_extra_conf = itest_broker_conf = itest_retry_conf = NULL;
+    snprintf(ready_url, sizeof ready_url, "http://127.0.0.1:%d/ready", port);
+    snprintf(metrics_url, sizeof metrics_url, "http://127.0.0.1:%d/metrics", port);
+    snprintf(log, sizeof log, "/tmp/%s.log", t.name);
+
+    if (fault == DEPLOY_REVOKE) {
+        /* a least-privilege role: every batch takes the isolating path, whose
+         * SECURITY DEFINER functions call the effect with the owner's rights */
+        char *u;
+        snprintf(role, sizeof role, "%s_r", t.name);
+        snprintf(sql, sizeof sql, "CREATE ROLE %s LOGIN", role);
+        itest_sql(&t, sql);
+        snprintf(sql, sizeof sql, "migrate --grant %s", role);
+        ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+        snprintf(dsn, sizeof dsn, "IDEMQ_PG_DSN=%s", getenv("IDEMQ_PG_DSN"));
+        ck_assert_ptr_nonnull(u = strstr(dsn, "user="));
+        snprintf(u, sizeof dsn - (size_t)(u - dsn), "user=%s", role);
+        env[0] = dsn;
+    }
+    pid = itest_spawn_log(t.cfg_path, 4, env[0] ? env : NULL, log);
+    if (fault == DEPLOY_DROP_ISOLATING) {
+        /* first attempts fail transiently: the keys wait in 'retrying', and
+         * their next delivery takes the isolating path */
+        publish_deploy(&t, "a", 10, "\"raise\":\"40001\",\"raise_until\":1");
+        ck_assert_int_eq(wait_count(&t,
+                                    "SELECT count(*) FROM idemq.jobs WHERE key LIKE $1 || ':%' "
+                                    "AND state = 'retrying'",
+                                    t.name, 10, itest_ms(10000)),
+                         10);
+    } else {
+        publish_deploy(&t, "a", 10, NULL);
+        ck_assert_int_eq(deploy_wait(&t, 10, itest_ms(10000)), 10);
+    }
+    /* the deploy */
+    if (fault == DEPLOY_REVOKE) {
+        snprintf(sql, sizeof sql,
+                 "REVOKE EXECUTE ON FUNCTION idemq_test.%s_fx(text, jsonb, jsonb) FROM PUBLIC, %s",
+                 t.name, role);
+        itest_sql(&t, sql);
+    } else if (fault == DEPLOY_DROP_TABLE) {
+        snprintf(sql, sizeof sql, "DROP TABLE idemq_test.%s_t", t.name);
+        itest_sql(&t, sql);
+    } else {
+        snprintf(sql, sizeof sql, "DROP FUNCTION idemq_test.%s_fx(text, jsonb, jsonb)", t.name);
+        itest_sql(&t, sql);
+        if (fault == DEPLOY_DROP_PLAIN) /* a changed signature: the name, not the function */
+            deploy_effect(&t, "p_key text, p_payload jsonb");
+    }
+    if (fault != DEPLOY_DROP_ISOLATING)
+        publish_deploy(&t, "b", 10, NULL); /* in flight while the effect is gone */
+    /* NOT READY, and several failed tries (the deliveries given back each time) */
+    for (int i = 0; i < 300 && fatals < 3; i++) {
+        fatals = metric(metrics_url, fatal);
+        sleep_ms(50);
+    }
+    ck_assert_msg(fatals >= 3, "the worker did not fail as a deploy error (fatal %ld; log %s)",
+                  fatals, log);
+    ck_assert_int_eq(itest_http_get(ready_url, out, sizeof out), 503);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE source_queue = $1",
+                                t.name),
+                     0);
+    /* logged once, not once per check */
+    lines = itest_count_lines(log, "NOT READY");
+    ck_assert_msg(lines >= 1 && lines <= 2, "%d NOT READY lines for %ld failed tries (log %s)",
+                  lines, fatals, log);
+    /* the deploy is finished: the effect is back (a new OID, or a new table) */
+    if (fault == DEPLOY_REVOKE) {
+        snprintf(sql, sizeof sql,
+                 "GRANT EXECUTE ON FUNCTION idemq_test.%s_fx(text, jsonb, jsonb) TO %s", t.name,
+                 role);
+        itest_sql(&t, sql);
+        total = 20;
+    } else if (fault == DEPLOY_DROP_TABLE) {
+        snprintf(sql, sizeof sql, "CREATE TABLE idemq_test.%s_t (key text NOT NULL)", t.name);
+        itest_sql(&t, sql);
+        total = 10;
+    } else {
+        if (fault == DEPLOY_DROP_PLAIN) {
+            snprintf(sql, sizeof sql, "DROP FUNCTION idemq_test.%s_fx(text, jsonb)", t.name);
+            itest_sql(&t, sql);
+        }
+        deploy_effect(&t, sig);
+        total = fault == DEPLOY_DROP_ISOLATING ? 10 : 20;
+    }
+    t0 = mono_ms();
+    ck_assert_int_eq(deploy_wait(&t, total, itest_ms(10000)), total);
+    /* within reconnect_max_ms (1 s), plus a batch's time */
+    ck_assert_int_le(mono_ms() - t0, itest_ms(1000 + 2000));
+    for (int i = 0; i < 100 && itest_http_get(ready_url, out, sizeof out) != 200; i++)
+        sleep_ms(50);
+    ck_assert_int_eq(itest_http_get(ready_url, out, sizeof out), 200);
+    publish_deploy(&t, "c", 5, NULL); /* and goes on */
+    st = itest_wait(pid, itest_ms(60000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x (log %s)", st,
+                  log);
+    ck_assert_int_eq(deploy_count(&t, "count(*)"), total + 5);
+    ck_assert_int_eq(deploy_count(&t, "count(DISTINCT key)"), total + 5);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE source_queue = $1",
+                                t.name),
+                     0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key LIKE $1 || ':%' "
+                                    "AND state <> 'applied'",
+                                t.name),
+                     0);
+    unlink(log);
+    if (fault == DEPLOY_REVOKE) {
+        snprintf(sql, sizeof sql, "DROP OWNED BY %s; DROP ROLE %s", role, role);
+        itest_sql(&t, sql);
+    }
+    itest_teardown(&t);
+}
+
+/* The plain (lean) path: the prepared statement names the effect. */
+START_TEST(test_deploy_drop_plain)
+{
+    deploy_case(DEPLOY_DROP_PLAIN, "dplain");
+}
+END_TEST
+
+/* The isolating path (idemq.apply_batch): the effect's OID of the session. */
+START_TEST(test_deploy_drop_isolating)
+{
+    deploy_case(DEPLOY_DROP_ISOLATING, "disol");
+}
+END_TEST
+
+/* EXECUTE on the effect revoked from the run role (isolating path). */
+START_TEST(test_deploy_revoke)
+{
+    deploy_case(DEPLOY_REVOKE, "drevoke");
+}
+END_TEST
+
+/* A table the effect writes is dropped: 42P01 inside the effect. */
+START_TEST(test_deploy_drop_table)
+{
+    deploy_case(DEPLOY_DROP_TABLE, "dtable");
+}
+END_TEST
+
+/* ---- server notices go through the logger (issue 16, Operations) ---- */
+
+/* Effect idemq_test.<name>_fx: RAISE NOTICE and WARNING whose text holds a
+ * newline followed by what would be a forged line. */
+static void notice_effect(struct itest *t)
+{
+    char sql[1200];
+    snprintf(sql, sizeof sql,
+             "CREATE FUNCTION idemq_test.%s_fx(p_key text, p_payload jsonb, p_meta jsonb) "
+             "RETURNS jsonb LANGUAGE plpgsql AS $fn$ BEGIN "
+             "RAISE NOTICE 'hello from %%', E'\\n' || (p_payload->>'forge'); "
+             "RAISE WARNING 'careful%%', E'\\nFORGED warning line'; "
+             "RETURN idemq_test.record(p_key, p_payload, p_meta); END $fn$",
+             t->name);
+    itest_sql(t, sql);
+}
+
+/* Checks log (format json or text) after one job with key: every line is
+ * one of idemq's (a JSON object with "ts", or a text line with the time and
+ * "idemq["), the notice and the warning are lines of their own, escaped,
+ * with the job's key. */
+static void check_notice_log(const char *log, bool json, const char *key)
+{
+    FILE *f = fopen(log, "r");
+    char *line = NULL;
+    size_t cap = 0;
+    ssize_t len;
+    int notices = 0, warnings = 0, lines = 0;
+
+    ck_assert_ptr_nonnull(f);
+    while ((len = getline(&line, &cap, f)) > 0) {
+        lines++;
+        if (line[len - 1] == '\n')
+            line[--len] = '\0';
+        if (json) {
+            json_error_t err;
+            json_t *o = json_loads(line, 0, &err), *ev, *msg, *k, *lvl;
+            ck_assert_msg(json_is_object(o) && json_object_get(o, "ts"),
+                          "line %d of %s is not one of idemq's JSON objects: %s", lines, log,
+                          line);
+            ev = json_object_get(o, "event");
+            msg = json_object_get(o, "msg");
+            k = json_object_get(o, "key");
+            lvl = json_object_get(o, "level");
+            if (json_is_string(ev) && strcmp(json_string_value(ev), "db_notice") == 0) {
+                ck_assert_msg(json_is_string(k) && strcmp(json_string_value(k), key) == 0,
+                              "notice without the job's key: %s", line);
+                if (strstr(json_string_value(msg), "hello from \n{\"level\":\"error\"")) {
+                    ck_assert_str_eq(json_string_value(lvl), "info");
+                    notices++;
+                }
+                if (strstr(json_string_value(msg), "careful\nFORGED warning line")) {
+                    ck_assert_str_eq(json_string_value(lvl), "warn");
+                    warnings++;
+                }
+            }
+            json_decref(o);
+        } else {
+            ck_assert_msg(len > 30 && line[4] == '-' && strstr(line, " idemq["),
+                          "line %d of %s is not one of idemq's: %s", lines, log, line);
+            ck_assert_msg(strstr(line, "FORGED") != line, "a forged line: %s", line);
+            if (strstr(line, "PostgreSQL NOTICE: hello from \\n{\"level\":\"error\"") &&
+                strstr(line, key))
+                notices++;
+            if (strstr(line, "[WARN]") && strstr(line, "careful\\nFORGED warning line") &&
+                strstr(line, key))
+                warnings++;
+        }
+    }
+    free(line);
+    fclose(f);
+    ck_assert_msg(notices >= 1 && warnings >= 1, "notice %d, warning %d lines in %s", notices,
+                  warnings, log);
+}
+
+START_TEST(test_notice_logged)
+{
+    struct itest t;
+    char log[300], effect[200], key[200], body[512];
+
+    itest_log_conf = "format = \"json\";";
+    itest_setup(&t, "notice", "idemq_test.record", "workers = 1;", "");
+    notice_effect(&t);
+    snprintf(effect, sizeof effect, "idemq_test.%s_fx", t.name);
+    itest_write_config(&t, t.cfg_path, t.name, effect, "workers = 1;", "");
+    itest_log_conf = NULL;
+    snprintf(log, sizeof log, "/tmp/%s.log", t.name);
+    snprintf(key, sizeof key, "%s:json", t.name);
+    snprintf(body, sizeof body,
+             "{\"job_id\":\"%s\",\"amount_minor\":1,\"forge\":\"{\\\"level\\\":\\\"error\\\","
+             "\\\"forged\\\":true}\"}",
+             key);
+    itest_publish(&t, (const char *[]){body}, 1);
+    ck_assert_int_eq(run_logged(&t, 1, log, 60000), 0);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    check_notice_log(log, true, key);
+    unlink(log);
+    /* the text format */
+    itest_write_config(&t, t.cfg_path, t.name, effect, "workers = 1;", "");
+    snprintf(key, sizeof key, "%s:text", t.name);
+    snprintf(body, sizeof body,
+             "{\"job_id\":\"%s\",\"amount_minor\":1,\"forge\":\"{\\\"level\\\":\\\"error\\\"}\"}",
+             key);
+    itest_publish(&t, (const char *[]){body}, 1);
+    ck_assert_int_eq(run_logged(&t, 1, log, 60000), 0);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    check_notice_log(log, false, key);
+    unlink(log);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* ---- two copies of a parking key (issue 16, Operations; review S7) ---- */
+
+/*
+ * Two copies of one key on two workers: the first parks it while the
+ * second waits on its row lock. The first's dead-letter copy is confirmed
+ * (noted late: a test hook widens the gap); the second must not publish
+ * another one. One park, one copy in the DLQ, nothing applied.
+ */
+START_TEST(test_repark_race)
+{
+    struct itest t;
+    char key[200], body[512], dlq[300];
+    const char *env[] = {"IDEMQ_TEST_MARK_DELAY_MS=1500", NULL};
+    pid_t pid;
+    int st;
+
+    itest_setup(&t, "rprace", "idemq_test.record", "workers = 2; batch_max = 1;", "");
+    topology_dlq(&t.conf->inputs[0], dlq, sizeof dlq);
+    snprintf(key, sizeof key, "%s:twice", t.name);
+    payout(body, sizeof body, key, "\"sleep_ms\":300,\"raise\":\"22023\"");
+    pid = itest_spawn(&t, t.cfg_path, 4, env);
+    for (int i = 0; i < 100 && itest_queue_consumers(&t, t.name) < 2; i++)
+        sleep_ms(100);
+    ck_assert_int_eq(itest_queue_consumers(&t, t.name), 2);
+    itest_publish(&t, (const char *[]){body, body}, 2); /* one to each worker */
+    st = itest_wait(pid, itest_ms(60000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", key), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                    "dlq_published_at IS NOT NULL",
+                                key),
+                     1);
+    ck_assert_int_eq(itest_queue_ready(&t, dlq), 1);
+    ck_assert_int_eq(itest_queue_ready(&t, t.name), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* ---- jobs show labels an adopted intent certain (issue 16, Operations) ---- */
+
+/*
+ * An intent whose outcome was unknown and whose reference the provider
+ * later confirmed (a lookup or a resend under the key adopted it) keeps
+ * `uncertain` set; jobs show printed "applied (outcome uncertain)". The
+ * provider's answer about the key makes it certain. An intent still
+ * waiting for that answer stays "outcome uncertain".
+ */
+START_TEST(test_jobs_show_adopted)
+{
+    struct itest t;
+    char sql[1500], out[16384], args[300];
+    const char *cases[][3] = {
+        /* key suffix, state and reference, the label wanted */
+        {"adopted", "'applied', 'ref-42'", "(certain: confirmed by the provider after 1 unknown"},
+        {"unknown", "'unknown', NULL", "(outcome uncertain)"},
+    };
+
+    itest_setup(&t, "show", "idemq_test.record", "", "");
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        snprintf(sql, sizeof sql,
+                 "INSERT INTO idemq.jobs (key, state, attempts, first_seen_at, applied_at) "
+                 "VALUES ('%s:%s', 'applied', 2, now(), now()); "
+                 "INSERT INTO idemq.intents (key, input, provider, source_queue, idempotent, "
+                 "  state, provider_ref, uncertain, unknowns, requests, request_sha256, "
+                 "  request_body, body, confirmed_at) "
+                 "VALUES ('%s:%s', 'in', 'prov', '%s', true, %s, true, 1, 2, 'x', '\\x7b7d', "
+                 "  '\\x7b7d', now())",
+                 t.name, cases[i][0], t.name, cases[i][0], t.name, cases[i][1]);
+        itest_sql(&t, sql);
+        snprintf(args, sizeof args, "jobs show '%s:%s'", t.name, cases[i][0]);
+        ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+        ck_assert_msg(strstr(out, cases[i][2]), "no \"%s\" in:\n%s", cases[i][2], out);
+        if (i == 0)
+            ck_assert_msg(!strstr(out, "outcome uncertain"), "%s", out);
+    }
+    itest_teardown(&t);
+}
+END_TEST
+
+/* ---- broker permissions (issue 16, Operations) ---- */
+
+/* Runs `scripts/services ctl ARGS` (rabbitmqctl on the test node). */
+static void ctl(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void ctl(const char *fmt, ...)
+{
+    char args[900], what[1000];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(args, sizeof args, fmt, ap);
+    va_end(ap);
+    snprintf(what, sizeof what, "ctl %s", args);
+    ck_assert_msg(itest_services(what) == 0, "scripts/services %s failed", what);
+}
+
+/* amqp://user:pw@ the test broker's host and port */
+static void user_url(char *buf, size_t len, const char *user, const char *pw)
+{
+    snprintf(buf, len, "amqp://%s:%s@127.0.0.1%s", user, pw,
+             strrchr(getenv("IDEMQ_AMQP_URL"), ':'));
+}
+
+/* Whether user (URL in IDEMQ_AMQP_URL now) gets a confirmed publish
+ * through exchange ex with routing key rk. */
+static bool may_publish(struct itest *t, const char *ex, const char *rk)
+{
+    struct conf *c;
+    struct broker *b;
+    char err[1024];
+    struct broker_props p = {NULL, NULL, NULL, true, NULL, NULL};
+    bool ok;
+    ck_assert_msg(conf_load(t->cfg_path, &c, err, sizeof err) == IDEMQ_OK, "%s", err);
+    ck_assert_msg(broker_open(c, "itest perms", true, &b, err, sizeof err) == IDEMQ_OK, "%s",
+                  err);
+    ok = broker_publish(b, ex, rk, "{}", 2, &p) == IDEMQ_OK &&
+         broker_wait_confirms(b, 5000) == IDEMQ_OK;
+    broker_close(b);
+    conf_free(c);
+    return ok;
+}
+
+/*
+ * The README's least-privilege RabbitMQ users: `run` may publish only to
+ * its inputs' delay and dead-letter exchanges and consume only its input
+ * queues (no amq.default: that reaches every queue of the vhost); the
+ * operator user of `idemq redrive` / `parked list` reads <queue>.dead and
+ * publishes through amq.default. Under them: a job applies, one retries,
+ * one parks; the operator lists and redrives it, the run user applies it;
+ * the run user can neither publish into an unrelated queue nor redrive.
+ */
+START_TEST(test_broker_least_privilege)
+{
+    struct itest t;
+    char run_user[96], op_user[96], pw[64], run_url[300], op_url[300], other[128], out[16384];
+    char keys[3][128], bufs[3][256], args[300], sql[400], dlq[TOPOLOGY_NAME_MAX];
+    const char *bodies[3] = {bufs[0], bufs[1], bufs[2]};
+    char *admin_url = strdup(getenv("IDEMQ_AMQP_URL"));
+    struct broker *b;
+    char err[512];
+
+    itest_retry_conf = "base_delay_ms = 3000; max_delay_ms = 3000; jitter = \"none\"; "
+                       "rescue_after_s = 1;";
+    itest_extra_conf = "topology: { verify = \"passive\"; };";
+    itest_setup(&t, "bperm", "idemq_test.record", "", "");
+    itest_retry_conf = itest_extra_conf = NULL;
+    topology_dlq(&t.conf->inputs[0], dlq, sizeof dlq);
+    snprintf(run_user, sizeof run_user, "%s_run", t.name);
+    snprintf(op_user, sizeof op_user, "%s_op", t.name);
+    snprintf(pw, sizeof pw, "Bp-%d", (int)getpid());
+    snprintf(other, sizeof other, "%s_other", t.name);
+    ck_assert_int_eq(broker_open(t.conf, "itest other", false, &b, err, sizeof err), IDEMQ_OK);
+    ck_assert_int_eq(broker_admin_declare_queue(b, other, NULL, false), IDEMQ_OK);
+    broker_close(b);
+    /* exactly as README "Roles and permissions" writes them (queue idemq.payouts there) */
+    ctl("add_user %s %s", run_user, pw);
+    ctl("set_permissions -p / %s '^$' '^%s\\.(retry|dlx)$' '^%s$'", run_user, t.name, t.name);
+    ctl("add_user %s %s", op_user, pw);
+    ctl("set_permissions -p / %s '^$' '^amq\\.default$' '^%s\\.dead$'", op_user, t.name);
+    user_url(run_url, sizeof run_url, run_user, pw);
+    user_url(op_url, sizeof op_url, op_user, pw);
+
+    /* run: one applies, one retries (its copy then lost on the broker, and
+     * rescued from the ledger), one parks (until its key is fixed) */
+    for (int i = 0; i < 3; i++)
+        snprintf(keys[i], sizeof keys[i], "%s:%d", t.name, i);
+    snprintf(bufs[0], sizeof bufs[0], "{\"job_id\":\"%s\"}", keys[0]);
+    snprintf(bufs[1], sizeof bufs[1], "{\"job_id\":\"%s\",\"raise\":\"40001\",\"raise_until\":1}",
+             keys[1]);
+    snprintf(bufs[2], sizeof bufs[2], "{\"job_id\":\"%s\"}", keys[2]);
+    snprintf(sql, sizeof sql, "INSERT INTO idemq_test.failing VALUES ('%s', '22023')", keys[2]);
+    itest_sql(&t, sql);
+    itest_publish(&t, bodies, 3);
+    setenv("IDEMQ_AMQP_URL", run_url, 1);
+    ck_assert_int_eq(itest_idemq(&t, "run --until-idle 1", out, sizeof out), 0);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, keys[0]), 1);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, keys[2]), 0);
+    ck_assert_int_eq(itest_queue_ready(&t, dlq), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND "
+                                    "state = 'retrying'",
+                                keys[1]),
+                     1);
+    {
+        char bucket[TOPOLOGY_NAME_MAX];
+        topology_bucket_queue(&t.conf->inputs[0], topology_bucket(3000), bucket, sizeof bucket);
+        ck_assert_int_eq(broker_open(t.conf, "itest purge", false, &b, err, sizeof err),
+                         IDEMQ_OK);
+        ck_assert_int_eq(broker_admin_purge(b, bucket), IDEMQ_OK);
+        broker_close(b);
+    }
+    {
+        char log[300];
+        int st;
+        snprintf(log, sizeof log, "/tmp/%s.log", t.name);
+        st = itest_wait(itest_spawn_log(t.cfg_path, 6, NULL, log), itest_ms(30000));
+        ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0,
+                      "idemq run under the run user did not finish (status 0x%x, log %s)", st,
+                      log);
+        ck_assert_msg(itest_long(&t, EFFECTS_FOR, keys[1]) == 1,
+                      "the lost retry was not rescued (log %s)", log);
+        unlink(log);
+    }
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.retry_rescues WHERE key = $1",
+                                keys[1]),
+                     1);
+    /* the run user reaches no other queue, not even its own work queue directly */
+    ck_assert_msg(!may_publish(&t, "", other), "the run user published into %s", other);
+    ck_assert_msg(!may_publish(&t, "", t.name), "the run user published via amq.default");
+    ck_assert_msg(may_publish(&t, t.name, t.name) == false,
+                  "the run user published to the work exchange");
+    /* and cannot redrive */
+    snprintf(args, sizeof args, "redrive --input %s", t.name);
+    ck_assert_int_ne(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_int_eq(itest_queue_ready(&t, dlq), 1);
+
+    /* the operator lists and redrives */
+    setenv("IDEMQ_AMQP_URL", op_url, 1);
+    snprintf(args, sizeof args, "parked list --input %s", t.name);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, keys[2]), "%s", out);
+    snprintf(sql, sizeof sql, "DELETE FROM idemq_test.failing WHERE key = '%s'", keys[2]);
+    itest_sql(&t, sql);
+    snprintf(args, sizeof args, "redrive --input %s", t.name);
+    ck_assert_msg(itest_idemq(&t, args, out, sizeof out) == 0, "%s", out);
+    ck_assert_msg(strstr(out, "redriven"), "%s", out);
+    setenv("IDEMQ_AMQP_URL", run_url, 1);
+    ck_assert_int_eq(itest_idemq(&t, "run --until-idle 2", out, sizeof out), 0);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, keys[2]), 1);
+    ck_assert_int_eq(itest_queue_ready(&t, dlq), 0);
+
+    setenv("IDEMQ_AMQP_URL", admin_url, 1);
+    free(admin_url);
+    ck_assert_int_eq(itest_queue_ready(&t, other), 0);
+    ctl("delete_user %s", run_user);
+    ctl("delete_user %s", op_user);
+    ck_assert_int_eq(broker_open(t.conf, "itest other", false, &b, err, sizeof err), IDEMQ_OK);
+    ck_assert_int_eq(broker_admin_delete_queue(b, other), IDEMQ_OK);
+    broker_close(b);
     itest_teardown(&t);
 }
 END_TEST
@@ -1167,6 +1767,29 @@ int main(void)
     tcase_add_test(tc, test_broker_restart_resume);
     tcase_add_test(tc, test_early_copy_waits);
     tcase_add_test(tc, test_repark_unconfirmed);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("deploy"); /* CK_RUN_CASE=deploy runs these alone */
+    tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, test_deploy_drop_plain);
+    tcase_add_test(tc, test_deploy_drop_isolating);
+    tcase_add_test(tc, test_deploy_drop_table);
+    tcase_add_test(tc, test_deploy_revoke);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("notice");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, test_notice_logged);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("show");
+    tcase_set_timeout(tc, 60);
+    tcase_add_test(tc, test_jobs_show_adopted);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("perms");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, test_broker_least_privilege);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("repark");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, test_repark_race);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
