@@ -14,6 +14,7 @@
 #include "broker_admin.h"
 #include "ledger_db.h"
 #include "log.h"
+#include "republish.h"
 #include "resolve.h"
 #include "topology.h"
 
@@ -457,12 +458,12 @@ static int adopt(const struct conf *c, PGconn **db, const struct conf_input *in,
         PQclear(r);
         return PQstatus(*db) == CONNECTION_OK ? 1 : 4;
     }
-    /* the copy: the broker's death history off, idemq's redrive headers on */
+    /* the copy: the broker's death history (and whatever else it acts on)
+     * off, idemq's redrive headers on */
     keep = json_object();
     json_object_foreach_safe(j->headers, tmp, k, e)
     {
-        if (strcmp(k, "x-death") && strncmp(k, "x-first-death-", 14) &&
-            strncmp(k, "x-last-death-", 13))
+        if (!republish_broker_header(k))
             json_object_set(keep, k, e);
     }
     if (v->key)
@@ -590,6 +591,10 @@ static int redrive_input(const struct conf *c, PGconn **db, struct redrive *r,
         }
         {
             struct broker_props p = {NULL, NULL, j.headers, true, NULL, j.props};
+            /* A CC a producer put on the message (or the broker kept while
+             * dead-lettering it) would copy it, with the operator's
+             * credentials, into any queue it names. */
+            republish_strip_broker_headers(j.headers);
             json_object_set_new(j.headers, "x-idemq-redriven-by", json_string(by));
             /* Straight to the origin queue (default exchange): an origin
              * fanout exchange would copy it to other queues too. */

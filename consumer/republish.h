@@ -16,6 +16,7 @@
 #define IDEMQ_REPUBLISH_H
 
 #include <jansson.h>
+#include <stdbool.h>
 
 #include "broker.h"
 #include "conf.h"
@@ -24,8 +25,18 @@
 
 #define REPUBLISH_ERROR_TEXT_MAX 256
 
-/* Headers for a delayed retry of j: its own headers without broker death
- * records and stale x-idemq-* facts, plus origin and attempt. New object. */
+/* True for a header the broker acts on when a message is published (CC,
+ * BCC, dead-letter history, plugin controls; see republish.c): no copy
+ * idemq publishes carries one, so a producer's headers never steer a
+ * publish made with idemq's credentials. Pure. */
+bool republish_broker_header(const char *name);
+
+/* Removes those headers from the object h, in place. */
+void republish_strip_broker_headers(json_t *h);
+
+/* Headers for a delayed retry of j: its own headers without the ones the
+ * broker interprets and stale x-idemq-* facts, plus origin and attempt.
+ * New object. */
 json_t *republish_delay_headers(const struct job *j, const struct conf_input *in, int attempt);
 
 /* Headers for the dead-letter copy of j parked as park (idemq.park_info).

@@ -340,6 +340,93 @@ START_TEST(test_shovel_redrive)
 }
 END_TEST
 
+/* D3: a producer's CC/BCC header (sender-selected distribution) never
+ * steers a publish made with idemq's credentials: the retry copy in the
+ * delay bucket and the dead-letter copy carry neither, and `idemq redrive`
+ * of a dead-letter copy that does (one a producer or the broker put there)
+ * copies nothing into the unrelated queue the header names. Checked with
+ * basic.get on the victim queue. */
+static void get_without_cc(struct broker *b, const char *queue)
+{
+    struct job j;
+    job_init(&j);
+    ck_assert_msg(broker_get(b, queue, &j, false) == IDEMQ_OK, "%s: %s", queue,
+                  broker_error(b));
+    ck_assert_msg(!json_object_get(j.headers, "CC") && !json_object_get(j.headers, "BCC"),
+                  "the copy in %s still carries a CC/BCC header", queue);
+    ck_assert(broker_nack(b, j.tag, true) == IDEMQ_OK);
+    job_destroy(&j);
+}
+
+static void assert_queue_empty(struct broker *b, const char *queue)
+{
+    struct job j;
+    idemq_err_t e;
+    job_init(&j);
+    e = broker_get(b, queue, &j, true);
+    ck_assert_msg(e == IDEMQ_ERR_TIMEOUT, "%s holds a message (%s): %.*s", queue,
+                  e == IDEMQ_OK ? "copied there" : broker_error(b), (int)j.body_len,
+                  j.body ? (const char *)j.body : "");
+    job_destroy(&j);
+}
+
+START_TEST(test_cc_header_never_steers)
+{
+    struct itest t;
+    char flaky[128], perm[128], forged[128], body[512], dlq[300], dlx[300], victim[300];
+    char bucket[300];
+    char out[8192], err[512];
+    struct broker *b;
+    json_t *h;
+
+    itest_retry_conf = "base_delay_ms = 3000; max_delay_ms = 3000; jitter = \"none\";";
+    itest_setup(&t, "cc", "idemq_test.record", "", "");
+    itest_retry_conf = NULL;
+    topology_dlq(&t.conf->inputs[0], dlq, sizeof dlq);
+    topology_bucket_queue(&t.conf->inputs[0], topology_bucket(3000), bucket, sizeof bucket);
+    snprintf(victim, sizeof victim, "%s.victim", t.name);
+    ck_assert_int_eq(broker_open(t.conf, "itest cc", true, &b, err, sizeof err), IDEMQ_OK);
+    ck_assert_int_eq(broker_admin_declare_queue(b, victim, NULL, false), IDEMQ_OK);
+    mkkey(&t, flaky, sizeof flaky, "flaky");
+    mkkey(&t, perm, sizeof perm, "perm");
+    mkkey(&t, forged, sizeof forged, "forged");
+    h = json_pack("{s:[s],s:[s]}", "CC", victim, "BCC", victim);
+    snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"raise\":\"40001\",\"raise_until\":1}",
+             flaky);
+    itest_publish_to(&t, t.name, t.name, body, h, NULL);
+    snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"raise\":\"23505\"}", perm);
+    itest_publish_to(&t, t.name, t.name, body, h, NULL);
+    json_decref(h);
+    /* one attempt each: the flaky one waits 3 s in its bucket, the other parks */
+    run_ok(&t, 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND state "
+                                    "= 'parked'",
+                                perm),
+                     1);
+    get_without_cc(b, bucket);
+    get_without_cc(b, dlq);
+    /* a dead-letter copy that carries CC anyway (published there, or
+     * dead-lettered by the broker without a routing key); through the
+     * dead-letter exchange, where the CC routes nowhere */
+    h = json_pack("{s:s,s:s,s:s,s:[s]}", "x-idemq-key", forged, "x-idemq-origin-queue", t.name,
+                  "x-idemq-error-class", "permanent", "CC", victim);
+    snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"amount_minor\":1}", forged);
+    topology_dlx(&t.conf->inputs[0], dlx, sizeof dlx);
+    itest_publish_to(&t, dlx, t.name, body, h, NULL);
+    json_decref(h);
+    assert_queue_empty(b, victim);
+    ck_assert_int_eq(itest_idemq(&t, "redrive", out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "redrove 2 messages") != NULL, "%s", out);
+    run_ok(&t, 5); /* the flaky job's retry comes back and applies */
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, flaky), 1);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, forged), 1);
+    assert_queue_empty(b, victim);
+    ck_assert_int_eq(broker_admin_delete_queue(b, victim), IDEMQ_OK);
+    broker_close(b);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* 7. PostgreSQL stopped for ~10 s while jobs flow: nothing parked, nothing
  * lost, all applied once after it returns. */
 START_TEST(test_postgres_outage)
@@ -593,6 +680,11 @@ int main(void)
     tcase_add_test(tc, test_statement_timeout_is_transient);
     tcase_add_test(tc, test_quorum_queue);
     tcase_add_test(tc, test_non_utf8_routing_key);
+    suite_add_tcase(s, tc);
+    /* what a producer's headers and properties must not reach (issue 16) */
+    tc = tcase_create("producers");
+    tcase_set_timeout(tc, itest_ms(180));
+    tcase_add_test(tc, test_cc_header_never_steers);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
