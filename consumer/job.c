@@ -146,6 +146,28 @@ bool job_utf8_valid(const unsigned char *s, size_t n)
     return true;
 }
 
+bool job_timestamp(const struct job *j, long long now, long long *ts)
+{
+    json_t *v = json_object_get(j->props, "timestamp");
+    long long t;
+    if (!json_is_integer(v))
+        return false;
+    t = (long long)json_integer_value(v);
+    /* now is a clock reading, far from LLONG_MAX: the sum cannot overflow */
+    if (t < JOB_TIMESTAMP_MIN || t > now + JOB_TIMESTAMP_FUTURE_S)
+        return false;
+    *ts = t;
+    return true;
+}
+
+long long job_age_s(const struct job *j, long long now)
+{
+    long long ts;
+    if (!job_timestamp(j, now, &ts))
+        return -1;
+    return ts < now ? now - ts : 0; /* both within [2000, now + 600 s] */
+}
+
 void job_utf8_sanitize(char *s)
 {
     size_t n = strlen(s);

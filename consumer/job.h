@@ -97,6 +97,24 @@ void job_set_digest(struct job *j, const unsigned char md[32]);
  */
 idemq_err_t job_decode(struct job *j, const struct conf_input *in);
 
+/* A producer's AMQP timestamp counts only from 2000-01-01T00:00:00Z to
+ * JOB_TIMESTAMP_FUTURE_S ahead of this host's clock. */
+#define JOB_TIMESTAMP_MIN 946684800LL
+#define JOB_TIMESTAMP_FUTURE_S 600
+
+/*
+ * The message's AMQP timestamp (seconds since the epoch, props.timestamp)
+ * if it is plausible at time now: true and *ts set. 0 (many libraries'
+ * "unset"), anything before 2000, more than JOB_TIMESTAMP_FUTURE_S ahead,
+ * or 2^63 and more (kept as the same 64 bits, so read back negative) is no
+ * timestamp: false. Pure.
+ */
+bool job_timestamp(const struct job *j, long long now, long long *ts);
+
+/* Age in seconds (>= 0) of j by a plausible timestamp at time now, or -1
+ * when it has none. Never overflows. Pure. */
+long long job_age_s(const struct job *j, long long now);
+
 /* Length (1-4) of the valid UTF-8 sequence at s[0..n) (n >= 1), or 0 if the
  * bytes there are not one: NUL, overlong forms, surrogates and code points
  * above U+10FFFF are not. Pure. */

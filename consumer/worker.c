@@ -500,13 +500,12 @@ static enum step process(struct session *s)
  * taken (by its timestamp property, in seconds) is the oldest-ready age. */
 static void note_age(struct worker *w, const struct job *j)
 {
-    json_t *ts = json_object_get(j->props, "timestamp");
     struct timespec now;
-    if (!json_is_integer(ts))
-        return;
+    long long age;
     clock_gettime(CLOCK_REALTIME, &now);
-    atomic_store(&w->stats.head_age_ms,
-                 (long)((now.tv_sec - (time_t)json_integer_value(ts)) * 1000L));
+    if ((age = job_age_s(j, (long long)now.tv_sec)) < 0)
+        return; /* none, or implausible (job_timestamp) */
+    atomic_store(&w->stats.head_age_ms, (long)(age * 1000LL));
 }
 
 /* Collects up to batch_max deliveries: waits up to wait_ms for the first,

@@ -231,11 +231,12 @@ static void copy_field(char *dst, size_t n, const PGresult *res, int row, int co
     snprintf(dst, n, "%s", PQgetisnull(res, row, col) ? "" : PQgetvalue(res, row, col));
 }
 
-/* Old: past the dedup window by its AMQP timestamp (seconds); none: new. */
+/* Old: past the dedup window by its AMQP timestamp (seconds); none, or an
+ * implausible one (job_timestamp): new. */
 static bool is_old(const struct ledger_txn *lt, const struct job *j, time_t now)
 {
-    json_t *ts = json_object_get(j->props, "timestamp");
-    return json_is_integer(ts) && (double)(now - (time_t)json_integer_value(ts)) > lt->window_s;
+    long long age = job_age_s(j, (long long)now);
+    return age >= 0 && (double)age > lt->window_s;
 }
 
 idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int n,

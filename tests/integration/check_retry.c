@@ -8,10 +8,12 @@
 
 #include "check_run.h"
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "itest.h"
@@ -427,6 +429,50 @@ START_TEST(test_cc_header_never_steers)
 }
 END_TEST
 
+/* D16: a producer's AMQP timestamp of 0, 2^63 or more, or far ahead is no
+ * timestamp: a new key carrying one is applied, not parked as outside the
+ * dedup window (and the sanitizer build does not abort on the age). A
+ * plausible timestamp older than the window still parks. */
+START_TEST(test_implausible_timestamp_is_absent)
+{
+    struct itest t;
+    const char *what[] = {"zero", "wrapped", "future", "old"};
+    const json_int_t ts[] = {0, INT64_MIN, (json_int_t)time(NULL) + 86400,
+                             (json_int_t)time(NULL) - 500 * 86400};
+    char key[4][128], body[256], err[512];
+    struct broker *b;
+
+    itest_setup(&t, "ts", "idemq_test.record", "", "");
+    ck_assert_int_eq(broker_open(t.conf, "itest ts", true, &b, err, sizeof err), IDEMQ_OK);
+    for (int i = 0; i < 4; i++) {
+        json_t *orig = json_pack("{s:I}", "timestamp", ts[i]);
+        struct broker_props p = {NULL, NULL, NULL, true, NULL, orig};
+        mkkey(&t, key[i], sizeof key[i], what[i]);
+        snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"amount_minor\":1}", key[i]);
+        ck_assert(broker_publish(b, t.name, t.name, body, strlen(body), &p) == IDEMQ_OK);
+        json_decref(orig);
+    }
+    ck_assert(broker_wait_confirms(b, itest_ms(10000)) == IDEMQ_OK);
+    broker_close(b);
+    run_ok(&t, 2);
+    for (int i = 0; i < 3; i++) {
+        char st[32];
+        ck_assert_msg(itest_long(&t, EFFECTS_FOR, key[i]) == 1, "%s: state %s, not applied",
+                      what[i],
+                      itest_text(&t, "SELECT coalesce((SELECT state || ' ' || coalesce((SELECT "
+                                     "error_code FROM idemq.parked p WHERE p.key = j.key LIMIT "
+                                     "1), '') FROM idemq.jobs j WHERE key = $1), 'none')",
+                                 key[i], st, sizeof st));
+    }
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key[3]), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                    "error_code = 'outside_dedup_window'",
+                                key[3]),
+                     1);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* 7. PostgreSQL stopped for ~10 s while jobs flow: nothing parked, nothing
  * lost, all applied once after it returns. */
 START_TEST(test_postgres_outage)
@@ -685,6 +731,7 @@ int main(void)
     tc = tcase_create("producers");
     tcase_set_timeout(tc, itest_ms(180));
     tcase_add_test(tc, test_cc_header_never_steers);
+    tcase_add_test(tc, test_implausible_timestamp_is_absent);
     suite_add_tcase(s, tc);
     return check_run(s);
 }

@@ -3,6 +3,7 @@
 #include <check.h>
 
 #include "check_run.h"
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -300,6 +301,45 @@ START_TEST(test_body_buffer_reuse)
 }
 END_TEST
 
+/* D16: a producer's AMQP timestamp counts only when it is plausible: on or
+ * after 2000-01-01 and at most JOB_TIMESTAMP_FUTURE_S ahead; 0, ancient,
+ * far-future and wrapped (>= 2^63, read back negative) values are absent,
+ * and the age never overflows. */
+START_TEST(test_timestamp_plausible)
+{
+    struct job j;
+    long long ts = -1, now = 1780000000LL; /* 2026 */
+    job_init(&j);
+    ck_assert(!job_timestamp(&j, now, &ts)); /* no timestamp property */
+    ck_assert_int_eq(job_age_s(&j, now), -1);
+    json_object_set_new(j.props, "timestamp", json_integer(0));
+    ck_assert(!job_timestamp(&j, now, &ts));
+    ck_assert_int_eq(job_age_s(&j, now), -1);
+    json_object_set_new(j.props, "timestamp", json_integer(946684799LL));
+    ck_assert(!job_timestamp(&j, now, &ts));
+    json_object_set_new(j.props, "timestamp", json_integer(946684800LL));
+    ck_assert(job_timestamp(&j, now, &ts));
+    ck_assert_int_eq(ts, 946684800LL);
+    ck_assert_int_eq(job_age_s(&j, now), now - 946684800LL);
+    json_object_set_new(j.props, "timestamp", json_integer(now - 3600));
+    ck_assert_int_eq(job_age_s(&j, now), 3600);
+    json_object_set_new(j.props, "timestamp", json_integer(now + JOB_TIMESTAMP_FUTURE_S));
+    ck_assert(job_timestamp(&j, now, &ts));
+    ck_assert_int_eq(job_age_s(&j, now), 0); /* a clock a little ahead: age 0 */
+    json_object_set_new(j.props, "timestamp", json_integer(now + JOB_TIMESTAMP_FUTURE_S + 1));
+    ck_assert(!job_timestamp(&j, now, &ts));
+    json_object_set_new(j.props, "timestamp", json_integer(INT64_MAX));
+    ck_assert(!job_timestamp(&j, now, &ts));
+    ck_assert_int_eq(job_age_s(&j, now), -1);
+    json_object_set_new(j.props, "timestamp", json_integer(INT64_MIN)); /* 2^63 on the wire */
+    ck_assert(!job_timestamp(&j, now, &ts));
+    ck_assert_int_eq(job_age_s(&j, now), -1);
+    json_object_set_new(j.props, "timestamp", json_string("1780000000"));
+    ck_assert(!job_timestamp(&j, now, &ts));
+    job_destroy(&j);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("job");
@@ -315,6 +355,7 @@ int main(void)
     tcase_add_test(tc, test_duplicate_field);
     tcase_add_test(tc, test_wire_errors);
     tcase_add_test(tc, test_nul_byte_in_body);
+    tcase_add_test(tc, test_timestamp_plausible);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
