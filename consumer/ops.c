@@ -12,6 +12,7 @@
 
 #include "broker.h"
 #include "broker_admin.h"
+#include "job.h"
 #include "ledger_db.h"
 #include "log.h"
 #include "republish.h"
@@ -34,6 +35,79 @@ const char *ops_val(const PGresult *r, int row, int col)
     return PQgetisnull(r, row, col) ? "-" : PQgetvalue(r, row, col);
 }
 
+/* Bytes of the escaped form of s[0..n) that the next sequence takes
+ * (*k: its length in s); writes it to out when out is not NULL. */
+static size_t esc_one(const unsigned char *s, size_t n, size_t *k, char *out)
+{
+    char tmp[16];
+    size_t len = job_utf8_seq(s, n), w;
+    *k = len ? len : 1;
+    if (len == 1 && s[0] >= 0x20 && s[0] != 0x7f && s[0] != '\\') {
+        if (out)
+            out[0] = (char)s[0];
+        return 1;
+    }
+    if (len > 1 && !(len == 2 && s[0] == 0xc2 && s[1] < 0xa0)) {
+        if (out)
+            memcpy(out, s, len);
+        return len;
+    }
+    if (len == 1 && (s[0] == '\n' || s[0] == '\r' || s[0] == '\t' || s[0] == '\\'))
+        w = (size_t)snprintf(tmp, sizeof tmp, "\\%c",
+                             s[0] == '\n' ? 'n' : s[0] == '\r' ? 'r' : s[0] == '\t' ? 't' : '\\');
+    else if (len == 2) /* a C1 control */
+        w = (size_t)snprintf(tmp, sizeof tmp, "\\x%02x\\x%02x", s[0], s[1]);
+    else /* a control byte, NUL aside, or one that is not UTF-8 */
+        w = (size_t)snprintf(tmp, sizeof tmp, "\\x%02x", s[0]);
+    if (out)
+        memcpy(out, tmp, w);
+    return w;
+}
+
+const char *ops_text(struct ops_strs *a, const char *s)
+{
+    const unsigned char *u = (const unsigned char *)s;
+    size_t n = strlen(s), need = 0, k;
+    char *copy, **v;
+    bool same = true;
+
+    for (size_t i = 0; i < n; i += k) {
+        size_t w = esc_one(u + i, n - i, &k, NULL);
+        same = same && w == k;
+        need += w;
+    }
+    if (same)
+        return s;
+    if (a->n == a->cap) {
+        size_t cap = a->cap ? a->cap * 2 : 16;
+        if (!(v = realloc(a->v, cap * sizeof *v)))
+            return "?";
+        a->v = v;
+        a->cap = cap;
+    }
+    if (!(copy = malloc(need + 1)))
+        return "?";
+    need = 0;
+    for (size_t i = 0; i < n; i += k)
+        need += esc_one(u + i, n - i, &k, copy + need);
+    copy[need] = '\0';
+    a->v[a->n++] = copy;
+    return copy;
+}
+
+const char *ops_tval(struct ops_strs *a, const PGresult *r, int row, int col)
+{
+    return ops_text(a, ops_val(r, row, col));
+}
+
+void ops_strs_free(struct ops_strs *a)
+{
+    for (size_t i = 0; i < a->n; i++)
+        free(a->v[i]);
+    free(a->v);
+    memset(a, 0, sizeof *a);
+}
+
 static PGconn *connect(const struct conf *c)
 {
     return ops_connect(c, "idemq ops", c->statement_timeout_ms);
@@ -45,6 +119,7 @@ int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
     const char *params[1] = {key};
     PGconn *db = connect(c);
     PGresult *job, *tl;
+    struct ops_strs a = {NULL, 0, 0};
     int rc = 0;
 
     if (!db)
@@ -65,34 +140,35 @@ int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
         goto out;
     }
     if (PQntuples(job) == 0 && PQntuples(tl) == 0) {
-        fprintf(out, "no job, attempt or park with key %s\n", key);
+        fprintf(out, "no job, attempt or park with key %s\n", ops_text(&a, key));
         rc = 1;
         goto out;
     }
-    fprintf(out, "key %s\n", key);
+    fprintf(out, "key %s\n", ops_text(&a, key));
     if (PQntuples(job) == 1) {
         fprintf(out, "  state %s, %s attempts, generation %s (budget counts from attempt %s)\n",
-                ops_val(job, 0, 0), ops_val(job, 0, 1), ops_val(job, 0, 2), ops_val(job, 0, 3));
-        fprintf(out, "  queue %s, payload sha256 %s\n", ops_val(job, 0, 11), ops_val(job, 0, 12));
-        fprintf(out, "  first seen %s, applied %s, run after %s\n", ops_val(job, 0, 4),
-                ops_val(job, 0, 5), ops_val(job, 0, 6));
+                ops_tval(&a, job, 0, 0), ops_tval(&a, job, 0, 1), ops_tval(&a, job, 0, 2), ops_tval(&a, job, 0, 3));
+        fprintf(out, "  queue %s, payload sha256 %s\n", ops_tval(&a, job, 0, 11), ops_tval(&a, job, 0, 12));
+        fprintf(out, "  first seen %s, applied %s, run after %s\n", ops_tval(&a, job, 0, 4),
+                ops_tval(&a, job, 0, 5), ops_tval(&a, job, 0, 6));
         if (!PQgetisnull(job, 0, 8))
-            fprintf(out, "  last error %s %s: %s\n", ops_val(job, 0, 8), ops_val(job, 0, 9),
-                    ops_val(job, 0, 10));
+            fprintf(out, "  last error %s %s: %s\n", ops_tval(&a, job, 0, 8), ops_tval(&a, job, 0, 9),
+                    ops_tval(&a, job, 0, 10));
     } else {
         fprintf(out, "  (no job row: the message never decoded into a job, or its key was "
                      "pruned past the dedup window)\n");
     }
     fprintf(out, "history (in commit order):\n");
     for (int i = 0; i < PQntuples(tl); i++)
-        fprintf(out, "  %s  %s\n", ops_val(tl, i, 0), ops_val(tl, i, 1));
+        fprintf(out, "  %s  %s\n", ops_tval(&a, tl, i, 0), ops_tval(&a, tl, i, 1));
     if (PQntuples(job) == 1 && !PQgetisnull(job, 0, 7))
-        fprintf(out, "result: %s\n", ops_val(job, 0, 7));
+        fprintf(out, "result: %s\n", ops_tval(&a, job, 0, 7));
     resolve_show(db, key, out); /* provider intent and resolutions (issue 9) */
 out:
     PQclear(job);
     PQclear(tl);
     PQfinish(db);
+    ops_strs_free(&a);
     return rc;
 }
 
@@ -291,6 +367,7 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
     const char *params[5];
     PGconn *db;
     PGresult *rows, *counts;
+    struct ops_strs a = {NULL, 0, 0};
     int rc = 0;
 
     if (f->input) {
@@ -345,9 +422,9 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
             "key", "class", "code", "sqlstate", "att", "gen", "dlq", "reason");
     for (int i = 0; i < PQntuples(rows); i++)
         fprintf(out, "%-6s %-27s %-32s %-10s %-18s %-8s %-3s %-3s %-4s %s\n", ops_val(rows, i, 0),
-                ops_val(rows, i, 1), ops_val(rows, i, 2), ops_val(rows, i, 3), ops_val(rows, i, 4),
-                ops_val(rows, i, 5), ops_val(rows, i, 6), ops_val(rows, i, 7), ops_val(rows, i, 8),
-                ops_val(rows, i, 9));
+                ops_val(rows, i, 1), ops_tval(&a, rows, i, 2), ops_tval(&a, rows, i, 3),
+                ops_tval(&a, rows, i, 4), ops_val(rows, i, 5), ops_val(rows, i, 6),
+                ops_val(rows, i, 7), ops_val(rows, i, 8), ops_tval(&a, rows, i, 9));
     {
         long n_broker = 0;
         long long since_epoch = f->since ? since_epoch_of(db, f->since, &rc) : 0;
@@ -368,6 +445,7 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
 out:
     PQclear(rows);
     PQclear(counts);
+    ops_strs_free(&a);
     PQfinish(db);
     return rc;
 }
