@@ -20,7 +20,8 @@ struct ledger_txn {
     PGconn *db;
     const struct conf *conf;
     char *effects; /* text[] literal of the effects' OIDs (regprocedure), by input */
-    double window_s; /* idemq.retention.dedup_window in seconds */
+    double window_s; /* idemq.retention.dedup_window in seconds, as of the last
+                      * batch that needed it (refresh_window) */
     struct ledger_doc doc; /* reusable batch document (isolating path) */
     struct ledger_plain *plain; /* the lean path's prepared statements */
     bool begin_pending;    /* BEGIN not sent yet: it goes with the next statement */
@@ -76,11 +77,12 @@ static char *resolve_effects(PGconn *db, const struct conf *c, char *errbuf, siz
     return out;
 }
 
+#define WINDOW_SQL "SELECT (idemq.ledger_settings()->>'dedup_window_s')::float8"
+
 /* The dedup window (seconds) of the ledger's idemq.retention. */
 static bool read_window(PGconn *db, double *window_s, char *errbuf, size_t errlen)
 {
-    PGresult *r = ledger_db_exec_raw(db,
-                                     "SELECT (idemq.ledger_settings()->>'dedup_window_s')::float8");
+    PGresult *r = ledger_db_exec_raw(db, WINDOW_SQL);
     bool ok = PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1 && !PQgetisnull(r, 0, 0);
     if (ok)
         *window_s = strtod(PQgetvalue(r, 0, 0), NULL);
@@ -231,6 +233,31 @@ static void copy_field(char *dst, size_t n, const PGresult *res, int row, int co
     snprintf(dst, n, "%s", PQgetisnull(res, row, col) ? "" : PQgetvalue(res, row, col));
 }
 
+/*
+ * Reads the dedup window again, for a batch that holds a job with a
+ * (plausible) timestamp: `idemq migrate` may have changed it since the
+ * session began, and pruning uses the ledger's value at once, so a replica
+ * must not judge "old" by a longer window it read earlier. One short
+ * statement (autocommit, or inside the open transaction); batches without
+ * timestamps never pay it.
+ */
+static idemq_err_t refresh_window(struct ledger_txn *lt, struct ledger_db_error *e)
+{
+    PGresult *r = ledger_db_exec_raw(lt->db, WINDOW_SQL);
+    if (PQresultStatus(r) != PGRES_TUPLES_OK || PQntuples(r) != 1 || PQgetisnull(r, 0, 0)) {
+        ledger_db_error_from(lt->db, r, e);
+        if (!e->conn_lost && !e->sqlstate[0]) {
+            snprintf(e->sqlstate, sizeof e->sqlstate, "XX000");
+            snprintf(e->message, sizeof e->message, "the ledger has no dedup window");
+        }
+        PQclear(r);
+        return ledger_db_err(e);
+    }
+    lt->window_s = strtod(PQgetvalue(r, 0, 0), NULL);
+    PQclear(r);
+    return IDEMQ_OK;
+}
+
 /* Old: past the dedup window by its AMQP timestamp (seconds); none, or an
  * implausible one (job_timestamp): new. */
 static bool is_old(const struct ledger_txn *lt, const struct job *j, time_t now)
@@ -246,7 +273,14 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
     PGresult *r;
     bool plain = true; /* standard inputs, none too old: the plain path may take it */
     time_t now = time(NULL);
+    idemq_err_t werr;
 
+    for (int i = 0; i < n; i++)
+        if (job_age_s(jobs[i], (long long)now) >= 0) {
+            if ((werr = refresh_window(lt, e)) != IDEMQ_OK)
+                return werr;
+            break;
+        }
     for (int i = 0; i < n && plain; i++) {
         const struct job *j = jobs[i];
         IDEMQ_ASSERT(j->decode_err == IDEMQ_OK && j->has_key);

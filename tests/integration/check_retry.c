@@ -473,6 +473,70 @@ START_TEST(test_implausible_timestamp_is_absent)
 }
 END_TEST
 
+/* S6: a running consumer follows a change of the ledger's dedup window
+ * (idemq migrate writing idemq.retention) without reconnecting, as
+ * pruning does: a replay older than the new, shorter window parks as
+ * outside_dedup_window. The window is restored afterwards. */
+static void wait_for(struct itest *t, const char *sql, const char *key, const char *what)
+{
+    for (int i = 0; i < itest_ms(100); i++) {
+        if (itest_long(t, sql, key) == 1)
+            return;
+        usleep(100000);
+    }
+    ck_abort_msg("%s: %s did not happen within 10 s", key, what);
+}
+
+START_TEST(test_window_change_followed)
+{
+    struct itest t;
+    char warm[128], late[128], body[256], err[512], old_window[64];
+    struct broker *b;
+    json_t *orig;
+    pid_t pid;
+    int st;
+
+    itest_setup(&t, "window", "idemq_test.record", "", "");
+    mkkey(&t, warm, sizeof warm, "warm");
+    mkkey(&t, late, sizeof late, "late");
+    itest_text(&t, "SELECT dedup_window::text FROM idemq.retention WHERE id = 1", NULL,
+               old_window, sizeof old_window);
+    pid = itest_spawn(&t, t.cfg_path, 4, NULL);
+    publish1(&t, warm, NULL);
+    wait_for(&t, EFFECTS_FOR, warm, "applied");
+    /* what `idemq migrate` does with a shorter ledger.dedup_window_days */
+    itest_sql(&t, "UPDATE idemq.retention SET dedup_window = interval '1 day' WHERE id = 1");
+    ck_assert_int_eq(broker_open(t.conf, "itest window", true, &b, err, sizeof err), IDEMQ_OK);
+    orig = json_pack("{s:I}", "timestamp", (json_int_t)time(NULL) - 2 * 86400);
+    {
+        struct broker_props p = {NULL, NULL, NULL, true, NULL, orig};
+        snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"amount_minor\":1}", late);
+        ck_assert(broker_publish(b, t.name, t.name, body, strlen(body), &p) == IDEMQ_OK);
+        ck_assert(broker_wait_confirms(b, itest_ms(10000)) == IDEMQ_OK);
+    }
+    json_decref(orig);
+    broker_close(b);
+    wait_for(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND state IN ('applied', "
+                 "'parked')",
+             late, "settled");
+    st = itest_wait(pid, itest_ms(60000));
+    {
+        char sql[256];
+        snprintf(sql, sizeof sql,
+                 "UPDATE idemq.retention SET dedup_window = interval '%s' WHERE id = 1",
+                 old_window);
+        itest_sql(&t, sql);
+    }
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, late), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                    "error_code = 'outside_dedup_window'",
+                                late),
+                     1);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* 7. PostgreSQL stopped for ~10 s while jobs flow: nothing parked, nothing
  * lost, all applied once after it returns. */
 START_TEST(test_postgres_outage)
@@ -732,6 +796,7 @@ int main(void)
     tcase_set_timeout(tc, itest_ms(180));
     tcase_add_test(tc, test_cc_header_never_steers);
     tcase_add_test(tc, test_implausible_timestamp_is_absent);
+    tcase_add_test(tc, test_window_change_followed);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
