@@ -5,6 +5,8 @@
  */
 #include "job.h"
 
+#include "seal.h"
+
 #include <inttypes.h>
 #include <openssl/evp.h>
 #include <pthread.h>
@@ -379,5 +381,10 @@ idemq_err_t job_decode(struct job *j, const struct conf_input *in)
     } else {
         j->decode_err = key_err;
     }
+    /* A redrive must be idemq's or its operator's (seal.h): a claimed
+     * generation without idemq's seal is parked, never applied. */
+    if (j->decode_err == IDEMQ_OK && j->has_key &&
+        !seal_check_headers(j->headers, j->key, j->reason, sizeof j->reason))
+        j->decode_err = IDEMQ_ERR_FORGED_REDRIVE;
     return j->decode_err;
 }

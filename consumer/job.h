@@ -93,7 +93,11 @@ void job_set_digest(struct job *j, const unsigned char md[32]);
  * a missing one is a permanent decode error). Sets j->decode_err (and
  * returns it): IDEMQ_OK, or a permanent decode error with j->reason
  * explaining it. The key is extracted whenever it can be (even when the body
- * is bad), so a parked message keeps its key if it has one. Pure.
+ * is bad), so a parked message keeps its key if it has one. Last, the
+ * redrive headers (seal_check_headers): an x-idemq-generation without
+ * idemq's seal is IDEMQ_ERR_FORGED_REDRIVE, and an unsealed
+ * x-idemq-redriven-by is removed from j->headers. Pure but for the
+ * process's seal secret.
  */
 idemq_err_t job_decode(struct job *j, const struct conf_input *in);
 

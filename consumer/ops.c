@@ -17,6 +17,7 @@
 #include "log.h"
 #include "republish.h"
 #include "resolve.h"
+#include "seal.h"
 #include "topology.h"
 
 PGconn *ops_connect(const struct conf *c, const char *app, int statement_timeout_ms)
@@ -584,6 +585,78 @@ static void release(struct redrive *r)
     r->n_stuck = 0;
 }
 
+/* The ledger's redrive secret into seal.c; 0, or an exit code. */
+static int load_seal(PGconn *db)
+{
+    PGresult *r = PQexec(db, "SELECT secret FROM idemq.redrive_seal WHERE id = 1");
+    int rc = 0;
+    if (PQresultStatus(r) != PGRES_TUPLES_OK || PQntuples(r) != 1 ||
+        !seal_set_secret_hex(PQgetvalue(r, 0, 0))) {
+        log_error("cannot read the redrive secret (idemq.redrive_seal; run idemq migrate): %s",
+                  PQerrorMessage(db));
+        rc = PQstatus(db) == CONNECTION_OK ? 1 : 4;
+    }
+    PQclear(r);
+    return rc;
+}
+
+/*
+ * Seals the copy about to be redriven (seal.h). A copy idemq sealed keeps
+ * its seal; one it did not (dead-lettered before seals existed, or put in
+ * <queue>.dead by someone else) is sealed only while the ledger holds the
+ * open park its headers name (same id, key and generation); otherwise it
+ * goes without x-idemq-generation, so it cannot start a redrive (a
+ * duplicate of a parked or applied key, or a new job), and *note says so.
+ * Then the seal of who redrives it (x-idemq-redrive-seal; the caller adds
+ * x-idemq-redriven-by = by). 0, or an exit code.
+ */
+static int seal_copy(PGconn *db, struct job *j, const char *key, const char *by,
+                     const char **note)
+{
+    json_t *h = j->headers, *gen = json_object_get(h, "x-idemq-generation");
+    char why[160], s[SEAL_HEX], g[24], id[24];
+    long long park = -1;
+
+    *note = NULL;
+    if (!gen)
+        return 0;
+    if (json_is_integer(json_object_get(h, "x-idemq-park-id")))
+        park = (long long)json_integer_value(json_object_get(h, "x-idemq-park-id"));
+    if (!key || !json_is_integer(gen) || !seal_check_headers(h, key, why, sizeof why)) {
+        bool open_park = false;
+        if (key && json_is_integer(gen) && park > 0) {
+            const char *params[3] = {id, key, g};
+            PGresult *r;
+            snprintf(id, sizeof id, "%lld", park);
+            snprintf(g, sizeof g, "%lld", (long long)json_integer_value(gen));
+            r = PQexecParams(db, "SELECT count(*) FROM idemq.parked WHERE id = $1::bigint AND "
+                                 "key = $2 AND generation = $3::integer",
+                             3, NULL, params, NULL, NULL, 0);
+            if (PQresultStatus(r) != PGRES_TUPLES_OK) {
+                log_error("cannot look up park %s: %s", id, PQerrorMessage(db));
+                PQclear(r);
+                return PQstatus(db) == CONNECTION_OK ? 1 : 4;
+            }
+            open_park = strcmp(PQgetvalue(r, 0, 0), "1") == 0;
+            PQclear(r);
+        }
+        if (open_park) {
+            if (!seal_put_park(h, key))
+                return 1;
+        } else {
+            json_object_del(h, "x-idemq-generation");
+            json_object_del(h, "x-idemq-seal");
+            *note = " (not sealed by idemq and no open park matches it: sent without its "
+                    "generation, so it cannot start a redrive)";
+            return 0;
+        }
+    }
+    if (!seal_by(key, (long long)json_integer_value(gen), park, by, s) ||
+        json_object_set_new(h, "x-idemq-redrive-seal", json_string(s)))
+        return 1;
+    return 0;
+}
+
 /* Redrives one input's dead-letter queue; *left counts what stays there. */
 static int redrive_input(const struct conf *c, PGconn **db, struct redrive *r,
                          const struct conf_input *in, const struct ops_filter *f,
@@ -669,11 +742,21 @@ static int redrive_input(const struct conf *c, PGconn **db, struct redrive *r,
         }
         {
             struct broker_props p = {NULL, NULL, j.headers, true, NULL, j.props};
+            const char *note = NULL;
             /* A CC a producer put on the message (or the broker kept while
              * dead-lettering it) would copy it, with the operator's
              * credentials, into any queue it names. */
             republish_strip_broker_headers(j.headers);
+            json_object_del(j.headers, "x-idemq-redriven-by");
+            json_object_del(j.headers, "x-idemq-redrive-seal");
+            if ((rc = seal_copy(*db, &j, v.key, by, &note)) != 0) {
+                (*left)++;
+                (void)hold(&r->held, &r->nheld, &r->cap, j.tag);
+                break;
+            }
             json_object_set_new(j.headers, "x-idemq-redriven-by", json_string(by));
+            if (note)
+                log_warn("%s: %s%s", dlq, v.key ? v.key : "(no key)", note);
             /* Straight to the origin queue (default exchange): an origin
              * fanout exchange would copy it to other queues too. */
             if (broker_publish(r->b, "", origin, j.body, j.body_len, &p) ||
@@ -704,7 +787,7 @@ int ops_redrive(const struct conf *c, const struct ops_filter *f, FILE *out)
     long long since_id = 0, since_epoch = 0;
     long moved = 0, left = 0;
     int rc = 0, found = 0;
-    PGconn *db = NULL; /* opened when needed: --since, a broker-made dead letter */
+    PGconn *db = NULL; /* the ledger: the seal's secret, --since, broker-made dead letters */
 
     memset(&r, 0, sizeof r);
     if (f->input) {
@@ -715,9 +798,14 @@ int ops_redrive(const struct conf *c, const struct ops_filter *f, FILE *out)
             return 2;
         }
     }
+    /* The ledger's secret seals what this redrive publishes. */
+    if (!(db = connect(c)))
+        return 4;
+    if ((rc = load_seal(db)) != 0) {
+        PQfinish(db);
+        return rc;
+    }
     if (f->since) {
-        if (!(db = connect(c)))
-            return 4;
         since_id = since_park_id(db, f->since, &rc);
         if (!rc)
             since_epoch = since_epoch_of(db, f->since, &rc);

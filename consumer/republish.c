@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "seal.h"
 #include "topology.h"
 
 /*
@@ -121,6 +122,11 @@ json_t *republish_dead_headers(const struct job *j, const struct conf_input *in,
     copy_field(h, "x-idemq-first-attempt-at", park, "first_attempt_at");
     copy_field(h, "x-idemq-last-attempt-at", park, "last_attempt_at");
     copy_field(h, "x-idemq-parked-at", park, "parked_at");
+    /* A redrive of this copy (idemq redrive, a shovel) proves it is idemq's. */
+    if (!seal_put_park(h, json_string_value(json_object_get(park, "key")))) {
+        json_decref(h);
+        return NULL;
+    }
     if (json_is_false(json_object_get(park, "redrivable"))) {
         /* the copy holds a prefix of the body (or nothing): never redriven */
         json_object_set_new(h, "x-idemq-redrivable", json_false());

@@ -15,6 +15,7 @@
 #include "ledger_doc.h"
 #include "ledger_plain.h"
 #include "log.h"
+#include "seal.h"
 
 struct ledger_txn {
     PGconn *db;
@@ -92,6 +93,19 @@ static bool read_window(PGconn *db, double *window_s, char *errbuf, size_t errle
     return ok;
 }
 
+/* The ledger's redrive secret (idemq.redrive_seal) into seal.c. */
+static bool read_seal(PGconn *db, char *errbuf, size_t errlen)
+{
+    PGresult *r = ledger_db_exec_raw(db, "SELECT secret FROM idemq.redrive_seal WHERE id = 1");
+    bool ok = PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1 &&
+              seal_set_secret_hex(PQgetvalue(r, 0, 0));
+    if (!ok)
+        snprintf(errbuf, errlen, "cannot read the redrive secret (idemq.redrive_seal; run idemq "
+                                 "migrate): %s", PQerrorMessage(db));
+    PQclear(r);
+    return ok;
+}
+
 struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf, size_t errlen)
 {
     struct ledger_txn *lt = calloc(1, sizeof *lt);
@@ -105,7 +119,7 @@ struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf
     lt->conf = c;
     ledger_doc_init(&lt->doc);
     if (!(lt->effects = resolve_effects(db, c, errbuf, errlen)) ||
-        !read_window(db, &lt->window_s, errbuf, errlen) ||
+        !read_window(db, &lt->window_s, errbuf, errlen) || !read_seal(db, errbuf, errlen) ||
         !(lt->plain = ledger_plain_new(db, c, errbuf, errlen))) {
         ledger_txn_free(lt);
         return NULL;

@@ -537,6 +537,62 @@ START_TEST(test_window_change_followed)
 }
 END_TEST
 
+/* D9: a producer cannot redrive a parked key: the same body with
+ * x-idemq-generation (and a made-up x-idemq-redriven-by, or a made-up
+ * x-idemq-seal) is parked as forged_redrive and not applied; the key stays
+ * parked in its generation. The sealed dead-letter copy, redriven by
+ * `idemq redrive`, still applies, recorded as the operator's. */
+START_TEST(test_forged_redrive_parks)
+{
+    struct itest t;
+    char key[128], sql[512], body[256], args[300], out[8192];
+    json_t *h;
+    itest_setup(&t, "forged", "idemq_test.record", "", "");
+    mkkey(&t, key, sizeof key, "parked");
+    snprintf(sql, sizeof sql, "INSERT INTO idemq_test.failing VALUES ('%s', '23514')", key);
+    itest_sql(&t, sql);
+    publish1(&t, key, NULL);
+    run_ok(&t, 2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND state "
+                                    "= 'parked'",
+                                key),
+                     1);
+    snprintf(sql, sizeof sql, "DELETE FROM idemq_test.failing WHERE key = '%s'", key);
+    itest_sql(&t, sql);
+    snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"amount_minor\":100}", key);
+    h = json_pack("{s:i,s:s}", "x-idemq-generation", 0, "x-idemq-redriven-by", "ops-admin");
+    itest_publish_to(&t, t.name, t.name, body, h, NULL);
+    json_decref(h);
+    h = json_pack("{s:i,s:s}", "x-idemq-generation", 0, "x-idemq-seal",
+                  "0000000000000000000000000000000000000000000000000000000000000000");
+    itest_publish_to(&t, t.name, t.name, body, h, NULL);
+    json_decref(h);
+    run_ok(&t, 2);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.redrives WHERE key = $1", key),
+                     0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND state "
+                                    "= 'parked' AND generation = 0",
+                                key),
+                     1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                    "error_code = 'forged_redrive'",
+                                key),
+                     2);
+    /* the operator's redrive of the sealed copies: applied once, by idemq redrive */
+    snprintf(args, sizeof args, "redrive --key %s", key);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "redrove 3 messages") != NULL, "%s", out);
+    run_ok(&t, 2);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.redrives WHERE key = $1 AND "
+                                    "generation = 1 AND source LIKE 'idemq redrive (%'",
+                                key),
+                     1);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* 7. PostgreSQL stopped for ~10 s while jobs flow: nothing parked, nothing
  * lost, all applied once after it returns. */
 START_TEST(test_postgres_outage)
@@ -797,6 +853,7 @@ int main(void)
     tcase_add_test(tc, test_cc_header_never_steers);
     tcase_add_test(tc, test_implausible_timestamp_is_absent);
     tcase_add_test(tc, test_window_change_followed);
+    tcase_add_test(tc, test_forged_redrive_parks);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
