@@ -329,6 +329,8 @@ static void count(struct session *s, const struct plan *plans, int n)
 {
     struct worker_stats *ws = &s->w->stats;
     for (int i = 0; i < n; i++) {
+        if (plans[i].key_reuse)
+            atomic_fetch_add(&ws->key_reuse, 1);
         switch (plans[i].how) {
         case SETTLE_DELAY: atomic_fetch_add(&ws->retried, 1); break;
         case SETTLE_DEAD:

@@ -593,6 +593,63 @@ START_TEST(test_forged_redrive_parks)
 }
 END_TEST
 
+/* A key reused with a different body: a delivery whose key is applied but
+ * whose body's SHA-256 differs from the applied one is recorded as
+ * key_reuse (the attempt row, `jobs show`), on the plain and the isolating
+ * path, while a same-body copy stays a plain duplicate; with
+ * on_key_reuse = "park" it is parked as key_reuse instead (the key stays
+ * applied, the effect ran once). */
+static void reuse_run(struct itest *t, const char *key, bool park)
+{
+    char b1[256], b2[256], same[256], args[300], out[16384];
+    const char *first[1] = {b1}, *later[2] = {same, b2};
+    snprintf(b1, sizeof b1, "{\"job_id\":\"%s\",\"amount_minor\":100}", key);
+    snprintf(same, sizeof same, "{\"job_id\":\"%s\",\"amount_minor\":100}", key);
+    snprintf(b2, sizeof b2, "{\"job_id\":\"%s\",\"amount_minor\":999}", key);
+    itest_publish(t, first, 1);
+    run_ok(t, 1);
+    itest_publish(t, later, 2);
+    run_ok(t, 1);
+    ck_assert_int_eq(itest_long(t, EFFECTS_FOR, key), 1);
+    ck_assert_int_eq(itest_long(t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND state = "
+                                   "'applied'",
+                               key),
+                     1);
+    ck_assert_int_eq(itest_long(t, "SELECT count(*) FROM idemq.attempts WHERE key = $1 AND "
+                                   "outcome = 'duplicate' AND message LIKE 'key_reuse%'",
+                               key),
+                     1);
+    ck_assert_int_eq(itest_long(t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                   "error_code = 'key_reuse'",
+                               key),
+                     (park ? 1 : 0));
+    snprintf(args, sizeof args, "jobs show %s", key);
+    ck_assert_int_eq(itest_idemq(t, args, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "key_reuse") != NULL, "%s", out);
+}
+
+START_TEST(test_key_reuse_recorded)
+{
+    struct itest t;
+    char key[128];
+    itest_setup(&t, "reuse", "idemq_test.record", "", "");
+    mkkey(&t, key, sizeof key, "k");
+    reuse_run(&t, key, false);
+    itest_teardown(&t);
+}
+END_TEST
+
+START_TEST(test_key_reuse_parks)
+{
+    struct itest t;
+    char key[128];
+    itest_setup(&t, "reusep", "idemq_test.record", "", "on_key_reuse = \"park\";");
+    mkkey(&t, key, sizeof key, "k");
+    reuse_run(&t, key, true);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* 7. PostgreSQL stopped for ~10 s while jobs flow: nothing parked, nothing
  * lost, all applied once after it returns. */
 START_TEST(test_postgres_outage)
@@ -854,6 +911,8 @@ int main(void)
     tcase_add_test(tc, test_implausible_timestamp_is_absent);
     tcase_add_test(tc, test_window_change_followed);
     tcase_add_test(tc, test_forged_redrive_parks);
+    tcase_add_test(tc, test_key_reuse_recorded);
+    tcase_add_test(tc, test_key_reuse_parks);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
