@@ -8,7 +8,8 @@
  * Dead-letter headers: x-idemq-key, -error-class, -error-code, -sqlstate,
  * -error (at most 256 bytes), -attempts, -generation, -park-id,
  * -payload-sha256, -first-attempt-at, -last-attempt-at, -parked-at,
- * -origin-exchange, -origin-queue, -origin-routing-key; and, when the park
+ * -origin-exchange, -origin-queue, -origin-routing-key, -seal (seal.h: the
+ * proof a redrive of the copy is idemq's); and, when the park
  * does not hold the whole message (body over max_body_bytes), -redrivable
  * (false) and -body-size: `idemq redrive` refuses those.
  */

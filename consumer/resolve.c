@@ -115,7 +115,7 @@ int resolve_cmd(const struct conf *c, const char *key, const char *action, const
                      "%s\n", ops_text(&a, key), ops_text(&a, ref), prior, ops_text(&a, who),
                 ops_text(&a, reason));
     } else if (strcmp(action, "not_applied") == 0) {
-        char quoted[3 * CONF_KEY_MAX_BYTES + 8];
+        char quoted[4 * CONF_KEY_MAX_BYTES + 8]; /* every byte a quote: 4 each */
         fprintf(out, "resolved %s: not applied (intent was %s), by %s: %s\n", ops_text(&a, key),
                 prior, ops_text(&a, who), ops_text(&a, reason));
         /* The key is the producer's: quoted for the shell, or no command. */
