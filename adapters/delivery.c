@@ -7,6 +7,7 @@
 #include "delivery.h"
 
 #include <openssl/evp.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/time.h>
@@ -68,8 +69,16 @@ idemq_err_t delivery_props_to_job(const amqp_basic_properties_t *p, struct job *
         rc |= json_object_set_new(j->props, "delivery_mode", json_integer(p->delivery_mode));
     if (f & AMQP_BASIC_PRIORITY_FLAG)
         rc |= json_object_set_new(j->props, "priority", json_integer(p->priority));
-    if (f & AMQP_BASIC_TIMESTAMP_FLAG)
-        rc |= json_object_set_new(j->props, "timestamp", json_integer((json_int_t)p->timestamp));
+    if (f & AMQP_BASIC_TIMESTAMP_FLAG) {
+        /* The same 64 bits, as a signed value (json_int_t), so a copy carries
+         * them unchanged; 2^63 and above read negative, which
+         * job_timestamp takes as no timestamp. Converted without relying on
+         * implementation-defined behaviour. */
+        json_int_t ts = p->timestamp <= (uint64_t)INT64_MAX
+                            ? (json_int_t)p->timestamp
+                            : -(json_int_t)(UINT64_MAX - p->timestamp) - 1;
+        rc |= json_object_set_new(j->props, "timestamp", json_integer(ts));
+    }
     if (f & AMQP_BASIC_MESSAGE_ID_FLAG) {
         /* A message_id with NUL bytes cannot be a key; keep it invalid. */
         copy_short(j->message_id, p->message_id);

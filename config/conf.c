@@ -155,6 +155,8 @@ static const struct conf_key input_keys[] = {
      "per-order-key sequence number: json:<field> (a positive integer); empty = none"},
     {"on_park", CT_STR, I(on_park), 1, 16, "continue", 0, 0,
      "after a job of an ordered lane parks: continue, or hold_key (hold its order key)"},
+    {"on_key_reuse", CT_STR, I(on_key_reuse), 1, 16, "ack", 0, 0,
+     "a delivery of an applied key with another body: ack (recorded as key_reuse), or park"},
     {"deferred_report_after_s", CT_INT, I(deferred_report_after_s), 1, 86400 * 30, NULL, 300, 0,
      "deferred jobs (waiting for a predecessor) older than this are reported"},
     /* provider effects (issue 9): keep these rows together */
@@ -516,6 +518,13 @@ static idemq_err_t validate_lanes(const struct conf *c, struct conf_input *in, i
     } else {
         errf(errbuf, errlen, "%s:%d: input %s: on_park must be \"continue\" or \"hold_key\", "
              "not \"%s\"", file, line, in->name, in->on_park);
+        return IDEMQ_ERR_CONFIG;
+    }
+    if (strcmp(in->on_key_reuse, "ack") == 0 || strcmp(in->on_key_reuse, "park") == 0) {
+        in->key_reuse_parks = strcmp(in->on_key_reuse, "park") == 0;
+    } else {
+        errf(errbuf, errlen, "%s:%d: input %s: on_key_reuse must be \"ack\" or \"park\", "
+             "not \"%s\"", file, line, in->name, in->on_key_reuse);
         return IDEMQ_ERR_CONFIG;
     }
     if (in->order_key_source[0]) {

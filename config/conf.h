@@ -89,6 +89,7 @@ struct conf_input {
     char *order_key_source;
     char *sequence_source;
     char *on_park;
+    char *on_key_reuse; /* "ack" or "park" */
     int deferred_report_after_s;
     /* provider effects (issue 9) */
     struct conf_provider provider;
@@ -103,6 +104,7 @@ struct conf_input {
     char *order_name;              /* field or header name, or NULL */
     char *seq_name;                /* json field of sequence_source, or NULL */
     enum conf_on_park on_park_mode;
+    bool key_reuse_parks; /* on_key_reuse = "park" */
 };
 
 /* True for a partitioned (ordered) input. */

@@ -285,6 +285,22 @@ static enum step run_txn_notices(struct batch *bt, struct job *jobs, int n, stru
                 bt->drain_hint = true; /* a deferred successor may be next */
             break;
         case LEDGER_DUPLICATE:
+            if (strcmp(r->prior_state, "key_reuse") != 0)
+                break;
+            /* The same key with another body: no effect either way; the
+             * ledger recorded it, the input says whether it also parks. */
+            p->key_reuse = true;
+            if (!bt->c->inputs[jobs[i].input].key_reuse_parks) {
+                log_job(LOG_LVL_WARN, jobs[i].key, jobs[i].tag, r->attempt,
+                        "key_reuse: the key is applied with another body (SHA-256 %s); "
+                        "acknowledged without effect", jobs[i].sha256_hex);
+                break;
+            }
+            /* parked below, with the messages that did not decode */
+            jobs[i].decode_err = IDEMQ_ERR_KEY_REUSE;
+            snprintf(jobs[i].reason, sizeof jobs[i].reason,
+                     "the key is applied with another body (SHA-256 %.64s); on_key_reuse = park",
+                     jobs[i].sha256_hex);
             break;
         case LEDGER_DEFERRED:
             if (jobs[i].deferred_id) {

@@ -100,6 +100,8 @@ enum classify_class classify_err(idemq_err_t err)
     case IDEMQ_ERR_UNPROCESSABLE:
     case IDEMQ_ERR_ORIGIN_REFUSED:
     case IDEMQ_ERR_OUTSIDE_WINDOW:
+    case IDEMQ_ERR_FORGED_REDRIVE:
+    case IDEMQ_ERR_KEY_REUSE:
         return CLASS_PERMANENT;
     case IDEMQ_ERR_KEY_INVALID_HEADER:
     case IDEMQ_ERR_PROVIDER_REJECTED:

@@ -46,6 +46,8 @@ const char *idemq_err_name(idemq_err_t err)
     case IDEMQ_ERR_PROVIDER_NOT_SENT: return "provider_not_sent";
     case IDEMQ_ERR_KEY_CONFLICT: return "key_conflict";
     case IDEMQ_ERR_OUTSIDE_WINDOW: return "outside_dedup_window";
+    case IDEMQ_ERR_FORGED_REDRIVE: return "forged_redrive";
+    case IDEMQ_ERR_KEY_REUSE: return "key_reuse";
     }
     return "unknown";
 }
@@ -95,6 +97,9 @@ const char *idemq_err_str(idemq_err_t err)
     case IDEMQ_ERR_KEY_CONFLICT: return "the key belongs to a job of a non-provider input";
     case IDEMQ_ERR_OUTSIDE_WINDOW:
         return "message older than the dedup window whose key is no longer claimed";
+    case IDEMQ_ERR_FORGED_REDRIVE:
+        return "a redrive header (x-idemq-generation) without idemq's seal";
+    case IDEMQ_ERR_KEY_REUSE: return "the key is applied with another body";
     }
     return "unknown error";
 }

@@ -49,6 +49,8 @@ typedef enum {
     IDEMQ_ERR_PROVIDER_NOT_SENT,  /* the request never reached the provider (connect, TLS) */
     IDEMQ_ERR_KEY_CONFLICT,       /* the key belongs to a job of a non-provider input */
     IDEMQ_ERR_OUTSIDE_WINDOW,    /* message older than the dedup window, key not claimed */
+    IDEMQ_ERR_FORGED_REDRIVE,    /* x-idemq-generation without a valid x-idemq-seal */
+    IDEMQ_ERR_KEY_REUSE,         /* an applied key with another body (on_key_reuse = park) */
 } idemq_err_t;
 
 /* Stable snake_case name ("bad_json"), stored in the ledger. Never NULL. */

@@ -5,6 +5,8 @@
  */
 #include "job.h"
 
+#include "seal.h"
+
 #include <inttypes.h>
 #include <openssl/evp.h>
 #include <pthread.h>
@@ -144,6 +146,28 @@ bool job_utf8_valid(const unsigned char *s, size_t n)
         if (!(k = job_utf8_seq(s + i, n - i)))
             return false;
     return true;
+}
+
+bool job_timestamp(const struct job *j, long long now, long long *ts)
+{
+    json_t *v = json_object_get(j->props, "timestamp");
+    long long t;
+    if (!json_is_integer(v))
+        return false;
+    t = (long long)json_integer_value(v);
+    /* now is a clock reading, far from LLONG_MAX: the sum cannot overflow */
+    if (t < JOB_TIMESTAMP_MIN || t > now + JOB_TIMESTAMP_FUTURE_S)
+        return false;
+    *ts = t;
+    return true;
+}
+
+long long job_age_s(const struct job *j, long long now)
+{
+    long long ts;
+    if (!job_timestamp(j, now, &ts))
+        return -1;
+    return ts < now ? now - ts : 0; /* both within [2000, now + 600 s] */
 }
 
 void job_utf8_sanitize(char *s)
@@ -357,5 +381,10 @@ idemq_err_t job_decode(struct job *j, const struct conf_input *in)
     } else {
         j->decode_err = key_err;
     }
+    /* A redrive must be idemq's or its operator's (seal.h): a claimed
+     * generation without idemq's seal is parked, never applied. */
+    if (j->decode_err == IDEMQ_OK && j->has_key &&
+        !seal_check_headers(j->headers, j->key, j->reason, sizeof j->reason))
+        j->decode_err = IDEMQ_ERR_FORGED_REDRIVE;
     return j->decode_err;
 }

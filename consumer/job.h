@@ -93,9 +93,31 @@ void job_set_digest(struct job *j, const unsigned char md[32]);
  * a missing one is a permanent decode error). Sets j->decode_err (and
  * returns it): IDEMQ_OK, or a permanent decode error with j->reason
  * explaining it. The key is extracted whenever it can be (even when the body
- * is bad), so a parked message keeps its key if it has one. Pure.
+ * is bad), so a parked message keeps its key if it has one. Last, the
+ * redrive headers (seal_check_headers): an x-idemq-generation without
+ * idemq's seal is IDEMQ_ERR_FORGED_REDRIVE, and an unsealed
+ * x-idemq-redriven-by is removed from j->headers. Pure but for the
+ * process's seal secret.
  */
 idemq_err_t job_decode(struct job *j, const struct conf_input *in);
+
+/* A producer's AMQP timestamp counts only from 2000-01-01T00:00:00Z to
+ * JOB_TIMESTAMP_FUTURE_S ahead of this host's clock. */
+#define JOB_TIMESTAMP_MIN 946684800LL
+#define JOB_TIMESTAMP_FUTURE_S 600
+
+/*
+ * The message's AMQP timestamp (seconds since the epoch, props.timestamp)
+ * if it is plausible at time now: true and *ts set. 0 (many libraries'
+ * "unset"), anything before 2000, more than JOB_TIMESTAMP_FUTURE_S ahead,
+ * or 2^63 and more (kept as the same 64 bits, so read back negative) is no
+ * timestamp: false. Pure.
+ */
+bool job_timestamp(const struct job *j, long long now, long long *ts);
+
+/* Age in seconds (>= 0) of j by a plausible timestamp at time now, or -1
+ * when it has none. Never overflows. Pure. */
+long long job_age_s(const struct job *j, long long now);
 
 /* Length (1-4) of the valid UTF-8 sequence at s[0..n) (n >= 1), or 0 if the
  * bytes there are not one: NUL, overlong forms, surrogates and code points

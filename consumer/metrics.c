@@ -44,6 +44,10 @@ size_t metrics_render(struct worker *ws, int n, char *buf, size_t len)
         {"idemq_applied_total", "effects applied", offsetof(struct worker_stats, applied)},
         {"idemq_duplicates_total", "duplicate-key deliveries acknowledged without effect",
          offsetof(struct worker_stats, duplicates)},
+        {"idemq_key_reuse_total",
+         "deliveries of an applied key with another body (recorded as key_reuse; parked "
+         "with on_key_reuse = park)",
+         offsetof(struct worker_stats, key_reuse)},
         {"idemq_retried_total", "deliveries sent to a delay bucket",
          offsetof(struct worker_stats, retried)},
         {"idemq_parked_total", "messages parked (dead-lettered)",

@@ -12,9 +12,12 @@
 
 #include "broker.h"
 #include "broker_admin.h"
+#include "job.h"
 #include "ledger_db.h"
 #include "log.h"
+#include "republish.h"
 #include "resolve.h"
+#include "seal.h"
 #include "topology.h"
 
 PGconn *ops_connect(const struct conf *c, const char *app, int statement_timeout_ms)
@@ -33,6 +36,79 @@ const char *ops_val(const PGresult *r, int row, int col)
     return PQgetisnull(r, row, col) ? "-" : PQgetvalue(r, row, col);
 }
 
+/* Bytes of the escaped form of s[0..n) that the next sequence takes
+ * (*k: its length in s); writes it to out when out is not NULL. */
+static size_t esc_one(const unsigned char *s, size_t n, size_t *k, char *out)
+{
+    char tmp[16];
+    size_t len = job_utf8_seq(s, n), w;
+    *k = len ? len : 1;
+    if (len == 1 && s[0] >= 0x20 && s[0] != 0x7f && s[0] != '\\') {
+        if (out)
+            out[0] = (char)s[0];
+        return 1;
+    }
+    if (len > 1 && !(len == 2 && s[0] == 0xc2 && s[1] < 0xa0)) {
+        if (out)
+            memcpy(out, s, len);
+        return len;
+    }
+    if (len == 1 && (s[0] == '\n' || s[0] == '\r' || s[0] == '\t' || s[0] == '\\'))
+        w = (size_t)snprintf(tmp, sizeof tmp, "\\%c",
+                             s[0] == '\n' ? 'n' : s[0] == '\r' ? 'r' : s[0] == '\t' ? 't' : '\\');
+    else if (len == 2) /* a C1 control */
+        w = (size_t)snprintf(tmp, sizeof tmp, "\\x%02x\\x%02x", s[0], s[1]);
+    else /* a control byte, NUL aside, or one that is not UTF-8 */
+        w = (size_t)snprintf(tmp, sizeof tmp, "\\x%02x", s[0]);
+    if (out)
+        memcpy(out, tmp, w);
+    return w;
+}
+
+const char *ops_text(struct ops_strs *a, const char *s)
+{
+    const unsigned char *u = (const unsigned char *)s;
+    size_t n = strlen(s), need = 0, k;
+    char *copy, **v;
+    bool same = true;
+
+    for (size_t i = 0; i < n; i += k) {
+        size_t w = esc_one(u + i, n - i, &k, NULL);
+        same = same && w == k;
+        need += w;
+    }
+    if (same)
+        return s;
+    if (a->n == a->cap) {
+        size_t cap = a->cap ? a->cap * 2 : 16;
+        if (!(v = realloc(a->v, cap * sizeof *v)))
+            return "?";
+        a->v = v;
+        a->cap = cap;
+    }
+    if (!(copy = malloc(need + 1)))
+        return "?";
+    need = 0;
+    for (size_t i = 0; i < n; i += k)
+        need += esc_one(u + i, n - i, &k, copy + need);
+    copy[need] = '\0';
+    a->v[a->n++] = copy;
+    return copy;
+}
+
+const char *ops_tval(struct ops_strs *a, const PGresult *r, int row, int col)
+{
+    return ops_text(a, ops_val(r, row, col));
+}
+
+void ops_strs_free(struct ops_strs *a)
+{
+    for (size_t i = 0; i < a->n; i++)
+        free(a->v[i]);
+    free(a->v);
+    memset(a, 0, sizeof *a);
+}
+
 static PGconn *connect(const struct conf *c)
 {
     return ops_connect(c, "idemq ops", c->statement_timeout_ms);
@@ -44,6 +120,7 @@ int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
     const char *params[1] = {key};
     PGconn *db = connect(c);
     PGresult *job, *tl;
+    struct ops_strs a = {NULL, 0, 0};
     int rc = 0;
 
     if (!db)
@@ -64,34 +141,35 @@ int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
         goto out;
     }
     if (PQntuples(job) == 0 && PQntuples(tl) == 0) {
-        fprintf(out, "no job, attempt or park with key %s\n", key);
+        fprintf(out, "no job, attempt or park with key %s\n", ops_text(&a, key));
         rc = 1;
         goto out;
     }
-    fprintf(out, "key %s\n", key);
+    fprintf(out, "key %s\n", ops_text(&a, key));
     if (PQntuples(job) == 1) {
         fprintf(out, "  state %s, %s attempts, generation %s (budget counts from attempt %s)\n",
-                ops_val(job, 0, 0), ops_val(job, 0, 1), ops_val(job, 0, 2), ops_val(job, 0, 3));
-        fprintf(out, "  queue %s, payload sha256 %s\n", ops_val(job, 0, 11), ops_val(job, 0, 12));
-        fprintf(out, "  first seen %s, applied %s, run after %s\n", ops_val(job, 0, 4),
-                ops_val(job, 0, 5), ops_val(job, 0, 6));
+                ops_tval(&a, job, 0, 0), ops_tval(&a, job, 0, 1), ops_tval(&a, job, 0, 2), ops_tval(&a, job, 0, 3));
+        fprintf(out, "  queue %s, payload sha256 %s\n", ops_tval(&a, job, 0, 11), ops_tval(&a, job, 0, 12));
+        fprintf(out, "  first seen %s, applied %s, run after %s\n", ops_tval(&a, job, 0, 4),
+                ops_tval(&a, job, 0, 5), ops_tval(&a, job, 0, 6));
         if (!PQgetisnull(job, 0, 8))
-            fprintf(out, "  last error %s %s: %s\n", ops_val(job, 0, 8), ops_val(job, 0, 9),
-                    ops_val(job, 0, 10));
+            fprintf(out, "  last error %s %s: %s\n", ops_tval(&a, job, 0, 8), ops_tval(&a, job, 0, 9),
+                    ops_tval(&a, job, 0, 10));
     } else {
         fprintf(out, "  (no job row: the message never decoded into a job, or its key was "
                      "pruned past the dedup window)\n");
     }
     fprintf(out, "history (in commit order):\n");
     for (int i = 0; i < PQntuples(tl); i++)
-        fprintf(out, "  %s  %s\n", ops_val(tl, i, 0), ops_val(tl, i, 1));
+        fprintf(out, "  %s  %s\n", ops_tval(&a, tl, i, 0), ops_tval(&a, tl, i, 1));
     if (PQntuples(job) == 1 && !PQgetisnull(job, 0, 7))
-        fprintf(out, "result: %s\n", ops_val(job, 0, 7));
+        fprintf(out, "result: %s\n", ops_tval(&a, job, 0, 7));
     resolve_show(db, key, out); /* provider intent and resolutions (issue 9) */
 out:
     PQclear(job);
     PQclear(tl);
     PQfinish(db);
+    ops_strs_free(&a);
     return rc;
 }
 
@@ -290,6 +368,7 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
     const char *params[5];
     PGconn *db;
     PGresult *rows, *counts;
+    struct ops_strs a = {NULL, 0, 0};
     int rc = 0;
 
     if (f->input) {
@@ -344,9 +423,9 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
             "key", "class", "code", "sqlstate", "att", "gen", "dlq", "reason");
     for (int i = 0; i < PQntuples(rows); i++)
         fprintf(out, "%-6s %-27s %-32s %-10s %-18s %-8s %-3s %-3s %-4s %s\n", ops_val(rows, i, 0),
-                ops_val(rows, i, 1), ops_val(rows, i, 2), ops_val(rows, i, 3), ops_val(rows, i, 4),
-                ops_val(rows, i, 5), ops_val(rows, i, 6), ops_val(rows, i, 7), ops_val(rows, i, 8),
-                ops_val(rows, i, 9));
+                ops_val(rows, i, 1), ops_tval(&a, rows, i, 2), ops_tval(&a, rows, i, 3),
+                ops_tval(&a, rows, i, 4), ops_val(rows, i, 5), ops_val(rows, i, 6),
+                ops_val(rows, i, 7), ops_val(rows, i, 8), ops_tval(&a, rows, i, 9));
     {
         long n_broker = 0;
         long long since_epoch = f->since ? since_epoch_of(db, f->since, &rc) : 0;
@@ -367,6 +446,7 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
 out:
     PQclear(rows);
     PQclear(counts);
+    ops_strs_free(&a);
     PQfinish(db);
     return rc;
 }
@@ -457,12 +537,12 @@ static int adopt(const struct conf *c, PGconn **db, const struct conf_input *in,
         PQclear(r);
         return PQstatus(*db) == CONNECTION_OK ? 1 : 4;
     }
-    /* the copy: the broker's death history off, idemq's redrive headers on */
+    /* the copy: the broker's death history (and whatever else it acts on)
+     * off, idemq's redrive headers on */
     keep = json_object();
     json_object_foreach_safe(j->headers, tmp, k, e)
     {
-        if (strcmp(k, "x-death") && strncmp(k, "x-first-death-", 14) &&
-            strncmp(k, "x-last-death-", 13))
+        if (!republish_broker_header(k))
             json_object_set(keep, k, e);
     }
     if (v->key)
@@ -503,6 +583,78 @@ static void release(struct redrive *r)
     for (int i = 0; i < r->n_stuck; i++)
         broker_close(r->stuck[i]);
     r->n_stuck = 0;
+}
+
+/* The ledger's redrive secret into seal.c; 0, or an exit code. */
+static int load_seal(PGconn *db)
+{
+    PGresult *r = PQexec(db, "SELECT secret FROM idemq.redrive_seal WHERE id = 1");
+    int rc = 0;
+    if (PQresultStatus(r) != PGRES_TUPLES_OK || PQntuples(r) != 1 ||
+        !seal_set_secret_hex(PQgetvalue(r, 0, 0))) {
+        log_error("cannot read the redrive secret (idemq.redrive_seal; run idemq migrate): %s",
+                  PQerrorMessage(db));
+        rc = PQstatus(db) == CONNECTION_OK ? 1 : 4;
+    }
+    PQclear(r);
+    return rc;
+}
+
+/*
+ * Seals the copy about to be redriven (seal.h). A copy idemq sealed keeps
+ * its seal; one it did not (dead-lettered before seals existed, or put in
+ * <queue>.dead by someone else) is sealed only while the ledger holds the
+ * open park its headers name (same id, key and generation); otherwise it
+ * goes without x-idemq-generation, so it cannot start a redrive (a
+ * duplicate of a parked or applied key, or a new job), and *note says so.
+ * Then the seal of who redrives it (x-idemq-redrive-seal; the caller adds
+ * x-idemq-redriven-by = by). 0, or an exit code.
+ */
+static int seal_copy(PGconn *db, struct job *j, const char *key, const char *by,
+                     const char **note)
+{
+    json_t *h = j->headers, *gen = json_object_get(h, "x-idemq-generation");
+    char why[160], s[SEAL_HEX], g[24], id[24];
+    long long park = -1;
+
+    *note = NULL;
+    if (!gen)
+        return 0;
+    if (json_is_integer(json_object_get(h, "x-idemq-park-id")))
+        park = (long long)json_integer_value(json_object_get(h, "x-idemq-park-id"));
+    if (!key || !json_is_integer(gen) || !seal_check_headers(h, key, why, sizeof why)) {
+        bool open_park = false;
+        if (key && json_is_integer(gen) && park > 0) {
+            const char *params[3] = {id, key, g};
+            PGresult *r;
+            snprintf(id, sizeof id, "%lld", park);
+            snprintf(g, sizeof g, "%lld", (long long)json_integer_value(gen));
+            r = PQexecParams(db, "SELECT count(*) FROM idemq.parked WHERE id = $1::bigint AND "
+                                 "key = $2 AND generation = $3::integer",
+                             3, NULL, params, NULL, NULL, 0);
+            if (PQresultStatus(r) != PGRES_TUPLES_OK) {
+                log_error("cannot look up park %s: %s", id, PQerrorMessage(db));
+                PQclear(r);
+                return PQstatus(db) == CONNECTION_OK ? 1 : 4;
+            }
+            open_park = strcmp(PQgetvalue(r, 0, 0), "1") == 0;
+            PQclear(r);
+        }
+        if (open_park) {
+            if (!seal_put_park(h, key))
+                return 1;
+        } else {
+            json_object_del(h, "x-idemq-generation");
+            json_object_del(h, "x-idemq-seal");
+            *note = " (not sealed by idemq and no open park matches it: sent without its "
+                    "generation, so it cannot start a redrive)";
+            return 0;
+        }
+    }
+    if (!seal_by(key, (long long)json_integer_value(gen), park, by, s) ||
+        json_object_set_new(h, "x-idemq-redrive-seal", json_string(s)))
+        return 1;
+    return 0;
 }
 
 /* Redrives one input's dead-letter queue; *left counts what stays there. */
@@ -590,7 +742,21 @@ static int redrive_input(const struct conf *c, PGconn **db, struct redrive *r,
         }
         {
             struct broker_props p = {NULL, NULL, j.headers, true, NULL, j.props};
+            const char *note = NULL;
+            /* A CC a producer put on the message (or the broker kept while
+             * dead-lettering it) would copy it, with the operator's
+             * credentials, into any queue it names. */
+            republish_strip_broker_headers(j.headers);
+            json_object_del(j.headers, "x-idemq-redriven-by");
+            json_object_del(j.headers, "x-idemq-redrive-seal");
+            if ((rc = seal_copy(*db, &j, v.key, by, &note)) != 0) {
+                (*left)++;
+                (void)hold(&r->held, &r->nheld, &r->cap, j.tag);
+                break;
+            }
             json_object_set_new(j.headers, "x-idemq-redriven-by", json_string(by));
+            if (note)
+                log_warn("%s: %s%s", dlq, v.key ? v.key : "(no key)", note);
             /* Straight to the origin queue (default exchange): an origin
              * fanout exchange would copy it to other queues too. */
             if (broker_publish(r->b, "", origin, j.body, j.body_len, &p) ||
@@ -621,7 +787,7 @@ int ops_redrive(const struct conf *c, const struct ops_filter *f, FILE *out)
     long long since_id = 0, since_epoch = 0;
     long moved = 0, left = 0;
     int rc = 0, found = 0;
-    PGconn *db = NULL; /* opened when needed: --since, a broker-made dead letter */
+    PGconn *db = NULL; /* the ledger: the seal's secret, --since, broker-made dead letters */
 
     memset(&r, 0, sizeof r);
     if (f->input) {
@@ -632,9 +798,14 @@ int ops_redrive(const struct conf *c, const struct ops_filter *f, FILE *out)
             return 2;
         }
     }
+    /* The ledger's secret seals what this redrive publishes. */
+    if (!(db = connect(c)))
+        return 4;
+    if ((rc = load_seal(db)) != 0) {
+        PQfinish(db);
+        return rc;
+    }
     if (f->since) {
-        if (!(db = connect(c)))
-            return 4;
         since_id = since_park_id(db, f->since, &rc);
         if (!rc)
             since_epoch = since_epoch_of(db, f->since, &rc);

@@ -33,6 +33,29 @@ PGconn *ops_connect(const struct conf *c, const char *app, int statement_timeout
 /* Field (row, col) of r as text, "-" for SQL NULL. */
 const char *ops_val(const PGresult *r, int row, int col);
 
+/* Escaped copies of stored text made for one command's output. */
+struct ops_strs {
+    char **v;
+    size_t n, cap;
+};
+
+/*
+ * s made safe for a terminal line: control bytes (below 0x20, 0x7f), the
+ * C1 controls U+0080..U+009F (a terminal may take U+009B as CSI), bytes
+ * that are not UTF-8, and the backslash are written as \n, \r, \t, \\
+ * or \xNN, so stored text (a key, a provider's answer, a reason) can
+ * neither start a line nor send an escape sequence. Returns s itself when
+ * nothing needs escaping, else a copy owned by a (freed by
+ * ops_strs_free); "?" when out of memory. Not thread-safe per a.
+ */
+const char *ops_text(struct ops_strs *a, const char *s);
+
+/* ops_text of ops_val(r, row, col). */
+const char *ops_tval(struct ops_strs *a, const PGresult *r, int row, int col);
+
+/* Frees every copy a holds and empties it. */
+void ops_strs_free(struct ops_strs *a);
+
 /* Prints the story of key to out, oldest first. Returns 0, 1 when the
  * ledger knows nothing of the key, 4 when the database is unreachable. */
 int ops_jobs_show(const struct conf *c, const char *key, FILE *out);

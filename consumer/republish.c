@@ -7,10 +7,50 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "seal.h"
 #include "topology.h"
 
-/* Copy of j's headers without broker death records and idemq's own facts,
- * keeping the origin of the first delivery. */
+/*
+ * Headers RabbitMQ (or a plugin) acts on when a message is published or
+ * moved: sender-selected distribution (CC, BCC: exact, case-sensitive
+ * names; they add routing keys, so on the default exchange they name any
+ * queue), dead-letter history (cycle detection), the quorum delivery count,
+ * federation's hop record, stream filters, MQTT and AMQP 1.0 annotations
+ * (x-cc is AMQP 1.0's CC), the delayed-message and deduplication plugins.
+ * Exact names, then prefixes.
+ */
+static const char *const broker_names[] = {
+    "CC", "BCC", "x-cc", "x-death", "x-delivery-count", "x-received-from",
+    "x-stream-filter", "x-stream-filter-value", "x-delay", "x-deduplication-header",
+    "x-cache-ttl", NULL};
+static const char *const broker_prefixes[] = {"x-first-death-", "x-last-death-", "x-opt-",
+                                              "x-amqp-1.0-", "x-mqtt-", NULL};
+
+bool republish_broker_header(const char *name)
+{
+    for (int i = 0; broker_names[i]; i++)
+        if (strcmp(name, broker_names[i]) == 0)
+            return true;
+    for (int i = 0; broker_prefixes[i]; i++)
+        if (strncmp(name, broker_prefixes[i], strlen(broker_prefixes[i])) == 0)
+            return true;
+    return false;
+}
+
+void republish_strip_broker_headers(json_t *h)
+{
+    const char *k;
+    json_t *v;
+    void *tmp;
+    json_object_foreach_safe(h, tmp, k, v)
+    {
+        if (republish_broker_header(k))
+            json_object_del(h, k);
+    }
+}
+
+/* Copy of j's headers without what the broker interprets and idemq's own
+ * facts, keeping the origin of the first delivery. */
 static json_t *clean_headers(const struct job *j, const struct conf_input *in)
 {
     json_t *h = json_object();
@@ -21,8 +61,7 @@ static json_t *clean_headers(const struct job *j, const struct conf_input *in)
         return NULL;
     json_object_foreach(j->headers, k, v)
     {
-        if (strcmp(k, "x-death") == 0 || strncmp(k, "x-first-death-", 14) == 0 ||
-            strncmp(k, "x-last-death-", 13) == 0 ||
+        if (republish_broker_header(k) ||
             (strncmp(k, "x-idemq-", 8) == 0 && strncmp(k, "x-idemq-origin-", 15) != 0))
             continue;
         json_object_set(h, k, v);
@@ -83,6 +122,11 @@ json_t *republish_dead_headers(const struct job *j, const struct conf_input *in,
     copy_field(h, "x-idemq-first-attempt-at", park, "first_attempt_at");
     copy_field(h, "x-idemq-last-attempt-at", park, "last_attempt_at");
     copy_field(h, "x-idemq-parked-at", park, "parked_at");
+    /* A redrive of this copy (idemq redrive, a shovel) proves it is idemq's. */
+    if (!seal_put_park(h, json_string_value(json_object_get(park, "key")))) {
+        json_decref(h);
+        return NULL;
+    }
     if (json_is_false(json_object_get(park, "redrivable"))) {
         /* the copy holds a prefix of the body (or nothing): never redriven */
         json_object_set_new(h, "x-idemq-redrivable", json_false());

@@ -8,7 +8,8 @@
  * Dead-letter headers: x-idemq-key, -error-class, -error-code, -sqlstate,
  * -error (at most 256 bytes), -attempts, -generation, -park-id,
  * -payload-sha256, -first-attempt-at, -last-attempt-at, -parked-at,
- * -origin-exchange, -origin-queue, -origin-routing-key; and, when the park
+ * -origin-exchange, -origin-queue, -origin-routing-key, -seal (seal.h: the
+ * proof a redrive of the copy is idemq's); and, when the park
  * does not hold the whole message (body over max_body_bytes), -redrivable
  * (false) and -body-size: `idemq redrive` refuses those.
  */
@@ -16,6 +17,7 @@
 #define IDEMQ_REPUBLISH_H
 
 #include <jansson.h>
+#include <stdbool.h>
 
 #include "broker.h"
 #include "conf.h"
@@ -24,8 +26,18 @@
 
 #define REPUBLISH_ERROR_TEXT_MAX 256
 
-/* Headers for a delayed retry of j: its own headers without broker death
- * records and stale x-idemq-* facts, plus origin and attempt. New object. */
+/* True for a header the broker acts on when a message is published (CC,
+ * BCC, dead-letter history, plugin controls; see republish.c): no copy
+ * idemq publishes carries one, so a producer's headers never steer a
+ * publish made with idemq's credentials. Pure. */
+bool republish_broker_header(const char *name);
+
+/* Removes those headers from the object h, in place. */
+void republish_strip_broker_headers(json_t *h);
+
+/* Headers for a delayed retry of j: its own headers without the ones the
+ * broker interprets and stale x-idemq-* facts, plus origin and attempt.
+ * New object. */
 json_t *republish_delay_headers(const struct job *j, const struct conf_input *in, int attempt);
 
 /* Headers for the dead-letter copy of j parked as park (idemq.park_info).

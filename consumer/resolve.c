@@ -11,6 +11,33 @@
 #include "ledger_db.h"
 #include "ledger_provider.h"
 #include "log.h"
+#include "ops.h"
+
+bool resolve_shell_quote(const char *s, char *buf, size_t len)
+{
+    size_t o = 0;
+    if (len < 3)
+        return false;
+    buf[o++] = '\'';
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c < 0x20 || c > 0x7e)
+            return false; /* not for a command line an operator pastes */
+        if (c == '\'') {
+            if (o + 4 >= len - 1)
+                return false;
+            memcpy(buf + o, "'\\''", 4); /* close, an escaped quote, reopen */
+            o += 4;
+        } else {
+            if (o + 1 >= len - 1)
+                return false;
+            buf[o++] = (char)c;
+        }
+    }
+    buf[o++] = '\'';
+    buf[o] = '\0';
+    return true;
+}
 
 void resolve_who(char *buf, size_t len)
 {
@@ -31,6 +58,7 @@ int resolve_cmd(const struct conf *c, const char *key, const char *action, const
     const char *params[1] = {key};
     char err[512], who[300], prior[32], input[128];
     char *opts = NULL;
+    struct ops_strs a = {NULL, 0, 0};
     PGconn *db;
     PGresult *r;
     int idx = -1, rc = 0;
@@ -54,7 +82,7 @@ int resolve_cmd(const struct conf *c, const char *key, const char *action, const
     if (PQntuples(r) == 0) {
         PQclear(r);
         fprintf(stderr, "idemq: key %s has no provider intent: resolve settles parked keys of "
-                        "provider inputs\n", key);
+                        "provider inputs\n", ops_text(&a, key));
         rc = 1;
         goto out;
     }
@@ -65,7 +93,7 @@ int resolve_cmd(const struct conf *c, const char *key, const char *action, const
             idx = i;
     if (idx < 0) {
         fprintf(stderr, "idemq: key %s belongs to provider input %s, which %s does not "
-                        "configure\n", key, input, c->path);
+                        "configure\n", ops_text(&a, key), ops_text(&a, input), c->path);
         rc = 1;
         goto out;
     }
@@ -77,35 +105,46 @@ int resolve_cmd(const struct conf *c, const char *key, const char *action, const
     resolve_who(who, sizeof who);
     if (ledger_provider_resolve(db, key, action, strcmp(action, "applied") == 0 ? ref : NULL,
                                 who, reason, opts, prior, sizeof prior, &e) != IDEMQ_OK) {
-        fprintf(stderr, "idemq: not resolved: %s%s%s\n", e.message, e.sqlstate[0] ? " SQLSTATE " : "",
-                e.sqlstate);
+        fprintf(stderr, "idemq: not resolved: %s%s%s\n", ops_text(&a, e.message),
+                e.sqlstate[0] ? " SQLSTATE " : "", e.sqlstate);
         rc = e.conn_lost ? 4 : 1;
         goto out;
     }
-    if (strcmp(action, "applied") == 0)
+    if (strcmp(action, "applied") == 0) {
         fprintf(out, "resolved %s: applied with provider reference %s (intent was %s), by %s: "
-                     "%s\n", key, ref, prior, who, reason);
-    else if (strcmp(action, "not_applied") == 0)
-        fprintf(out, "resolved %s: not applied (intent was %s), by %s: %s\nA redrive of it "
-                     "(idemq redrive --key '%s') now sends it again under the same key.\n",
-                key, prior, who, reason, key);
-    else
+                     "%s\n", ops_text(&a, key), ops_text(&a, ref), prior, ops_text(&a, who),
+                ops_text(&a, reason));
+    } else if (strcmp(action, "not_applied") == 0) {
+        char quoted[4 * CONF_KEY_MAX_BYTES + 8]; /* every byte a quote: 4 each */
+        fprintf(out, "resolved %s: not applied (intent was %s), by %s: %s\n", ops_text(&a, key),
+                prior, ops_text(&a, who), ops_text(&a, reason));
+        /* The key is the producer's: quoted for the shell, or no command. */
+        if (resolve_shell_quote(key, quoted, sizeof quoted))
+            fprintf(out, "A redrive of it (idemq redrive --key %s) now sends it again under the "
+                         "same key.\n", quoted);
+        else
+            fprintf(out, "A redrive of it now sends it again under the same key (its key holds "
+                         "bytes no command line here carries safely: select it with --class, "
+                         "--input or --since).\n");
+    } else {
         fprintf(out, "resolved %s: discarded (intent was %s), by %s: %s\nA redrive of it is "
-                     "now a duplicate; nothing will be sent.\n", key, prior, who, reason);
+                     "now a duplicate; nothing will be sent.\n", ops_text(&a, key), prior,
+                ops_text(&a, who), ops_text(&a, reason));
+    }
 out:
+    ops_strs_free(&a);
     free(opts);
     PQfinish(db);
     return rc;
 }
 
-static const char *v(const PGresult *r, int row, int col)
-{
-    return PQgetisnull(r, row, col) ? "-" : PQgetvalue(r, row, col);
-}
+/* Stored text of (row, col), escaped for the terminal (ops_text). */
+#define v(r, row, col) ops_tval(&a, r, row, col)
 
 void resolve_show(PGconn *db, const char *key, FILE *out)
 {
     const char *params[1] = {key};
+    struct ops_strs a = {NULL, 0, 0};
     PGresult *r = PQexecParams(
         db,
         "SELECT state, provider, input, idempotent, generation, requests, unknowns, waits, "
@@ -154,4 +193,6 @@ void resolve_show(PGconn *db, const char *key, FILE *out)
             fprintf(out, "  resolution %s: %s (reference %s; was %s) by %s: %s\n", v(r, i, 0),
                     v(r, i, 1), v(r, i, 2), v(r, i, 3), v(r, i, 4), v(r, i, 5));
     PQclear(r);
+    ops_strs_free(&a);
 }
+#undef v

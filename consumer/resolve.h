@@ -10,6 +10,7 @@
 #define IDEMQ_RESOLVE_H
 
 #include <libpq-fe.h>
+#include <stdbool.h>
 #include <stdio.h>
 
 #include "conf.h"
@@ -30,6 +31,12 @@ int resolve_cmd(const struct conf *c, const char *key, const char *action, const
  * answer, resolutions) to out, nothing when key has none. For jobs show;
  * read only. */
 void resolve_show(PGconn *db, const char *key, FILE *out);
+
+/* s in single quotes for a POSIX shell (a quote inside becomes '\\''),
+ * into buf. false (buf unusable) when s holds a byte outside 0x20..0x7e
+ * (a control byte would break or forge the pasted line) or buf is too
+ * small. Pure. */
+bool resolve_shell_quote(const char *s, char *buf, size_t len);
 
 /* The OS user running this process, with host (and SUDO_USER when set):
  * "alice@host" or "root@host (sudo by alice)". */

@@ -54,6 +54,7 @@ struct plan {
     json_t *park;    /* SETTLE_DEAD/REJECT: park facts (owned) */
     int outcome;     /* enum ledger_outcome of the job's claim */
     int held_lane;   /* isolating: the lane a SETTLE_HOLD job held, else 0 */
+    bool key_reuse;  /* its key is applied with another body (counted) */
 };
 
 /* Releases what a plan owns and zeroes it. */

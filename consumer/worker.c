@@ -371,6 +371,8 @@ static void count(struct session *s, const struct plan *plans, int n)
 {
     struct worker_stats *ws = &s->w->stats;
     for (int i = 0; i < n; i++) {
+        if (plans[i].key_reuse)
+            atomic_fetch_add(&ws->key_reuse, 1);
         switch (plans[i].how) {
         case SETTLE_DELAY: atomic_fetch_add(&ws->retried, 1); break;
         case SETTLE_DEAD:
@@ -546,13 +548,12 @@ static enum step process(struct session *s)
  * taken (by its timestamp property, in seconds) is the oldest-ready age. */
 static void note_age(struct worker *w, const struct job *j)
 {
-    json_t *ts = json_object_get(j->props, "timestamp");
     struct timespec now;
-    if (!json_is_integer(ts))
-        return;
+    long long age;
     clock_gettime(CLOCK_REALTIME, &now);
-    atomic_store(&w->stats.head_age_ms,
-                 (long)((now.tv_sec - (time_t)json_integer_value(ts)) * 1000L));
+    if ((age = job_age_s(j, (long long)now.tv_sec)) < 0)
+        return; /* none, or implausible (job_timestamp) */
+    atomic_store(&w->stats.head_age_ms, (long)(age * 1000LL));
 }
 
 /* Collects up to batch_max deliveries: waits up to wait_ms for the first,

@@ -29,6 +29,7 @@ struct worker_stats {
     atomic_long settled; /* acknowledged after commit */
     atomic_long applied;
     atomic_long duplicates;
+    atomic_long key_reuse;   /* deliveries of an applied key with another body */
     atomic_long deferred;    /* ordered lanes: stored in the ledger to wait for a predecessor */
     atomic_long retried;
     atomic_long parked;

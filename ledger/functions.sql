@@ -63,7 +63,9 @@ $fn$;
 -- the job comes from idemq.deferred (its id in "di"), not from a delivery.
 -- For each job, in order, after claiming the key (INSERT ... ON CONFLICT on
 -- the primary key waits for a concurrent claimer to finish):
---   applied            -> 'duplicate' (no effect)
+--   applied            -> 'duplicate' (no effect); r_message 'key_reuse' (and
+--                         the attempt's message says so) when the body's
+--                         SHA-256 differs from the applied one
 --   parked, a redrive of the current generation (x-idemq-generation header)
 --                      -> a new generation with a fresh attempt budget, applied
 --   parked otherwise   -> 'duplicate', or 'repark' if its dead-letter publish
@@ -219,6 +221,17 @@ BEGIN
                 CONTINUE;
             END IF;
             IF v_state IN ('applied', 'parked', 'stale') THEN
+                -- The same key with another body (a producer bug: payment
+                -- APIs answer it with 422): still no effect, but recorded
+                -- as key_reuse, which the worker counts (and parks when the
+                -- input says on_key_reuse = "park").
+                v_why := NULL;
+                IF v_state = 'applied' THEN
+                    SELECT x.payload_sha256 INTO v_why FROM idemq.job_info(v_key) x;
+                    v_why := CASE WHEN v_why IS NOT NULL AND v_why <> (j->>'h')
+                                  THEN format('key_reuse: body SHA-256 %s, the applied one %s',
+                                              j->>'h', v_why) END;
+                END IF;
                 r_outcome := 'duplicate';
                 IF v_state = 'parked' THEN
                     SELECT p.id, p.parked_at INTO v_park, v_parked_at FROM idemq.parked p
@@ -255,8 +268,9 @@ BEGIN
                 END IF;
                 v_fin := clock_timestamp();
                 PERFORM idemq.add_attempt(v_key, v_att, v_gen, 'duplicate', v_start, v_fin,
-                                          v_q, v_meta, p_consumer);
-                r_attempt := v_att; r_base := v_base; r_message := v_state;
+                                          v_q, v_meta, p_consumer, NULL, v_why);
+                r_attempt := v_att; r_base := v_base;
+                r_message := CASE WHEN v_why IS NULL THEN v_state ELSE 'key_reuse' END;
                 r_finished := v_fin;
                 RETURN NEXT;
                 CONTINUE;

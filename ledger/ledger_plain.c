@@ -23,7 +23,8 @@
  *          on keys in the same order), settled: state applied, attempt 1.
  *  notnew: the distinct keys it did not claim.
  *  old:    those claimed before this statement, as of its snapshot.
- *  chk:    plain unless one of them is in another state than applied.
+ *  chk:    plain unless one of them is in another state than applied, or is
+ *          applied with another body (a reused key: apply_batch records it).
  *  eff:    the effects of the claimed keys, in delivery order (the call is
  *          evaluated after the sort), only when plain.
  *  dup:    an attempt row per delivery of a key applied before.
@@ -51,11 +52,21 @@ static const char plain_sql[] =
     "  SELECT u.k FROM unnest($1::text[], $2::boolean[]) AS u(k, f) WHERE u.f"
     "  EXCEPT ALL SELECT ins.key FROM ins"
     "), old AS MATERIALIZED (" /* a lookup by key each (OFFSET 0 keeps it a nested loop) */
-    "  SELECT t.key, t.state, t.attempts, t.generation FROM notnew n"
-    "   CROSS JOIN LATERAL (SELECT j.key, j.state, j.attempts, j.generation FROM idemq.jobs j"
-    "                        WHERE j.key = n.k OFFSET 0) t"
-    "), chk AS MATERIALIZED ("
-    "  SELECT NOT EXISTS (SELECT 1 FROM old WHERE old.state <> 'applied') AS plain"
+    "  SELECT t.key, t.state, t.attempts, t.generation, t.sha FROM notnew n"
+    "   CROSS JOIN LATERAL (SELECT j.key, j.state, j.attempts, j.generation,"
+    "                              coalesce(decode(j.payload_sha256, 'hex'),"
+    "                                (SELECT substring(h.sha256 FROM"
+    "                                   (array_position(h.keys, j.key) - 1) * 32 + 1 FOR 32)"
+    "                                   FROM idemq.batches h"
+    "                                  WHERE h.at = j.applied_at AND h.id = j.batch_id)) AS sha"
+    "                         FROM idemq.jobs j WHERE j.key = n.k OFFSET 0) t"
+    "), chk AS MATERIALIZED (" /* a key reused with another body: the isolating path */
+    "  SELECT NOT EXISTS (SELECT 1 FROM old WHERE old.state <> 'applied')"
+    "     AND NOT EXISTS (SELECT 1 FROM unnest($1::text[]) WITH ORDINALITY AS x(k, o)"
+    "                       JOIN old ON old.key = x.k"
+    "                      WHERE old.sha <>"
+    "                            substring($3::bytea FROM (x.o::integer - 1) * 32 + 1 FOR 32))"
+    "       AS plain"
     "), eff AS MATERIALIZED ("
     "  SELECT x.o, x.k, x.f, c.key IS NOT NULL AS claimed,"
     "         CASE WHEN x.f AND c.key IS NOT NULL THEN %s(x.k, x.p, ($4::jsonb[])[x.mi]) END AS r"

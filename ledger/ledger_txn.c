@@ -15,12 +15,14 @@
 #include "ledger_doc.h"
 #include "ledger_plain.h"
 #include "log.h"
+#include "seal.h"
 
 struct ledger_txn {
     PGconn *db;
     const struct conf *conf;
     char *effects; /* text[] literal of the effects' OIDs (regprocedure), by input */
-    double window_s; /* idemq.retention.dedup_window in seconds */
+    double window_s; /* idemq.retention.dedup_window in seconds, as of the last
+                      * batch that needed it (refresh_window) */
     struct ledger_doc doc; /* reusable batch document (isolating path) */
     struct ledger_plain *plain; /* the lean path's prepared statements */
     bool begin_pending;    /* BEGIN not sent yet: it goes with the next statement */
@@ -76,16 +78,30 @@ static char *resolve_effects(PGconn *db, const struct conf *c, char *errbuf, siz
     return out;
 }
 
+#define WINDOW_SQL "SELECT (idemq.ledger_settings()->>'dedup_window_s')::float8"
+
 /* The dedup window (seconds) of the ledger's idemq.retention. */
 static bool read_window(PGconn *db, double *window_s, char *errbuf, size_t errlen)
 {
-    PGresult *r = ledger_db_exec_raw(db,
-                                     "SELECT (idemq.ledger_settings()->>'dedup_window_s')::float8");
+    PGresult *r = ledger_db_exec_raw(db, WINDOW_SQL);
     bool ok = PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1 && !PQgetisnull(r, 0, 0);
     if (ok)
         *window_s = strtod(PQgetvalue(r, 0, 0), NULL);
     else
         snprintf(errbuf, errlen, "cannot read the dedup window: %s", PQerrorMessage(db));
+    PQclear(r);
+    return ok;
+}
+
+/* The ledger's redrive secret (idemq.redrive_seal) into seal.c. */
+static bool read_seal(PGconn *db, char *errbuf, size_t errlen)
+{
+    PGresult *r = ledger_db_exec_raw(db, "SELECT secret FROM idemq.redrive_seal WHERE id = 1");
+    bool ok = PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1 &&
+              seal_set_secret_hex(PQgetvalue(r, 0, 0));
+    if (!ok)
+        snprintf(errbuf, errlen, "cannot read the redrive secret (idemq.redrive_seal; run idemq "
+                                 "migrate): %s", PQerrorMessage(db));
     PQclear(r);
     return ok;
 }
@@ -103,7 +119,7 @@ struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf
     lt->conf = c;
     ledger_doc_init(&lt->doc);
     if (!(lt->effects = resolve_effects(db, c, errbuf, errlen)) ||
-        !read_window(db, &lt->window_s, errbuf, errlen) ||
+        !read_window(db, &lt->window_s, errbuf, errlen) || !read_seal(db, errbuf, errlen) ||
         !(lt->plain = ledger_plain_new(db, c, errbuf, errlen))) {
         ledger_txn_free(lt);
         return NULL;
@@ -231,11 +247,37 @@ static void copy_field(char *dst, size_t n, const PGresult *res, int row, int co
     snprintf(dst, n, "%s", PQgetisnull(res, row, col) ? "" : PQgetvalue(res, row, col));
 }
 
-/* Old: past the dedup window by its AMQP timestamp (seconds); none: new. */
+/*
+ * Reads the dedup window again, for a batch that holds a job with a
+ * (plausible) timestamp: `idemq migrate` may have changed it since the
+ * session began, and pruning uses the ledger's value at once, so a replica
+ * must not judge "old" by a longer window it read earlier. One short
+ * statement (autocommit, or inside the open transaction); batches without
+ * timestamps never pay it.
+ */
+static idemq_err_t refresh_window(struct ledger_txn *lt, struct ledger_db_error *e)
+{
+    PGresult *r = ledger_db_exec_raw(lt->db, WINDOW_SQL);
+    if (PQresultStatus(r) != PGRES_TUPLES_OK || PQntuples(r) != 1 || PQgetisnull(r, 0, 0)) {
+        ledger_db_error_from(lt->db, r, e);
+        if (!e->conn_lost && !e->sqlstate[0]) {
+            snprintf(e->sqlstate, sizeof e->sqlstate, "XX000");
+            snprintf(e->message, sizeof e->message, "the ledger has no dedup window");
+        }
+        PQclear(r);
+        return ledger_db_err(e);
+    }
+    lt->window_s = strtod(PQgetvalue(r, 0, 0), NULL);
+    PQclear(r);
+    return IDEMQ_OK;
+}
+
+/* Old: past the dedup window by its AMQP timestamp (seconds); none, or an
+ * implausible one (job_timestamp): new. */
 static bool is_old(const struct ledger_txn *lt, const struct job *j, time_t now)
 {
-    json_t *ts = json_object_get(j->props, "timestamp");
-    return json_is_integer(ts) && (double)(now - (time_t)json_integer_value(ts)) > lt->window_s;
+    long long age = job_age_s(j, (long long)now);
+    return age >= 0 && (double)age > lt->window_s;
 }
 
 idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int n,
@@ -245,7 +287,14 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
     PGresult *r;
     bool plain = true; /* standard inputs, none too old: the plain path may take it */
     time_t now = time(NULL);
+    idemq_err_t werr;
 
+    for (int i = 0; i < n; i++)
+        if (job_age_s(jobs[i], (long long)now) >= 0) {
+            if ((werr = refresh_window(lt, e)) != IDEMQ_OK)
+                return werr;
+            break;
+        }
     for (int i = 0; i < n && plain; i++) {
         const struct job *j = jobs[i];
         IDEMQ_ASSERT(j->decode_err == IDEMQ_OK && j->has_key);

@@ -62,7 +62,8 @@ void ledger_txn_result_clear(struct ledger_result *r);
 
 /* Binds a session to a configuration: resolves the effects' OIDs in this
  * session, reads the ledger's dedup window (a message whose AMQP timestamp
- * is older goes to the ledger marked "w") and prepares its statements.
+ * is older goes to the ledger marked "w"; ledger_txn_apply reads it again
+ * for each batch that holds a timestamp) and prepares its statements.
  * Returns NULL with errbuf set on failure. The caller keeps db. */
 struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf, size_t errlen);
 

@@ -42,6 +42,7 @@
 #include <unistd.h>
 
 #include "itest.h"
+#include "resolve.h"
 #include "topology.h"
 
 #define EFFECTS_FOR "SELECT count(*) FROM idemq_test.effects WHERE key = $1"
@@ -986,6 +987,68 @@ START_TEST(test_legacy_quorum_queue)
 }
 END_TEST
 
+/* D17: stored text a producer or provider chose (here a key with ESC, a
+ * newline and U+009B, the C1 CSI) reaches the operator's terminal escaped
+ * in `jobs show` and `parked list`: no escape sequence runs, no forged line
+ * starts. */
+START_TEST(test_operator_output_escaped)
+{
+    struct itest t;
+    char key[160], body[400], args[400], out[16384];
+    const char *bodies[1] = {body};
+    itest_setup(&t, "esc", "idemq_test.record", "", "");
+    /* the key as bytes, and as JSON escapes in the body */
+    snprintf(key, sizeof key, "%s:e\x1b[2J\nforged line \xc2\x9b", t.name);
+    snprintf(body, sizeof body,
+             "{\"job_id\":\"%s:e\\u001b[2J\\nforged line \\u009b\",\"raise\":\"23505\"}",
+             t.name);
+    itest_publish(&t, bodies, 1);
+    itest_run_until_idle(&t, 2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND state "
+                                    "= 'parked'",
+                                key),
+                     1);
+    snprintf(args, sizeof args, "jobs show '%s'", key);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(!strchr(out, '\x1b') && !strstr(out, "\xc2\x9b") &&
+                      !strstr(out, "\nforged line"),
+                  "jobs show printed raw control bytes:\n%s", out);
+    ck_assert_msg(strstr(out, "e\\x1b[2J\\nforged line \\xc2\\x9b") != NULL, "%s", out);
+    snprintf(args, sizeof args, "parked list --key '%s'", key);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(!strchr(out, '\x1b') && !strstr(out, "\xc2\x9b") &&
+                      !strstr(out, "\nforged line"),
+                  "parked list printed raw control bytes:\n%s", out);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* D17: the command `idemq resolve` prints for a redrive quotes the
+ * producer's key for the shell: what sh reads back is the key itself, and
+ * a key with a control byte gets no command at all. */
+START_TEST(test_resolve_shell_quote)
+{
+    const char *keys[] = {"plain", "a'b; touch /tmp/idemq-pwned-$$ #", "''", "$(id) `id` \\",
+                          NULL};
+    char q[600], cmd[800], got[600];
+    for (int i = 0; keys[i]; i++) {
+        FILE *p;
+        size_t n;
+        ck_assert(resolve_shell_quote(keys[i], q, sizeof q));
+        snprintf(cmd, sizeof cmd, "printf '%%s' %s", q);
+        ck_assert_ptr_nonnull(p = popen(cmd, "r"));
+        n = fread(got, 1, sizeof got - 1, p);
+        got[n] = '\0';
+        ck_assert_int_eq(pclose(p), 0);
+        ck_assert_str_eq(got, keys[i]);
+    }
+    ck_assert(!resolve_shell_quote("a\nb", q, sizeof q));
+    ck_assert(!resolve_shell_quote("a\x1b[2Jb", q, sizeof q));
+    ck_assert(!resolve_shell_quote("caf\xc3\xa9", q, sizeof q));
+    ck_assert(!resolve_shell_quote("x'y'z", q, 8)); /* too small */
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("ops");
@@ -999,6 +1062,12 @@ int main(void)
     tcase_add_test(tc, test_consumer_cancelled);
     tcase_add_test(tc, test_quorum_delivery_limit);
     tcase_add_test(tc, test_legacy_quorum_queue);
+    suite_add_tcase(s, tc);
+    /* what a producer's data must not reach (issue 16) */
+    tc = tcase_create("producers");
+    tcase_set_timeout(tc, itest_ms(120));
+    tcase_add_test(tc, test_operator_output_escaped);
+    tcase_add_test(tc, test_resolve_shell_quote);
     suite_add_tcase(s, tc);
     return check_run(s);
 }

@@ -23,6 +23,7 @@
 #include "ledger_txn.h"
 #include "provider_flow.h"
 #include "reconcile.h"
+#include "seal.h"
 #include "tprov.h"
 
 static struct {
@@ -56,6 +57,18 @@ static char *val(const char *q, const char *p1, char *buf, size_t len)
     snprintf(buf, len, "%s", PQntuples(r) && !PQgetisnull(r, 0, 0) ? PQgetvalue(r, 0, 0) : "");
     PQclear(r);
     return buf;
+}
+
+/* A redrive as idemq's dead-letter copy carries it: the park's generation,
+ * sealed with the ledger's secret (consumer/seal.h). */
+static void redrive_headers(json_t *h, const char *key, int generation)
+{
+    char secret[300];
+    ck_assert(seal_set_secret_hex(
+        val("SELECT secret::text FROM idemq.redrive_seal WHERE id = 1", NULL, secret,
+            sizeof secret)));
+    json_object_set_new(h, "x-idemq-generation", json_integer(generation));
+    ck_assert(seal_put_park(h, key));
 }
 
 static long num(const char *q, const char *p1)
@@ -1054,7 +1067,7 @@ START_TEST(test_commands_reconcile_resolve_show)
     job_init(&r);
     ck_assert_int_eq(job_set_body(&r, k.body, k.body_len), IDEMQ_OK);
     r.input = 0;
-    json_object_set_new(r.headers, "x-idemq-generation", json_integer(0));
+    redrive_headers(r.headers, key2, 0);
     ck_assert_int_eq(job_decode(&r, &T.c->inputs[0]), IDEMQ_OK);
     deliver(&r, &d);
     ck_assert_int_eq(d.kind, PROVIDER_FLOW_ACK);
@@ -1099,7 +1112,7 @@ START_TEST(test_uncertain_park_redrive_refused)
     job_init(&r);
     ck_assert_int_eq(job_set_body(&r, j.body, j.body_len), IDEMQ_OK);
     r.input = 0;
-    json_object_set_new(r.headers, "x-idemq-generation", json_integer(0));
+    redrive_headers(r.headers, key, 0);
     ck_assert_int_eq(job_decode(&r, &T.c->inputs[0]), IDEMQ_OK);
     deliver(&r, &d);
     ck_assert_int_eq(d.kind, PROVIDER_FLOW_PARK);

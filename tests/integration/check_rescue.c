@@ -23,13 +23,13 @@
 #define RESCUE_LOCK "SELECT pg_advisory_lock(hashtext('idemq.rescue'), hashtext($1))::text"
 #define RESCUE_UNLOCK "SELECT pg_advisory_unlock(hashtext('idemq.rescue'), hashtext($1))::text"
 
-static void publish_flaky(struct itest *t, char *key, size_t len, const char *what)
+static void publish_flaky(struct itest *t, char *key, size_t len, const char *what,
+                          json_t *headers)
 {
     char b[512];
-    const char *bodies[1] = {b};
     snprintf(key, len, "%s:%s", t->name, what);
     snprintf(b, sizeof b, "{\"job_id\":\"%s\",\"raise\":\"40001\",\"raise_until\":1}", key);
-    itest_publish(t, bodies, 1);
+    itest_publish_to(t, t->name, t->name, b, headers, NULL);
 }
 
 /* Runs idemq until idle for idle_s and asserts it exited 0. */
@@ -59,12 +59,12 @@ static void wait_run_after_past(struct itest *t, const char *key, double s)
 /* Attempt 1 of a flaky job fails; the process goes idle and exits before
  * its retry comes back from the bucket (delay 3 s); the bucket's copy is
  * then purged, as a node crash at the dead-lettering moment would lose it. */
-static void fail_once_then_lose_copy(struct itest *t, char *key, size_t len)
+static void fail_once_then_lose_copy(struct itest *t, char *key, size_t len, json_t *headers)
 {
     char bucket[TOPOLOGY_NAME_MAX];
     struct broker *b;
     char err[512];
-    publish_flaky(t, key, len, "lost-copy");
+    publish_flaky(t, key, len, "lost-copy", headers);
     run_idle(t, 1);
     ck_assert_int_eq(itest_long(t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND "
                                    "state = 'retrying' AND attempts = 1",
@@ -110,7 +110,7 @@ START_TEST(test_quorum_buckets)
     json_decref(args);
     broker_close(b);
 
-    publish_flaky(&t, key, sizeof key, "q-retry");
+    publish_flaky(&t, key, sizeof key, "q-retry", NULL);
     run_idle(&t, 2);
     ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
     ck_assert_int_eq(itest_long(&t, "SELECT attempts FROM idemq.jobs WHERE key = $1 AND state = "
@@ -143,7 +143,7 @@ START_TEST(test_rescue_lost_copy)
     itest_retry_conf = "base_delay_ms = 3000; max_delay_ms = 3000; jitter = \"none\"; "
                        "rescue_after_s = 1;";
     itest_setup(&t, "rescue", "idemq_test.record", "", "");
-    fail_once_then_lose_copy(&t, key, sizeof key);
+    fail_once_then_lose_copy(&t, key, sizeof key, NULL);
     run_idle(&t, 6);
     ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
     ck_assert_int_eq(itest_long(&t, "SELECT attempts FROM idemq.jobs WHERE key = $1 AND state = "
@@ -198,7 +198,7 @@ START_TEST(test_rescue_lost_copy_grant_role)
     grant_role(&t, role, sizeof role, dsn, sizeof dsn);
     snprintf(owner_dsn, sizeof owner_dsn, "%s", getenv("IDEMQ_PG_DSN"));
     setenv("IDEMQ_PG_DSN", dsn, 1);
-    fail_once_then_lose_copy(&t, key, sizeof key);
+    fail_once_then_lose_copy(&t, key, sizeof key, NULL);
     snprintf(log, sizeof log, "/tmp/%s.log", t.name);
     {
         int st = itest_wait(itest_spawn_log(t.cfg_path, 6, NULL, log), itest_ms(60000));
@@ -229,7 +229,7 @@ START_TEST(test_rescue_one_at_a_time)
     itest_retry_conf = "base_delay_ms = 3000; max_delay_ms = 3000; jitter = \"none\"; "
                        "rescue_after_s = 1;";
     itest_setup(&t, "rescuelk", "idemq_test.record", "", "");
-    fail_once_then_lose_copy(&t, key, sizeof key);
+    fail_once_then_lose_copy(&t, key, sizeof key, NULL);
     ck_assert_str_eq(itest_text(&t, RESCUE_LOCK, t.name, out, sizeof out), "");
     wait_run_after_past(&t, key, 1.5);
     run_idle(&t, 3);
@@ -260,7 +260,7 @@ START_TEST(test_rescue_waits_for_backlog)
     itest_retry_conf = "base_delay_ms = 3000; max_delay_ms = 3000; jitter = \"none\"; "
                        "rescue_after_s = 1;";
     itest_setup(&t, "rescuebl", "idemq_test.record", "", "");
-    fail_once_then_lose_copy(&t, key, sizeof key);
+    fail_once_then_lose_copy(&t, key, sizeof key, NULL);
     wait_run_after_past(&t, key, 1.5);
     for (int i = 0; i < 300; i++) {
         snprintf(filler[i], sizeof filler[i], "{\"job_id\":\"%s:filler%03d\"}", t.name, i);
@@ -297,6 +297,42 @@ START_TEST(test_rescue_waits_for_backlog)
 }
 END_TEST
 
+/* D3: the rescuer publishes the ledger's copy to the default exchange;
+ * a producer's CC/BCC header on it must not copy the job into the
+ * unrelated queue it names (checked with basic.get). */
+START_TEST(test_rescue_ignores_cc)
+{
+    struct itest t;
+    char key[128], victim[300], err[512];
+    struct broker *b;
+    struct job j;
+    idemq_err_t e;
+    json_t *h;
+    itest_retry_conf = "base_delay_ms = 3000; max_delay_ms = 3000; jitter = \"none\"; "
+                       "rescue_after_s = 1;";
+    itest_setup(&t, "rescuecc", "idemq_test.record", "", "");
+    snprintf(victim, sizeof victim, "%s.victim", t.name);
+    ck_assert_int_eq(broker_open(t.conf, "itest cc", false, &b, err, sizeof err), IDEMQ_OK);
+    ck_assert_int_eq(broker_admin_declare_queue(b, victim, NULL, false), IDEMQ_OK);
+    h = json_pack("{s:[s],s:[s]}", "CC", victim, "BCC", victim);
+    fail_once_then_lose_copy(&t, key, sizeof key, h);
+    json_decref(h);
+    run_idle(&t, 6);
+    ck_assert_int_eq(itest_long(&t, RESCUES_FOR, key), 1);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    job_init(&j);
+    e = broker_get(b, victim, &j, true);
+    ck_assert_msg(e == IDEMQ_ERR_TIMEOUT, "%s holds a message (%s): %.*s", victim,
+                  e == IDEMQ_OK ? "copied there" : broker_error(b), (int)j.body_len,
+                  j.body ? (const char *)j.body : "");
+    job_destroy(&j);
+    ck_assert_int_eq(broker_admin_delete_queue(b, victim), IDEMQ_OK);
+    broker_close(b);
+    itest_teardown(&t);
+    itest_retry_conf = NULL;
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("rescue");
@@ -307,6 +343,11 @@ int main(void)
     tcase_add_test(tc, test_rescue_lost_copy_grant_role);
     tcase_add_test(tc, test_rescue_one_at_a_time);
     tcase_add_test(tc, test_rescue_waits_for_backlog);
+    suite_add_tcase(s, tc);
+    /* what a producer's headers must not reach (issue 16) */
+    tc = tcase_create("producers");
+    tcase_set_timeout(tc, itest_ms(120));
+    tcase_add_test(tc, test_rescue_ignores_cc);
     suite_add_tcase(s, tc);
     return check_run(s);
 }

@@ -8,10 +8,12 @@
 
 #include "check_run.h"
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "itest.h"
@@ -340,6 +342,314 @@ START_TEST(test_shovel_redrive)
 }
 END_TEST
 
+/* D3: a producer's CC/BCC header (sender-selected distribution) never
+ * steers a publish made with idemq's credentials: the retry copy in the
+ * delay bucket and the dead-letter copy carry neither, and `idemq redrive`
+ * of a dead-letter copy that does (one a producer or the broker put there)
+ * copies nothing into the unrelated queue the header names. Checked with
+ * basic.get on the victim queue. */
+static void get_without_cc(struct broker *b, const char *queue)
+{
+    struct job j;
+    job_init(&j);
+    ck_assert_msg(broker_get(b, queue, &j, false) == IDEMQ_OK, "%s: %s", queue,
+                  broker_error(b));
+    ck_assert_msg(!json_object_get(j.headers, "CC") && !json_object_get(j.headers, "BCC"),
+                  "the copy in %s still carries a CC/BCC header", queue);
+    ck_assert(broker_nack(b, j.tag, true) == IDEMQ_OK);
+    job_destroy(&j);
+}
+
+static void assert_queue_empty(struct broker *b, const char *queue)
+{
+    struct job j;
+    idemq_err_t e;
+    job_init(&j);
+    e = broker_get(b, queue, &j, true);
+    ck_assert_msg(e == IDEMQ_ERR_TIMEOUT, "%s holds a message (%s): %.*s", queue,
+                  e == IDEMQ_OK ? "copied there" : broker_error(b), (int)j.body_len,
+                  j.body ? (const char *)j.body : "");
+    job_destroy(&j);
+}
+
+START_TEST(test_cc_header_never_steers)
+{
+    struct itest t;
+    char flaky[128], perm[128], forged[128], body[512], dlq[300], dlx[300], victim[300];
+    char bucket[300];
+    char out[8192], err[512];
+    struct broker *b;
+    json_t *h;
+
+    itest_retry_conf = "base_delay_ms = 3000; max_delay_ms = 3000; jitter = \"none\";";
+    itest_setup(&t, "cc", "idemq_test.record", "", "");
+    itest_retry_conf = NULL;
+    topology_dlq(&t.conf->inputs[0], dlq, sizeof dlq);
+    topology_bucket_queue(&t.conf->inputs[0], topology_bucket(3000), bucket, sizeof bucket);
+    snprintf(victim, sizeof victim, "%s.victim", t.name);
+    ck_assert_int_eq(broker_open(t.conf, "itest cc", true, &b, err, sizeof err), IDEMQ_OK);
+    ck_assert_int_eq(broker_admin_declare_queue(b, victim, NULL, false), IDEMQ_OK);
+    mkkey(&t, flaky, sizeof flaky, "flaky");
+    mkkey(&t, perm, sizeof perm, "perm");
+    mkkey(&t, forged, sizeof forged, "forged");
+    h = json_pack("{s:[s],s:[s]}", "CC", victim, "BCC", victim);
+    snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"raise\":\"40001\",\"raise_until\":1}",
+             flaky);
+    itest_publish_to(&t, t.name, t.name, body, h, NULL);
+    snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"raise\":\"23505\"}", perm);
+    itest_publish_to(&t, t.name, t.name, body, h, NULL);
+    json_decref(h);
+    /* one attempt each: the flaky one waits 3 s in its bucket, the other parks */
+    run_ok(&t, 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND state "
+                                    "= 'parked'",
+                                perm),
+                     1);
+    get_without_cc(b, bucket);
+    get_without_cc(b, dlq);
+    /* a dead-letter copy that carries CC anyway (published there, or
+     * dead-lettered by the broker without a routing key); through the
+     * dead-letter exchange, where the CC routes nowhere */
+    h = json_pack("{s:s,s:s,s:s,s:[s]}", "x-idemq-key", forged, "x-idemq-origin-queue", t.name,
+                  "x-idemq-error-class", "permanent", "CC", victim);
+    snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"amount_minor\":1}", forged);
+    topology_dlx(&t.conf->inputs[0], dlx, sizeof dlx);
+    itest_publish_to(&t, dlx, t.name, body, h, NULL);
+    json_decref(h);
+    assert_queue_empty(b, victim);
+    ck_assert_int_eq(itest_idemq(&t, "redrive", out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "redrove 2 messages") != NULL, "%s", out);
+    run_ok(&t, 5); /* the flaky job's retry comes back and applies */
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, flaky), 1);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, forged), 1);
+    assert_queue_empty(b, victim);
+    ck_assert_int_eq(broker_admin_delete_queue(b, victim), IDEMQ_OK);
+    broker_close(b);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* D16: a producer's AMQP timestamp of 0, 2^63 or more, or far ahead is no
+ * timestamp: a new key carrying one is applied, not parked as outside the
+ * dedup window (and the sanitizer build does not abort on the age). A
+ * plausible timestamp older than the window still parks. */
+START_TEST(test_implausible_timestamp_is_absent)
+{
+    struct itest t;
+    const char *what[] = {"zero", "wrapped", "future", "old"};
+    const json_int_t ts[] = {0, INT64_MIN, (json_int_t)time(NULL) + 86400,
+                             (json_int_t)time(NULL) - 500 * 86400};
+    char key[4][128], body[256], err[512];
+    struct broker *b;
+
+    itest_setup(&t, "ts", "idemq_test.record", "", "");
+    ck_assert_int_eq(broker_open(t.conf, "itest ts", true, &b, err, sizeof err), IDEMQ_OK);
+    for (int i = 0; i < 4; i++) {
+        json_t *orig = json_pack("{s:I}", "timestamp", ts[i]);
+        struct broker_props p = {NULL, NULL, NULL, true, NULL, orig};
+        mkkey(&t, key[i], sizeof key[i], what[i]);
+        snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"amount_minor\":1}", key[i]);
+        ck_assert(broker_publish(b, t.name, t.name, body, strlen(body), &p) == IDEMQ_OK);
+        json_decref(orig);
+    }
+    ck_assert(broker_wait_confirms(b, itest_ms(10000)) == IDEMQ_OK);
+    broker_close(b);
+    run_ok(&t, 2);
+    for (int i = 0; i < 3; i++) {
+        char st[32];
+        ck_assert_msg(itest_long(&t, EFFECTS_FOR, key[i]) == 1, "%s: state %s, not applied",
+                      what[i],
+                      itest_text(&t, "SELECT coalesce((SELECT state || ' ' || coalesce((SELECT "
+                                     "error_code FROM idemq.parked p WHERE p.key = j.key LIMIT "
+                                     "1), '') FROM idemq.jobs j WHERE key = $1), 'none')",
+                                 key[i], st, sizeof st));
+    }
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key[3]), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                    "error_code = 'outside_dedup_window'",
+                                key[3]),
+                     1);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* S6: a running consumer follows a change of the ledger's dedup window
+ * (idemq migrate writing idemq.retention) without reconnecting, as
+ * pruning does: a replay older than the new, shorter window parks as
+ * outside_dedup_window. The window is restored afterwards. */
+static void wait_for(struct itest *t, const char *sql, const char *key, const char *what)
+{
+    for (int i = 0; i < itest_ms(100); i++) {
+        if (itest_long(t, sql, key) == 1)
+            return;
+        usleep(100000);
+    }
+    ck_abort_msg("%s: %s did not happen within 10 s", key, what);
+}
+
+START_TEST(test_window_change_followed)
+{
+    struct itest t;
+    char warm[128], late[128], body[256], err[512], old_window[64];
+    struct broker *b;
+    json_t *orig;
+    pid_t pid;
+    int st;
+
+    itest_setup(&t, "window", "idemq_test.record", "", "");
+    mkkey(&t, warm, sizeof warm, "warm");
+    mkkey(&t, late, sizeof late, "late");
+    itest_text(&t, "SELECT dedup_window::text FROM idemq.retention WHERE id = 1", NULL,
+               old_window, sizeof old_window);
+    pid = itest_spawn(&t, t.cfg_path, 4, NULL);
+    publish1(&t, warm, NULL);
+    wait_for(&t, EFFECTS_FOR, warm, "applied");
+    /* what `idemq migrate` does with a shorter ledger.dedup_window_days */
+    itest_sql(&t, "UPDATE idemq.retention SET dedup_window = interval '1 day' WHERE id = 1");
+    ck_assert_int_eq(broker_open(t.conf, "itest window", true, &b, err, sizeof err), IDEMQ_OK);
+    orig = json_pack("{s:I}", "timestamp", (json_int_t)time(NULL) - 2 * 86400);
+    {
+        struct broker_props p = {NULL, NULL, NULL, true, NULL, orig};
+        snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"amount_minor\":1}", late);
+        ck_assert(broker_publish(b, t.name, t.name, body, strlen(body), &p) == IDEMQ_OK);
+        ck_assert(broker_wait_confirms(b, itest_ms(10000)) == IDEMQ_OK);
+    }
+    json_decref(orig);
+    broker_close(b);
+    wait_for(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND state IN ('applied', "
+                 "'parked')",
+             late, "settled");
+    st = itest_wait(pid, itest_ms(60000));
+    {
+        char sql[256];
+        snprintf(sql, sizeof sql,
+                 "UPDATE idemq.retention SET dedup_window = interval '%s' WHERE id = 1",
+                 old_window);
+        itest_sql(&t, sql);
+    }
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, late), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                    "error_code = 'outside_dedup_window'",
+                                late),
+                     1);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* D9: a producer cannot redrive a parked key: the same body with
+ * x-idemq-generation (and a made-up x-idemq-redriven-by, or a made-up
+ * x-idemq-seal) is parked as forged_redrive and not applied; the key stays
+ * parked in its generation. The sealed dead-letter copy, redriven by
+ * `idemq redrive`, still applies, recorded as the operator's. */
+START_TEST(test_forged_redrive_parks)
+{
+    struct itest t;
+    char key[128], sql[512], body[256], args[300], out[8192];
+    json_t *h;
+    itest_setup(&t, "forged", "idemq_test.record", "", "");
+    mkkey(&t, key, sizeof key, "parked");
+    snprintf(sql, sizeof sql, "INSERT INTO idemq_test.failing VALUES ('%s', '23514')", key);
+    itest_sql(&t, sql);
+    publish1(&t, key, NULL);
+    run_ok(&t, 2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND state "
+                                    "= 'parked'",
+                                key),
+                     1);
+    snprintf(sql, sizeof sql, "DELETE FROM idemq_test.failing WHERE key = '%s'", key);
+    itest_sql(&t, sql);
+    snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"amount_minor\":100}", key);
+    h = json_pack("{s:i,s:s}", "x-idemq-generation", 0, "x-idemq-redriven-by", "ops-admin");
+    itest_publish_to(&t, t.name, t.name, body, h, NULL);
+    json_decref(h);
+    h = json_pack("{s:i,s:s}", "x-idemq-generation", 0, "x-idemq-seal",
+                  "0000000000000000000000000000000000000000000000000000000000000000");
+    itest_publish_to(&t, t.name, t.name, body, h, NULL);
+    json_decref(h);
+    run_ok(&t, 2);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.redrives WHERE key = $1", key),
+                     0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND state "
+                                    "= 'parked' AND generation = 0",
+                                key),
+                     1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                    "error_code = 'forged_redrive'",
+                                key),
+                     2);
+    /* the operator's redrive of the sealed copies: applied once, by idemq redrive */
+    snprintf(args, sizeof args, "redrive --key %s", key);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "redrove 3 messages") != NULL, "%s", out);
+    run_ok(&t, 2);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.redrives WHERE key = $1 AND "
+                                    "generation = 1 AND source LIKE 'idemq redrive (%'",
+                                key),
+                     1);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* A key reused with a different body: a delivery whose key is applied but
+ * whose body's SHA-256 differs from the applied one is recorded as
+ * key_reuse (the attempt row, `jobs show`), on the plain and the isolating
+ * path, while a same-body copy stays a plain duplicate; with
+ * on_key_reuse = "park" it is parked as key_reuse instead (the key stays
+ * applied, the effect ran once). */
+static void reuse_run(struct itest *t, const char *key, bool park)
+{
+    char b1[256], b2[256], same[256], args[300], out[16384];
+    const char *first[1] = {b1}, *later[2] = {same, b2};
+    snprintf(b1, sizeof b1, "{\"job_id\":\"%s\",\"amount_minor\":100}", key);
+    snprintf(same, sizeof same, "{\"job_id\":\"%s\",\"amount_minor\":100}", key);
+    snprintf(b2, sizeof b2, "{\"job_id\":\"%s\",\"amount_minor\":999}", key);
+    itest_publish(t, first, 1);
+    run_ok(t, 1);
+    itest_publish(t, later, 2);
+    run_ok(t, 1);
+    ck_assert_int_eq(itest_long(t, EFFECTS_FOR, key), 1);
+    ck_assert_int_eq(itest_long(t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND state = "
+                                   "'applied'",
+                               key),
+                     1);
+    ck_assert_int_eq(itest_long(t, "SELECT count(*) FROM idemq.attempts WHERE key = $1 AND "
+                                   "outcome = 'duplicate' AND message LIKE 'key_reuse%'",
+                               key),
+                     1);
+    ck_assert_int_eq(itest_long(t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                   "error_code = 'key_reuse'",
+                               key),
+                     (park ? 1 : 0));
+    snprintf(args, sizeof args, "jobs show %s", key);
+    ck_assert_int_eq(itest_idemq(t, args, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "key_reuse") != NULL, "%s", out);
+}
+
+START_TEST(test_key_reuse_recorded)
+{
+    struct itest t;
+    char key[128];
+    itest_setup(&t, "reuse", "idemq_test.record", "", "");
+    mkkey(&t, key, sizeof key, "k");
+    reuse_run(&t, key, false);
+    itest_teardown(&t);
+}
+END_TEST
+
+START_TEST(test_key_reuse_parks)
+{
+    struct itest t;
+    char key[128];
+    itest_setup(&t, "reusep", "idemq_test.record", "", "on_key_reuse = \"park\";");
+    mkkey(&t, key, sizeof key, "k");
+    reuse_run(&t, key, true);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* 7. PostgreSQL stopped for ~10 s while jobs flow: nothing parked, nothing
  * lost, all applied once after it returns. */
 START_TEST(test_postgres_outage)
@@ -597,6 +907,16 @@ int main(void)
     tcase_add_test(tc, test_statement_timeout_is_transient);
     tcase_add_test(tc, test_quorum_queue);
     tcase_add_test(tc, test_non_utf8_routing_key);
+    suite_add_tcase(s, tc);
+    /* what a producer's headers and properties must not reach (issue 16) */
+    tc = tcase_create("producers");
+    tcase_set_timeout(tc, itest_ms(180));
+    tcase_add_test(tc, test_cc_header_never_steers);
+    tcase_add_test(tc, test_implausible_timestamp_is_absent);
+    tcase_add_test(tc, test_window_change_followed);
+    tcase_add_test(tc, test_forged_redrive_parks);
+    tcase_add_test(tc, test_key_reuse_recorded);
+    tcase_add_test(tc, test_key_reuse_parks);
     suite_add_tcase(s, tc);
     return check_run(s);
 }

@@ -8,6 +8,7 @@
 #include <amqp.h>
 #include <amqp_tcp_socket.h>
 #include <openssl/evp.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -284,6 +285,33 @@ START_TEST(test_deep_headers_in_frame)
 }
 END_TEST
 
+/* D16: a wire timestamp of 2^63 or more is kept as its 64 bits (it goes
+ * back out unchanged on copies) and reads as no timestamp, without a
+ * signed overflow anywhere (the sanitizer build aborts on one). */
+START_TEST(test_timestamp_out_of_range)
+{
+    const uint64_t wire[] = {1ULL << 63, UINT64_MAX, 0};
+    const json_int_t stored[] = {INT64_MIN, -1, 0};
+    struct amqp_table_limits lim;
+    amqp_table_default_limits(&lim);
+    for (int i = 0; i < 3; i++) {
+        amqp_basic_properties_t p;
+        struct job j;
+        long long ts;
+        memset(&p, 0, sizeof p);
+        p._flags = AMQP_BASIC_TIMESTAMP_FLAG;
+        p.timestamp = wire[i];
+        job_init(&j);
+        ck_assert_int_eq(delivery_props_to_job(&p, &j, &lim), IDEMQ_OK);
+        ck_assert(json_integer_value(json_object_get(j.props, "timestamp")) == stored[i]);
+        ck_assert((uint64_t)json_integer_value(json_object_get(j.props, "timestamp")) == wire[i]);
+        ck_assert(!job_timestamp(&j, 1780000000LL, &ts));
+        ck_assert_int_eq(job_age_s(&j, 1780000000LL), -1);
+        job_destroy(&j);
+    }
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("delivery");
@@ -293,6 +321,7 @@ int main(void)
     tcase_add_test(tc, test_undecodable_header);
     tcase_add_test(tc, test_broken_framing);
     tcase_add_test(tc, test_deep_headers_in_frame);
+    tcase_add_test(tc, test_timestamp_out_of_range);
     suite_add_tcase(s, tc);
     return check_run(s);
 }

@@ -3,12 +3,14 @@
 #include <check.h>
 
 #include "check_run.h"
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "conf.h"
 #include "job.h"
+#include "seal.h"
 
 static struct conf_input input(enum conf_key_kind kind, const char *name, int max_body)
 {
@@ -300,6 +302,103 @@ START_TEST(test_body_buffer_reuse)
 }
 END_TEST
 
+/* D16: a producer's AMQP timestamp counts only when it is plausible: on or
+ * after 2000-01-01 and at most JOB_TIMESTAMP_FUTURE_S ahead; 0, ancient,
+ * far-future and wrapped (>= 2^63, read back negative) values are absent,
+ * and the age never overflows. */
+START_TEST(test_timestamp_plausible)
+{
+    struct job j;
+    long long ts = -1, now = 1780000000LL; /* 2026 */
+    job_init(&j);
+    ck_assert(!job_timestamp(&j, now, &ts)); /* no timestamp property */
+    ck_assert_int_eq(job_age_s(&j, now), -1);
+    json_object_set_new(j.props, "timestamp", json_integer(0));
+    ck_assert(!job_timestamp(&j, now, &ts));
+    ck_assert_int_eq(job_age_s(&j, now), -1);
+    json_object_set_new(j.props, "timestamp", json_integer(946684799LL));
+    ck_assert(!job_timestamp(&j, now, &ts));
+    json_object_set_new(j.props, "timestamp", json_integer(946684800LL));
+    ck_assert(job_timestamp(&j, now, &ts));
+    ck_assert_int_eq(ts, 946684800LL);
+    ck_assert_int_eq(job_age_s(&j, now), now - 946684800LL);
+    json_object_set_new(j.props, "timestamp", json_integer(now - 3600));
+    ck_assert_int_eq(job_age_s(&j, now), 3600);
+    json_object_set_new(j.props, "timestamp", json_integer(now + JOB_TIMESTAMP_FUTURE_S));
+    ck_assert(job_timestamp(&j, now, &ts));
+    ck_assert_int_eq(job_age_s(&j, now), 0); /* a clock a little ahead: age 0 */
+    json_object_set_new(j.props, "timestamp", json_integer(now + JOB_TIMESTAMP_FUTURE_S + 1));
+    ck_assert(!job_timestamp(&j, now, &ts));
+    json_object_set_new(j.props, "timestamp", json_integer(INT64_MAX));
+    ck_assert(!job_timestamp(&j, now, &ts));
+    ck_assert_int_eq(job_age_s(&j, now), -1);
+    json_object_set_new(j.props, "timestamp", json_integer(INT64_MIN)); /* 2^63 on the wire */
+    ck_assert(!job_timestamp(&j, now, &ts));
+    ck_assert_int_eq(job_age_s(&j, now), -1);
+    json_object_set_new(j.props, "timestamp", json_string("1780000000"));
+    ck_assert(!job_timestamp(&j, now, &ts));
+    job_destroy(&j);
+}
+END_TEST
+
+/* D9: job_decode accepts a redrive header only with idemq's seal over key,
+ * generation and park id; x-idemq-redriven-by only with its own seal. */
+START_TEST(test_redrive_seal)
+{
+    struct job j;
+    struct conf_input in = input(CONF_KEY_JSON, "job_id", 1024);
+    const unsigned char secret[32] = "0123456789abcdef0123456789abcde";
+    char s[SEAL_HEX], by[SEAL_HEX];
+    ck_assert(seal_set_secret(secret, sizeof secret));
+    ck_assert(seal_park("K", 0, 7, s));
+    ck_assert(seal_by("K", 0, 7, "alice@host", by));
+    job_init(&j);
+    /* no generation: nothing to prove */
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"K\"}"), IDEMQ_OK);
+    /* a generation without a seal, or with a wrong one */
+    job_reset(&j);
+    json_object_set_new(j.headers, "x-idemq-generation", json_integer(0));
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"K\"}"), IDEMQ_ERR_FORGED_REDRIVE);
+    ck_assert_ptr_nonnull(strstr(j.reason, "x-idemq-seal"));
+    job_reset(&j);
+    json_object_set_new(j.headers, "x-idemq-generation", json_integer(0));
+    json_object_set_new(j.headers, "x-idemq-park-id", json_integer(8)); /* another park */
+    json_object_set_new(j.headers, "x-idemq-seal", json_string(s));
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"K\"}"), IDEMQ_ERR_FORGED_REDRIVE);
+    job_reset(&j);
+    json_object_set_new(j.headers, "x-idemq-generation", json_integer(0));
+    json_object_set_new(j.headers, "x-idemq-park-id", json_integer(7));
+    json_object_set_new(j.headers, "x-idemq-seal", json_string(s));
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"L\"}"), IDEMQ_ERR_FORGED_REDRIVE); /* key */
+    /* sealed: accepted; an unsealed who is dropped, a sealed one kept */
+    job_reset(&j);
+    json_object_set_new(j.headers, "x-idemq-generation", json_integer(0));
+    json_object_set_new(j.headers, "x-idemq-park-id", json_integer(7));
+    json_object_set_new(j.headers, "x-idemq-seal", json_string(s));
+    json_object_set_new(j.headers, "x-idemq-redriven-by", json_string("mallory"));
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"K\"}"), IDEMQ_OK);
+    ck_assert_ptr_null(json_object_get(j.headers, "x-idemq-redriven-by"));
+    job_reset(&j);
+    json_object_set_new(j.headers, "x-idemq-generation", json_integer(0));
+    json_object_set_new(j.headers, "x-idemq-park-id", json_integer(7));
+    json_object_set_new(j.headers, "x-idemq-seal", json_string(s));
+    json_object_set_new(j.headers, "x-idemq-redriven-by", json_string("alice@host"));
+    json_object_set_new(j.headers, "x-idemq-redrive-seal", json_string(by));
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"K\"}"), IDEMQ_OK);
+    ck_assert_str_eq(json_string_value(json_object_get(j.headers, "x-idemq-redriven-by")),
+                     "alice@host");
+    /* another secret: the same seal no longer holds */
+    ck_assert(seal_set_secret_hex("\\xffeeddccbbaa99887766554433221100"));
+    job_reset(&j);
+    json_object_set_new(j.headers, "x-idemq-generation", json_integer(0));
+    json_object_set_new(j.headers, "x-idemq-park-id", json_integer(7));
+    json_object_set_new(j.headers, "x-idemq-seal", json_string(s));
+    ck_assert_int_eq(decode(&j, &in, "{\"job_id\":\"K\"}"), IDEMQ_ERR_FORGED_REDRIVE);
+    ck_assert(!seal_set_secret_hex("\\xfe")); /* too short */
+    job_destroy(&j);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("job");
@@ -315,6 +414,8 @@ int main(void)
     tcase_add_test(tc, test_duplicate_field);
     tcase_add_test(tc, test_wire_errors);
     tcase_add_test(tc, test_nul_byte_in_body);
+    tcase_add_test(tc, test_timestamp_plausible);
+    tcase_add_test(tc, test_redrive_seal);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
