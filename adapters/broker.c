@@ -792,6 +792,27 @@ idemq_err_t broker_get(struct broker *b, const char *queue, struct job *j, bool 
 
 struct amqp_connection_state_t_ *broker_amqp(struct broker *b) { return b->conn; }
 
+int broker_server_major(struct broker *b)
+{
+    const amqp_table_t *t = b->conn ? amqp_get_server_properties(b->conn) : NULL;
+    for (int i = 0; t && i < t->num_entries; i++) {
+        const amqp_table_entry_t *e = &t->entries[i];
+        if (e->key.len == 7 && memcmp(e->key.bytes, "version", 7) == 0 &&
+            (e->value.kind == AMQP_FIELD_KIND_UTF8 || e->value.kind == AMQP_FIELD_KIND_BYTES)) {
+            const amqp_bytes_t v = e->value.value.bytes;
+            int major = 0;
+            for (size_t k = 0; k < v.len && k < 6; k++) {
+                char ch = ((const char *)v.bytes)[k];
+                if (ch < '0' || ch > '9')
+                    break;
+                major = major * 10 + (ch - '0');
+            }
+            return major;
+        }
+    }
+    return 0;
+}
+
 idemq_err_t broker_rpc_done(struct broker *b, const char *what, bool reopen)
 {
     if (reply_ok(b, amqp_get_rpc_reply(b->conn), what))

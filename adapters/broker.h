@@ -32,6 +32,10 @@ struct amqp_connection_state_t_;
 
 #define BROKER_CHANNEL 1 /* the one channel of a connection */
 
+/* The major version of the broker (its connection.start "version"
+ * property: 3 for 3.10.8, 4 for 4.0.5), or 0 when unknown. */
+int broker_server_major(struct broker *b);
+
 /*
  * Connects to the first URL of c->urls that answers (then the next ones, in
  * order), logs in advertising connection.blocked, consumer_cancel_notify and

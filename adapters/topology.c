@@ -123,20 +123,39 @@ static json_t *dlq_args(const struct conf_input *in, bool legacy)
 
 enum mode { MODE_DECLARE, MODE_VERIFY, MODE_PASSIVE };
 
-/* Warns once per process and queue that it lacks the arguments of this
- * version (declared by an older idemq). Any thread. */
-static void warn_legacy(const char *name)
+/* Queues accepted in the legacy form, and the delivery limit the broker
+ * imposes on each (0: none). */
+static pthread_mutex_t legacy_lock = PTHREAD_MUTEX_INITIALIZER;
+static char legacy_names[64][TOPOLOGY_NAME_MAX];
+static int legacy_limits[64];
+static int n_legacy;
+
+int topology_broker_delivery_limit(const char *queue)
 {
-    static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-    static char warned[64][TOPOLOGY_NAME_MAX];
-    static int n;
+    int limit = 0;
+    pthread_mutex_lock(&legacy_lock);
+    for (int i = 0; i < n_legacy; i++)
+        if (strcmp(legacy_names[i], queue) == 0)
+            limit = legacy_limits[i];
+    pthread_mutex_unlock(&legacy_lock);
+    return limit;
+}
+
+/* Warns once per process and queue that it lacks the arguments of this
+ * version (declared by an older idemq), and notes the delivery limit the
+ * broker gives such a queue (broker_limit, 0: none). Any thread. */
+static void warn_legacy(const char *name, int broker_limit)
+{
     bool seen = false;
-    pthread_mutex_lock(&lock);
-    for (int i = 0; i < n && !seen; i++)
-        seen = strcmp(warned[i], name) == 0;
-    if (!seen && n < 64)
-        snprintf(warned[n++], sizeof warned[0], "%s", name);
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_lock(&legacy_lock);
+    for (int i = 0; i < n_legacy && !seen; i++)
+        if ((seen = strcmp(legacy_names[i], name) == 0))
+            legacy_limits[i] = broker_limit;
+    if (!seen && n_legacy < 64) {
+        snprintf(legacy_names[n_legacy], sizeof legacy_names[0], "%s", name);
+        legacy_limits[n_legacy++] = broker_limit;
+    }
+    pthread_mutex_unlock(&legacy_lock);
     if (!seen)
         log_warn("queue %s was declared without dead-lettering into its .dlx (and, for a "
                  "quorum queue, without x-delivery-limit) by an older idemq: a delivery idemq "
@@ -165,7 +184,13 @@ static idemq_err_t queue(struct broker *b, const struct conf_input *in, const ch
     err = broker_admin_declare_queue(b, name, a, false);
     if (err && strstr(broker_error(b), "406") && !json_equal(a, old) &&
         broker_admin_declare_queue(b, name, old, false) == IDEMQ_OK) {
-        warn_legacy(name);
+        /* RabbitMQ 4 gives a quorum queue without x-delivery-limit one of
+         * 20 (then drops the message: no dead-letter exchange either). */
+        bool quorum = strcmp(in->queue_type, "quorum") == 0 &&
+                      (args == work_queue_args || args == partition_args);
+        warn_legacy(name, quorum && broker_server_major(b) >= 4
+                              ? TOPOLOGY_BROKER_DEFAULT_DELIVERY_LIMIT
+                              : 0);
         err = IDEMQ_OK;
     }
     json_decref(a);

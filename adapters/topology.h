@@ -28,6 +28,19 @@
 /* x-delivery-limit of a quorum input's <queue>.dead: tools browse it with
  * get and requeue, which counts as a delivery; effectively no limit. */
 #define TOPOLOGY_DLQ_DELIVERY_LIMIT 1000000
+/* What RabbitMQ 4.x gives a quorum queue declared without x-delivery-limit
+ * (3.x: no limit). */
+#define TOPOLOGY_BROKER_DEFAULT_DELIVERY_LIMIT 20
+
+/*
+ * The delivery limit the broker itself imposes on queue, as this process
+ * found it when declaring or verifying: TOPOLOGY_BROKER_DEFAULT_DELIVERY_LIMIT
+ * for a quorum queue accepted in the legacy form (no x-delivery-limit) from a
+ * RabbitMQ 4+ broker, else 0 (the queue's own x-delivery-limit, i.e. the
+ * input's delivery_limit, or none). A policy may set a lower one; idemq
+ * cannot see it. Any thread.
+ */
+int topology_broker_delivery_limit(const char *queue);
 
 void topology_delay_exchange(const struct conf_input *in, char *buf, size_t len);
 void topology_bucket_queue(const struct conf_input *in, long bucket_ms, char *buf, size_t len);

@@ -1437,6 +1437,46 @@ static bool first_with_prefix(int i, size_t len)
     return true;
 }
 
+int conf_warn_consumer_timeout(const struct conf *c, FILE *out)
+{
+    int n = 0;
+    for (int i = 0; i < c->n_inputs; i++) {
+        const struct conf_input *in = &c->inputs[i];
+        long long per, each, rounds, worst;
+        const char *what;
+        if (CONF_INPUT_PROVIDER(in)) {
+            per = in->provider.max_in_flight;
+            each = in->provider.timeout_ms;
+            what = "provider calls (provider.max_in_flight at a time)";
+        } else {
+            per = c->batch_max;
+            each = c->call_timeout_ms;
+            what = "batches (consumer.batch_max each, up to the database call deadline)";
+        }
+        if (each <= 0) {
+            fprintf(out, "# warning: input %s: database.statement_timeout_ms is 0, so a batch "
+                    "has no bound: a delivery could be held past RabbitMQ's consumer timeout "
+                    "(default %lld min), and the broker would cancel the consumer and "
+                    "redeliver\n",
+                    in->name, CONF_BROKER_CONSUMER_TIMEOUT_MS / 60000);
+            n++;
+            continue;
+        }
+        rounds = (c->prefetch + per - 1) / per;
+        worst = rounds * each;
+        if (worst < CONF_BROKER_CONSUMER_TIMEOUT_MS)
+            continue;
+        fprintf(out, "# warning: input %s: the last of broker.prefetch (%d) deliveries may wait "
+                "for %lld %s of %lld ms each: %lld ms, at least RabbitMQ's consumer timeout "
+                "(default %lld ms), after which the broker cancels the consumer and "
+                "redelivers: lower broker.prefetch or the timeouts, or raise the broker's "
+                "consumer_timeout\n",
+                in->name, c->prefetch, rounds, what, each, worst, CONF_BROKER_CONSUMER_TIMEOUT_MS);
+        n++;
+    }
+    return n;
+}
+
 void conf_print(const struct conf *c, FILE *out)
 {
     /* Groups (and one level of subgroups, e.g. broker.tls) in order of

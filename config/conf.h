@@ -191,6 +191,20 @@ void conf_free(struct conf *c);
  * sensitive value redacted. */
 void conf_print(const struct conf *c, FILE *out);
 
+/* RabbitMQ's default consumer_timeout (rabbitmq.conf; 3.12+ also per queue). */
+#define CONF_BROKER_CONSUMER_TIMEOUT_MS 1800000LL
+
+/*
+ * `check-config`: writes one "# warning: ..." line to out for each input
+ * whose deliveries could be held unacknowledged longer than the broker's
+ * consumer timeout: the last of broker.prefetch deliveries waits for the
+ * batches before it (each up to the database call deadline), or for the
+ * provider calls before it (max_in_flight at a time, each up to
+ * provider.timeout_ms). Past the timeout the broker cancels the consumer
+ * (or closes the channel) and redelivers. Returns how many lines.
+ */
+int conf_warn_consumer_timeout(const struct conf *c, FILE *out);
+
 /*
  * Copies s into buf with any password removed: the userinfo password of an
  * amqp(s):// or postgres(ql):// URL and `password=` in a libpq key/value DSN.

@@ -97,6 +97,7 @@ enum classify_class classify_err(idemq_err_t err)
     case IDEMQ_ERR_DUPLICATE_FIELD:
     case IDEMQ_ERR_KEY_NULL:
     case IDEMQ_ERR_UNDECODABLE:
+    case IDEMQ_ERR_DELIVERY_LIMIT:
     case IDEMQ_ERR_UNPROCESSABLE:
     case IDEMQ_ERR_ORIGIN_REFUSED:
     case IDEMQ_ERR_OUTSIDE_WINDOW:

@@ -32,6 +32,7 @@ const char *idemq_err_name(idemq_err_t err)
     case IDEMQ_ERR_DUPLICATE_FIELD: return "duplicate_field";
     case IDEMQ_ERR_KEY_NULL: return "key_null";
     case IDEMQ_ERR_UNDECODABLE: return "undecodable";
+    case IDEMQ_ERR_DELIVERY_LIMIT: return "delivery_limit";
     case IDEMQ_ERR_UNPROCESSABLE: return "unprocessable";
     case IDEMQ_ERR_ORIGIN_REFUSED: return "origin_refused";
     case IDEMQ_ERR_KEY_INVALID_HEADER: return "key_invalid_header";
@@ -80,6 +81,9 @@ const char *idemq_err_str(idemq_err_t err)
     case IDEMQ_ERR_DUPLICATE_FIELD: return "message body has a duplicate field name";
     case IDEMQ_ERR_KEY_NULL: return "idempotency key is null";
     case IDEMQ_ERR_UNDECODABLE: return "the AMQP client library could not decode the delivery";
+    case IDEMQ_ERR_DELIVERY_LIMIT:
+        return "the last delivery the queue's delivery limit allows (past it the broker "
+               "dead-letters or drops the message)";
     case IDEMQ_ERR_UNPROCESSABLE: return "the job failed in every processing mode";
     case IDEMQ_ERR_ORIGIN_REFUSED: return "dead letter names an origin queue that is not a configured input";
     case IDEMQ_ERR_KEY_INVALID_HEADER:

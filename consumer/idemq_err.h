@@ -34,6 +34,7 @@ typedef enum {
     IDEMQ_ERR_DUPLICATE_FIELD,       /* JSON body names a field twice */
     IDEMQ_ERR_KEY_NULL,              /* key field present but null */
     IDEMQ_ERR_UNDECODABLE,           /* delivery the client library cannot decode */
+    IDEMQ_ERR_DELIVERY_LIMIT,        /* last delivery a quorum queue's delivery limit allows */
     IDEMQ_ERR_UNPROCESSABLE,         /* job failed as a whole in every mode */
     IDEMQ_ERR_ORIGIN_REFUSED,        /* redrive origin not a configured input */
     /* provider effects (issue 9) */

@@ -14,6 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "topology.h"
+
 void job_init(struct job *j)
 {
     memset(j, 0, sizeof *j);
@@ -311,6 +313,30 @@ static void sha256_hex(const unsigned char *body, size_t len, char out[65])
     hex32(md, out);
 }
 
+/*
+ * The delivery limit when this is the last delivery it allows, else 0. A
+ * quorum queue counts returns in x-delivery-count and, past its limit,
+ * dead-letters the message or (declared by an older idemq: no dead-letter
+ * exchange, and on RabbitMQ 4 a default limit of 20) drops it. Such a
+ * delivery is parked rather than tried: trying it may be what returned it
+ * every time, and one more return would lose it.
+ */
+static int last_allowed_delivery(const struct job *j, const struct conf_input *in)
+{
+    char q[TOPOLOGY_NAME_MAX];
+    int limit = in->delivery_limit, broker;
+    if (j->delivery_count < 0 || strcmp(in->queue_type, "quorum") != 0)
+        return 0;
+    if (j->lane >= 0)
+        topology_partition_queue(in, j->lane, q, sizeof q);
+    else
+        snprintf(q, sizeof q, "%s", in->queue);
+    broker = topology_broker_delivery_limit(q);
+    if (broker > 0 && broker < limit)
+        limit = broker;
+    return j->delivery_count >= limit ? limit : 0;
+}
+
 idemq_err_t job_decode(struct job *j, const struct conf_input *in)
 {
     json_error_t jerr;
@@ -318,6 +344,7 @@ idemq_err_t job_decode(struct job *j, const struct conf_input *in)
     idemq_err_t body_err = IDEMQ_OK, key_err = IDEMQ_OK;
     char body_reason[sizeof j->reason] = "";
     const unsigned char *nul;
+    int limit;
 
     j->has_key = false;
     j->key[0] = '\0';
@@ -378,6 +405,13 @@ idemq_err_t job_decode(struct job *j, const struct conf_input *in)
     } else if (body_err) {
         snprintf(j->reason, sizeof j->reason, "%s", body_reason);
         j->decode_err = body_err;
+    } else if (!key_err && (limit = last_allowed_delivery(j, in)) > 0) {
+        snprintf(j->reason, sizeof j->reason,
+                 "returned %d times before (x-delivery-count %d), the queue's delivery limit %d: "
+                 "its last delivery is parked, not tried (past the limit the broker "
+                 "dead-letters or drops it)",
+                 j->delivery_count, j->delivery_count, limit);
+        j->decode_err = IDEMQ_ERR_DELIVERY_LIMIT;
     } else {
         j->decode_err = key_err;
     }

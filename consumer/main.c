@@ -607,6 +607,7 @@ int main(int argc, char **argv)
             rc = EXIT_CONFIG;
         } else {
             printf("# %s is valid; effective configuration:\n", o.config);
+            conf_warn_consumer_timeout(c, stderr);
             conf_print(c, stdout);
             rc = EXIT_OK;
         }

@@ -402,6 +402,55 @@ START_TEST(test_provider_settings)
 }
 END_TEST
 
+/* check-config's consumer-timeout warning (issue 17): a delivery waits for
+ * the batches (or provider calls) before it; past RabbitMQ's consumer
+ * timeout (30 min by default) the broker cancels the consumer. */
+START_TEST(test_consumer_timeout_warning)
+{
+    struct conf *c;
+    char err[512], *out = NULL;
+    size_t len = 0;
+    FILE *f;
+    const char *base = "inputs = ( { name = \"payouts\"; queue = \"q.payouts\"; "
+                       "effect_function = \"public.apply_payout\"; } );\n";
+    char text[1024];
+
+    /* the defaults: 10 batches of 100 x 15 s = 150 s, no warning */
+    ck_assert_int_eq(conf_load_string(base, &c, err, sizeof err), IDEMQ_OK);
+    f = open_memstream(&out, &len);
+    ck_assert_int_eq(conf_warn_consumer_timeout(c, f), 0);
+    fclose(f);
+    ck_assert_str_eq(out, "");
+    free(out);
+    conf_free(c);
+    /* prefetch 5000, batches of 10, 10 min statements: 500 x 605 s */
+    snprintf(text, sizeof text,
+             "broker: { prefetch = 5000; }; consumer: { batch_max = 10; };\n"
+             "database: { statement_timeout_ms = 600000; }; metrics: { live_stall_s = 700; };\n%s",
+             base);
+    ck_assert_msg(conf_load_string(text, &c, err, sizeof err) == IDEMQ_OK, "%s", err);
+    out = NULL;
+    f = open_memstream(&out, &len);
+    ck_assert_int_eq(conf_warn_consumer_timeout(c, f), 1);
+    fclose(f);
+    ck_assert_msg(strstr(out, "input payouts") && strstr(out, "broker.prefetch (5000)") &&
+                      strstr(out, "302500000 ms") && strstr(out, "consumer timeout"),
+                  "%s", out);
+    free(out);
+    conf_free(c);
+    /* no statement timeout: a batch may run for ever */
+    snprintf(text, sizeof text, "database: { statement_timeout_ms = 0; };\n%s", base);
+    ck_assert_msg(conf_load_string(text, &c, err, sizeof err) == IDEMQ_OK, "%s", err);
+    out = NULL;
+    f = open_memstream(&out, &len);
+    ck_assert_int_eq(conf_warn_consumer_timeout(c, f), 1);
+    fclose(f);
+    ck_assert_msg(strstr(out, "no bound"), "%s", out);
+    free(out);
+    conf_free(c);
+}
+END_TEST
+
 /* The shipped sample loads and documents every setting of the table. */
 START_TEST(test_sample_documents_every_key)
 {
@@ -510,6 +559,7 @@ int main(void)
     tcase_add_test(tc, test_sample_documents_every_key);
     tcase_add_test(tc, test_provider_settings);
     tcase_add_test(tc, test_provider_transport);
+    tcase_add_test(tc, test_consumer_timeout_warning);
     suite_add_tcase(s, tc);
     return check_run(s);
 }

@@ -1,0 +1,151 @@
+/*
+ * check_versions: what changed in RabbitMQ 4 (issue 17), against the
+ * servers of scripts/services IDEMQ_RABBITMQ=4.0. On another broker version
+ * (IDEMQ_SERVER_RABBITMQ of the env file) every case is skipped with a
+ * message and the program passes.
+ *
+ *   1. A quorum input whose queue was declared without x-delivery-limit (by
+ *      an older idemq): RabbitMQ 4.0 gives it a delivery limit of 20 and,
+ *      without a dead-letter exchange, drops a message returned once more
+ *      (shown on a control queue). A job on its last allowed delivery is
+ *      parked by idemq with its key and story, never applied, never lost.
+ */
+#include <amqp.h>
+#include <check.h>
+
+#include "check_run.h"
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "broker_admin.h"
+#include "itest.h"
+#include "topology.h"
+
+#define EFFECTS_FOR "SELECT count(*) FROM idemq_test.effects WHERE key = $1"
+
+/* Takes the head of queue with basic.get and gives it back with
+ * basic.reject(requeue): one counted return on RabbitMQ 4.0. false when the
+ * queue was empty. */
+static bool get_and_return(struct broker *b, const char *queue)
+{
+    amqp_connection_state_t c = broker_amqp(b);
+    amqp_rpc_reply_t r = amqp_basic_get(c, BROKER_CHANNEL, amqp_cstring_bytes(queue), 0);
+    amqp_message_t m;
+    uint64_t tag;
+    ck_assert_int_eq(r.reply_type, AMQP_RESPONSE_NORMAL);
+    if (r.reply.id == AMQP_BASIC_GET_EMPTY_METHOD)
+        return false;
+    ck_assert_int_eq(r.reply.id, AMQP_BASIC_GET_OK_METHOD);
+    tag = ((amqp_basic_get_ok_t *)r.reply.decoded)->delivery_tag;
+    r = amqp_read_message(c, BROKER_CHANNEL, &m, 0);
+    ck_assert_int_eq(r.reply_type, AMQP_RESPONSE_NORMAL);
+    amqp_destroy_message(&m);
+    ck_assert_int_eq(amqp_basic_reject(c, BROKER_CHANNEL, tag, 1), 0);
+    return true;
+}
+
+/* Ready messages of queue, polled until it is want or the deadline passes
+ * (the broker's counts settle asynchronously). */
+static long ready_settled(struct itest *t, const char *queue, long want)
+{
+    long n = itest_queue_ready(t, queue);
+    for (int i = 0; i < 100 && n != want; i++) {
+        usleep(50000);
+        n = itest_queue_ready(t, queue);
+    }
+    return n;
+}
+
+/* 1. The 4.0 default delivery limit of a quorum queue without x-delivery-limit. */
+START_TEST(test_default_delivery_limit)
+{
+    struct itest t;
+    char q[128], ctl[160], cfg[256], out[16384], key[160], body[256], reason[512];
+    struct broker *b;
+    struct conf *old;
+    char err[512];
+    json_t *legacy = json_pack("{s:s}", "x-queue-type", "quorum");
+    int st, returns;
+
+    itest_setup(&t, "dlim", "idemq_test.record", "", "");
+    snprintf(q, sizeof q, "%s_old", t.name);
+    snprintf(ctl, sizeof ctl, "%s_ctl", t.name);
+    ck_assert(broker_open(t.conf, "itest", false, &b, err, sizeof err) == IDEMQ_OK);
+    ck_assert(broker_admin_declare_queue(b, q, legacy, false) == IDEMQ_OK);
+    ck_assert(broker_admin_declare_queue(b, ctl, legacy, false) == IDEMQ_OK);
+    snprintf(cfg, sizeof cfg, "/tmp/%s_old.cfg", t.name);
+    itest_write_config(&t, cfg, q, "idemq_test.record", "", "queue_type = \"quorum\";");
+    ck_assert(conf_load(cfg, &old, err, sizeof err) == IDEMQ_OK);
+    snprintf(out, sizeof out, "%s declare -c %s 2>&1", IDEMQ_BINARY, cfg);
+    {
+        FILE *p = popen(out, "r");
+        size_t n = fread(out, 1, sizeof out - 1, p);
+        out[n] = '\0';
+        st = pclose(p);
+        ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s", out);
+    }
+    ck_assert_msg(strstr(out, "by an older idemq"), "%s", out); /* accepted, with the warning */
+
+    /* The control: 21 returns of a message on such a queue lose it. */
+    itest_publish_to(&t, "", ctl, "{\"control\":1}", NULL, NULL);
+    ck_assert_int_eq(ready_settled(&t, ctl, 1), 1);
+    for (returns = 0; returns < 21; returns++)
+        ck_assert_msg(get_and_return(b, ctl), "control message gone after %d returns", returns);
+    ck_assert_int_eq(ready_settled(&t, ctl, 0), 0);
+    ck_assert(!get_and_return(b, ctl)); /* dropped by the broker: the 4.0 default of 20 */
+
+    /* The job: returned 20 times, so the next delivery is its last. */
+    snprintf(key, sizeof key, "%s:last", t.name);
+    snprintf(body, sizeof body, "{\"job_id\":\"%s\"}", key);
+    itest_publish_to(&t, old->inputs[0].exchange, old->inputs[0].routing_key, body, NULL, NULL);
+    ck_assert_int_eq(ready_settled(&t, q, 1), 1);
+    for (returns = 0; returns < 20; returns++)
+        ck_assert(get_and_return(b, q));
+    ck_assert_int_eq(ready_settled(&t, q, 1), 1);
+
+    st = itest_wait(itest_spawn(&t, cfg, 3, NULL), itest_ms(60000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 0); /* not tried */
+    ck_assert_int_eq(itest_long(&t,
+                                "SELECT count(*) FROM idemq.parked WHERE key = $1 "
+                                "AND error_code = 'delivery_limit'",
+                                key),
+                     1);
+    ck_assert_ptr_nonnull(itest_text(&t, "SELECT reason FROM idemq.parked WHERE key = $1", key,
+                                     reason, sizeof reason));
+    ck_assert_msg(strstr(reason, "x-delivery-count 20") && strstr(reason, "limit 20"), "%s",
+                  reason);
+    ck_assert_int_eq(itest_queue_ready(&t, q), 0);
+
+    ck_assert(broker_admin_delete_queue(b, ctl) == IDEMQ_OK);
+    broker_close(b);
+    itest_delete_topology(&t, &old->inputs[0]);
+    conf_free(old);
+    unlink(cfg);
+    json_decref(legacy);
+    itest_teardown(&t);
+}
+END_TEST
+
+int main(void)
+{
+    const char *v = getenv("IDEMQ_SERVER_RABBITMQ");
+    Suite *s;
+    TCase *tc;
+    if (!v || strncmp(v, "4.", 2) != 0) {
+        printf("check_versions: skipped: needs RabbitMQ 4.x (scripts/services IDEMQ_RABBITMQ=4.0); "
+               "this env file's broker is %s\n",
+               v ? v : "3.10 (IDEMQ_SERVER_RABBITMQ unset)");
+        return 0;
+    }
+    s = suite_create("versions");
+    tc = tcase_create("versions");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, test_default_delivery_limit);
+    suite_add_tcase(s, tc);
+    return check_run(s);
+}
