@@ -338,7 +338,10 @@ static idemq_err_t pump_frame(struct broker *b, struct job *j, struct timeval *t
 
     if (!b->healthy || b->read_wedged)
         return IDEMQ_ERR_BROKER;
-    if (amqp_release_buffers_ok(b->conn))
+    /* Frames an RPC read ahead (deliveries that came while a passive
+     * declare waited for its answer) live in the channel pools: releasing
+     * those pools with frames still queued would free them unread. */
+    if (!amqp_frames_enqueued(b->conn) && amqp_release_buffers_ok(b->conn))
         amqp_release_buffers(b->conn);
     rc = amqp_simple_wait_frame_noblock(b->conn, &frame, tv);
     if (rc == AMQP_STATUS_TIMEOUT)
