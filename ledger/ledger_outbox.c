@@ -1,0 +1,147 @@
+/*
+ * ledger_outbox: claim, sent, failed and release of idemq.outbox rows (see
+ * ledger_outbox.h).
+ */
+#include "ledger_outbox.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *opt(PGresult *res, int i, int col)
+{
+    return PQgetisnull(res, i, col) ? NULL : PQgetvalue(res, i, col);
+}
+
+void ledger_outbox_rows_free(struct outbox_rows *r)
+{
+    for (int i = 0; r->row && i < r->n; i++)
+        PQfreemem(r->row[i].body);
+    free(r->row);
+    PQclear(r->res);
+    memset(r, 0, sizeof *r);
+}
+
+idemq_err_t ledger_outbox_claim(PGconn *db, const char *holder, int limit, int lease_ms,
+                                struct outbox_rows *r, struct ledger_db_error *e)
+{
+    char lim[16], lease[16];
+    const char *params[3] = {holder, lim, lease};
+    int n;
+
+    memset(r, 0, sizeof *r);
+    snprintf(lim, sizeof lim, "%d", limit);
+    snprintf(lease, sizeof lease, "%d", lease_ms);
+    r->res = ledger_db_query(db,
+                             "SELECT r_id, r_key, r_exchange, r_routing_key, r_body, r_headers,"
+                             " r_order_key, r_message_id FROM idemq.outbox_claim($1, $2, $3)"
+                             " ORDER BY r_id",
+                             3, params, e);
+    if (!r->res)
+        return ledger_db_err(e);
+    n = PQntuples(r->res);
+    if (n == 0)
+        return IDEMQ_OK;
+    if (!(r->row = calloc((size_t)n, sizeof *r->row))) {
+        ledger_outbox_rows_free(r);
+        snprintf(e->message, sizeof e->message, "out of memory");
+        return IDEMQ_ERR_NOMEM;
+    }
+    for (int i = 0; i < n; i++) {
+        struct outbox_row *w = &r->row[i];
+        w->id = atoll(PQgetvalue(r->res, i, 0));
+        w->key = opt(r->res, i, 1);
+        w->exchange = PQgetvalue(r->res, i, 2);
+        w->routing_key = PQgetvalue(r->res, i, 3);
+        w->headers = opt(r->res, i, 5);
+        w->order_key = opt(r->res, i, 6);
+        w->message_id = PQgetvalue(r->res, i, 7);
+        r->n = i + 1;
+        w->body = PQunescapeBytea((const unsigned char *)PQgetvalue(r->res, i, 4), &w->body_len);
+        if (!w->body) {
+            ledger_outbox_rows_free(r);
+            snprintf(e->message, sizeof e->message, "out of memory");
+            return IDEMQ_ERR_NOMEM;
+        }
+    }
+    return IDEMQ_OK;
+}
+
+idemq_err_t ledger_outbox_sent(PGconn *db, const char *holder, long long id, double *latency_ms,
+                               struct ledger_db_error *e)
+{
+    char ids[40];
+    const char *params[2] = {holder, ids};
+    PGresult *res;
+
+    snprintf(ids, sizeof ids, "{%lld}", id);
+    res = ledger_db_query(db, "SELECT r_latency_ms FROM idemq.outbox_sent($1, $2)", 2, params,
+                          e);
+    if (!res)
+        return ledger_db_err(e);
+    *latency_ms = PQntuples(res) == 1 ? atof(PQgetvalue(res, 0, 0)) : -1;
+    PQclear(res);
+    return IDEMQ_OK;
+}
+
+idemq_err_t ledger_outbox_failed(PGconn *db, const char *holder, long long id, const char *error,
+                                 bool park, int max_attempts, int retry_ms, bool *parked,
+                                 struct ledger_db_error *e)
+{
+    char sid[24], smax[16], sretry[16];
+    const char *params[6] = {holder, sid, error, park ? "t" : "f", smax, sretry};
+    PGresult *res;
+
+    snprintf(sid, sizeof sid, "%lld", id);
+    snprintf(smax, sizeof smax, "%d", max_attempts);
+    snprintf(sretry, sizeof sretry, "%d", retry_ms);
+    res = ledger_db_query(db, "SELECT idemq.outbox_failed($1, $2, $3, $4, $5, $6)", 6, params,
+                          e);
+    if (!res)
+        return ledger_db_err(e);
+    *parked = PQntuples(res) == 1 && !PQgetisnull(res, 0, 0) &&
+              strcmp(PQgetvalue(res, 0, 0), "parked") == 0;
+    PQclear(res);
+    return IDEMQ_OK;
+}
+
+idemq_err_t ledger_outbox_release(PGconn *db, const char *holder, const long long *ids, int n,
+                                  const char *error, struct ledger_db_error *e)
+{
+    size_t cap = 3 + (size_t)n * 21, o = 0;
+    char *arr;
+    const char *params[3];
+    PGresult *res;
+
+    if (n <= 0)
+        return IDEMQ_OK;
+    if (!(arr = malloc(cap)))
+        return IDEMQ_ERR_NOMEM;
+    arr[o++] = '{';
+    for (int i = 0; i < n; i++)
+        o += (size_t)snprintf(arr + o, cap - o, "%s%lld", i ? "," : "", ids[i]);
+    snprintf(arr + o, cap - o, "}");
+    params[0] = holder;
+    params[1] = arr;
+    params[2] = error;
+    res = ledger_db_query(db, "SELECT idemq.outbox_release($1, $2, $3)", 3, params, e);
+    free(arr);
+    if (!res)
+        return ledger_db_err(e);
+    PQclear(res);
+    return IDEMQ_OK;
+}
+
+idemq_err_t ledger_outbox_gauges(PGconn *db, long *pending, long *parked, double *oldest_s,
+                                 struct ledger_db_error *e)
+{
+    PGresult *res = ledger_db_query(
+        db, "SELECT r_pending, r_parked, r_oldest_s FROM idemq.outbox_gauges()", 0, NULL, e);
+    if (!res)
+        return ledger_db_err(e);
+    *pending = atol(PQgetvalue(res, 0, 0));
+    *parked = atol(PQgetvalue(res, 0, 1));
+    *oldest_s = atof(PQgetvalue(res, 0, 2));
+    PQclear(res);
+    return IDEMQ_OK;
+}
