@@ -336,6 +336,61 @@ START_TEST(test_broker_down)
 }
 END_TEST
 
+/* /ready fails while the oldest unsent row is older than outbox.stuck_s
+ * (a row leased by a relay that is gone, lease far ahead); /metrics shows
+ * the depth, and the relayed row in the counters and the histogram. */
+START_TEST(test_metrics_and_ready)
+{
+    struct itest t;
+    char q[200], sql[512], conf[256], url[128], body[32768];
+    int port = itest_free_port(), code = 0;
+    pid_t pid;
+
+    snprintf(conf, sizeof conf,
+             "outbox: { relay = 1; poll_ms = 200; stuck_s = 1; };\n"
+             "metrics: { listen = \"127.0.0.1:%d\"; };",
+             port);
+    itest_extra_conf = conf;
+    itest_setup(&t, "obmetrics", "idemq_test.emit_one", "", "");
+    itest_extra_conf = NULL;
+    declare_out(&t, q, sizeof q);
+    snprintf(sql, sizeof sql,
+             "SELECT idemq.emit('', '%s', 'fine'); "
+             "BEGIN; SELECT idemq.emit('', '%s', 'stuck'); UPDATE idemq.outbox SET "
+             "lease_holder = 'gone', lease_until = now() + interval '1 hour', created_at = "
+             "now() - interval '1 hour' WHERE id = lastval(); COMMIT",
+             q, q);
+    itest_sql(&t, sql);
+    pid = itest_spawn(&t, t.cfg_path, 3, NULL);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/ready", port);
+    for (int i = 0; i < itest_ms(200); i++) {
+        code = itest_http_get(url, body, sizeof body);
+        if (code == 503 && strstr(body, "outbox"))
+            break;
+        usleep(50000);
+    }
+    ck_assert_msg(code == 503 && strstr(body, "oldest unsent row"), "/ready: %d %s", code, body);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", port);
+    for (int i = 0; i < itest_ms(200); i++) {
+        code = itest_http_get(url, body, sizeof body);
+        if (code == 200 && strstr(body, "\nidemq_outbox_relayed_total 1\n"))
+            break;
+        usleep(50000);
+    }
+    ck_assert(strstr(body, "\nidemq_outbox_relayed_total 1\n"));
+    ck_assert(strstr(body, "\nidemq_outbox_commit_to_confirm_seconds_count 1\n"));
+    {
+        const char *p = strstr(body, "\nidemq_outbox_pending ");
+        ck_assert_ptr_nonnull(p);
+        ck_assert_int_ge(atol(p + strlen("\nidemq_outbox_pending ")), 1); /* the stuck row */
+    }
+    ck_assert(itest_wait(pid, itest_ms(30000)) != -1);
+    /* the shared ledger: the stuck row must not hold up other tests' /ready */
+    itest_sql(&t, "DELETE FROM idemq.outbox WHERE lease_holder = 'gone'");
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("outbox");
@@ -347,6 +402,7 @@ int main(void)
     tcase_add_test(tc, test_unroutable_parked);
     tcase_add_test(tc, test_crash_after_commit);
     tcase_add_test(tc, test_broker_down);
+    tcase_add_test(tc, test_metrics_and_ready);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
