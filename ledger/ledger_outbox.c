@@ -145,3 +145,69 @@ idemq_err_t ledger_outbox_gauges(PGconn *db, long *pending, long *parked, double
     PQclear(res);
     return IDEMQ_OK;
 }
+
+static const char *val(PGresult *res, int i, int col)
+{
+    return PQgetisnull(res, i, col) ? "-" : PQgetvalue(res, i, col);
+}
+
+int ledger_outbox_print_key(PGconn *db, const char *key, FILE *out)
+{
+    const char *params[1] = {key};
+    PGresult *res = PQexecParams(
+        db,
+        "SELECT id, state, exchange, routing_key, coalesce(order_key, '-'), attempts, "
+        "created_at, coalesce(sent_at, parked_at), last_error, message_id "
+        "FROM idemq.outbox WHERE key = $1 ORDER BY id",
+        1, NULL, params, NULL, NULL, 0);
+    int n;
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        PQclear(res);
+        return -1;
+    }
+    n = PQntuples(res);
+    if (n)
+        fprintf(out, "outbox (messages its effect emitted):\n");
+    for (int i = 0; i < n; i++) {
+        fprintf(out, "  %s  row %s (%s) %s: exchange '%s', routing key %s, order key %s, "
+                     "%s publishes, at %s\n",
+                val(res, i, 6), val(res, i, 0), val(res, i, 9), val(res, i, 1), val(res, i, 2),
+                val(res, i, 3), val(res, i, 4), val(res, i, 5), val(res, i, 7));
+        if (!PQgetisnull(res, i, 8))
+            fprintf(out, "    last error: %s\n", val(res, i, 8));
+    }
+    PQclear(res);
+    return n;
+}
+
+int ledger_outbox_print_parked(PGconn *db, const char *key, const char *since, long limit,
+                               FILE *out)
+{
+    char lim[24];
+    const char *params[3] = {key, since, lim};
+    PGresult *res;
+    int n;
+
+    snprintf(lim, sizeof lim, "%ld", limit > 0 ? limit : 1000000000L);
+    res = PQexecParams(db,
+                       "SELECT id, parked_at, coalesce(key, '(no key)'), exchange, routing_key, "
+                       "attempts, left(last_error, 120) FROM idemq.outbox "
+                       "WHERE state = 'parked' AND ($1::text IS NULL OR key = $1) "
+                       "AND ($2::timestamptz IS NULL OR parked_at >= $2) "
+                       "ORDER BY id LIMIT $3::bigint",
+                       3, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(res) != PGRES_TUPLES_OK) {
+        PQclear(res);
+        return -1;
+    }
+    n = PQntuples(res);
+    if (n)
+        fprintf(out, "outbox rows parked (not published; idemq.outbox):\n%-6s %-27s %-32s "
+                     "%-20s %-20s %-3s %s\n",
+                "row", "parked_at", "key", "exchange", "routing_key", "att", "error");
+    for (int i = 0; i < n; i++)
+        fprintf(out, "%-6s %-27s %-32s %-20s %-20s %-3s %s\n", val(res, i, 0), val(res, i, 1),
+                val(res, i, 2), val(res, i, 3), val(res, i, 4), val(res, i, 5), val(res, i, 6));
+    PQclear(res);
+    return n;
+}

@@ -8,7 +8,8 @@
  *
  * API: ledger_outbox_claim -> [publish a row, wait for its confirm] ->
  *      ledger_outbox_sent | ledger_outbox_failed | ledger_outbox_release
- *      -> ledger_outbox_rows_free. ledger_outbox_gauges for /metrics.
+ *      -> ledger_outbox_rows_free. ledger_outbox_gauges for /metrics,
+ *      ledger_outbox_print_* for `jobs show` and `parked list`.
  */
 #ifndef IDEMQ_LEDGER_OUTBOX_H
 #define IDEMQ_LEDGER_OUTBOX_H
@@ -16,6 +17,7 @@
 #include <libpq-fe.h>
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdio.h>
 
 #include "idemq_err.h"
 #include "ledger_db.h"
@@ -62,5 +64,13 @@ idemq_err_t ledger_outbox_release(PGconn *db, const char *holder, const long lon
 /* Pending and parked rows, age in seconds of the oldest pending one. */
 idemq_err_t ledger_outbox_gauges(PGconn *db, long *pending, long *parked, double *oldest_s,
                                  struct ledger_db_error *e) IDEMQ_MUSTCHECK;
+
+/* Operator output: the outbox rows emitted by key (`jobs show`), and the
+ * parked rows (`parked list`; key/since filter them, NULL = any, at most
+ * limit). Print nothing when there are none; return how many were printed,
+ * or -1 when the query failed. */
+int ledger_outbox_print_key(PGconn *db, const char *key, FILE *out);
+int ledger_outbox_print_parked(PGconn *db, const char *key, const char *since, long limit,
+                               FILE *out);
 
 #endif
