@@ -353,6 +353,55 @@ START_TEST(test_broker_down)
 }
 END_TEST
 
+/* Two replicas relay at once: every row is published exactly once (no
+ * crash, so no duplicate either) and per order key in commit order. */
+START_TEST(test_two_relays)
+{
+    enum { ROWS = 120, KEYS = 4 };
+    struct itest t;
+    char q[200], sql[512], ok[128];
+    static char bodies[ROWS + 1][256], ids[ROWS + 1][64], keys[ROWS + 1][128];
+    int last[KEYS], n, st1, st2;
+    pid_t p1, p2;
+
+    setup(&t, "obtwo", "");
+    declare_out(&t, q, sizeof q);
+    /* one transaction per row, keys interleaved */
+    for (int i = 0; i < ROWS; i++) {
+        snprintf(ok, sizeof ok, "%s:%d", t.name, i % KEYS);
+        snprintf(sql, sizeof sql, "SELECT idemq.emit('', '%s', '%d %d', NULL, '%s')", q,
+                 i % KEYS, i / KEYS, ok);
+        itest_sql(&t, sql);
+    }
+    p1 = itest_spawn(&t, t.cfg_path, 2, NULL);
+    p2 = itest_spawn(&t, t.cfg_path, 2, NULL);
+    st1 = itest_wait(p1, itest_ms(60000));
+    st2 = itest_wait(p2, itest_ms(60000));
+    ck_assert_msg(st1 != -1 && WIFEXITED(st1) && WEXITSTATUS(st1) == 0, "status 0x%x", st1);
+    ck_assert_msg(st2 != -1 && WIFEXITED(st2) && WEXITSTATUS(st2) == 0, "status 0x%x", st2);
+    n = drain(&t, q, bodies, ids, keys, ROWS + 1);
+    ck_assert_int_eq(n, ROWS);
+    for (int k = 0; k < KEYS; k++)
+        last[k] = -1;
+    for (int i = 0; i < n; i++) {
+        int k = -1, seq = -1;
+        ck_assert_int_eq(sscanf(bodies[i], "%d %d", &k, &seq), 2);
+        ck_assert_msg(k >= 0 && k < KEYS && seq == last[k] + 1,
+                      "key %d: %d after %d (a row overtaken, skipped or repeated)", k, seq,
+                      k >= 0 && k < KEYS ? last[k] : -2);
+        last[k] = seq;
+    }
+    for (int k = 0; k < KEYS; k++)
+        ck_assert_int_eq(last[k], ROWS / KEYS - 1);
+    snprintf(ok, sizeof ok, "%s:%%", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(DISTINCT lease_holder) FROM idemq.outbox "
+                                    "WHERE order_key LIKE $1",
+                                ok),
+                     0); /* every lease was given up when its row was sent */
+    itest_teardown(&t);
+}
+END_TEST
+
 /* The value of an unlabelled metric in a /metrics body, -1 if absent. */
 static long metric(const char *body, const char *name)
 {
@@ -427,6 +476,7 @@ int main(void)
     tcase_add_test(tc, test_crash_after_commit);
     tcase_add_test(tc, test_broker_down);
     tcase_add_test(tc, test_metrics_and_ready);
+    tcase_add_test(tc, test_two_relays);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
