@@ -92,11 +92,16 @@ static void wait_long(struct itest *t, const char *sql, const char *p, long want
     ck_abort_msg("%s (%s) did not reach %ld", sql, p, want);
 }
 
-static PGconn *connect_db(void)
+static PGconn *connect_db_dsn(const char *dsn)
 {
-    PGconn *db = PQconnectdb(getenv("IDEMQ_PG_DSN"));
+    PGconn *db = PQconnectdb(dsn);
     ck_assert_msg(PQstatus(db) == CONNECTION_OK, "%s", PQerrorMessage(db));
     return db;
+}
+
+static PGconn *connect_db(void)
+{
+    return connect_db_dsn(getenv("IDEMQ_PG_DSN"));
 }
 
 static void exec_ok(PGconn *db, const char *sql)
@@ -402,6 +407,68 @@ START_TEST(test_two_relays)
 }
 END_TEST
 
+/* Privileges: the role `idemq migrate --grant` prepares can emit (the
+ * commit-time stamp runs as the owner) and claim, but not write the table;
+ * a role without the grant cannot emit. */
+START_TEST(test_privileges)
+{
+    struct itest t;
+    char role[128], bare[128], sql[512], out[4096], dsn[1024];
+    PGconn *db;
+    PGresult *r;
+
+    setup(&t, "obpriv", "");
+    snprintf(role, sizeof role, "%s_run", t.name);
+    snprintf(bare, sizeof bare, "%s_bare", t.name);
+    snprintf(sql, sizeof sql, "CREATE ROLE %s LOGIN; CREATE ROLE %s LOGIN", role, bare);
+    itest_sql(&t, sql);
+    snprintf(sql, sizeof sql, "migrate --grant %s", role);
+    ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+    for (int pass = 0; pass < 2; pass++) {
+        const char *who = pass == 0 ? role : bare;
+        char *u;
+        snprintf(dsn, sizeof dsn, "%s", getenv("IDEMQ_PG_DSN"));
+        u = strstr(dsn, "user=");
+        ck_assert_ptr_nonnull(u);
+        snprintf(u, sizeof dsn - (size_t)(u - dsn), "user=%s", who);
+        db = connect_db_dsn(dsn);
+        snprintf(sql, sizeof sql,
+                 "BEGIN; SELECT idemq.emit('', '%s.none', 'priv', NULL, '%s:k'); COMMIT", t.name,
+                 t.name);
+        r = PQexec(db, sql);
+        if (pass == 0) {
+            ck_assert_msg(PQresultStatus(r) == PGRES_COMMAND_OK, "%s", PQerrorMessage(db));
+            PQclear(r);
+            r = PQexec(db, "INSERT INTO idemq.outbox (exchange, routing_key, body) "
+                           "VALUES ('', 'x', 'y')");
+            ck_assert_str_eq(PQresultErrorField(r, PG_DIAG_SQLSTATE), "42501");
+            PQclear(r);
+            snprintf(sql, sizeof sql,
+                     "SELECT count(*) FROM idemq.outbox_claim('%s', 100, 1000) "
+                     "WHERE r_order_key = '%s:k'",
+                     role, t.name);
+            r = PQexec(db, sql);
+            ck_assert_msg(PQresultStatus(r) == PGRES_TUPLES_OK, "%s", PQerrorMessage(db));
+            ck_assert_str_eq(PQgetvalue(r, 0, 0), "1");
+        } else {
+            ck_assert_str_eq(PQresultErrorField(r, PG_DIAG_SQLSTATE), "42501");
+        }
+        PQclear(r);
+        PQfinish(db);
+    }
+    snprintf(sql, sizeof sql, "%s:k", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key = $1 "
+                                    "AND commit_seq IS NOT NULL",
+                                sql),
+                     1);
+    /* not left pending for the other tests' relays */
+    itest_sql(&t, "UPDATE idemq.outbox SET state = 'parked', parked_at = now(), "
+                  "last_error = 'test_privileges' WHERE routing_key LIKE '%.none' "
+                  "AND state = 'pending'");
+    itest_teardown(&t);
+}
+END_TEST
+
 /* The value of an unlabelled metric in a /metrics body, -1 if absent. */
 static long metric(const char *body, const char *name)
 {
@@ -477,6 +544,7 @@ int main(void)
     tcase_add_test(tc, test_broker_down);
     tcase_add_test(tc, test_metrics_and_ready);
     tcase_add_test(tc, test_two_relays);
+    tcase_add_test(tc, test_privileges);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
