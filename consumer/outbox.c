@@ -4,6 +4,7 @@
 #include "outbox.h"
 
 #include <jansson.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -132,6 +133,13 @@ static idemq_err_t publish_rows(const struct outbox *o, const struct conf *c, PG
         if (err == IDEMQ_OK)
             err = broker_wait_confirms(b, CONFIRM_MS);
         if (err == IDEMQ_OK) {
+#ifdef IDEMQ_TEST_HOOKS
+            const char *crash = getenv("IDEMQ_TEST_CRASH");
+            if (crash && strcmp(crash, "outbox_after_confirm") == 0) {
+                log_warn("test hook: SIGKILL after the outbox confirm, before marking sent");
+                kill(getpid(), SIGKILL);
+            }
+#endif
             if (ledger_outbox_sent(db, o->holder, r->id, &latency, &e)) {
                 snprintf(why, whylen, "outbox: row %lld confirmed but not marked sent: %s",
                          r->id, e.message);

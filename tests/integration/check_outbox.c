@@ -323,6 +323,44 @@ START_TEST(test_crash_after_commit)
 }
 END_TEST
 
+/* SIGKILL after the broker confirmed a row, before it was marked sent:
+ * once the dead relay's lease passed (made to pass here), the row is
+ * published again with the same message_id (at least once; a consumer
+ * keyed on message_id sees a duplicate) and then marked sent. */
+START_TEST(test_crash_after_confirm)
+{
+    struct itest t;
+    char q[200], sql[512], bodies[4][256], ids[4][64], keys[4][128], want[64];
+    const char *env[] = {"IDEMQ_TEST_CRASH=outbox_after_confirm", NULL};
+    int st;
+
+    setup(&t, "obdup", "");
+    declare_out(&t, q, sizeof q);
+    snprintf(sql, sizeof sql, "SELECT idemq.emit('', '%s', 'twice', NULL, NULL, '%s:dup')", q,
+             t.name);
+    itest_sql(&t, sql);
+    st = itest_wait(itest_spawn(&t, t.cfg_path, 5, env), itest_ms(30000));
+    ck_assert_msg(st != -1 && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "status 0x%x", st);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE routing_key = $1 "
+                                    "AND state = 'pending' AND lease_until > now()",
+                                q),
+                     1); /* still leased by the dead relay */
+    itest_sql(&t, "UPDATE idemq.outbox SET lease_until = now() - interval '1 second' "
+                  "WHERE state = 'pending' AND lease_holder IS NOT NULL");
+    itest_run_until_idle(&t, 1);
+    ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 4), 2);
+    snprintf(want, sizeof want, "outbox:%ld",
+             itest_long(&t, "SELECT id FROM idemq.outbox WHERE routing_key = $1", q));
+    ck_assert_str_eq(ids[0], want);
+    ck_assert_str_eq(ids[1], want);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE routing_key = $1 "
+                                    "AND state = 'sent'",
+                                q),
+                     1);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* The broker goes away: rows emitted meanwhile are held, then drained
  * once it is back. */
 START_TEST(test_broker_down)
@@ -541,6 +579,7 @@ int main(void)
     tcase_add_test(tc, test_commit_order);
     tcase_add_test(tc, test_unroutable_parked);
     tcase_add_test(tc, test_crash_after_commit);
+    tcase_add_test(tc, test_crash_after_confirm);
     tcase_add_test(tc, test_broker_down);
     tcase_add_test(tc, test_metrics_and_ready);
     tcase_add_test(tc, test_two_relays);
