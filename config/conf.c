@@ -126,6 +126,18 @@ static const struct conf_key global_keys[] = {
      NULL, 400L * 1440, 0, "archived history older than this is dropped"},
     {"ledger.maintenance", CT_INT, G(maintenance), 0, 1, NULL, 1, 0,
      "1: this process takes part in maintenance (one replica at a time runs it)"},
+    /* transactional outbox (issue 18) */
+    {"outbox.relay", CT_INT, G(outbox_relay), 0, 1, NULL, 0, 0,
+     "1: relay idemq.outbox rows (right after commit for inputs with emits, and a recovery "
+     "poll on worker 0); 0 = off"},
+    {"outbox.poll_ms", CT_INT, G(outbox_poll_ms), 100, 600000, NULL, 1000, 0,
+     "recovery poll interval: rows of applications and of crashed relays"},
+    {"outbox.lease_s", CT_INT, G(outbox_lease_s), 15, 3600, NULL, 30, 0,
+     "lease of a claimed row; past it another relay may publish it again"},
+    {"outbox.max_attempts", CT_INT, G(outbox_max_attempts), 1, 1000, NULL, 5, 0,
+     "nacked publishes of a row before it is parked (a returned, unroutable row parks at once)"},
+    {"outbox.stuck_s", CT_INT, G(outbox_stuck_s), 1, 86400 * 30, NULL, 60, 0,
+     "GET /ready fails while the oldest unsent row is older than this (outbox.relay = 1)"},
 };
 
 static const struct conf_key input_keys[] = {
@@ -144,6 +156,9 @@ static const struct conf_key input_keys[] = {
     {"effect_function", CT_STR, I(effect_function), 0, 127, "", 0, 0,
      "SQL function fn(key text, payload jsonb, meta jsonb) RETURNS jsonb; required unless "
      "provider.url is set"},
+    {"emits", CT_BOOL, I(emits), 0, 1, NULL, 0, 0,
+     "the effect calls idemq.emit: the worker relays the outbox right after each commit "
+     "(needs outbox.relay = 1)"},
     /* ordered lanes */
     {"partitions", CT_INT, I(partitions), 0, 1024, NULL, 0, 0,
      "0 = standard queue; N >= 1 = consistent-hash exchange over queues <queue>.p0..pN-1"},
@@ -1137,9 +1152,9 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
         if (config_setting_type(s) != CONFIG_TYPE_GROUP ||
             (strcmp(name, "broker") && strcmp(name, "database") && strcmp(name, "consumer") &&
              strcmp(name, "retry") && strcmp(name, "metrics") && strcmp(name, "log") &&
-             strcmp(name, "topology") && strcmp(name, "ledger"))) {
+             strcmp(name, "topology") && strcmp(name, "ledger") && strcmp(name, "outbox"))) {
             errf(errbuf, errlen, "%s:%d: unknown setting %s (top level holds broker, database, "
-                 "consumer, retry, metrics, log, topology, ledger and inputs)", file,
+                 "consumer, retry, metrics, log, topology, ledger, outbox and inputs)", file,
                  config_setting_source_line(s), name);
             err = IDEMQ_ERR_CONFIG;
             goto fail;

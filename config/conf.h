@@ -85,6 +85,7 @@ struct conf_input {
     char *effect_function;
     /* ordered lanes (issue 4): partitions = 0 is a standard queue */
     int partitions;
+    bool emits; /* outbox (issue 18): its effects call idemq.emit: relay after commit */
     char *hash_header;
     char *order_key_source;
     char *sequence_source;
@@ -165,6 +166,12 @@ struct conf {
     double history_retention_days;
     int maintenance;            /* 1: take part in maintenance */
     double partition_interval_s; /* derived */
+    /* transactional outbox (issue 18) */
+    int outbox_relay;           /* 1: this process relays idemq.outbox rows */
+    int outbox_poll_ms;         /* recovery poll interval */
+    int outbox_lease_s;         /* a claimed row's lease */
+    int outbox_max_attempts;    /* nacks before a row is parked */
+    int outbox_stuck_s;         /* /ready fails while a row waits longer */
     /* inputs */
     struct conf_input *inputs;
     int n_inputs;

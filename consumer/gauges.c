@@ -15,6 +15,7 @@
 
 #include "ledger_db.h"
 #include "log.h"
+#include "outbox.h"
 
 #define GAUGES_PERIOD_MS 5000   /* refresh interval */
 #define GAUGES_DEADLINE_MS 3000 /* per connect or query */
@@ -35,6 +36,10 @@ struct gauges {
     bool up;                /* the last refresh succeeded */
     long long refreshed_ms; /* CLOCK_MONOTONIC of the last success, 0 = never */
     char last_error[256];
+    /* issue 18, with outbox.relay: idemq.outbox_gauges() */
+    long ob_pending, ob_parked;
+    double ob_oldest_s;
+    bool ob_up;
 };
 
 static long long mono_ms(void)
@@ -177,6 +182,27 @@ static void refresh(struct gauges *g, PGconn **db)
     }
     pthread_mutex_unlock(&g->lock);
     free(rows);
+    if (r && c->outbox_relay) { /* issue 18: the outbox's depth and age */
+        PGresult *o = query(g, *db, "SELECT r_pending, r_parked, r_oldest_s "
+                                    "FROM idemq.outbox_gauges()");
+        pthread_mutex_lock(&g->lock);
+        if (o && PQntuples(o) == 1) {
+            g->ob_pending = strtol(PQgetvalue(o, 0, 0), NULL, 10);
+            g->ob_parked = strtol(PQgetvalue(o, 0, 1), NULL, 10);
+            g->ob_oldest_s = strtod(PQgetvalue(o, 0, 2), NULL);
+            g->ob_up = true;
+        } else {
+            if (g->ob_up)
+                log_warn("metrics: cannot read the outbox gauges: %s", g->last_error);
+            g->ob_up = false;
+        }
+        pthread_mutex_unlock(&g->lock);
+        if (!o) {
+            PQclear(r);
+            r = NULL; /* the session is dropped below */
+        }
+        PQclear(o);
+    }
     if (!r && *db) { /* a failed or timed-out session is not reused */
         PQfinish(*db);
         *db = NULL;
@@ -261,10 +287,58 @@ void gauges_render(struct gauges *g, char *buf, size_t len, size_t *off)
         "read from the ledger (-1 never)\n# TYPE idemq_ledger_gauges_age_seconds gauge\n"
         "idemq_ledger_gauges_age_seconds %.3f\n",
         g->refreshed_ms ? (double)(mono_ms() - g->refreshed_ms) / 1000.0 : -1.0);
+    if (c->outbox_relay) { /* issue 18 */
+        long n = atomic_load(&outbox_stats.latency_count);
+        PUT("# HELP idemq_outbox_pending outbox rows not sent yet (pending)\n"
+            "# TYPE idemq_outbox_pending gauge\nidemq_outbox_pending %ld\n"
+            "# HELP idemq_outbox_parked_rows outbox rows parked (unroutable or nacked)\n"
+            "# TYPE idemq_outbox_parked_rows gauge\nidemq_outbox_parked_rows %ld\n"
+            "# HELP idemq_outbox_oldest_unsent_age_seconds age of the oldest pending outbox row "
+            "(0 when none)\n# TYPE idemq_outbox_oldest_unsent_age_seconds gauge\n"
+            "idemq_outbox_oldest_unsent_age_seconds %.3f\n"
+            "# HELP idemq_outbox_gauges_up 1 if the last read of the outbox gauges succeeded\n"
+            "# TYPE idemq_outbox_gauges_up gauge\nidemq_outbox_gauges_up %d\n",
+            g->ob_pending, g->ob_parked, g->ob_oldest_s, g->ob_up ? 1 : 0);
+        PUT("# HELP idemq_outbox_relayed_total outbox rows published, confirmed and marked sent "
+            "by this process\n# TYPE idemq_outbox_relayed_total counter\n"
+            "idemq_outbox_relayed_total %ld\n"
+            "# HELP idemq_outbox_parked_total outbox rows this process parked\n"
+            "# TYPE idemq_outbox_parked_total counter\nidemq_outbox_parked_total %ld\n"
+            "# HELP idemq_outbox_refused_total outbox publishes returned or nacked\n"
+            "# TYPE idemq_outbox_refused_total counter\nidemq_outbox_refused_total %ld\n",
+            atomic_load(&outbox_stats.relayed), atomic_load(&outbox_stats.parked),
+            atomic_load(&outbox_stats.failed));
+        PUT("# HELP idemq_outbox_commit_to_confirm_seconds time from emit to the broker's "
+            "confirm of relayed rows\n# TYPE idemq_outbox_commit_to_confirm_seconds histogram\n");
+        for (int i = 0; i < 6; i++)
+            PUT("idemq_outbox_commit_to_confirm_seconds_bucket{le=\"%g\"} %ld\n",
+                outbox_latency_bounds_ms[i] / 1000.0, atomic_load(&outbox_stats.latency_le[i]));
+        PUT("idemq_outbox_commit_to_confirm_seconds_bucket{le=\"+Inf\"} %ld\n"
+            "idemq_outbox_commit_to_confirm_seconds_sum %.6f\n"
+            "idemq_outbox_commit_to_confirm_seconds_count %ld\n",
+            n, (double)atomic_load(&outbox_stats.latency_us_sum) / 1e6, n);
+    }
     pthread_mutex_unlock(&g->lock);
     if (*off >= len && len)
         *off = len - 1;
 #undef PUT
+}
+
+bool gauges_outbox_stuck(struct gauges *g, char *why, size_t len)
+{
+    bool stuck = false;
+    if (!g || !g->c->outbox_relay)
+        return false;
+    pthread_mutex_lock(&g->lock);
+    if (g->ob_up && g->ob_oldest_s > g->c->outbox_stuck_s) {
+        stuck = true;
+        snprintf(why, len,
+                 "outbox: the oldest unsent row waits for %.0f s (outbox.stuck_s = %d), %ld "
+                 "pending",
+                 g->ob_oldest_s, g->c->outbox_stuck_s, g->ob_pending);
+    }
+    pthread_mutex_unlock(&g->lock);
+    return stuck;
 }
 
 void gauges_stop(struct gauges *g)

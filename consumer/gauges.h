@@ -1,6 +1,8 @@
 /*
  * gauges: ledger-derived Prometheus gauges of `idemq run` (issue 11): per
- * input, the jobs waiting in idemq.deferred and the age of the oldest. One
+ * input, the jobs waiting in idemq.deferred and the age of the oldest (and,
+ * with outbox.relay, the outbox's pending and parked rows and the age of the
+ * oldest unsent one, issue 18). One
  * thread refreshes them every few seconds on its own PostgreSQL session,
  * with a client-side deadline on every call, so a slow or stopped database
  * never blocks a scrape (it serves the last values and says how old they
@@ -11,6 +13,7 @@
 #ifndef IDEMQ_GAUGES_H
 #define IDEMQ_GAUGES_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #include "conf.h"
@@ -27,6 +30,11 @@ idemq_err_t gauges_start(const struct conf *c, struct gauges **out, char *errbuf
 /* Appends the gauges as Prometheus text to buf at *off (at most len bytes
  * in all). g may be NULL (nothing appended). Any thread. */
 void gauges_render(struct gauges *g, char *buf, size_t len, size_t *off);
+
+/* Outbox (issue 18): true, with why set, while the oldest unsent row of
+ * idemq.outbox is older than outbox.stuck_s (as last read; outbox.relay on).
+ * Any thread. */
+bool gauges_outbox_stuck(struct gauges *g, char *why, size_t len);
 
 /* Stops the thread (waits at most one call deadline) and frees g. NULL is
  * fine. Main thread. */

@@ -134,6 +134,13 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
                 break;
             }
         }
+        if (status == MHD_HTTP_OK) { /* issue 18: a relay that does not drain */
+            char why[300];
+            if (gauges_outbox_stuck(m->g, why, sizeof why)) {
+                len = (size_t)snprintf(buf, sizeof buf, "not ready: %s\n", why);
+                status = MHD_HTTP_SERVICE_UNAVAILABLE;
+            }
+        }
     } else {
         len = (size_t)snprintf(buf, sizeof buf, "try /ready, /live or /metrics\n");
         status = MHD_HTTP_NOT_FOUND;

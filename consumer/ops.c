@@ -14,6 +14,7 @@
 #include "broker_admin.h"
 #include "job.h"
 #include "ledger_db.h"
+#include "ledger_outbox.h"
 #include "log.h"
 #include "republish.h"
 #include "resolve.h"
@@ -141,6 +142,9 @@ int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
         goto out;
     }
     if (PQntuples(job) == 0 && PQntuples(tl) == 0) {
+        /* an application's emit may name a key idemq never consumed (issue 18) */
+        if (ledger_outbox_print_key(db, key, out) > 0)
+            goto out;
         fprintf(out, "no job, attempt or park with key %s\n", ops_text(&a, key));
         rc = 1;
         goto out;
@@ -165,6 +169,7 @@ int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
     if (PQntuples(job) == 1 && !PQgetisnull(job, 0, 7))
         fprintf(out, "result: %s\n", ops_tval(&a, job, 0, 7));
     resolve_show(db, key, out); /* provider intent and resolutions (issue 9) */
+    ledger_outbox_print_key(db, key, out); /* messages its effect emitted (issue 18) */
 out:
     PQclear(job);
     PQclear(tl);
@@ -434,13 +439,19 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
             if (brc)
                 rc = brc;
         }
+        /* issue 18: parked outbox rows have no input and no error class */
+        int n_outbox = f->input || f->error_class
+                           ? 0
+                           : ledger_outbox_print_parked(db, f->key, f->since, f->limit, out);
         fprintf(out, "count by error class:");
-        if (PQntuples(counts) == 0 && n_broker == 0)
+        if (PQntuples(counts) == 0 && n_broker == 0 && n_outbox <= 0)
             fprintf(out, " none");
         for (int i = 0; i < PQntuples(counts); i++)
             fprintf(out, " %s=%s", ops_val(counts, i, 0), ops_val(counts, i, 1));
         if (n_broker)
             fprintf(out, " broker(not yet recorded)=%ld", n_broker);
+        if (n_outbox > 0)
+            fprintf(out, " outbox=%d", n_outbox);
         fprintf(out, "\n");
     }
 out:

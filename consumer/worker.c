@@ -26,6 +26,7 @@
 #include "ledger_migrate.h"
 #include "ledger_retention.h"
 #include "ledger_txn.h"
+#include "outbox.h"
 #include "log.h"
 #include "provider_run.h"
 #include "rate_gate.h"
@@ -77,6 +78,7 @@ struct session {
     struct provider_run *pr;  /* provider inputs (issue 9); NULL without them */
     struct rescue rescue;     /* issue 12: lost retry copies (consumer/rescue.h) */
     struct ledger_retention *retention; /* issue 10: worker 0 with ledger.maintenance */
+    struct outbox outbox;     /* issue 18: the relay of idemq.outbox rows */
     char why[512];            /* reason of the last non-OK step */
 };
 
@@ -409,6 +411,27 @@ static enum step settle_committed(struct session *s, int n)
     struct ledger_db_error e;
     int parks = 0;
 
+    enum step relayed = STEP_OK;
+
+    /* issue 18: rows the batch's effects emitted are published before its
+     * deliveries are acknowledged (a failure leaves them to the recovery
+     * poll; they are committed) */
+    if (s->c->outbox_relay) {
+        bool emitted = false, more;
+        for (int i = 0; i < n && !emitted; i++)
+            emitted = jobs[i].input >= 0 && jobs[i].input < s->c->n_inputs &&
+                      s->c->inputs[jobs[i].input].emits;
+        if (emitted) {
+            idemq_err_t oerr = outbox_relay(&s->outbox, s->c, s->db, s->b, &more, s->why,
+                                            sizeof s->why);
+            if (oerr == IDEMQ_ERR_BROKER)
+                return STEP_BROKER;
+            if (oerr)
+                relayed = STEP_INFRA; /* the deliveries are still acknowledged below */
+            if (more)
+                s->outbox.next_poll_ms = 0; /* the rest at the next tick */
+        }
+    }
     count(s, plans, n);
     atomic_fetch_add(&s->w->stats.batches, 1);
     lane_settle_begin(s->lanes);
@@ -441,7 +464,7 @@ static enum step settle_committed(struct session *s, int n)
     if (parks && ledger_txn_mark_dead_lettered(s->lt, s->park_ids, parks, &e))
         log_warn("worker %d: dead-letter publish confirmed but not noted in the ledger (%s); "
                  "a later duplicate would publish it again", s->w->id, e.message);
-    return STEP_OK;
+    return relayed;
 }
 
 /* Waits ms while keeping the broker connection serviced (heartbeats). */
@@ -802,6 +825,7 @@ idemq_err_t worker_run(struct worker *w)
     s.c = w->conf;
     s.rng = (uint64_t)now_ms() * 2654435761u + (uint64_t)w->id + 1;
     s.batch_limit = batch_limit(s.c);
+    outbox_init(&s.outbox, w->id);
     ledger_db_set_call_timeout(s.c->call_timeout_ms); /* this thread's sessions */
     w->result = IDEMQ_OK;
     if (!session_alloc(&s)) {
@@ -885,6 +909,10 @@ idemq_err_t worker_run(struct worker *w)
         if (st == STEP_OK) { /* issue 12: republish retry copies lost on the broker */
             idemq_err_t rerr = rescue_tick(&s.rescue, s.c, s.db, s.b, s.why, sizeof s.why);
             st = rerr == IDEMQ_ERR_BROKER ? STEP_BROKER : rerr ? STEP_INFRA : st;
+        }
+        if (st == STEP_OK && w->id == 0) { /* issue 18: the outbox's recovery poll */
+            idemq_err_t oerr = outbox_tick(&s.outbox, s.c, s.db, s.b, s.why, sizeof s.why);
+            st = oerr == IDEMQ_ERR_BROKER ? STEP_BROKER : oerr ? STEP_INFRA : st;
         }
         if (st == STEP_OK && s.retention) /* never waits: see ledger_retention.h */
             ledger_retention_tick(s.retention, now_ms());

@@ -1,0 +1,75 @@
+/*
+ * outbox: the relay of the transactional outbox (issue 18). Rows that
+ * transactions wrote with idemq.emit (ledger/functions_outbox.sql) are
+ * claimed under a lease (ledger/ledger_outbox.h), published one at a time
+ * on the worker's connection (mandatory, persistent, message_id
+ * "outbox:<id>", headers x-idemq-key and x-idemq-outbox-id), and marked
+ * sent only after the broker's confirm. A basic.return parks the row at
+ * once; a nack, or a publish to an exchange that does not exist, counts an
+ * attempt and parks it after outbox.max_attempts; a broker that goes away
+ * gives the rows back (lease released) and holds them until it is back.
+ * The relay is at least once: a crash between the confirm and the mark
+ * publishes the row again with the same message_id.
+ *
+ * Two entries: outbox_relay right after a commit of an input with
+ * `emits` (the worker calls it before acknowledging the batch), and
+ * outbox_tick, the recovery poll (worker 0, every outbox.poll_ms) for rows
+ * of applications and of relays that died. Both are off unless
+ * outbox.relay = 1. Counters for /metrics are process-wide.
+ *
+ * API: a struct outbox zeroed with its session -> outbox_relay / outbox_tick
+ *      between batches (no transaction open, no confirm outstanding).
+ */
+#ifndef IDEMQ_OUTBOX_H
+#define IDEMQ_OUTBOX_H
+
+#include <libpq-fe.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "broker.h"
+#include "conf.h"
+#include "idemq_err.h"
+
+#define OUTBOX_CLAIM_MAX 100 /* rows claimed per round */
+#define OUTBOX_ROUNDS 10     /* claim rounds per call at most (then the worker goes on) */
+
+/* Per worker session; all zero is the initial state (a poll at the first tick). */
+struct outbox {
+    long long next_poll_ms; /* CLOCK_MONOTONIC ms of the next recovery poll */
+    char holder[160];       /* lease holder: host:pid:w<worker> */
+};
+
+/* Process-wide counters (any thread reads them). */
+struct outbox_stats {
+    atomic_long relayed;         /* rows confirmed and marked sent */
+    atomic_long parked;          /* rows parked (returned, or nacked too often) */
+    atomic_long failed;          /* nacked or refused publishes (each attempt) */
+    atomic_long latency_count;   /* commit-to-confirm samples */
+    atomic_llong latency_us_sum; /* their sum, microseconds */
+    atomic_long latency_le[6];   /* cumulative buckets: 5, 10, 25, 50, 100, 500 ms */
+};
+extern struct outbox_stats outbox_stats;
+extern const double outbox_latency_bounds_ms[6];
+
+/* Sets the lease holder of a worker's relay. */
+void outbox_init(struct outbox *o, int worker_id);
+
+/*
+ * Publishes what is publishable now, up to OUTBOX_ROUNDS claims. IDEMQ_OK
+ * (also when a statement failed: logged, tried again later), or
+ * IDEMQ_ERR_DB_CONN / IDEMQ_ERR_BROKER with why set (the caller
+ * reconnects; claimed rows not published were given back or stay leased
+ * until lease_s passes). *more: rows may still be waiting (the rounds ran
+ * out). Worker thread that owns db and b.
+ */
+idemq_err_t outbox_relay(struct outbox *o, const struct conf *c, PGconn *db, struct broker *b,
+                         bool *more, char *why, size_t whylen) IDEMQ_MUSTCHECK;
+
+/* The recovery poll: outbox_relay when outbox.poll_ms passed since the last
+ * one (sooner while rows remain), else returns at once. */
+idemq_err_t outbox_tick(struct outbox *o, const struct conf *c, PGconn *db, struct broker *b,
+                        char *why, size_t whylen) IDEMQ_MUSTCHECK;
+
+#endif

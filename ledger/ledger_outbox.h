@@ -1,0 +1,76 @@
+/*
+ * ledger_outbox: the ledger side of the transactional outbox (issue 18):
+ * claim the publishable rows of idemq.outbox under a lease, then mark each
+ * sent (after its confirm), failed (returned or nacked: parked at once or
+ * after outbox.max_attempts) or released (not published). Each call is one
+ * statement in its own implicit transaction (never inside the worker's
+ * batch transaction). See ledger/functions_outbox.sql.
+ *
+ * API: ledger_outbox_claim -> [publish a row, wait for its confirm] ->
+ *      ledger_outbox_sent | ledger_outbox_failed | ledger_outbox_release
+ *      -> ledger_outbox_rows_free. ledger_outbox_gauges for /metrics,
+ *      ledger_outbox_print_* for `jobs show` and `parked list`.
+ */
+#ifndef IDEMQ_LEDGER_OUTBOX_H
+#define IDEMQ_LEDGER_OUTBOX_H
+
+#include <libpq-fe.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdio.h>
+
+#include "idemq_err.h"
+#include "ledger_db.h"
+
+/* One claimed row (strings and body owned by the rows block). */
+struct outbox_row {
+    long long id;
+    const char *key;       /* emitting key, NULL if unknown */
+    const char *exchange;
+    const char *routing_key;
+    unsigned char *body;   /* PQunescapeBytea */
+    size_t body_len;
+    const char *headers;   /* JSON object text, NULL = none */
+    const char *order_key; /* NULL = none */
+    const char *message_id;
+};
+
+struct outbox_rows {
+    PGresult *res;
+    struct outbox_row *row;
+    int n;
+};
+
+/* Claims up to limit publishable rows for holder for lease_ms. IDEMQ_OK
+ * with r filled (r->n may be 0), or an error with e filled. */
+idemq_err_t ledger_outbox_claim(PGconn *db, const char *holder, int limit, int lease_ms,
+                                struct outbox_rows *r, struct ledger_db_error *e) IDEMQ_MUSTCHECK;
+void ledger_outbox_rows_free(struct outbox_rows *r);
+
+/* Confirmed: sent. *latency_ms gets the row's commit-to-confirm time (-1
+ * when the row was no longer ours: its lease had passed). */
+idemq_err_t ledger_outbox_sent(PGconn *db, const char *holder, long long id, double *latency_ms,
+                               struct ledger_db_error *e) IDEMQ_MUSTCHECK;
+
+/* Returned (park) or nacked: *parked says whether the row is parked now. */
+idemq_err_t ledger_outbox_failed(PGconn *db, const char *holder, long long id, const char *error,
+                                 bool park, int max_attempts, int retry_ms, bool *parked,
+                                 struct ledger_db_error *e) IDEMQ_MUSTCHECK;
+
+/* Not published: gives up the lease of ids[0..n). */
+idemq_err_t ledger_outbox_release(PGconn *db, const char *holder, const long long *ids, int n,
+                                  const char *error, struct ledger_db_error *e) IDEMQ_MUSTCHECK;
+
+/* Pending and parked rows, age in seconds of the oldest pending one. */
+idemq_err_t ledger_outbox_gauges(PGconn *db, long *pending, long *parked, double *oldest_s,
+                                 struct ledger_db_error *e) IDEMQ_MUSTCHECK;
+
+/* Operator output: the outbox rows emitted by key (`jobs show`), and the
+ * parked rows (`parked list`; key/since filter them, NULL = any, at most
+ * limit). Print nothing when there are none; return how many were printed,
+ * or -1 when the query failed. */
+int ledger_outbox_print_key(PGconn *db, const char *key, FILE *out);
+int ledger_outbox_print_parked(PGconn *db, const char *key, const char *since, long limit,
+                               FILE *out);
+
+#endif

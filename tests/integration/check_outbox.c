@@ -1,0 +1,589 @@
+/*
+ * Integration tests of the transactional outbox (issue 18): rows written by
+ * idemq.emit in an effect or in an application's own transaction are
+ * relayed once they committed (right after the commit, or by the recovery
+ * poll), with a deterministic message_id, per order key in commit order;
+ * unroutable rows are parked; a rolled-back transaction emits nothing; a
+ * crash between commit and publish is made good by the recovery poll. Real
+ * RabbitMQ and PostgreSQL (see itest.h).
+ */
+#include <check.h>
+
+#include "check_run.h"
+#include <libpq-fe.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "broker.h"
+#include "broker_admin.h"
+#include "itest.h"
+#include "job.h"
+
+/* The test effect: emits {key, payload} to the default exchange with the
+ * payload's routing key "rk" (and order key "ok"), then obeys the test
+ * switches (a raise rolls the emit back with the job's subtransaction). */
+#define EMIT_EFFECT                                                                          \
+    "CREATE OR REPLACE FUNCTION idemq_test.emit_one(p_key text, p_payload jsonb, p_meta "    \
+    "jsonb) RETURNS jsonb LANGUAGE plpgsql AS $fn$ DECLARE v_id bigint; BEGIN "               \
+    "v_id := idemq.emit('', p_payload->>'rk', jsonb_build_object('key', p_key)::text, "      \
+    "jsonb_build_object('x-test', 'yes'), p_payload->>'ok', p_key); "                        \
+    "PERFORM idemq_test.switches(p_key, p_payload, p_meta); "                                \
+    "RETURN jsonb_build_object('outbox_id', v_id); END $fn$"
+
+#define OUTBOX_CONF "outbox: { relay = 1; poll_ms = 200; max_attempts = 2; };"
+
+static void setup(struct itest *t, const char *tag, const char *extra_input)
+{
+    itest_extra_conf = OUTBOX_CONF;
+    itest_setup(t, tag, "idemq_test.emit_one", "", extra_input);
+    itest_extra_conf = NULL;
+    itest_sql(t, EMIT_EFFECT);
+}
+
+/* A fresh durable queue <name>.out (the default exchange routes to it). */
+static void declare_out(struct itest *t, char *q, size_t len)
+{
+    struct broker *b;
+    char err[512];
+    snprintf(q, len, "%s.out", t->name);
+    ck_assert_msg(broker_open(t->conf, "outbox test", false, &b, err, sizeof err) == IDEMQ_OK,
+                  "%s", err);
+    ck_assert(broker_admin_declare_queue(b, q, NULL, false) == IDEMQ_OK);
+    ck_assert(broker_admin_purge(b, q) == IDEMQ_OK);
+    broker_close(b);
+}
+
+/* Takes every message of queue q (auto-ack) into bodies/ids (at most max). */
+static int drain(struct itest *t, const char *q, char bodies[][256], char ids[][64],
+                 char keys[][128], int max)
+{
+    struct broker *b;
+    struct job j;
+    char err[512];
+    int n = 0;
+    ck_assert_msg(broker_open(t->conf, "outbox test", false, &b, err, sizeof err) == IDEMQ_OK,
+                  "%s", err);
+    job_init(&j);
+    while (n < max && broker_get(b, q, &j, true) == IDEMQ_OK) {
+        json_t *k = json_object_get(j.headers, "x-idemq-key");
+        snprintf(bodies[n], 256, "%.*s", (int)j.body_len, (const char *)j.body);
+        snprintf(ids[n], 64, "%s", j.has_message_id ? j.message_id : "");
+        snprintf(keys[n], 128, "%s", json_is_string(k) ? json_string_value(k) : "");
+        n++;
+        job_reset(&j);
+    }
+    job_destroy(&j);
+    broker_close(b);
+    return n;
+}
+
+/* Polls until sql (one text param) returns want, for up to ms. */
+static void wait_long(struct itest *t, const char *sql, const char *p, long want, int ms)
+{
+    for (int i = 0; i < itest_ms(ms) / 50; i++) {
+        if (itest_long(t, sql, p) == want)
+            return;
+        usleep(50000);
+    }
+    ck_abort_msg("%s (%s) did not reach %ld", sql, p, want);
+}
+
+static PGconn *connect_db_dsn(const char *dsn)
+{
+    PGconn *db = PQconnectdb(dsn);
+    ck_assert_msg(PQstatus(db) == CONNECTION_OK, "%s", PQerrorMessage(db));
+    return db;
+}
+
+static PGconn *connect_db(void)
+{
+    return connect_db_dsn(getenv("IDEMQ_PG_DSN"));
+}
+
+static void exec_ok(PGconn *db, const char *sql)
+{
+    PGresult *r = PQexec(db, sql);
+    ck_assert_msg(PQresultStatus(r) == PGRES_COMMAND_OK || PQresultStatus(r) == PGRES_TUPLES_OK,
+                  "%s: %s", sql, PQerrorMessage(db));
+    PQclear(r);
+}
+
+/* An effect that emits: the message arrives once (a duplicate delivery of
+ * the key emits nothing more) with message_id outbox:<id> and the key in
+ * x-idemq-key; a job whose effect fails after emitting emits nothing. */
+START_TEST(test_effect_emits_once)
+{
+    struct itest t;
+    char q[200], b[3][512], bodies[4][256], ids[4][64], keys[4][128], want[64], key[128];
+    const char *bs[3] = {b[0], b[1], b[2]};
+    int n;
+
+    setup(&t, "obemit", "emits = true;");
+    declare_out(&t, q, sizeof q);
+    snprintf(key, sizeof key, "%s:a", t.name);
+    snprintf(b[0], sizeof b[0], "{\"job_id\":\"%s\",\"rk\":\"%s\"}", key, q);
+    snprintf(b[1], sizeof b[1], "{\"job_id\":\"%s\",\"rk\":\"%s\"}", key, q);
+    snprintf(b[2], sizeof b[2], "{\"job_id\":\"%s:bad\",\"rk\":\"%s\",\"raise\":\"IP001\"}",
+             t.name, q);
+    itest_publish(&t, bs, 3);
+    itest_run_until_idle(&t, 1);
+
+    n = drain(&t, q, bodies, ids, keys, 4);
+    ck_assert_int_eq(n, 1);
+    snprintf(want, sizeof want, "outbox:%ld",
+             itest_long(&t, "SELECT id FROM idemq.outbox WHERE key = $1", key));
+    ck_assert_str_eq(ids[0], want);
+    ck_assert_str_eq(keys[0], key);
+    ck_assert_ptr_nonnull(strstr(bodies[0], key));
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "state = 'sent' AND sent_at IS NOT NULL",
+                                key),
+                     1);
+    /* the failed job's emit rolled back with it */
+    snprintf(key, sizeof key, "%s:bad", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", key), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1", key), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* A rolled-back application transaction emits nothing; a committed one
+ * (plain SQL, no idemq effect) is relayed by the recovery poll. */
+START_TEST(test_application_emit)
+{
+    struct itest t;
+    char q[200], sql[512], bodies[4][256], ids[4][64], keys[4][128];
+
+    setup(&t, "obapp", "");
+    declare_out(&t, q, sizeof q);
+    snprintf(sql, sizeof sql,
+             "BEGIN; SELECT idemq.emit('', '%s', 'rolled back'); ROLLBACK; "
+             "BEGIN; SELECT idemq.emit('', '%s', 'committed', NULL, NULL, '%s:app'); COMMIT",
+             q, q, t.name);
+    itest_sql(&t, sql);
+    itest_run_until_idle(&t, 1);
+    ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 4), 1);
+    ck_assert_str_eq(bodies[0], "committed");
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE routing_key = $1 "
+                                    "AND state = 'sent'",
+                                q),
+                     1);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* Commit order per order key: transaction A emits first (smaller id) but
+ * commits after B; a relay that is running meanwhile publishes B while A
+ * is still open (no stall behind it) and A after it commits: B, A, then C.
+ * Nothing skipped. */
+START_TEST(test_commit_order)
+{
+    struct itest t;
+    char q[200], sql[512], ok[128], bodies[4][256], ids[4][64], keys[4][128];
+    PGconn *a, *bconn;
+    pid_t pid;
+    int st;
+
+    setup(&t, "oborder", "");
+    declare_out(&t, q, sizeof q);
+    a = connect_db();
+    bconn = connect_db();
+    /* first both commit (B, then A) before any relay runs: order by commit */
+    snprintf(ok, sizeof ok, "%s:first", t.name);
+    exec_ok(a, "BEGIN");
+    snprintf(sql, sizeof sql, "SELECT idemq.emit('', '%s', 'A0', NULL, '%s')", q, ok);
+    exec_ok(a, sql);
+    snprintf(sql, sizeof sql, "SELECT idemq.emit('', '%s', 'B0', NULL, '%s')", q, ok);
+    exec_ok(bconn, sql);
+    exec_ok(a, "COMMIT");
+    itest_run_until_idle(&t, 1);
+    ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 4), 2);
+    ck_assert_str_eq(bodies[0], "B0");
+    ck_assert_str_eq(bodies[1], "A0");
+    /* then with the relay running */
+    snprintf(ok, sizeof ok, "%s:k", t.name);
+    pid = itest_spawn(&t, t.cfg_path, 4, NULL);
+    exec_ok(a, "BEGIN");
+    snprintf(sql, sizeof sql, "SELECT idemq.emit('', '%s', 'A', NULL, '%s')", q, ok);
+    exec_ok(a, sql);
+    exec_ok(bconn, "BEGIN");
+    snprintf(sql, sizeof sql, "SELECT idemq.emit('', '%s', 'B', NULL, '%s')", q, ok);
+    exec_ok(bconn, sql);
+    exec_ok(bconn, "COMMIT");
+    /* B is relayed while A is still open */
+    wait_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key = $1 AND state = 'sent'",
+              ok, 1, 3000);
+    exec_ok(a, "COMMIT");
+    snprintf(sql, sizeof sql, "SELECT idemq.emit('', '%s', 'C', NULL, '%s')", q, ok);
+    exec_ok(bconn, sql);
+    wait_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key = $1 AND state = 'sent'",
+              ok, 3, 3000);
+    PQfinish(a);
+    PQfinish(bconn);
+    st = itest_wait(pid, itest_ms(30000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 4), 3);
+    ck_assert_str_eq(bodies[0], "B");
+    ck_assert_str_eq(bodies[1], "A");
+    ck_assert_str_eq(bodies[2], "C");
+    /* A has the smaller id: an "id > last seen" relay would have lost or reordered it */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox a, idemq.outbox b "
+                                    "WHERE a.order_key = $1 AND b.order_key = $1 AND "
+                                    "convert_from(a.body, 'UTF8') = 'A' AND "
+                                    "convert_from(b.body, 'UTF8') = 'B' AND a.id < b.id AND "
+                                    "a.commit_seq > b.commit_seq",
+                                ok),
+                     1);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* Unroutable (mandatory, no queue) -> parked at once with its story; a
+ * missing exchange -> parked after outbox.max_attempts; the next row of
+ * the same order key is not held behind a parked one. */
+START_TEST(test_unroutable_parked)
+{
+    struct itest t;
+    char q[200], sql[768], ok[128], bodies[4][256], ids[4][64], keys[4][128];
+
+    setup(&t, "obpark", "");
+    declare_out(&t, q, sizeof q);
+    snprintf(ok, sizeof ok, "%s:k", t.name);
+    snprintf(sql, sizeof sql,
+             "SELECT idemq.emit('', '%s.nowhere', 'lost', NULL, '%s', '%s:lost'); "
+             "SELECT idemq.emit('%s.noexchange', 'x', 'nox', NULL, NULL, '%s:nox'); "
+             "SELECT idemq.emit('', '%s', 'next', NULL, '%s')",
+             t.name, ok, t.name, t.name, t.name, q, ok);
+    itest_sql(&t, sql);
+    itest_run_until_idle(&t, 3);
+    ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 4), 1);
+    ck_assert_str_eq(bodies[0], "next");
+    snprintf(sql, sizeof sql, "%s:lost", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "state = 'parked' AND attempts = 1 AND "
+                                    "last_error LIKE '%returned as unroutable%'",
+                                sql),
+                     1);
+    snprintf(sql, sizeof sql, "%s:nox", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "state = 'parked' AND attempts = 2 AND "
+                                    "last_error LIKE '%NOT_FOUND%'",
+                                sql),
+                     1);
+    /* the story: in `jobs show` of the emitting key and in `parked list` */
+    {
+        char args[300], out[16384];
+        snprintf(args, sizeof args, "jobs show %s:lost", t.name);
+        ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+        ck_assert_msg(strstr(out, "outbox") && strstr(out, " parked: ") &&
+                          strstr(out, "returned as unroutable"),
+                      "%s", out);
+        snprintf(args, sizeof args, "parked list --key %s:nox", t.name);
+        ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+        ck_assert_msg(strstr(out, "outbox rows parked") && strstr(out, "NOT_FOUND") &&
+                          strstr(out, " outbox=1"),
+                      "%s", out);
+    }
+    itest_teardown(&t);
+}
+END_TEST
+
+/* SIGKILL after the effect transaction committed, before the relay
+ * published: the next run's recovery poll relays the row once (the
+ * redelivered job is a duplicate and emits nothing). */
+START_TEST(test_crash_after_commit)
+{
+    struct itest t;
+    char q[200], b[512], key[128], bodies[4][256], ids[4][64], keys[4][128];
+    const char *bs[1] = {b};
+    const char *env[] = {"IDEMQ_TEST_CRASH=after_commit", NULL};
+    int st;
+
+    setup(&t, "obcrash", "emits = true;");
+    declare_out(&t, q, sizeof q);
+    snprintf(key, sizeof key, "%s:c", t.name);
+    snprintf(b, sizeof b, "{\"job_id\":\"%s\",\"rk\":\"%s\"}", key, q);
+    itest_publish(&t, bs, 1);
+    st = itest_wait(itest_spawn(&t, t.cfg_path, 5, env), itest_ms(30000));
+    ck_assert_msg(st != -1 && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "status 0x%x", st);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "state = 'pending'",
+                                key),
+                     1);
+    ck_assert_int_eq(itest_queue_ready(&t, q), 0);
+    itest_run_until_idle(&t, 1);
+    ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 4), 1);
+    ck_assert_str_eq(keys[0], key);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1", key), 1);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* SIGKILL after the broker confirmed a row, before it was marked sent:
+ * once the dead relay's lease passed (made to pass here), the row is
+ * published again with the same message_id (at least once; a consumer
+ * keyed on message_id sees a duplicate) and then marked sent. */
+START_TEST(test_crash_after_confirm)
+{
+    struct itest t;
+    char q[200], sql[512], bodies[4][256], ids[4][64], keys[4][128], want[64];
+    const char *env[] = {"IDEMQ_TEST_CRASH=outbox_after_confirm", NULL};
+    int st;
+
+    setup(&t, "obdup", "");
+    declare_out(&t, q, sizeof q);
+    snprintf(sql, sizeof sql, "SELECT idemq.emit('', '%s', 'twice', NULL, NULL, '%s:dup')", q,
+             t.name);
+    itest_sql(&t, sql);
+    st = itest_wait(itest_spawn(&t, t.cfg_path, 5, env), itest_ms(30000));
+    ck_assert_msg(st != -1 && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "status 0x%x", st);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE routing_key = $1 "
+                                    "AND state = 'pending' AND lease_until > now()",
+                                q),
+                     1); /* still leased by the dead relay */
+    itest_sql(&t, "UPDATE idemq.outbox SET lease_until = now() - interval '1 second' "
+                  "WHERE state = 'pending' AND lease_holder IS NOT NULL");
+    itest_run_until_idle(&t, 1);
+    ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 4), 2);
+    snprintf(want, sizeof want, "outbox:%ld",
+             itest_long(&t, "SELECT id FROM idemq.outbox WHERE routing_key = $1", q));
+    ck_assert_str_eq(ids[0], want);
+    ck_assert_str_eq(ids[1], want);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE routing_key = $1 "
+                                    "AND state = 'sent'",
+                                q),
+                     1);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* The broker goes away: rows emitted meanwhile are held, then drained
+ * once it is back. */
+START_TEST(test_broker_down)
+{
+    struct itest t;
+    char q[200], sql[512], bodies[4][256], ids[4][64], keys[4][128];
+    pid_t pid;
+    int st;
+
+    setup(&t, "obdown", "");
+    declare_out(&t, q, sizeof q);
+    pid = itest_spawn(&t, t.cfg_path, 3, NULL);
+    for (int i = 0; i < itest_ms(200) && itest_queue_consumers(&t, t.conf->inputs[0].queue) < 1;
+         i++)
+        usleep(50000); /* idemq is up and consuming */
+    ck_assert_int_eq(itest_queue_consumers(&t, t.conf->inputs[0].queue), 1);
+    ck_assert_int_eq(itest_services("rabbit-stop"), 0);
+    snprintf(sql, sizeof sql, "SELECT idemq.emit('', '%s', 'held', NULL, NULL, '%s:held')", q,
+             t.name);
+    itest_sql(&t, sql);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE routing_key = $1 "
+                                    "AND state = 'pending'",
+                                q),
+                     1);
+    ck_assert_int_eq(itest_services("rabbit-start"), 0);
+    wait_long(&t, "SELECT count(*) FROM idemq.outbox WHERE routing_key = $1 AND state = 'sent'",
+              q, 1, 30000);
+    st = itest_wait(pid, itest_ms(60000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 4), 1);
+    ck_assert_str_eq(bodies[0], "held");
+    itest_teardown(&t);
+}
+END_TEST
+
+/* Two replicas relay at once: every row is published exactly once (no
+ * crash, so no duplicate either) and per order key in commit order. */
+START_TEST(test_two_relays)
+{
+    enum { ROWS = 120, KEYS = 4 };
+    struct itest t;
+    char q[200], sql[512], ok[128];
+    static char bodies[ROWS + 1][256], ids[ROWS + 1][64], keys[ROWS + 1][128];
+    int last[KEYS], n, st1, st2;
+    pid_t p1, p2;
+
+    setup(&t, "obtwo", "");
+    declare_out(&t, q, sizeof q);
+    /* one transaction per row, keys interleaved */
+    for (int i = 0; i < ROWS; i++) {
+        snprintf(ok, sizeof ok, "%s:%d", t.name, i % KEYS);
+        snprintf(sql, sizeof sql, "SELECT idemq.emit('', '%s', '%d %d', NULL, '%s')", q,
+                 i % KEYS, i / KEYS, ok);
+        itest_sql(&t, sql);
+    }
+    p1 = itest_spawn(&t, t.cfg_path, 2, NULL);
+    p2 = itest_spawn(&t, t.cfg_path, 2, NULL);
+    st1 = itest_wait(p1, itest_ms(60000));
+    st2 = itest_wait(p2, itest_ms(60000));
+    ck_assert_msg(st1 != -1 && WIFEXITED(st1) && WEXITSTATUS(st1) == 0, "status 0x%x", st1);
+    ck_assert_msg(st2 != -1 && WIFEXITED(st2) && WEXITSTATUS(st2) == 0, "status 0x%x", st2);
+    n = drain(&t, q, bodies, ids, keys, ROWS + 1);
+    ck_assert_int_eq(n, ROWS);
+    for (int k = 0; k < KEYS; k++)
+        last[k] = -1;
+    for (int i = 0; i < n; i++) {
+        int k = -1, seq = -1;
+        ck_assert_int_eq(sscanf(bodies[i], "%d %d", &k, &seq), 2);
+        ck_assert_msg(k >= 0 && k < KEYS && seq == last[k] + 1,
+                      "key %d: %d after %d (a row overtaken, skipped or repeated)", k, seq,
+                      k >= 0 && k < KEYS ? last[k] : -2);
+        last[k] = seq;
+    }
+    for (int k = 0; k < KEYS; k++)
+        ck_assert_int_eq(last[k], ROWS / KEYS - 1);
+    snprintf(ok, sizeof ok, "%s:%%", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(DISTINCT lease_holder) FROM idemq.outbox "
+                                    "WHERE order_key LIKE $1",
+                                ok),
+                     0); /* every lease was given up when its row was sent */
+    itest_teardown(&t);
+}
+END_TEST
+
+/* Privileges: the role `idemq migrate --grant` prepares can emit (the
+ * commit-time stamp runs as the owner) and claim, but not write the table;
+ * a role without the grant cannot emit. */
+START_TEST(test_privileges)
+{
+    struct itest t;
+    char role[128], bare[128], sql[512], out[4096], dsn[1024];
+    PGconn *db;
+    PGresult *r;
+
+    setup(&t, "obpriv", "");
+    snprintf(role, sizeof role, "%s_run", t.name);
+    snprintf(bare, sizeof bare, "%s_bare", t.name);
+    snprintf(sql, sizeof sql, "CREATE ROLE %s LOGIN; CREATE ROLE %s LOGIN", role, bare);
+    itest_sql(&t, sql);
+    snprintf(sql, sizeof sql, "migrate --grant %s", role);
+    ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+    for (int pass = 0; pass < 2; pass++) {
+        const char *who = pass == 0 ? role : bare;
+        char *u;
+        snprintf(dsn, sizeof dsn, "%s", getenv("IDEMQ_PG_DSN"));
+        u = strstr(dsn, "user=");
+        ck_assert_ptr_nonnull(u);
+        snprintf(u, sizeof dsn - (size_t)(u - dsn), "user=%s", who);
+        db = connect_db_dsn(dsn);
+        snprintf(sql, sizeof sql,
+                 "BEGIN; SELECT idemq.emit('', '%s.none', 'priv', NULL, '%s:k'); COMMIT", t.name,
+                 t.name);
+        r = PQexec(db, sql);
+        if (pass == 0) {
+            ck_assert_msg(PQresultStatus(r) == PGRES_COMMAND_OK, "%s", PQerrorMessage(db));
+            PQclear(r);
+            r = PQexec(db, "INSERT INTO idemq.outbox (exchange, routing_key, body) "
+                           "VALUES ('', 'x', 'y')");
+            ck_assert_str_eq(PQresultErrorField(r, PG_DIAG_SQLSTATE), "42501");
+            PQclear(r);
+            snprintf(sql, sizeof sql,
+                     "SELECT count(*) FROM idemq.outbox_claim('%s', 100, 1000) "
+                     "WHERE r_order_key = '%s:k'",
+                     role, t.name);
+            r = PQexec(db, sql);
+            ck_assert_msg(PQresultStatus(r) == PGRES_TUPLES_OK, "%s", PQerrorMessage(db));
+            ck_assert_str_eq(PQgetvalue(r, 0, 0), "1");
+        } else {
+            ck_assert_str_eq(PQresultErrorField(r, PG_DIAG_SQLSTATE), "42501");
+        }
+        PQclear(r);
+        PQfinish(db);
+    }
+    snprintf(sql, sizeof sql, "%s:k", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key = $1 "
+                                    "AND commit_seq IS NOT NULL",
+                                sql),
+                     1);
+    /* not left pending for the other tests' relays */
+    itest_sql(&t, "UPDATE idemq.outbox SET state = 'parked', parked_at = now(), "
+                  "last_error = 'test_privileges' WHERE routing_key LIKE '%.none' "
+                  "AND state = 'pending'");
+    itest_teardown(&t);
+}
+END_TEST
+
+/* The value of an unlabelled metric in a /metrics body, -1 if absent. */
+static long metric(const char *body, const char *name)
+{
+    char needle[128];
+    const char *p;
+    snprintf(needle, sizeof needle, "\n%s ", name);
+    p = strstr(body, needle);
+    return p ? atol(p + strlen(needle)) : -1;
+}
+
+/* /ready fails while the oldest unsent row is older than outbox.stuck_s
+ * (a row leased by a relay that is gone, lease far ahead); /metrics shows
+ * the depth, and the relayed row in the counters and the histogram. */
+START_TEST(test_metrics_and_ready)
+{
+    struct itest t;
+    char q[200], sql[512], conf[256], url[128], body[32768];
+    int port = itest_free_port(), code = 0;
+    pid_t pid;
+
+    snprintf(conf, sizeof conf,
+             "outbox: { relay = 1; poll_ms = 200; stuck_s = 1; };\n"
+             "metrics: { listen = \"127.0.0.1:%d\"; };",
+             port);
+    itest_extra_conf = conf;
+    itest_setup(&t, "obmetrics", "idemq_test.emit_one", "", "");
+    itest_extra_conf = NULL;
+    declare_out(&t, q, sizeof q);
+    snprintf(sql, sizeof sql,
+             "SELECT idemq.emit('', '%s', 'fine'); "
+             "BEGIN; SELECT idemq.emit('', '%s', 'stuck'); UPDATE idemq.outbox SET "
+             "lease_holder = 'gone', lease_until = now() + interval '1 hour', created_at = "
+             "now() - interval '1 hour' WHERE id = lastval(); COMMIT",
+             q, q);
+    itest_sql(&t, sql);
+    pid = itest_spawn(&t, t.cfg_path, 3, NULL);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/ready", port);
+    for (int i = 0; i < itest_ms(200); i++) {
+        code = itest_http_get(url, body, sizeof body);
+        if (code == 503 && strstr(body, "outbox"))
+            break;
+        usleep(50000);
+    }
+    ck_assert_msg(code == 503 && strstr(body, "oldest unsent row"), "/ready: %d %s", code, body);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", port);
+    for (int i = 0; i < itest_ms(200); i++) {
+        code = itest_http_get(url, body, sizeof body);
+        if (code == 200 && metric(body, "idemq_outbox_relayed_total") >= 1)
+            break;
+        usleep(50000);
+    }
+    /* at least: other tests' rows in the shared ledger may be relayed too */
+    ck_assert_int_ge(metric(body, "idemq_outbox_relayed_total"), 1);
+    ck_assert_int_ge(metric(body, "idemq_outbox_commit_to_confirm_seconds_count"), 1);
+    ck_assert_int_ge(metric(body, "idemq_outbox_pending"), 1); /* the stuck row */
+    ck_assert(itest_wait(pid, itest_ms(30000)) != -1);
+    /* the shared ledger: the stuck row must not hold up other tests' /ready */
+    itest_sql(&t, "DELETE FROM idemq.outbox WHERE lease_holder = 'gone'");
+    itest_teardown(&t);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("outbox");
+    TCase *tc = tcase_create("outbox");
+    tcase_set_timeout(tc, itest_ms(120));
+    tcase_add_test(tc, test_effect_emits_once);
+    tcase_add_test(tc, test_application_emit);
+    tcase_add_test(tc, test_commit_order);
+    tcase_add_test(tc, test_unroutable_parked);
+    tcase_add_test(tc, test_crash_after_commit);
+    tcase_add_test(tc, test_crash_after_confirm);
+    tcase_add_test(tc, test_broker_down);
+    tcase_add_test(tc, test_metrics_and_ready);
+    tcase_add_test(tc, test_two_relays);
+    tcase_add_test(tc, test_privileges);
+    suite_add_tcase(s, tc);
+    return check_run(s);
+}
