@@ -59,11 +59,14 @@ BEGIN
         RAISE EXCEPTION 'unknown park action %', p_action USING ERRCODE = '22023';
     END IF;
     FOR p IN SELECT k.id, k.key, k.generation FROM idemq.parked k
-              WHERE k.id = ANY (p_ids) ORDER BY k.id FOR UPDATE LOOP
-        IF NOT EXISTS (SELECT 1 FROM idemq.parked k WHERE k.id = p.id) THEN
-            CONTINUE; -- closed by the provider resolve of an earlier park of its key
-        END IF;
+              WHERE k.id = ANY (p_ids) ORDER BY k.id LOOP
+        -- The job row first, then the park: the order apply_batch takes
+        -- them in (a redrive being consumed meanwhile waits, or wins).
         SELECT j.state INTO v_state FROM idemq.jobs j WHERE j.key = p.key FOR UPDATE;
+        PERFORM 1 FROM idemq.parked k WHERE k.id = p.id FOR UPDATE;
+        IF NOT FOUND THEN
+            CONTINUE; -- closed meanwhile, or by the provider resolve of an earlier park
+        END IF;
         IF p_action = 'discard' AND v_state = 'parked'
            AND EXISTS (SELECT 1 FROM idemq.intents i WHERE i.key = p.key) THEN
             PERFORM idemq.provider_resolve(p.key, 'discard', NULL, p_by, p_reason, '{}'::jsonb);
