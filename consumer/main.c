@@ -28,6 +28,7 @@
 #include "effect_http.h"
 #include "reconcile.h"
 #include "resolve.h"
+#include "groups.h"
 #include "topology.h"
 #include "sig.h"
 #include "worker.h"
@@ -67,6 +68,18 @@ static void usage(FILE *out)
             "                              input's exchange; for demos and tests\n"
             "  jobs show KEY               the full story of one business key, in commit order\n"
             "  parked list [FILTERS]       parked messages and a count by error class\n"
+            "  parked groups [FILTERS]     open parks grouped by failure (input, class, code,\n"
+            "                              SQLSTATE, reason with keys, numbers and ids masked)\n"
+            "  parked redrive [--group ID] [FILTERS] [--dry-run] [--rate N] [--actor NAME]\n"
+            "                              redrive the dead-letter copies of the selected parks\n"
+            "  parked discard [--group ID] [FILTERS] --reason TEXT [--dry-run] [--rate N]\n"
+            "                 [--actor NAME]\n"
+            "                              close them as not applied (a redrive of their copy\n"
+            "                              is then a duplicate)\n"
+            "  parked archive [--group ID] [FILTERS] --reason TEXT [--dry-run] [--rate N]\n"
+            "                 [--actor NAME]\n"
+            "                              close them, their dead-letter copies stay redrivable;\n"
+            "                              actions are recorded (jobs show), N parks per second\n"
             "  redrive [FILTERS] [--dry-run] [--rate N]\n"
             "                              move dead-lettered messages back to their origin\n"
             "                              queue (confirmed, then acked), N per second\n"
@@ -110,6 +123,8 @@ struct opts {
     const char *dir; /* archive export/verify */
     bool all;        /* archive export */
     const char *now; /* maintain */
+    const char *group; /* parked redrive|discard|archive --group ID */
+    const char *actor; /* parked redrive|discard|archive --actor NAME */
 };
 
 static int parse_long(const char *opt, const char *s, long min, long max, long *out)
@@ -125,7 +140,12 @@ static int parse_long(const char *opt, const char *s, long min, long max, long *
 }
 
 /* Long options without a short form. */
-enum { OPT_DIR = 1000, OPT_ALL, OPT_NOW };
+enum { OPT_DIR = 1000, OPT_ALL, OPT_NOW, OPT_GROUP, OPT_ACTOR };
+
+/* parked redrive, discard or archive (issue 20) */
+#define PARKED_ACTION(o)                                                                     \
+    ((o)->sub && strcmp((o)->cmd, "parked") == 0 && strcmp((o)->sub, "list") != 0 &&        \
+     strcmp((o)->sub, "groups") != 0)
 
 static int parse_args(int argc, char **argv, struct opts *o)
 {
@@ -143,7 +163,10 @@ static int parse_args(int argc, char **argv, struct opts *o)
         {"grant", required_argument, NULL, 'G'},   {"print-grants", required_argument, NULL, 'Q'},
         /* ledger lifecycle (issue 10): archive and maintain */
         {"dir", required_argument, NULL, OPT_DIR}, {"all", no_argument, NULL, OPT_ALL},
-        {"now", required_argument, NULL, OPT_NOW}, {NULL, 0, NULL, 0}};
+        {"now", required_argument, NULL, OPT_NOW},
+        /* failure groups (issue 20) */
+        {"group", required_argument, NULL, OPT_GROUP},
+        {"actor", required_argument, NULL, OPT_ACTOR}, {NULL, 0, NULL, 0}};
     int c;
     long v;
 
@@ -173,6 +196,8 @@ static int parse_args(int argc, char **argv, struct opts *o)
         case OPT_DIR: o->dir = optarg; break;
         case OPT_ALL: o->all = true; break;
         case OPT_NOW: o->now = optarg; break;
+        case OPT_GROUP: o->group = optarg; break;
+        case OPT_ACTOR: o->actor = optarg; break;
         case 'R':
             if (parse_long("--rate", optarg, 1, 100000, &v))
                 return -1;
@@ -203,6 +228,10 @@ static int parse_args(int argc, char **argv, struct opts *o)
     o->cmd = argv[optind++];
     if (strcmp(o->cmd, "jobs") == 0 || strcmp(o->cmd, "parked") == 0) {
         const char *want = o->cmd[0] == 'j' ? "show" : "list";
+        if (o->cmd[0] == 'p' && optind < argc &&
+            (strcmp(argv[optind], "groups") == 0 || strcmp(argv[optind], "redrive") == 0 ||
+             strcmp(argv[optind], "discard") == 0 || strcmp(argv[optind], "archive") == 0))
+            want = argv[optind];
         if (optind >= argc || strcmp(argv[optind], want) != 0) {
             fprintf(stderr, "idemq: did you mean '%s %s'?\n", o->cmd, want);
             return -1;
@@ -227,9 +256,14 @@ static int parse_args(int argc, char **argv, struct opts *o)
                             "--discard, and --reason TEXT\n");
             return -1;
         }
-    } else if (o->resolution || o->reason) {
+    } else if (o->resolution || (o->reason && !PARKED_ACTION(o))) {
         fprintf(stderr, "idemq: --applied, --not-applied, --discard and --reason go with "
                         "resolve\n");
+        return -1;
+    }
+    if ((o->group || o->actor) && !PARKED_ACTION(o)) {
+        fprintf(stderr, "idemq: --group and --actor go with parked redrive, discard and "
+                        "archive\n");
         return -1;
     }
     if (o->age_s >= 0 && strcmp(o->cmd, "reconcile") != 0) {
@@ -621,7 +655,10 @@ int main(int argc, char **argv)
     } else if (strcmp(o.cmd, "jobs") == 0) {
         rc = ops_jobs_show(c, o.arg, stdout);
     } else if (strcmp(o.cmd, "parked") == 0) {
-        rc = ops_parked_list(c, &o.filter, stdout);
+        rc = strcmp(o.sub, "list") == 0     ? ops_parked_list(c, &o.filter, stdout)
+             : strcmp(o.sub, "groups") == 0 ? groups_list(c, &o.filter, stdout)
+                                            : groups_act(c, o.sub, &o.filter, o.group, o.reason,
+                                                         o.actor, stdout);
     } else if (strcmp(o.cmd, "redrive") == 0) {
         rc = ops_redrive(c, &o.filter, stdout);
     } else if (strcmp(o.cmd, "reconcile") == 0) {

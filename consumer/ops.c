@@ -13,6 +13,7 @@
 #include "broker.h"
 #include "broker_admin.h"
 #include "job.h"
+#include "groups.h"
 #include "ledger_db.h"
 #include "ledger_outbox.h"
 #include "log.h"
@@ -170,6 +171,7 @@ int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
         fprintf(out, "result: %s\n", ops_tval(&a, job, 0, 7));
     resolve_show(db, key, out); /* provider intent and resolutions (issue 9) */
     ledger_outbox_print_key(db, key, out); /* messages its effect emitted (issue 18) */
+    groups_show(db, key, out);  /* redrive count and operator actions (issue 20) */
 out:
     PQclear(job);
     PQclear(tl);
@@ -253,9 +255,18 @@ static void dead_view(struct job *j, const struct conf_input *in, struct dead_vi
     v->not_redrivable = json_is_false(json_object_get(j->headers, "x-idemq-redrivable"));
 }
 
+static int cmp_ll(const void *a, const void *b)
+{
+    long long x = *(const long long *)a, y = *(const long long *)b;
+    return (x > y) - (x < y);
+}
+
 static bool matches(const struct dead_view *v, const struct ops_filter *f, long long since_id,
                     long long since_epoch)
 {
+    if (f->park_ids && (v->park_id < 0 || !bsearch(&v->park_id, f->park_ids, f->n_park_ids,
+                                                   sizeof *f->park_ids, cmp_ll)))
+        return false;
     if (f->key && (!v->key || strcmp(v->key, f->key) != 0))
         return false;
     if (f->error_class && (!v->cls || strcmp(v->cls, f->error_class) != 0))
@@ -779,6 +790,8 @@ static int redrive_input(const struct conf *c, PGconn **db, struct redrive *r,
             }
         }
         (*moved)++;
+        if (f->on_moved)
+            f->on_moved(f->moved_arg, v.key, v.park_id);
         fprintf(out, "redriven %s%s to %s\n", v.key ? v.key : "(no key)",
                 v.death ? " (dead-lettered by the broker; now recorded in idemq.parked)" : "",
                 origin);

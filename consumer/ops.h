@@ -23,6 +23,13 @@ struct ops_filter {
     long limit;               /* 0 = no limit */
     bool dry_run;             /* redrive: only show what would move */
     double rate;              /* redrive: messages per second, 0 = unlimited */
+    /* redrive by failure group (groups.c): only the dead-letter copies of
+     * these parks (x-idemq-park-id; sorted ascending), when park_ids is set;
+     * on_moved(moved_arg, key or NULL, park id) after each confirmed move. */
+    const long long *park_ids;
+    size_t n_park_ids;
+    void (*on_moved)(void *moved_arg, const char *key, long long park_id);
+    void *moved_arg;
 };
 
 /* A session for an operator command: application name app, statement

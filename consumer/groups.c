@@ -1,0 +1,397 @@
+/*
+ * groups: parked groups, and redrive, discard and archive by group or
+ * filter (see groups.h).
+ */
+#include "groups.h"
+
+#include <pwd.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "log.h"
+
+/* Copies s into buf with what could steer a terminal escaped: C0 and C1
+ * control characters and DEL as \xHH, a backslash as \\ (keys and reasons
+ * come from producers). Truncates to len. */
+static const char *esc(const char *s, char *buf, size_t len)
+{
+    size_t o = 0;
+    const unsigned char *p = (const unsigned char *)(s ? s : "-");
+    for (; *p && o + 5 < len; p++) {
+        if (*p < 0x20 || *p == 0x7f || (*p == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f))
+            o += (size_t)snprintf(buf + o, len - o, "\\x%02x", *p);
+        else if (*p == '\\')
+            o += (size_t)snprintf(buf + o, len - o, "\\\\");
+        else
+            buf[o++] = (char)*p;
+    }
+    buf[o] = '\0';
+    return buf;
+}
+
+/* The input name of a source queue (the queue itself if no input has it). */
+static const char *input_of(const struct conf *c, const char *queue)
+{
+    for (int i = 0; i < c->n_inputs; i++)
+        if (strcmp(c->inputs[i].queue, queue) == 0)
+            return c->inputs[i].name;
+    return queue;
+}
+
+/* The input's queue into queue (empty: all); -1 if no input has that name. */
+static int queue_of(const struct conf *c, const char *input, char *queue, size_t len)
+{
+    queue[0] = '\0';
+    if (!input)
+        return 0;
+    for (int i = 0; i < c->n_inputs; i++)
+        if (strcmp(c->inputs[i].name, input) == 0)
+            snprintf(queue, len, "%s", c->inputs[i].queue);
+    if (!queue[0]) {
+        fprintf(stderr, "idemq: no input named %s\n", input);
+        return -1;
+    }
+    return 0;
+}
+
+/* The open parks a selection covers: $1 key, $2 class, $3 since, $4 queue,
+ * $5 group (each NULL = any). */
+#define GROUPS_FROM                                                                          \
+    " FROM (SELECT p.*, idemq.park_group(p.source_queue, p.error_class, p.error_code,"     \
+    "  p.sqlstate, p.reason, p.key) AS g, idemq.mask_reason(p.reason, p.key) AS m"          \
+    "  FROM idemq.parked p) x"                                                              \
+    " WHERE ($1::text IS NULL OR key = $1) AND ($2::text IS NULL OR error_class = $2)"      \
+    " AND ($3::timestamptz IS NULL OR parked_at >= $3) AND ($4::text IS NULL OR"            \
+    " source_queue = $4) AND ($5::text IS NULL OR g = $5)"
+
+int groups_list(const struct conf *c, const struct ops_filter *f, FILE *out)
+{
+    char queue[300], limit[24], b1[512], b2[512], b3[512], b4[1024];
+    const char *params[6];
+    PGconn *db;
+    PGresult *r;
+    long parks = 0;
+    int rc = 0;
+
+    if (queue_of(c, f->input, queue, sizeof queue))
+        return 2;
+    if (!(db = ops_connect(c, "idemq parked groups", c->statement_timeout_ms)))
+        return 4;
+    snprintf(limit, sizeof limit, "%ld", f->limit > 0 ? f->limit : 1000000000L);
+    params[0] = f->key;
+    params[1] = f->error_class;
+    params[2] = f->since;
+    params[3] = queue[0] ? queue : NULL;
+    params[4] = NULL;
+    params[5] = limit;
+    r = PQexecParams(db,
+                     "SELECT g, count(*), min(parked_at), max(parked_at),"
+                     " (array_agg(key ORDER BY id) FILTER (WHERE key IS NOT NULL))[1],"
+                     " (array_agg(key ORDER BY id) FILTER (WHERE key IS NOT NULL))[2],"
+                     " (array_agg(key ORDER BY id) FILTER (WHERE key IS NOT NULL))[3],"
+                     " count(*) FILTER (WHERE redrivable), source_queue, error_class,"
+                     " error_code, coalesce(sqlstate, '-'), m, count(DISTINCT key)" GROUPS_FROM
+                     " GROUP BY g, source_queue, error_class, error_code, sqlstate, m"
+                     " ORDER BY count(*) DESC, g LIMIT $6::bigint",
+                     6, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(r) != PGRES_TUPLES_OK) {
+        log_error("cannot group parked messages: %s", PQerrorMessage(db));
+        rc = PQstatus(db) == CONNECTION_OK ? 2 : 4;
+        goto out;
+    }
+    for (int i = 0; i < PQntuples(r); i++) {
+        long n = atol(PQgetvalue(r, i, 1)), red = atol(PQgetvalue(r, i, 7));
+        char redr[64];
+        if (red == n)
+            snprintf(redr, sizeof redr, "yes");
+        else if (red == 0)
+            snprintf(redr, sizeof redr, "no");
+        else
+            snprintf(redr, sizeof redr, "%ld of %ld", red, n);
+        parks += n;
+        fprintf(out, "group %s: %ld park%s, %s key%s; input %s; %s %s SQLSTATE %s; "
+                     "redrivable %s\n",
+                PQgetvalue(r, i, 0), n, n == 1 ? "" : "s", PQgetvalue(r, i, 13),
+                strcmp(PQgetvalue(r, i, 13), "1") == 0 ? "" : "s",
+                esc(input_of(c, PQgetvalue(r, i, 8)), b1, sizeof b1), PQgetvalue(r, i, 9),
+                esc(PQgetvalue(r, i, 10), b2, sizeof b2), PQgetvalue(r, i, 11), redr);
+        fprintf(out, "  first park %s, last park %s\n", PQgetvalue(r, i, 2),
+                PQgetvalue(r, i, 3));
+        fprintf(out, "  reason: %s\n", esc(PQgetvalue(r, i, 12), b4, sizeof b4));
+        fprintf(out, "  keys: %s", PQgetisnull(r, i, 4) ? "(none)"
+                                                        : esc(PQgetvalue(r, i, 4), b1, sizeof b1));
+        if (!PQgetisnull(r, i, 5))
+            fprintf(out, ", %s", esc(PQgetvalue(r, i, 5), b2, sizeof b2));
+        if (!PQgetisnull(r, i, 6))
+            fprintf(out, ", %s", esc(PQgetvalue(r, i, 6), b3, sizeof b3));
+        if (atol(PQgetvalue(r, i, 13)) > 3)
+            fprintf(out, ", ...");
+        fprintf(out, "\n");
+    }
+    fprintf(out, "%d group%s, %ld open park%s (messages the broker dead-lettered by itself "
+                 "join a group once `idemq redrive` records them)\n",
+            PQntuples(r), PQntuples(r) == 1 ? "" : "s", parks, parks == 1 ? "" : "s");
+out:
+    PQclear(r);
+    PQfinish(db);
+    return rc;
+}
+
+/* The operator: --actor, else $SUDO_USER, else the OS user. */
+static void actor_of(const char *opt, char *buf, size_t len)
+{
+    const char *sudo = getenv("SUDO_USER");
+    struct passwd *pw;
+    if (opt && *opt) {
+        snprintf(buf, len, "%s", opt);
+    } else if (sudo && *sudo) {
+        snprintf(buf, len, "%s", sudo);
+    } else {
+        pw = getpwuid(getuid());
+        snprintf(buf, len, "%s", pw ? pw->pw_name : "?");
+    }
+}
+
+struct moved {
+    PGconn *db;
+    const char *action_id;
+    long recorded;
+};
+
+/* ops_redrive's on_moved: one row per redriven park, and the done count. */
+static void record_moved(void *arg, const char *key, long long park_id)
+{
+    struct moved *m = arg;
+    char id[24];
+    const char *params[3] = {m->action_id, id, key};
+    PGresult *r;
+    snprintf(id, sizeof id, "%lld", park_id);
+    r = PQexecParams(m->db,
+                     "WITH k AS (INSERT INTO idemq.operator_action_keys (action_id, park_id, key,"
+                     " outcome) VALUES ($1::bigint, $2::bigint, $3, 'redriven')"
+                     " ON CONFLICT DO NOTHING RETURNING 1)"
+                     " UPDATE idemq.operator_actions SET done = done + (SELECT count(*) FROM k)"
+                     " WHERE id = $1::bigint",
+                     3, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(r) != PGRES_COMMAND_OK)
+        log_warn("redriven park #%s not recorded in operator action #%s: %s", id, m->action_id,
+                 PQerrorMessage(m->db));
+    else
+        m->recorded++;
+    PQclear(r);
+}
+
+/* Sleeps until `done` parks at `rate` per second have had their time since t0. */
+static void pace(const struct timespec *t0, long done, double rate)
+{
+    struct timespec now, d;
+    double due = (double)done / rate, el;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    el = (double)(now.tv_sec - t0->tv_sec) + (double)(now.tv_nsec - t0->tv_nsec) / 1e9;
+    if (due <= el)
+        return;
+    d.tv_sec = (time_t)(due - el);
+    d.tv_nsec = (long)((due - el - (double)d.tv_sec) * 1e9);
+    nanosleep(&d, NULL);
+}
+
+int groups_act(const struct conf *c, const char *action, const struct ops_filter *f,
+               const char *group, const char *reason, const char *actor, FILE *out)
+{
+    char queue[300], limit[24], who[256], sel[1024], b1[512], b2[512], action_id[24] = "";
+    const char *params[6];
+    long long *ids = NULL;
+    PGconn *db;
+    PGresult *r = NULL;
+    double rate = f->rate > 0 ? f->rate : GROUPS_DEFAULT_RATE;
+    long n = 0, done = 0;
+    int rc = 0;
+    bool redrive = strcmp(action, "redrive") == 0;
+
+    if (!redrive && strcmp(action, "discard") && strcmp(action, "archive")) {
+        fprintf(stderr, "idemq: parked takes list, groups, redrive, discard or archive\n");
+        return 2;
+    }
+    if (!redrive && (!reason || !*reason)) {
+        fprintf(stderr, "idemq: parked %s needs --reason TEXT\n", action);
+        return 2;
+    }
+    if (!group && !f->input && !f->key && !f->error_class && !f->since) {
+        fprintf(stderr, "idemq: parked %s needs --group ID or a filter (--input, --key, "
+                        "--class, --since)\n", action);
+        return 2;
+    }
+    if (group && (strlen(group) != 12 || strspn(group, "0123456789abcdef") != 12)) {
+        fprintf(stderr, "idemq: --group takes a group id of 12 hex digits (idemq parked "
+                        "groups)\n");
+        return 2;
+    }
+    if (queue_of(c, f->input, queue, sizeof queue))
+        return 2;
+    if (!(db = ops_connect(c, "idemq parked", c->statement_timeout_ms)))
+        return 4;
+    actor_of(actor, who, sizeof who);
+    snprintf(sel, sizeof sel, "group %s; input %s; key %s; class %s; since %s; limit %ld",
+             group ? group : "any", f->input ? f->input : "any", f->key ? f->key : "any",
+             f->error_class ? f->error_class : "any", f->since ? f->since : "any", f->limit);
+    snprintf(limit, sizeof limit, "%ld", f->limit > 0 ? f->limit : 1000000000L);
+    params[0] = f->key;
+    params[1] = f->error_class;
+    params[2] = f->since;
+    params[3] = queue[0] ? queue : NULL;
+    params[4] = group;
+    params[5] = limit;
+    r = PQexecParams(db, "SELECT id, key, redrivable" GROUPS_FROM " ORDER BY id LIMIT $6::bigint",
+                     6, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(r) != PGRES_TUPLES_OK) {
+        log_error("cannot select parked messages: %s", PQerrorMessage(db));
+        rc = PQstatus(db) == CONNECTION_OK ? 2 : 4;
+        goto out;
+    }
+    n = PQntuples(r);
+    if (n > 0 && !(ids = malloc((size_t)n * sizeof *ids))) {
+        log_error("out of memory");
+        rc = 1;
+        goto out;
+    }
+    for (long i = 0; i < n; i++)
+        ids[i] = atoll(PQgetvalue(r, (int)i, 0)); /* ascending: ORDER BY id */
+    fprintf(out, "%s selects %ld open park%s (%s)\n", group ? "the group" : "the filter", n,
+            n == 1 ? "" : "s", sel);
+    if (n == 0)
+        goto out;
+    if (f->dry_run && !redrive) {
+        for (long i = 0; i < n; i++)
+            fprintf(out, "would %s park #%s key %s%s\n", action, PQgetvalue(r, (int)i, 0),
+                    PQgetisnull(r, (int)i, 1) ? "(no key)"
+                                              : esc(PQgetvalue(r, (int)i, 1), b1, sizeof b1),
+                    strcmp(action, "discard") == 0
+                        ? " (closed as not applied; a redrive of it is then a duplicate)"
+                        : " (closed; its dead-letter copy stays redrivable)");
+        fprintf(out, "would %s %ld park%s, in %ld step%s of at most %d, at %.0f parks/s, by "
+                     "%s: %s (dry run: nothing was changed)\n",
+                action, n, n == 1 ? "" : "s", (n + GROUPS_STEP - 1) / GROUPS_STEP,
+                n > GROUPS_STEP ? "s" : "", GROUPS_STEP, rate, esc(who, b1, sizeof b1),
+                esc(reason, b2, sizeof b2));
+        goto out;
+    }
+    if (!f->dry_run) {
+        char selected[24];
+        const char *ap[5] = {action, who, reason, sel, selected};
+        PGresult *a;
+        snprintf(selected, sizeof selected, "%ld", n);
+        a = PQexecParams(db,
+                         "INSERT INTO idemq.operator_actions (action, actor, reason, selection,"
+                         " selected) VALUES ($1, $2, $3, $4, $5::integer) RETURNING id",
+                         5, NULL, ap, NULL, NULL, 0);
+        if (PQresultStatus(a) != PGRES_TUPLES_OK) {
+            log_error("cannot record the action (nothing done): %s", PQerrorMessage(db));
+            PQclear(a);
+            rc = PQstatus(db) == CONNECTION_OK ? 1 : 4;
+            goto out;
+        }
+        snprintf(action_id, sizeof action_id, "%s", PQgetvalue(a, 0, 0));
+        PQclear(a);
+    }
+    if (redrive) {
+        /* The existing redrive, restricted to the dead-letter copies of the
+         * selected parks. */
+        struct ops_filter rf = *f;
+        struct moved m = {db, action_id, 0};
+        rf.key = NULL; /* the park ids already say it */
+        rf.error_class = NULL;
+        rf.since = NULL;
+        rf.limit = 0;
+        rf.rate = rate;
+        rf.park_ids = ids;
+        rf.n_park_ids = (size_t)n;
+        rf.on_moved = f->dry_run ? NULL : record_moved;
+        rf.moved_arg = &m;
+        rc = ops_redrive(c, &rf, out);
+        done = m.recorded;
+    } else {
+        struct timespec t0;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        for (long i = 0; i < n; i += GROUPS_STEP) {
+            long k = n - i < GROUPS_STEP ? n - i : GROUPS_STEP;
+            char *arr = malloc((size_t)k * 21 + 3), *p;
+            const char *sp[5] = {action_id, NULL, action, who, reason};
+            PGresult *s;
+            if (!arr) {
+                log_error("out of memory");
+                rc = 1;
+                break;
+            }
+            p = arr;
+            *p++ = '{';
+            for (long j = 0; j < k; j++)
+                p += sprintf(p, "%s%lld", j ? "," : "", ids[i + j]);
+            *p++ = '}';
+            *p = '\0';
+            sp[1] = arr;
+            s = PQexecParams(db,
+                             "SELECT idemq.ops_close_parks($1::bigint, $2::bigint[], $3, $4, $5)",
+                             5, NULL, sp, NULL, NULL, 0);
+            free(arr);
+            if (PQresultStatus(s) != PGRES_TUPLES_OK) {
+                log_error("step %ld of %s failed (the steps before it are done and recorded): "
+                          "%s", i / GROUPS_STEP + 1, action, PQerrorMessage(db));
+                rc = PQstatus(db) == CONNECTION_OK ? 1 : 4;
+                PQclear(s);
+                break;
+            }
+            done += atol(PQgetvalue(s, 0, 0));
+            PQclear(s);
+            pace(&t0, i + k, rate);
+        }
+        fprintf(out, "%s %ld of %ld park%s%s by %s: %s\n",
+                strcmp(action, "discard") == 0 ? "discarded" : "archived", done, n,
+                n == 1 ? "" : "s", done < n ? " (the others were closed meanwhile)" : "",
+                esc(who, b1, sizeof b1), esc(reason, b2, sizeof b2));
+    }
+    if (action_id[0]) {
+        const char *fp[1] = {action_id};
+        PQclear(PQexecParams(db,
+                             "UPDATE idemq.operator_actions SET finished_at = clock_timestamp()"
+                             " WHERE id = $1::bigint",
+                             1, NULL, fp, NULL, NULL, 0));
+        fprintf(out, "recorded as operator action #%s (%s, %ld of %ld parks)\n", action_id,
+                action, done, n);
+    }
+out:
+    free(ids);
+    PQclear(r);
+    PQfinish(db);
+    return rc;
+}
+
+void groups_show(PGconn *db, const char *key, FILE *out)
+{
+    const char *params[1] = {key};
+    char b1[512], b2[1024], b3[1024];
+    PGresult *r = PQexecParams(db, "SELECT count(*) FROM idemq.key_history($1) WHERE kind = "
+                                   "'redrive'",
+                               1, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1)
+        fprintf(out, "redriven %s time(s)\n", PQgetvalue(r, 0, 0));
+    PQclear(r);
+    r = PQexecParams(db,
+                     "SELECT k.at, a.id, a.action, k.outcome, k.park_id, a.actor,"
+                     " coalesce(a.reason, '-'), a.selection"
+                     " FROM idemq.operator_action_keys k"
+                     " JOIN idemq.operator_actions a ON a.id = k.action_id"
+                     " WHERE k.key = $1 ORDER BY k.at, a.id",
+                     1, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(r) == PGRES_TUPLES_OK)
+        for (int i = 0; i < PQntuples(r); i++)
+            fprintf(out, "operator action #%s at %s: %s, park #%s %s, by %s: %s [%s]\n",
+                    PQgetvalue(r, i, 1), PQgetvalue(r, i, 0), PQgetvalue(r, i, 2),
+                    PQgetvalue(r, i, 4), PQgetvalue(r, i, 3),
+                    esc(PQgetvalue(r, i, 5), b1, sizeof b1),
+                    esc(PQgetvalue(r, i, 6), b2, sizeof b2),
+                    esc(PQgetvalue(r, i, 7), b3, sizeof b3));
+    PQclear(r);
+}
