@@ -1,6 +1,7 @@
 # tests/docs_check.cmake: the committed reference pages against their one
 # source each (issue 20), run with cmake -P:
 #   config/SETTINGS.md, config/idemq.cfg.5  from the settings table (config/conf.c)
+#   consumer/idemq.1                        from consumer/idemq.1.in and `idemq --help`
 # -DMODE=check  (ctest docs_current): fail, with a diff, when a committed file
 #               differs from what idemq-docs prints now;
 # -DMODE=write  (cmake --build build --target docs): regenerate them in place;
@@ -10,14 +11,14 @@
 # OUT (a scratch directory).
 cmake_minimum_required(VERSION 3.18)
 
-set(pages config/SETTINGS.md config/idemq.cfg.5)
+set(pages config/SETTINGS.md config/idemq.cfg.5 consumer/idemq.1)
 set(regen "cmake --build <build dir> --target docs")
 
 if(MODE STREQUAL "lint")
   find_program(GROFF groff REQUIRED)
   find_program(MANDOC mandoc)
   set(problems "")
-  foreach(page config/idemq.cfg.5)
+  foreach(page config/idemq.cfg.5 consumer/idemq.1)
     execute_process(COMMAND ${GROFF} -z -ww -man ${SRC}/${page}
                     RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
     if(NOT rc EQUAL 0 OR NOT "${out}${err}" STREQUAL "")
@@ -39,10 +40,17 @@ if(MODE STREQUAL "lint")
 endif()
 
 file(MAKE_DIRECTORY ${OUT})
+execute_process(COMMAND ${IDEMQ} --help OUTPUT_FILE ${OUT}/usage.txt RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "${IDEMQ} --help failed (${rc})")
+endif()
 execute_process(COMMAND ${TOOL} settings md OUTPUT_FILE ${OUT}/SETTINGS.md RESULT_VARIABLE rc1)
 execute_process(COMMAND ${TOOL} settings man OUTPUT_FILE ${OUT}/idemq.cfg.5 RESULT_VARIABLE rc2)
-if(NOT rc1 EQUAL 0 OR NOT rc2 EQUAL 0)
-  message(FATAL_ERROR "idemq-docs failed (settings md: ${rc1}, settings man: ${rc2})")
+execute_process(COMMAND ${TOOL} cli-man ${SRC}/consumer/idemq.1.in INPUT_FILE ${OUT}/usage.txt
+                OUTPUT_FILE ${OUT}/idemq.1 RESULT_VARIABLE rc3)
+if(NOT rc1 EQUAL 0 OR NOT rc2 EQUAL 0 OR NOT rc3 EQUAL 0)
+  message(FATAL_ERROR "idemq-docs failed (settings md: ${rc1}, settings man: ${rc2}, "
+                      "cli-man: ${rc3})")
 endif()
 
 set(stale "")
@@ -61,8 +69,9 @@ foreach(page ${pages})
 endforeach()
 if(stale)
   message(FATAL_ERROR "${stale}"
-          "The settings table (config/conf.c) changed without the generated pages: "
-          "regenerate them with\n    ${regen}\nand commit config/SETTINGS.md and config/idemq.cfg.5.")
+          "The settings table (config/conf.c), the usage text (consumer/main.c) or "
+          "consumer/idemq.1.in changed without the generated pages: regenerate them with\n"
+          "    ${regen}\nand commit config/SETTINGS.md, config/idemq.cfg.5 and consumer/idemq.1.")
 endif()
 if(MODE STREQUAL "write")
   message(STATUS "regenerated: ${pages}")
