@@ -246,6 +246,37 @@ const char *conf_key_path(int i)
     return paths[i];
 }
 
+static enum conf_key_type doc_type(enum conf_type t)
+{
+    switch (t) { /* no default: -Werror names a type without its doc type */
+    case CT_INT: return CONF_TYPE_INT;
+    case CT_STR: return CONF_TYPE_STR;
+    case CT_STRLIST: return CONF_TYPE_STRLIST;
+    case CT_BOOL: return CONF_TYPE_BOOL;
+    case CT_DAYS: return CONF_TYPE_DAYS;
+    }
+    return CONF_TYPE_STR;
+}
+
+bool conf_key_describe(int i, struct conf_key_info *out)
+{
+    const struct conf_key *k;
+    if (i < 0 || i >= N_GLOBAL + N_INPUT)
+        return false;
+    k = i < N_GLOBAL ? &global_keys[i] : &input_keys[i - N_GLOBAL];
+    out->path = k->path;
+    out->input = i >= N_GLOBAL;
+    out->type = doc_type(k->type);
+    out->min = k->min;
+    out->max = k->max;
+    out->def_str = k->def_str;
+    out->def_int = k->def_int;
+    out->sensitive = (k->flags & CF_SENSITIVE) != 0;
+    out->required = (k->flags & CF_REQUIRED) != 0;
+    out->desc = k->desc;
+    return true;
+}
+
 static void errf(char *errbuf, size_t errlen, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 static void errf(char *errbuf, size_t errlen, const char *fmt, ...)

@@ -4,7 +4,8 @@
  * overrides and the redacted effective-config print of `check-config`.
  *
  * API: conf_load / conf_load_string -> use struct conf -> conf_free;
- *      conf_print for `check-config`; conf_redact for secrets in logs.
+ *      conf_print for `check-config`; conf_redact for secrets in logs;
+ *      conf_key_describe for the generated reference (config/conf_doc.c).
  */
 #ifndef IDEMQ_CONF_H
 #define IDEMQ_CONF_H
@@ -245,5 +246,32 @@ double conf_parse_interval(const char *text);
  * ("broker.heartbeat", "inputs.[].queue"). */
 int conf_key_count(void);
 const char *conf_key_path(int i);
+
+/* The type of a setting, as the docs name it. */
+enum conf_key_type {
+    CONF_TYPE_INT,     /* an integer; min..max is its range */
+    CONF_TYPE_STR,     /* a string; min..max is its length in bytes */
+    CONF_TYPE_STRLIST, /* a string or a list of strings; min..max entries */
+    CONF_TYPE_BOOL,    /* true or false */
+    CONF_TYPE_DAYS,    /* a number of days, may be fractional; min..max in minutes */
+};
+
+/* One row of the settings table as it is documented (config/conf_doc.c). */
+struct conf_key_info {
+    const char *path;    /* as in the table: "broker.heartbeat", or "queue" of an input */
+    bool input;          /* a key of each inputs[] group */
+    enum conf_key_type type;
+    long min, max;       /* see enum conf_key_type */
+    const char *def_str; /* default of strings and string lists */
+    long def_int;        /* default of integers and booleans; of days, in minutes */
+    bool sensitive;      /* never printed or logged as is */
+    bool required;       /* no default */
+    const char *desc;
+};
+
+/* Fills *out with row i (0 .. conf_key_count() - 1, in table order: the
+ * global rows, then the input rows); false if i is out of range. The
+ * strings are the table's (static). Pure. */
+bool conf_key_describe(int i, struct conf_key_info *out);
 
 #endif
