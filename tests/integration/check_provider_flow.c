@@ -226,7 +226,7 @@ static void make_redrive(struct job *r, const struct job *j, int gen)
     job_init(r);
     ck_assert_int_eq(job_set_body(r, j->body, j->body_len), IDEMQ_OK);
     r->input = j->input;
-    json_object_set_new(r->headers, "x-idemq-generation", json_integer(gen));
+    redrive_headers(r->headers, j->key, gen);
     ck_assert_int_eq(job_decode(r, &T.c->inputs[j->input]), IDEMQ_OK);
 }
 
