@@ -313,11 +313,31 @@ void itest_reconnect_db(struct itest *t)
     ck_abort_msg("cannot reconnect to PostgreSQL: %s", PQerrorMessage(t->db));
 }
 
+/* Quiet when it works; when it fails, the test's stderr gets the script's
+ * words (a failed start in CI said nothing else). */
 int itest_services(const char *what)
 {
-    char cmd[1024];
-    snprintf(cmd, sizeof cmd, "%s/scripts/services %s >/dev/null 2>&1", IDEMQ_SOURCE_DIR, what);
-    return system(cmd);
+    char cmd[1024], out[8192];
+    size_t n = 0;
+    int st;
+    FILE *p;
+    snprintf(cmd, sizeof cmd, "%s/scripts/services %s 2>&1", IDEMQ_SOURCE_DIR, what);
+    p = popen(cmd, "r");
+    if (p == NULL)
+        return -1;
+    while (!feof(p) && !ferror(p)) {
+        size_t got = fread(out + n, 1, sizeof out - 1 - n, p);
+        n += got;
+        if (n == sizeof out - 1) /* keep the last part: the error is at the end */
+            memmove(out, out + n / 2, n - n / 2), n -= n / 2;
+        if (got == 0)
+            break;
+    }
+    out[n] = '\0';
+    st = pclose(p);
+    if (st != 0)
+        fprintf(stderr, "itest: scripts/services %s failed (status 0x%x):\n%s\n", what, st, out);
+    return st;
 }
 
 long itest_queue_consumers(struct itest *t, const char *queue)
