@@ -1,7 +1,8 @@
 # tests/docs_links.cmake: the README and the folder docs hold together
 # (issue 20), run with cmake -P by the ctest docs_links:
 #   - every relative Markdown link ([text](path) or [text](path#anchor)) in
-#     README.md and in the Markdown files of the source folders points at a
+#     README.md and in the Markdown files of the source folders (every
+#     top-level folder but hidden ones and build trees: build*) points at a
 #     file or folder that exists, and an anchor into a Markdown file (or
 #     into the same file, [text](#anchor)) names one of its headings, by
 #     GitHub's rule (lower case; letters, digits, blanks, '-' and '_' kept;
@@ -16,7 +17,13 @@ cmake_minimum_required(VERSION 3.18)
 if(NOT DEFINED MAX_README_LINES)
   set(MAX_README_LINES 400)
 endif()
-set(folders adapters config consumer ledger scripts tests packaging)
+file(GLOB children LIST_DIRECTORIES true RELATIVE ${SRC} ${SRC}/*)
+set(folders "")
+foreach(c ${children})
+  if(IS_DIRECTORY ${SRC}/${c} AND NOT c MATCHES "^(\\.|build)")
+    list(APPEND folders ${c})
+  endif()
+endforeach()
 
 # CMake lists split on ';' except inside [...]: hide both, and '\\', before
 # a file becomes a list of lines.
