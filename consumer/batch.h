@@ -57,6 +57,8 @@ struct batch {
     struct plan *plans;      /* [cap] */
     struct job **good;       /* [cap] scratch */
     struct ledger_result *res; /* [cap] scratch */
+    struct job **obs_jobs;   /* [cap] scratch: the jobs of observe-mode inputs */
+    struct ledger_observed *obs; /* [cap] scratch: what observe_batch made of them */
     int n, cap;
     atomic_long *by_class;   /* failed attempts by enum classify_class (5) */
     uint64_t rng;
