@@ -232,29 +232,12 @@ START_TEST(test_observe_then_apply)
 }
 END_TEST
 
-/* check-config refuses what observe mode cannot do */
-START_TEST(test_observe_config_refusals)
-{
-    char out[4096], path[128];
-    FILE *f;
-    snprintf(path, sizeof path, "/tmp/it_observe_cfg_%d.cfg", (int)getpid());
-    ck_assert_ptr_nonnull(f = fopen(path, "w"));
-    fputs("inputs = ( { name = \"a\"; queue = \"q\"; effect_function = \"f\"; "
-          "mode = \"watch\"; } );\n", f);
-    fclose(f);
-    ck_assert_int_eq(sh_out(out, sizeof out, "%s check-config -c %s", IDEMQ_BINARY, path), 3);
-    ck_assert_msg(strstr(out, "mode must be \"apply\" or \"observe\""), "%s", out);
-    unlink(path);
-}
-END_TEST
-
 int main(void)
 {
     Suite *s = suite_create("observe");
     TCase *tc = tcase_create("observe");
     tcase_set_timeout(tc, itest_ms(120));
     tcase_add_test(tc, test_observe_then_apply);
-    tcase_add_test(tc, test_observe_config_refusals);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
