@@ -225,6 +225,27 @@ START_TEST(test_observe_then_apply)
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
                                     "error_code = 'outside_dedup_window'", keys[4]), 1);
 
+    /* a batch the plain path takes (in the window, standard input): fresh
+     * copies of observed keys (one with another body) and a new key */
+    {
+        char nb3[3][256], k6[128];
+        const char *nb[3] = {nb3[0], nb3[1], nb3[2]};
+        snprintf(k6, sizeof k6, "%s:k6", t.name);
+        snprintf(nb3[0], sizeof nb3[0], "{\"job_id\":\"%s\",\"amount_minor\":100}", keys[0]);
+        snprintf(nb3[1], sizeof nb3[1], "{\"job_id\":\"%s\",\"amount_minor\":7}", keys[2]);
+        snprintf(nb3[2], sizeof nb3[2], "{\"job_id\":\"%s\",\"amount_minor\":100}", k6);
+        itest_publish(&t, nb, 3);
+        itest_run_until_idle(&t, 2);
+        ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, keys[0]), 0);
+        ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, keys[2]), 0);
+        ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, k6), 1);
+        ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.key_history($1) "
+                                        "WHERE outcome = 'duplicate'", keys[0]), 2);
+        ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.key_history($1) "
+                                        "WHERE outcome = 'duplicate' AND what LIKE '%key_reuse%'",
+                                    keys[2]), 1);
+    }
+
     itest_delete_topology(&t, &oc->inputs[0]);
     conf_free(oc);
     unlink(obs_cfg);
