@@ -11,7 +11,8 @@
  * The total state machine: every result of every step ends in exactly one
  * of these plans (or, before any commit, in dropping the connection so the
  * broker redelivers):
- *   SETTLE_ACK    commit, then ack (applied, duplicate, deferred, stale)
+ *   SETTLE_ACK    commit, then ack (applied, duplicate, deferred, stale;
+ *                 every delivery of an observe-mode input)
  *   SETTLE_DELAY  commit, publish to a delay bucket, confirmed, then ack
  *   SETTLE_DEAD   commit (park row), publish to the dead-letter exchange,
  *                 confirmed, then ack
