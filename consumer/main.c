@@ -533,6 +533,7 @@ static int cmd_run(const struct conf *c, long until_idle_s)
                    "duplicates %ld, deferred %ld, retried %ld, parked %ld",
                    received, from_ledger, applied, dups, deferred, retried, parked);
     }
+    observe_log_summary(c); /* observe-mode inputs (issue 20) */
     run_report_log(ws, c->workers);
     metrics_stop(metrics);
     gauges_stop(gauges);

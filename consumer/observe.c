@@ -90,6 +90,21 @@ size_t observe_metrics_render(const struct conf *c, char *buf, size_t len)
     return off < len ? off : len - 1;
 }
 
+void observe_log_summary(const struct conf *c)
+{
+    for (int i = 0; i < c->n_inputs && i < OBSERVE_MAX_INPUTS; i++) {
+        long n[OBSERVE_N_OUTCOMES];
+        if (!c->inputs[i].observe)
+            continue;
+        for (int o = 0; o < OBSERVE_N_OUTCOMES; o++)
+            n[o] = atomic_load(&by_outcome[i][o]);
+        log_info("observed (input %s, mode = \"observe\", no effect ran): new keys %ld, "
+                 "duplicates %ld, late replays %ld, would park %ld, unrecorded %ld",
+                 c->inputs[i].name, n[OBSERVE_NEW], n[OBSERVE_DUPLICATE], n[OBSERVE_LATE],
+                 n[OBSERVE_WOULD_PARK], n[OBSERVE_UNRECORDED]);
+    }
+}
+
 int observe_report(const struct conf *c, const char *input, const char *since, FILE *out)
 {
     const char *params[2] = {input, since};

@@ -35,6 +35,10 @@ long observe_counted(int input, enum observe_outcome o);
  * (Prometheus text); nothing without such inputs. Returns the bytes added. */
 size_t observe_metrics_render(const struct conf *c, char *buf, size_t len);
 
+/* At the end of `run`: one line per observe-mode input with its counts
+ * (nothing without such inputs). */
+void observe_log_summary(const struct conf *c);
+
 /* `idemq observe report [--input NAME] [--since TS]`: the baseline, per
  * input: deliveries, observed keys, duplicates (key reuse, in batch), late
  * replays and would-be parks by code. 0, 1 (nothing observed), 4 (database). */

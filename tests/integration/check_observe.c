@@ -121,7 +121,8 @@ START_TEST(test_observe_then_apply)
     ck_assert_int_eq(itest_queue_ready(&t, t.name), 9);
 
     /* observe: scrape /metrics while it runs */
-    pid = itest_spawn(&t, obs_cfg, 3, NULL);
+    snprintf(path, sizeof path, "/tmp/%s.observe.log", t.name);
+    pid = itest_spawn_log(obs_cfg, 3, NULL, path);
     snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", port);
     snprintf(series, sizeof series, "idemq_observed_total{input=\"%s\",outcome=\"would_park\"} ",
              oname);
@@ -154,6 +155,12 @@ START_TEST(test_observe_then_apply)
     unlink(path);
     st = itest_wait(pid, itest_ms(20000));
     ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "observe run: status %d", st);
+    snprintf(path, sizeof path, "/tmp/%s.observe.log", t.name);
+    ck_assert_int_eq(itest_count_lines(path, "no effect ran): new keys 4, duplicates 2, late "
+                                             "replays 1, would park 2, unrecorded 0"), 1);
+    ck_assert_int_eq(itest_count_lines(path, "applied 0, duplicates 0, deferred 0, retried 0, "
+                                             "parked 0"), 1);
+    unlink(path);
 
     /* no effect, no park, no dead letter; every copy acknowledged */
     ck_assert_int_eq(itest_long(&t, EFFECTS_LIKE, t.name), 0);
