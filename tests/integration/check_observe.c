@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include "itest.h"
+#include "tprov.h"
 
 #define EFFECTS_FOR "SELECT count(*) FROM idemq_test.effects WHERE key = $1"
 #define EFFECTS_LIKE "SELECT count(*) FROM idemq_test.effects WHERE key LIKE $1 || ':%'"
@@ -260,12 +261,47 @@ START_TEST(test_observe_then_apply)
 }
 END_TEST
 
+/* A provider input in observe mode: no provider request at all, no intent;
+ * keys claimed and duplicates found as for an SQL effect. */
+START_TEST(test_observe_provider_input)
+{
+    struct itest t;
+    struct tprov p;
+    char input[1024], k1[128], k2[128], b1[256], b2[256], v[64];
+    const char *bodies[3] = {b1, b1, b2};
+
+    tprov_start(&p, NULL);
+    snprintf(input, sizeof input,
+             "mode = \"observe\"; provider: { url = \"%s\"; path = \"/charges\"; };", p.url);
+    itest_setup(&t, "observep", "idemq_test.record", "", input);
+    snprintf(k1, sizeof k1, "%s:p1", t.name);
+    snprintf(k2, sizeof k2, "%s:p2", t.name);
+    snprintf(b1, sizeof b1, "{\"job_id\":\"%s\",\"amount_minor\":500}", k1);
+    snprintf(b2, sizeof b2, "{\"job_id\":\"%s\",\"amount_minor\":500}", k2);
+    itest_publish(&t, bodies, 3);
+    itest_run_until_idle(&t, 2);
+    ck_assert_int_eq(tprov_stat(&p, k1, "requests"), 0);
+    ck_assert_int_eq(tprov_stat(&p, k1, "key_charges"), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.intents WHERE key IN ($1, $1 || "
+                                    "'x')", k1), 0);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_LIKE, t.name), 0);
+    ck_assert_str_eq(itest_text(&t, "SELECT observed_by FROM idemq.jobs WHERE key = $1", k2, v,
+                                sizeof v), t.name);
+    ck_assert_int_eq(itest_long(&t, OBSERVED("duplicate"), t.name), 1);
+    ck_assert_int_eq(itest_long(&t, OBSERVED("observed"), t.name), 2);
+    ck_assert_int_eq(itest_queue_ready(&t, t.name), 0);
+    itest_teardown(&t);
+    tprov_stop(&p);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("observe");
     TCase *tc = tcase_create("observe");
     tcase_set_timeout(tc, itest_ms(120));
     tcase_add_test(tc, test_observe_then_apply);
+    tcase_add_test(tc, test_observe_provider_input);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
