@@ -172,6 +172,10 @@ static const struct conf_key input_keys[] = {
      "after a job of an ordered lane parks: continue, or hold_key (hold its order key)"},
     {"on_key_reuse", CT_STR, I(on_key_reuse), 1, 16, "ack", 0, 0,
      "a delivery of an applied key with another body: ack (recorded as key_reuse), or park"},
+    {"mode", CT_STR, I(mode), 1, 16, "apply", 0, 0,
+     "apply (run the effect), or observe: claim keys and record duplicates, late replays and "
+     "would-be parks of a copy of live traffic, run no effect, park nothing, ack everything "
+     "(see consumer/README.md)"},
     {"deferred_report_after_s", CT_INT, I(deferred_report_after_s), 1, 86400 * 30, NULL, 300, 0,
      "deferred jobs (waiting for a predecessor) older than this are reported"},
     /* provider effects (issue 9): keep these rows together */
@@ -686,6 +690,29 @@ static idemq_err_t validate_input(struct conf_input *in, int line, const char *f
     return IDEMQ_OK;
 }
 
+/* The input's mode (issue 20): apply, or observe (a copy of live traffic,
+ * no effect). Observing ordered lanes is not supported: their holds and
+ * deferrals are effects on the ledger's order, not observations. */
+static idemq_err_t validate_mode(struct conf_input *in, int line, const char *file,
+                                 char *errbuf, size_t errlen)
+{
+    if (strcmp(in->mode, "apply") == 0) {
+        in->observe = false;
+    } else if (strcmp(in->mode, "observe") == 0) {
+        in->observe = true;
+    } else {
+        errf(errbuf, errlen, "%s:%d: input %s: mode must be \"apply\" or \"observe\", not \"%s\"",
+             file, line, in->name, in->mode);
+        return IDEMQ_ERR_CONFIG;
+    }
+    if (in->observe && CONF_INPUT_ORDERED(in)) {
+        errf(errbuf, errlen, "%s:%d: input %s: mode = \"observe\" needs partitions = 0 (ordered "
+             "lanes cannot be observed)", file, line, in->name);
+        return IDEMQ_ERR_CONFIG;
+    }
+    return IDEMQ_OK;
+}
+
 /* ---- provider effects (issue 9) ---- */
 
 /* True if a {{...}} placeholder list of a body template is well formed:
@@ -915,6 +942,8 @@ static idemq_err_t read_inputs(const config_t *cfg, struct conf *c, const char *
         if ((err = validate_lanes(c, in, line, file, errbuf, errlen)) != IDEMQ_OK)
             return err;
         if ((err = validate_provider(c, in, line, file, errbuf, errlen)) != IDEMQ_OK)
+            return err;
+        if ((err = validate_mode(in, line, file, errbuf, errlen)) != IDEMQ_OK)
             return err;
         for (int j = 0; j < i; j++) {
             if (strcmp(c->inputs[j].name, in->name) == 0 ||

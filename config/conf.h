@@ -92,6 +92,7 @@ struct conf_input {
     char *sequence_source;
     char *on_park;
     char *on_key_reuse; /* "ack" or "park" */
+    char *mode;         /* "apply" or "observe" (issue 20) */
     int deferred_report_after_s;
     /* provider effects (issue 9) */
     struct conf_provider provider;
@@ -107,7 +108,11 @@ struct conf_input {
     char *seq_name;                /* json field of sequence_source, or NULL */
     enum conf_on_park on_park_mode;
     bool key_reuse_parks; /* on_key_reuse = "park" */
+    bool observe;         /* mode = "observe": claim and record, no effect, ack */
 };
+
+/* True for an input in observe mode (issue 20). */
+#define CONF_INPUT_OBSERVE(in) ((in)->observe)
 
 /* True for a partitioned (ordered) input. */
 #define CONF_INPUT_ORDERED(in) ((in)->partitions > 0)

@@ -40,7 +40,9 @@ bool batch_init(struct batch *bt, const struct conf *c, int cap, atomic_long *by
     bt->plans = calloc((size_t)cap, sizeof *bt->plans);
     bt->good = calloc((size_t)cap, sizeof *bt->good);
     bt->res = calloc((size_t)cap, sizeof *bt->res);
-    if (!bt->jobs || !bt->plans || !bt->good || !bt->res)
+    bt->obs_jobs = calloc((size_t)cap, sizeof *bt->obs_jobs);
+    bt->obs = calloc((size_t)cap, sizeof *bt->obs);
+    if (!bt->jobs || !bt->plans || !bt->good || !bt->res || !bt->obs_jobs || !bt->obs)
         return false;
     for (int i = 0; i < cap; i++)
         job_init(&bt->jobs[i]);
@@ -59,12 +61,20 @@ void batch_free(struct batch *bt)
     free(bt->plans);
     free(bt->good);
     free(bt->res);
+    free(bt->obs_jobs);
+    free(bt->obs);
     memset(bt, 0, sizeof *bt);
 }
 
 static bool is_ordered(const struct batch *bt, const struct job *j)
 {
     return CONF_INPUT_ORDERED(&bt->c->inputs[j->input]);
+}
+
+/* A delivery of an input in observe mode (issue 20): never applied, never parked. */
+static bool is_observed(const struct batch *bt, const struct job *j)
+{
+    return CONF_INPUT_OBSERVE(&bt->c->inputs[j->input]);
 }
 
 /* A lane's id for comparisons: > 0 for a delivery of an ordered input. */
@@ -210,6 +220,37 @@ static enum step park_undecoded(struct batch *bt, struct job *j, struct plan *p)
     return STEP_OK;
 }
 
+/*
+ * Observe mode (issue 20), inside the open transaction: what apply mode
+ * would make of bt->obs_jobs[0..nobs) is decided and recorded by the
+ * ledger (no effect, no park); every one of them is acknowledged.
+ */
+static enum step observe_txn(struct batch *bt, struct job *jobs, struct plan *plans, int nobs)
+{
+    struct ledger_db_error e;
+
+    if (ledger_txn_observe(bt->lt, bt->obs_jobs, nobs, bt->obs, &e))
+        return call_failed(bt, &e, "observe_batch");
+    for (int k = 0; k < nobs; k++) {
+        struct job *j = bt->obs_jobs[k];
+        struct plan *p = &plans[j - jobs];
+        const struct ledger_observed *o = &bt->obs[k];
+        p->how = SETTLE_ACK;
+        p->attempt = 0;
+        p->observed = (int)o->outcome;
+        p->observe_code =
+            o->outcome == OBSERVE_WOULD_PARK || o->outcome == OBSERVE_LATE ? (int)o->code : 0;
+        if (o->outcome == OBSERVE_WOULD_PARK || o->outcome == OBSERVE_LATE)
+            log_job(LOG_LVL_INFO, j->has_key ? j->key : NULL, j->tag, 0,
+                    "observe: %s %s (apply mode would park it; acknowledged)",
+                    observe_outcome_name(o->outcome), o->code_name);
+        else if (o->outcome == OBSERVE_DUPLICATE)
+            log_job(LOG_LVL_DEBUG, j->key, j->tag, 0, "observe: duplicate%s%s",
+                    o->code_name[0] ? " " : "", o->code_name);
+    }
+    return STEP_OK;
+}
+
 static enum step commit(struct batch *bt)
 {
     struct ledger_db_error e;
@@ -256,12 +297,14 @@ static enum step run_txn(struct batch *bt, struct job *jobs, int n, struct plan 
 static enum step run_txn_notices(struct batch *bt, struct job *jobs, int n, struct plan *plans)
 {
     struct ledger_db_error e;
-    int ngood = 0;
+    int ngood = 0, nobs = 0;
     enum step st;
 
     for (int i = 0; i < n; i++) {
         settle_plan_clear(&plans[i]);
-        if (jobs[i].decode_err == IDEMQ_OK)
+        if (is_observed(bt, &jobs[i]))
+            bt->obs_jobs[nobs++] = &jobs[i]; /* decoded or not: observe_txn below */
+        else if (jobs[i].decode_err == IDEMQ_OK)
             bt->good[ngood++] = &jobs[i];
     }
     if (ledger_txn_begin(bt->lt, &e))
@@ -359,9 +402,13 @@ static enum step run_txn_notices(struct batch *bt, struct job *jobs, int n, stru
         }
     }
     for (int i = 0; i < n; i++) {
-        if (jobs[i].decode_err != IDEMQ_OK && (st = park_undecoded(bt, &jobs[i], &plans[i])))
+        if (!is_observed(bt, &jobs[i]) && jobs[i].decode_err != IDEMQ_OK &&
+            (st = park_undecoded(bt, &jobs[i], &plans[i])))
             goto rollback;
     }
+    /* after the apply call: it may have begun its transaction again */
+    if (nobs && (st = observe_txn(bt, jobs, plans, nobs)) != STEP_OK)
+        goto rollback;
     return commit(bt);
 rollback:
     ledger_txn_rollback(bt->lt);
@@ -500,6 +547,22 @@ static enum step isolate(struct batch *bt, int i)
 
     if (st != STEP_RETRY && st != STEP_SPLIT)
         return st;
+    if (is_observed(bt, j)) {
+        /* Observe mode never parks: contention gives the copy back to the
+         * broker; an observation that cannot be stored at all is logged
+         * and acknowledged (it is a copy; the consumer beside idemq has
+         * the original). */
+        settle_plan_clear(p);
+        if (st == STEP_RETRY) {
+            p->how = SETTLE_RELEASE;
+            return STEP_OK;
+        }
+        p->how = SETTLE_ACK;
+        p->observed = OBSERVE_UNRECORDED;
+        log_job(LOG_LVL_ERROR, j->has_key ? j->key : NULL, j->tag, 0,
+                "observe: cannot record the observation (%s); acknowledged unrecorded", bt->why);
+        return STEP_OK;
+    }
     if (j->decode_err == IDEMQ_OK) { /* rung 2: record the failure as an attempt */
         bt->failure = bt->last_call;
         log_job(LOG_LVL_WARN, j->key, j->tag, 0, "call failed as a whole: %s %s",

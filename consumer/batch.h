@@ -16,6 +16,11 @@
  * go on, and the caller then drops the broker connection so the broker
  * redelivers it, and backs off.
  *
+ * Deliveries of observe-mode inputs (issue 20) share the transaction but
+ * not the apply path: ledger_txn_observe records what apply mode would do,
+ * no effect runs, nothing is parked, every one is SETTLE_ACK (contention
+ * aside: SETTLE_RELEASE); see observe.h.
+ *
  * API: batch_init -> per batch: fill jobs[0..n) -> batch_process ->
  *      settle plans[0..committed) -> ... -> batch_free. One worker thread.
  */
@@ -57,6 +62,8 @@ struct batch {
     struct plan *plans;      /* [cap] */
     struct job **good;       /* [cap] scratch */
     struct ledger_result *res; /* [cap] scratch */
+    struct job **obs_jobs;   /* [cap] scratch: the jobs of observe-mode inputs */
+    struct ledger_observed *obs; /* [cap] scratch: what observe_batch made of them */
     int n, cap;
     atomic_long *by_class;   /* failed attempts by enum classify_class (5) */
     uint64_t rng;

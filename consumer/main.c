@@ -24,6 +24,7 @@
 #include "gauges.h"
 #include "metrics.h"
 #include "sdnotify.h"
+#include "observe.h"
 #include "ops.h"
 #include "effect_http.h"
 #include "reconcile.h"
@@ -96,6 +97,9 @@ static void usage(FILE *out)
             "  archive export --dir DIR [--all]\n"
             "                              archived partitions to DIR as CSV + SHA-256\n"
             "  archive verify --dir DIR    exported files against their SHA-256 and the ledger\n"
+            "  observe report [--input NAME] [--since TIMESTAMP]\n"
+            "                              the baseline of observe-mode inputs: observed keys,\n"
+            "                              duplicates, late replays, would-be parks by code\n"
             "\n"
             "options: -c, --config FILE; -h, --help; -V, --version\n"
             "environment: IDEMQ_AMQP_URL and IDEMQ_PG_DSN override broker.url and database.dsn\n"
@@ -269,6 +273,13 @@ static int parse_args(int argc, char **argv, struct opts *o)
     if (o->age_s >= 0 && strcmp(o->cmd, "reconcile") != 0) {
         fprintf(stderr, "idemq: --age goes with reconcile\n");
         return -1;
+    }
+    if (strcmp(o->cmd, "observe") == 0) {
+        if (optind >= argc || strcmp(argv[optind], "report") != 0) {
+            fprintf(stderr, "idemq: did you mean 'observe report'?\n");
+            return -1;
+        }
+        o->sub = argv[optind++];
     }
     if (strcmp(o->cmd, "archive") == 0) {
         if (optind >= argc || (strcmp(argv[optind], "list") && strcmp(argv[optind], "export") &&
@@ -522,6 +533,7 @@ static int cmd_run(const struct conf *c, long until_idle_s)
                    "duplicates %ld, deferred %ld, retried %ld, parked %ld",
                    received, from_ledger, applied, dups, deferred, retried, parked);
     }
+    observe_log_summary(c); /* observe-mode inputs (issue 20) */
     run_report_log(ws, c->workers);
     metrics_stop(metrics);
     gauges_stop(gauges);
@@ -615,7 +627,8 @@ int main(int argc, char **argv)
     if (strcmp(o.cmd, "run") && strcmp(o.cmd, "migrate") && strcmp(o.cmd, "declare") &&
         strcmp(o.cmd, "check-config") && strcmp(o.cmd, "publish") && strcmp(o.cmd, "jobs") &&
         strcmp(o.cmd, "parked") && strcmp(o.cmd, "redrive") && strcmp(o.cmd, "reconcile") &&
-        strcmp(o.cmd, "resolve") && strcmp(o.cmd, "maintain") && strcmp(o.cmd, "archive")) {
+        strcmp(o.cmd, "resolve") && strcmp(o.cmd, "maintain") && strcmp(o.cmd, "archive") &&
+        strcmp(o.cmd, "observe")) {
         fprintf(stderr, "idemq: unknown command '%s'\n", o.cmd);
         usage(stderr);
         return EXIT_USAGE;
@@ -667,6 +680,8 @@ int main(int argc, char **argv)
         rc = resolve_cmd(c, o.arg, o.resolution, o.reference, o.reason, stdout);
     } else if (strcmp(o.cmd, "maintain") == 0) {
         rc = lifecycle_maintain(c, o.now, stdout);
+    } else if (strcmp(o.cmd, "observe") == 0) {
+        rc = observe_report(c, o.filter.input, o.filter.since, stdout);
     } else if (strcmp(o.cmd, "archive") == 0) {
         rc = o.sub[0] == 'l'   ? lifecycle_archive_list(c, stdout)
              : o.sub[0] == 'e' ? lifecycle_archive_export(c, o.dir, o.all, stdout)

@@ -13,6 +13,7 @@
 #include "classify.h"
 #include "reconcile.h"
 #include "liveness.h"
+#include "observe.h"
 
 #define CONN_TIMEOUT_S 5 /* a connection idle this long is closed */
 #define CONN_MAX 64       /* connections at a time */
@@ -92,6 +93,8 @@ size_t metrics_render(struct worker *ws, int n, char *buf, size_t len)
         "# TYPE idemq_worker_progress_age_seconds gauge\n"
         "idemq_worker_progress_age_seconds %.3f\n",
         (double)liveness_max_age_ms(ws, n) / 1000.0);
+    if (off < len && n > 0) /* observe-mode inputs (issue 20) */
+        off += observe_metrics_render(ws[0].conf, buf + off, len - off);
     if (off < len) /* provider intents, refreshed by the reconciler's sweep (issue 9) */
         off += reconcile_metrics_render(buf + off, len - off);
     return off < len ? off : len - 1;

@@ -17,6 +17,7 @@
 #include "ledger_db.h"
 #include "ledger_outbox.h"
 #include "log.h"
+#include "observe.h"
 #include "republish.h"
 #include "resolve.h"
 #include "seal.h"
@@ -146,6 +147,9 @@ int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
         /* an application's emit may name a key idemq never consumed (issue 18) */
         if (ledger_outbox_print_key(db, key, out) > 0)
             goto out;
+        /* or an observe-mode input saw it without claiming it (issue 20) */
+        if (observe_show(db, key, out) > 0)
+            goto out;
         fprintf(out, "no job, attempt or park with key %s\n", ops_text(&a, key));
         rc = 1;
         goto out;
@@ -172,6 +176,7 @@ int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
     resolve_show(db, key, out); /* provider intent and resolutions (issue 9) */
     ledger_outbox_print_key(db, key, out); /* messages its effect emitted (issue 18) */
     groups_show(db, key, out);  /* redrive count and operator actions (issue 20) */
+    observe_show(db, key, out); /* observed only, and its observations (issue 20) */
 out:
     PQclear(job);
     PQclear(tl);

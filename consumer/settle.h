@@ -11,7 +11,8 @@
  * The total state machine: every result of every step ends in exactly one
  * of these plans (or, before any commit, in dropping the connection so the
  * broker redelivers):
- *   SETTLE_ACK    commit, then ack (applied, duplicate, deferred, stale)
+ *   SETTLE_ACK    commit, then ack (applied, duplicate, deferred, stale;
+ *                 every delivery of an observe-mode input)
  *   SETTLE_DELAY  commit, publish to a delay bucket, confirmed, then ack
  *   SETTLE_DEAD   commit (park row), publish to the dead-letter exchange,
  *                 confirmed, then ack
@@ -55,6 +56,9 @@ struct plan {
     int outcome;     /* enum ledger_outcome of the job's claim */
     int held_lane;   /* isolating: the lane a SETTLE_HOLD job held, else 0 */
     bool key_reuse;  /* its key is applied with another body (counted) */
+    int observed;    /* observe mode (issue 20): its enum observe_outcome, 0 = applied
+                      * mode; such a plan is SETTLE_ACK */
+    int observe_code; /* observe mode: the would-park code (idemq_err_t), 0 = none */
 };
 
 /* Releases what a plan owns and zeroes it. */

@@ -28,6 +28,7 @@
 #include "ledger_txn.h"
 #include "outbox.h"
 #include "log.h"
+#include "observe.h"
 #include "provider_run.h"
 #include "rate_gate.h"
 #include "republish.h"
@@ -373,6 +374,11 @@ static void count(struct session *s, const struct plan *plans, int n)
 {
     struct worker_stats *ws = &s->w->stats;
     for (int i = 0; i < n; i++) {
+        if (plans[i].observed) { /* observe mode: its own counters, none of apply's */
+            observe_count(s->bt.jobs[i].input, (enum observe_outcome)plans[i].observed,
+                          (idemq_err_t)plans[i].observe_code);
+            continue;
+        }
         if (plans[i].key_reuse)
             atomic_fetch_add(&ws->key_reuse, 1);
         switch (plans[i].how) {

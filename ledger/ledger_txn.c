@@ -393,6 +393,85 @@ nomem:
     return IDEMQ_ERR_NOMEM;
 }
 
+#define OBSERVE_SQL "SELECT r_idx, r_outcome, r_code FROM idemq.observe_batch($1::jsonb, $2)"
+
+static idemq_err_t observe_bad(struct ledger_db_error *e, const char *what)
+{
+    snprintf(e->message, sizeof e->message, "observe_batch: %s", what);
+    snprintf(e->sqlstate, sizeof e->sqlstate, "XX000");
+    e->conn_lost = false;
+    return IDEMQ_ERR_SQL;
+}
+
+idemq_err_t ledger_txn_observe(struct ledger_txn *lt, struct job *const *jobs, int n,
+                               struct ledger_observed *res, struct ledger_db_error *e)
+{
+    bool *old = calloc((size_t)(n > 0 ? n : 1), sizeof *old);
+    time_t now = time(NULL);
+    const char *params[2];
+    char *doc;
+    PGresult *r;
+    idemq_err_t err;
+
+    if (!old)
+        goto nomem;
+    for (int i = 0; i < n; i++)
+        if (job_age_s(jobs[i], (long long)now) >= 0) {
+            if ((err = refresh_window(lt, e)) != IDEMQ_OK) {
+                free(old);
+                return err;
+            }
+            break;
+        }
+    for (int i = 0; i < n; i++)
+        old[i] = is_old(lt, jobs[i], now);
+    doc = observe_doc(lt->conf, jobs, old, n);
+    free(old);
+    if (!doc) {
+nomem:
+        snprintf(e->message, sizeof e->message, "out of memory building the observations");
+        e->sqlstate[0] = '\0';
+        e->conn_lost = false;
+        return IDEMQ_ERR_NOMEM;
+    }
+    if ((err = flush_begin(lt, e)) != IDEMQ_OK) {
+        free(doc);
+        return err;
+    }
+    params[0] = doc;
+    params[1] = lt->conf->consumer_id;
+    r = ledger_db_exec_params(lt->db, OBSERVE_SQL, 2, NULL, params, NULL, NULL, 0);
+    free(doc);
+    if (PQresultStatus(r) != PGRES_TUPLES_OK) {
+        ledger_db_error_from(lt->db, r, e);
+        PQclear(r);
+        return ledger_db_err(e);
+    }
+    if (PQntuples(r) != n) {
+        PQclear(r);
+        return observe_bad(e, "a row count that is not the job count");
+    }
+    for (int row = 0; row < n; row++) {
+        int idx = atoi(PQgetvalue(r, row, 0)) - 1;
+        struct ledger_observed *x;
+        if (idx < 0 || idx >= n) { /* a database answer: an error, never an abort */
+            PQclear(r);
+            return observe_bad(e, "an index out of range");
+        }
+        x = &res[idx];
+        memset(x, 0, sizeof *x);
+        x->outcome = observe_outcome_parse(PQgetvalue(r, row, 1));
+        copy_field(x->code_name, sizeof x->code_name, r, row, 2);
+        x->code = observe_code_parse(x->code_name);
+        if (x->outcome == OBSERVE_NONE) {
+            PQclear(r);
+            return observe_bad(e, "an unknown outcome");
+        }
+    }
+    PQclear(r);
+    return IDEMQ_OK;
+}
+
 void ledger_txn_result_clear(struct ledger_result *r)
 {
     json_decref(r->park);

@@ -20,6 +20,7 @@
 #include "idemq_err.h"
 #include "job.h"
 #include "ledger_db.h"
+#include "ledger_observe.h"
 
 struct ledger_txn;
 
@@ -122,6 +123,26 @@ idemq_err_t ledger_txn_claim_failed(struct ledger_txn *lt, const struct job *j,
 idemq_err_t ledger_txn_park_message(struct ledger_txn *lt, const struct job *j, const char *code,
                                     const char *reason, bool with_headers, json_t **park,
                                     struct ledger_db_error *e) IDEMQ_MUSTCHECK;
+
+/* What observe_batch made of one delivery of an observe-mode input. */
+struct ledger_observed {
+    enum observe_outcome outcome;
+    idemq_err_t code;   /* the would-park (or late replay) code; IDEMQ_OK if none */
+    char code_name[32]; /* as stored: also "key_reuse" of a duplicate */
+};
+
+/*
+ * Inside txn. Observe mode (issue 20): for jobs[0..n) of observe-mode
+ * inputs, decoded or not, decides what apply mode would do without running
+ * any effect (idemq.observe_batch: claims new keys as applied by the
+ * consumer running beside idemq, records each delivery in
+ * idemq.observations) and writes one result per job to res. IDEMQ_OK when
+ * the call ran; otherwise the whole call failed (e filled) and the
+ * transaction is aborted.
+ */
+idemq_err_t ledger_txn_observe(struct ledger_txn *lt, struct job *const *jobs, int n,
+                               struct ledger_observed *res,
+                               struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
 /* Outside txn (autocommit). Notes that the broker confirmed the dead-letter
  * publish of these parks. */

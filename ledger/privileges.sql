@@ -29,7 +29,9 @@ BEGIN
                'provider_confirmed',
                -- the rescuer of run (issue 12) and the operator commands that
                -- write: `resolve` of a provider key, `archive export`
-               'rescue_take', 'rescue_record', 'provider_resolve', 'archive_exported'])
+               'rescue_take', 'rescue_record', 'provider_resolve', 'archive_exported',
+               -- observe mode of run (issue 20)
+               'observe_batch'])
     LOOP
         EXECUTE format('ALTER FUNCTION %s SECURITY DEFINER '
                        'SET search_path = pg_catalog, idemq, pg_temp', f);

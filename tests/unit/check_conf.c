@@ -543,6 +543,23 @@ START_TEST(test_provider_transport)
 }
 END_TEST
 
+/* mode (issue 20): apply by default; observe sets the derived flag */
+START_TEST(test_observe_mode)
+{
+    struct conf *c = NULL;
+    char err[1024];
+    ck_assert_msg(conf_load_string("inputs = ( { name = \"a\"; queue = \"q\"; effect_function = "
+                                   "\"f\"; }, { name = \"b\"; queue = \"q2\"; effect_function = "
+                                   "\"f\"; mode = \"observe\"; } );",
+                                   &c, err, sizeof err) == IDEMQ_OK, "%s", err);
+    ck_assert_str_eq(c->inputs[0].mode, "apply");
+    ck_assert(!CONF_INPUT_OBSERVE(&c->inputs[0]));
+    ck_assert_str_eq(c->inputs[1].mode, "observe");
+    ck_assert(CONF_INPUT_OBSERVE(&c->inputs[1]));
+    conf_free(c);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("conf");
@@ -560,6 +577,7 @@ int main(void)
     tcase_add_test(tc, test_provider_settings);
     tcase_add_test(tc, test_provider_transport);
     tcase_add_test(tc, test_consumer_timeout_warning);
+    tcase_add_test(tc, test_observe_mode);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
