@@ -216,7 +216,7 @@ static void overview_plots(struct console *k, struct html *b)
     html_printf(b, "<p class=\"mut\">%.0f applied in the last hour</p></div>"
                    "<div class=\"card\" id=\"plot-latency\">", total);
     html_plot(b, "commit time p95 (ms)", lat, 60, "ms", "60 min ago");
-    html_raw(b, "<p class=\"mut\">of the transactions that applied them (gaps: none)</p>"
+    html_raw(b, "<p class=\"mut\">of the transactions that applied them (a gap: none that minute)</p>"
                 "</div></div>");
 }
 
@@ -312,7 +312,7 @@ static void group_table(struct console *k, struct html *b, PGresult *r, bool wit
     char t[33] = "";
     if (with_actions)
         csrf_issue(k, t); /* one for the page: the form sent uses it up */
-    html_raw(b, "<div class=\"wrap\"><table id=\"groups\"><tr><th>group</th><th>parks</th>"
+    html_raw(b, "<div class=\"wrap\"><table class=\"rows\" id=\"groups\"><tr><th>group</th><th>parks</th>"
                 "<th class=\"hide-s\">input</th><th>failure</th><th class=\"hide-s\">first / "
                 "last park</th><th>keys</th><th>redrivable</th>");
     html_raw(b, with_actions ? "<th>actions</th></tr>" : "</tr>");
@@ -489,7 +489,7 @@ static void page_parked(struct console *k, struct MHD_Connection *conn, struct h
     PQclear(cnt);
     html_printf(b, "<p id=\"parked-total\">%ld open park%s match</p>", total,
                 total == 1 ? "" : "s");
-    html_raw(b, "<div class=\"wrap\"><table id=\"parked\"><tr><th>#</th><th class=\"hide-s\">"
+    html_raw(b, "<div class=\"wrap\"><table class=\"rows\" id=\"parked\"><tr><th>#</th><th class=\"hide-s\">"
                 "parked at</th><th>key</th><th class=\"hide-s\">input</th><th>failure</th>"
                 "<th class=\"hide-s\">attempts</th><th class=\"hide-s\">group</th></tr>");
     for (int i = 0; i < PQntuples(r) && i < PAGE_ROWS; i++) {

@@ -221,7 +221,11 @@ const char html_css[] =
     "svg{width:100%;height:auto;display:block}"
     "svg text{font:11px system-ui,sans-serif;fill:#5b6575}"
     "@media (max-width:40rem){main{padding:.6rem}th,td{padding:.3rem}"
-    ".hide-s{display:none}input,select{min-width:0;width:100%}label{flex:1 1 45%}}";
+    ".hide-s{display:none}input,select{min-width:0;width:100%}label{flex:1 1 45%}"
+    /* a phone: each row of a long table becomes a card of stacked cells */
+    "table.rows,table.rows tbody,table.rows tr,table.rows td{display:block;width:100%}"
+    "table.rows tr:first-child{display:none}table.rows tr{border-bottom:2px solid var(--line);"
+    "padding:.3rem 0}table.rows td{border:0;padding:.1rem .5rem}}";
 
 void html_page_start(struct html *b, const char *title, const char *nav)
 {
@@ -304,6 +308,12 @@ void html_plot(struct html *b, const char *title, const double *v, int n, const 
                 continue;
             }
             y = T + (H - T - B) * (1 - v[i] / top);
+            if ((i == 0 || isnan(v[i - 1])) && (i == n - 1 || isnan(v[i + 1]))) {
+                /* a point alone between gaps: a dot, or it would not show */
+                html_printf(b, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"2.5\" fill=\"#2456a6\"/>",
+                            x, y);
+                continue;
+            }
             if (!open)
                 html_raw(b, "<polyline fill=\"none\" stroke=\"#2456a6\" stroke-width=\"2\" "
                             "points=\"");

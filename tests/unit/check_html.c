@@ -125,6 +125,13 @@ START_TEST(test_plot)
     ck_assert_ptr_nonnull(strstr(strstr(b.p, "<polyline") + 1, "<polyline"));
     ck_assert(strstr(b.p, ">50 ms<") != NULL);
     ck_assert(strstr(b.p, "<script") == NULL);
+    ck_assert(strstr(b.p, "<circle") == NULL);
+    html_free(&b);
+    /* a point alone between gaps is a dot */
+    v[0] = NAN, v[1] = 5, v[2] = NAN;
+    html_init(&b);
+    html_plot(&b, "t", v, 3, "ms", "3 min ago");
+    ck_assert(strstr(b.p, "<circle") != NULL && strstr(b.p, "<polyline") == NULL);
     html_free(&b);
 }
 END_TEST
