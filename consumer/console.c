@@ -615,7 +615,8 @@ static long selected_of(const char *out)
 /* Runs groups_act with its output captured; malloc'd text (NULL: no
  * memory), *rc its code. */
 static char *run_action(struct console *k, const char *action, const char *group,
-                        const char *reason, const char *actor, bool dry, int *rc, size_t *len)
+                        const char *reason, const char *actor, bool dry, long at_most, int *rc,
+                        size_t *len)
 {
     char *text = NULL;
     struct ops_filter f;
@@ -624,6 +625,7 @@ static char *run_action(struct console *k, const char *action, const char *group
         return NULL;
     memset(&f, 0, sizeof f);
     f.dry_run = dry;
+    f.limit = at_most; /* 0 = all */
     *rc = groups_act(&k->cc, action, &f, group, reason, actor, out);
     fclose(out);
     return text;
@@ -648,7 +650,8 @@ static unsigned page_confirm(struct console *k, const char *action, const char *
     html_raw(b, " group <code>");
     html_text(b, group);
     html_raw(b, "</code></h1>");
-    text = run_action(k, action, group, "(the reason given below)", "console", true, &rc, &len);
+    text = run_action(k, action, group, "(the reason given below)", "console", true, 0, &rc,
+                      &len);
     if (!text) {
         html_page_end(b);
         return MHD_HTTP_INTERNAL_SERVER_ERROR;
@@ -693,8 +696,9 @@ static unsigned page_confirm(struct console *k, const char *action, const char *
 static unsigned page_act(struct console *k, const char *body, size_t blen, struct html *b)
 {
     char action[16], group[16], actor[FIELD_MAX], reason[FIELD_MAX], token[FIELD_MAX], who[160];
-    char *text;
+    char expect[24], *text;
     size_t len = 0;
+    long at_most = 0;
     int rc = 0;
     if (!html_form_get(body, blen, "action", action, sizeof action) || !action_ok(action) ||
         !html_form_get(body, blen, "group", group, sizeof group) || !is_group_id(group) ||
@@ -715,6 +719,21 @@ static unsigned page_act(struct console *k, const char *body, size_t blen, struc
     }
     if (!html_form_get(body, blen, "reason", reason, 501))
         reason[0] = '\0';
+    if (!reason[0] && strcmp(action, "redrive") != 0) {
+        html_page_start(b, "refused", "groups");
+        html_raw(b, "<h1>Refused</h1><p>a discard or an archive needs a reason</p>");
+        html_page_end(b);
+        return MHD_HTTP_BAD_REQUEST;
+    }
+    /* At most what the dry run showed: parks that joined the group since
+     * wait for another confirmation. */
+    if (!html_form_get(body, blen, "expect", expect, sizeof expect) ||
+        (at_most = atol(expect)) <= 0 || at_most > 1000000000L) {
+        html_page_start(b, "refused", "groups");
+        html_raw(b, "<h1>Refused</h1><p>the form lacks the count it confirmed</p>");
+        html_page_end(b);
+        return MHD_HTTP_BAD_REQUEST;
+    }
     snprintf(who, sizeof who, "console:%s", actor);
     html_page_start(b, "done", "groups");
     html_raw(b, "<h1>");
@@ -722,7 +741,8 @@ static unsigned page_act(struct console *k, const char *body, size_t blen, struc
     html_raw(b, " group <code>");
     html_text(b, group);
     html_raw(b, "</code></h1>");
-    text = run_action(k, action, group, reason[0] ? reason : NULL, who, false, &rc, &len);
+    text = run_action(k, action, group, reason[0] ? reason : NULL, who, false, at_most, &rc,
+                      &len);
     log_info("console: %s of group %s by %s: code %d", action, group, who, rc);
     html_printf(b, "<p class=\"%s\" id=\"act-result\">%s</p>", rc ? "bad" : "ok",
                 rc == 0 ? "done" : rc == 2 ? "refused (see below)" : "failed part-way or did "
