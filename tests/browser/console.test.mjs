@@ -55,6 +55,13 @@ try {
   check((await page.textContent('#probe-live')) === 'live', 'the overview shows the live probe');
   await page.goto(URL + '/groups');
   check((await page.textContent('#groups')).includes(GROUP), 'the groups page lists the group');
+  await page.goto(URL + '/parked?group=' + GROUP);
+  check((await page.textContent('#parked-total')) === `${EXPECT} open parks match`,
+        'the parked list filters by group');
+  check((await page.$$('#parked tr')).length === EXPECT + 1, 'one row per park');
+  await page.goto(URL + '/parked?group=' + GROUP + '&page=1');
+  check((await page.$$('#parked tr')).length === 1 && (await page.$('a[rel=prev]')) !== null,
+        'page 2 is empty and links back');
 
   // The hostile key: text, never markup.
   for (const path of ['/key?k=' + encodeURIComponent(SCRIPT_KEY),

@@ -51,6 +51,10 @@ START_TEST(test_console_browser)
     pid_t pid;
     FILE *f;
 
+    ck_assert_msg(access(IDEMQ_SOURCE_DIR "/tests/browser/node_modules/playwright-core",
+                         R_OK) == 0 && access("/usr/bin/chromium", X_OK) == 0,
+                  "the browser test needs chromium and tests/browser/node_modules: run "
+                  "scripts/setup");
     snprintf(tokfile, sizeof tokfile, "/tmp/idemq-console-token-%d", (int)getpid());
     ck_assert_ptr_nonnull(f = fopen(tokfile, "w"));
     fprintf(f, "%s\n", TOKEN);
