@@ -134,6 +134,22 @@ try {
   check((await page.textContent('#act-output')).includes('recorded as operator action'),
         'it is recorded as an operator action');
 
+  // A discard of the hostile key's group: needs a reason, then recorded.
+  await page.goto(URL + '/groups');
+  await page.locator('#groups tr', { hasText: SCRIPT_KEY })
+    .locator('button', { hasText: 'discard' }).click();
+  await page.waitForSelector('#dry-count');
+  check((await page.textContent('#dry-count')).includes('1 open park'), 'the discard dry run counts 1 park');
+  check((await page.evaluate(() => document.querySelectorAll('script').length)) === 0,
+        'the dry run shows the hostile key as text');
+  await page.fill('input[name=actor]', 'browser-test');
+  await page.fill('input[name=reason]', 'hostile key');
+  await page.fill('input[name=token]', TOKEN);
+  await page.click('form[action="/act"] button');
+  await page.waitForSelector('#act-result');
+  check((await page.textContent('#act-result')) === 'done', 'the discard is done');
+  check((await page.textContent('#act-output')).includes('discarded 1 of 1 park'), 'it discarded the park');
+
   if (SHOTS) {
     const phone = await browser.newContext({
       viewport: { width: 390, height: 844 }, deviceScaleFactor: 1, isMobile: true });

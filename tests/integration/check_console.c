@@ -3,9 +3,10 @@
  * console.listen on real RabbitMQ and PostgreSQL, driven by headless
  * Chromium (tests/browser/console.test.mjs, playwright-core): every page,
  * a hostile key shown as text, cross-site and token-less POSTs refused, and
- * a group redrive confirmed after its dry run; then the ledger must show
- * the action recorded and the redriven keys applied. Plus plain HTTP checks
- * of what needs no browser (remote reads, 404, GET-only pages).
+ * a group redrive and a discard confirmed after their dry runs; then the
+ * ledger must show the actions recorded, the redriven keys applied once
+ * and the discarded park closed. Plus plain HTTP checks of what needs no
+ * browser (the viewport meta, 404, the stylesheet).
  */
 #include <check.h>
 
@@ -133,7 +134,19 @@ START_TEST(test_console_browser)
         usleep(100 * 1000);
     for (int i = 0; i < 3; i++)
         ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, a[i]), 1);
+    /* the hostile key's group discarded through the console */
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", hostile),
+                     0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.park_history WHERE key = $1 AND"
+                                    " resolution = 'discarded: hostile key' AND resolved_by ="
+                                    " 'console:browser-test'",
+                                hostile),
+                     1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.operator_action_keys k JOIN"
+                                    " idemq.operator_actions a ON a.id = k.action_id WHERE"
+                                    " k.key = $1 AND a.action = 'discard' AND k.outcome ="
+                                    " 'discarded'",
+                                hostile),
                      1);
     kill(pid, SIGTERM);
     ck_assert_int_ne(itest_wait(pid, itest_ms(15000)), -1);
