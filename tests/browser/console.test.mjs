@@ -49,6 +49,16 @@ try {
     check((await page.textContent('h1')).startsWith(h1), `${path} shows "${h1}"`);
     if (SHOTS) await page.screenshot({ path: `${SHOTS}/${name}-desktop.png`, fullPage: true });
   }
+  if (SHOTS) { // phone widths, before the actions change what the pages show
+    const phone = await browser.newContext({
+      viewport: { width: 390, height: 844 }, deviceScaleFactor: 1, isMobile: true });
+    const p = await phone.newPage();
+    for (const [name, path] of pages) {
+      await p.goto(URL + path);
+      await p.screenshot({ path: `${SHOTS}/${name}-phone.png`, fullPage: true });
+    }
+    await phone.close();
+  }
   check((await page.textContent('#story')).includes(KEY), 'the key page tells the key\'s story');
   await page.goto(URL + '/');
   check((await page.$$('#plot-throughput svg polyline')).length > 0, 'the overview plots throughput');
@@ -150,16 +160,6 @@ try {
   check((await page.textContent('#act-result')) === 'done', 'the discard is done');
   check((await page.textContent('#act-output')).includes('discarded 1 of 1 park'), 'it discarded the park');
 
-  if (SHOTS) {
-    const phone = await browser.newContext({
-      viewport: { width: 390, height: 844 }, deviceScaleFactor: 1, isMobile: true });
-    const p = await phone.newPage();
-    for (const [name, path] of pages) {
-      await p.goto(URL + path);
-      await p.screenshot({ path: `${SHOTS}/${name}-phone.png`, fullPage: true });
-    }
-    await phone.close();
-  }
 } catch (e) {
   failed++;
   console.log(`FAIL ${e.message}`);
