@@ -28,7 +28,7 @@ struct amqp_table_limits {
     size_t max_bytes;  /* bytes of names and string values over the table */
 };
 
-/* The defaults documented in the README's message contract. */
+/* The defaults documented in adapters/README.md "Message contract". */
 #define AMQP_TABLE_MAX_DEPTH 16
 #define AMQP_TABLE_MAX_FIELDS 1024
 #define AMQP_TABLE_MAX_BYTES (64 * 1024)

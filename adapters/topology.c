@@ -161,7 +161,7 @@ static void warn_legacy(const char *name, int broker_limit)
                  "quorum queue, without x-delivery-limit) by an older idemq: a delivery idemq "
                  "rejects would be dropped, and a quorum queue gets the broker's delivery limit "
                  "(RabbitMQ 4.x: 20, then dropped or dead-lettered); set them with a policy, "
-                 "see README \"Quorum delivery limits\"",
+                 "see adapters/README.md \"Quorum delivery limits\"",
                  name);
 }
 

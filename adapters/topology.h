@@ -59,7 +59,8 @@ long topology_bucket(long delay_ms);
  * Declares the input's work, delay and dead-letter objects (idempotent).
  * Quorum queues get x-delivery-limit (in->delivery_limit) and at-least-once
  * dead-lettering into <queue>.dlx. A queue declared earlier without those
- * arguments is accepted with a warning (a policy sets them; README).
+ * arguments is accepted with a warning (a policy sets them; adapters/README.md
+ * "Quorum delivery limits").
  * IDEMQ_ERR_BROKER with broker_error(b) naming the object on failure, e.g.
  * an existing queue with other arguments.
  */

@@ -212,9 +212,9 @@ static void md_print(FILE *out)
           "Unknown settings are errors, and every error names the file, the line and the\n"
           "setting. `IDEMQ_AMQP_URL` and `IDEMQ_PG_DSN` override `broker.url` and\n"
           "`database.dsn`. The sample `config/idemq.cfg` (installed as\n"
-          "`/etc/idemq/idemq.cfg`) shows every setting with its default; the README's\n"
-          "\"Configuration\" explains how they work together. The same reference is the\n"
-          "man page `idemq.cfg(5)`; the command line is `idemq(1)`.\n\n"
+          "`/etc/idemq/idemq.cfg`) shows every setting with its default;\n"
+          "[`config/README.md`](README.md) explains how they work together. The same\n"
+          "reference is the man page `idemq.cfg(5)`; the command line is `idemq(1)`.\n\n"
           "Defaults are written as libconfig literals. Ranges: integers, their values;\n"
           "strings, their length in bytes; lists, their number of entries.\n\n",
           out);
@@ -379,8 +379,8 @@ static void man_print(FILE *out, const char *version)
           "the sample configuration, every setting with its default\n"
           ".TP\n.I /etc/idemq/idemq.env\n"
           "environment of the systemd unit (mode 0600), for secrets\n"
-          ".TP\n.I /usr/share/doc/idemq/README.md\n"
-          "how the settings work together (\"Configuration\")\n"
+          ".TP\n.I /usr/share/doc/idemq/config.md\n"
+          "how the settings work together (config/README.md in the source)\n"
           ".SH SEE ALSO\n"
           "\\fBidemq\\fR(1)\n", out);
 }

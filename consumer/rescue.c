@@ -48,7 +48,7 @@ static long long interval_ms(struct rescue *r, const struct conf *c)
  * fanout work exchange cannot copy it elsewhere), with the retry's headers
  * (origin, attempt) and x-idemq-rescued. Not through the default exchange:
  * write on amq.default would let the run user publish into any queue of
- * the vhost (README "Roles and permissions"). Confirm pending. */
+ * the vhost (consumer/OPERATIONS.md "Roles and permissions"). Confirm pending. */
 static idemq_err_t publish_copy(struct broker *b, const struct conf *c,
                                 const struct ledger_rescue_copy *x)
 {

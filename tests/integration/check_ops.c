@@ -709,8 +709,8 @@ START_TEST(test_least_privilege)
     snprintf(pw, sizeof pw, "Lp-%lld", now_ms());
     snprintf(role, sizeof role, "%s_run", t.name);
 
-    /* RabbitMQ: read and write on the input's names (as the README shows
-     * it), no configure */
+    /* RabbitMQ: read and write on the input's names (as consumer/OPERATIONS.md
+     * "Roles and permissions" shows it), no configure */
     snprintf(path, sizeof path, "users/%s", user);
     snprintf(json, sizeof json, "{\"password\":\"%s\",\"tags\":\"\"}", pw);
     ck_assert_int_lt(mgmt("PUT", path, json), 300);

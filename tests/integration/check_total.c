@@ -205,7 +205,7 @@ START_TEST(test_deep_and_large_headers)
     const struct conf_input *in;
     const char *server = getenv("IDEMQ_SERVER_RABBITMQ");
     if (server && strncmp(server, "4.", 2) == 0) {
-        /* Open defect on RabbitMQ 4.0 (README "RabbitMQ versions"): half of
+        /* Open defect on RabbitMQ 4.0 (adapters/README.md "RabbitMQ versions"): half of
          * the jobs published behind 17,000-deep headers stay unacknowledged
          * on the worker's connection; the cause is not found yet. */
         fprintf(stderr, "test_deep_and_large_headers: SKIPPED on RabbitMQ %s (open defect)\n",
@@ -1635,8 +1635,8 @@ static bool may_publish(struct itest *t, const char *ex, const char *rk)
 }
 
 /*
- * The README's least-privilege RabbitMQ users: `run` may publish only to
- * its inputs' delay and dead-letter exchanges and consume only its input
+ * The least-privilege RabbitMQ users of consumer/OPERATIONS.md: `run` may
+ * publish only to its inputs' delay and dead-letter exchanges and consume only its input
  * queues (no amq.default: that reaches every queue of the vhost); the
  * operator user of `idemq redrive` / `parked list` reads <queue>.dead and
  * publishes through amq.default. Under them: a job applies, one retries,
@@ -1666,7 +1666,7 @@ START_TEST(test_broker_least_privilege)
     ck_assert_int_eq(broker_open(t.conf, "itest other", false, &b, err, sizeof err), IDEMQ_OK);
     ck_assert_int_eq(broker_admin_declare_queue(b, other, NULL, false), IDEMQ_OK);
     broker_close(b);
-    /* exactly as README "Roles and permissions" writes them (queue idemq.payouts there) */
+    /* exactly as consumer/OPERATIONS.md "Roles and permissions" writes them (queue idemq.payouts there) */
     ctl("add_user %s %s", run_user, pw);
     ctl("set_permissions -p / %s '^$' '^%s\\.(retry|dlx)$' '^%s$'", run_user, t.name, t.name);
     ctl("add_user %s %s", op_user, pw);

@@ -2,7 +2,8 @@
  * idemq-test-provider: a small payments API on libmicrohttpd that behaves
  * like an idempotent provider (Stripe, Adyen style), for idemq's tests and
  * demo. It owns charges, idempotency keys and the fault switches; it is a
- * test tool, not part of the daemon (README: "The test provider").
+ * test tool, not part of the daemon (adapters/README.md "The test
+ * provider").
  *
  *   POST /charges                   create a charge; Idempotency-Key dedupes
  *   GET  /charges/by-idempotency-key/KEY   the charge of a key (404, 409 in progress)

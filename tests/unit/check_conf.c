@@ -108,7 +108,7 @@ START_TEST(test_defaults_and_derived)
     ck_assert_str_eq(c->tls_key_file, "/x/c.key");
     ck_assert_int_eq(c->live_stall_s, 3);
     ck_assert_int_eq(c->inputs[0].delivery_limit, 10);
-    /* the ledger's windows (README "Retention") */
+    /* the ledger's windows (ledger/README.md "Retention") */
     ck_assert(c->dedup_window_days == 400.0);
     ck_assert(c->history_hot_days == 90.0);
     ck_assert(c->history_retention_days == 400.0);
