@@ -96,6 +96,15 @@ static const struct conf_key global_keys[] = {
     {"metrics.listen", CT_STR, G(metrics_listen), 0, 64, "", 0, 0,
      "numeric IPv4:port (e.g. 127.0.0.1:9187; 0.0.0.0:PORT = every address) for GET "
      "/metrics, /ready and /live of `idemq run`; empty = off"},
+    /* the web console (issue 20, consumer/console.h) */
+    {"console.listen", CT_STR, G(console_listen), 0, 64, "", 0, 0,
+     "numeric IPv4:port (e.g. 127.0.0.1:9188) of the web console of `idemq run`; empty = "
+     "off. Loopback clients read without a secret; other addresses need the token"},
+    {"console.token_file", CT_STR, G(console_token_file), 0, 4096, "", 0, 0,
+     "file holding the secret that every console action (and reading from a non-loopback "
+     "address) needs; empty = a read-only console, loopback only"},
+    {"console.statement_timeout_ms", CT_INT, G(console_statement_timeout_ms), 100, 600000, NULL,
+     5000, 0, "statement_timeout of the console's own database sessions"},
     {"log.level", CT_STR, G(log_level), 1, 10, "info", 0, 0, "error, warn, info or debug"},
     /* operations (issue 11): TLS, least privilege, logs, liveness */
     {"broker.tls.ca_file", CT_STR, G(tls_ca_file), 0, 4096, "/etc/ssl/certs/ca-certificates.crt",
@@ -1149,6 +1158,20 @@ static idemq_err_t validate_ops(struct conf *c, const char *file, char *errbuf, 
             return IDEMQ_ERR_CONFIG;
         }
     }
+    if (c->console_listen[0]) {
+        char ip[16];
+        int port;
+        if (!conf_listen_parse(c->console_listen, ip, &port)) {
+            errf(errbuf, errlen, "%s: console.listen \"%s\" must be IPv4:port with a numeric "
+                 "address, e.g. 127.0.0.1:9188; empty = off", file, c->console_listen);
+            return IDEMQ_ERR_CONFIG;
+        }
+        if (strcmp(c->console_listen, c->metrics_listen) == 0) {
+            errf(errbuf, errlen, "%s: console.listen and metrics.listen must differ (%s)", file,
+                 c->console_listen);
+            return IDEMQ_ERR_CONFIG;
+        }
+    }
     if (strcmp(c->log_format, "text") && strcmp(c->log_format, "json")) {
         errf(errbuf, errlen, "%s: log.format must be \"text\" or \"json\", not \"%s\"", file,
              c->log_format);
@@ -1212,9 +1235,10 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
         if (config_setting_type(s) != CONFIG_TYPE_GROUP ||
             (strcmp(name, "broker") && strcmp(name, "database") && strcmp(name, "consumer") &&
              strcmp(name, "retry") && strcmp(name, "metrics") && strcmp(name, "log") &&
-             strcmp(name, "topology") && strcmp(name, "ledger") && strcmp(name, "outbox"))) {
+             strcmp(name, "topology") && strcmp(name, "ledger") && strcmp(name, "outbox") &&
+             strcmp(name, "console"))) {
             errf(errbuf, errlen, "%s:%d: unknown setting %s (top level holds broker, database, "
-                 "consumer, retry, metrics, log, topology, ledger, outbox and inputs)", file,
+                 "consumer, retry, metrics, log, topology, ledger, outbox, console and inputs)", file,
                  config_setting_source_line(s), name);
             err = IDEMQ_ERR_CONFIG;
             goto fail;

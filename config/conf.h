@@ -152,6 +152,10 @@ struct conf {
     struct classify_rules rules; /* derived from the two lists */
     /* metrics */
     char *metrics_listen;
+    /* the web console (issue 20) */
+    char *console_listen;            /* "" = off */
+    char *console_token_file;        /* "" = read-only */
+    int console_statement_timeout_ms;
     /* log */
     char *log_level;
     /* operations (issue 11) */

@@ -57,20 +57,27 @@ static int queue_of(const struct conf *c, const char *input, char *queue, size_t
     return 0;
 }
 
-/* The open parks a selection covers: $1 key, $2 class, $3 since, $4 queue,
- * $5 group (each NULL = any). */
-#define GROUPS_FROM                                                                          \
-    " FROM (SELECT p.*, idemq.park_group(p.source_queue, p.error_class, p.error_code,"     \
-    "  p.sqlstate, p.reason, p.key) AS g, idemq.mask_reason(p.reason, p.key) AS m"          \
-    "  FROM idemq.parked p) x"                                                              \
-    " WHERE ($1::text IS NULL OR key = $1) AND ($2::text IS NULL OR error_class = $2)"      \
-    " AND ($3::timestamptz IS NULL OR parked_at >= $3) AND ($4::text IS NULL OR"            \
-    " source_queue = $4) AND ($5::text IS NULL OR g = $5)"
+PGresult *groups_select(PGconn *db, const char *key, const char *error_class, const char *since,
+                        const char *queue, long limit)
+{
+    char lim[24];
+    const char *params[6] = {key, error_class, since, queue, NULL, lim};
+    snprintf(lim, sizeof lim, "%ld", limit > 0 ? limit : 1000000000L);
+    return PQexecParams(db,
+                        "SELECT g, count(*), min(parked_at), max(parked_at),"
+                        " (array_agg(key ORDER BY id) FILTER (WHERE key IS NOT NULL))[1],"
+                        " (array_agg(key ORDER BY id) FILTER (WHERE key IS NOT NULL))[2],"
+                        " (array_agg(key ORDER BY id) FILTER (WHERE key IS NOT NULL))[3],"
+                        " count(*) FILTER (WHERE redrivable), source_queue, error_class,"
+                        " error_code, coalesce(sqlstate, '-'), m, count(DISTINCT key)" GROUPS_FROM
+                        " GROUP BY g, source_queue, error_class, error_code, sqlstate, m"
+                        " ORDER BY count(*) DESC, g LIMIT $6::bigint",
+                        6, NULL, params, NULL, NULL, 0);
+}
 
 int groups_list(const struct conf *c, const struct ops_filter *f, FILE *out)
 {
-    char queue[300], limit[24], b1[512], b2[512], b3[512], b4[1024];
-    const char *params[6];
+    char queue[300], b1[512], b2[512], b3[512], b4[1024];
     PGconn *db;
     PGresult *r;
     long parks = 0;
@@ -80,23 +87,7 @@ int groups_list(const struct conf *c, const struct ops_filter *f, FILE *out)
         return 2;
     if (!(db = ops_connect(c, "idemq parked groups", c->statement_timeout_ms)))
         return 4;
-    snprintf(limit, sizeof limit, "%ld", f->limit > 0 ? f->limit : 1000000000L);
-    params[0] = f->key;
-    params[1] = f->error_class;
-    params[2] = f->since;
-    params[3] = queue[0] ? queue : NULL;
-    params[4] = NULL;
-    params[5] = limit;
-    r = PQexecParams(db,
-                     "SELECT g, count(*), min(parked_at), max(parked_at),"
-                     " (array_agg(key ORDER BY id) FILTER (WHERE key IS NOT NULL))[1],"
-                     " (array_agg(key ORDER BY id) FILTER (WHERE key IS NOT NULL))[2],"
-                     " (array_agg(key ORDER BY id) FILTER (WHERE key IS NOT NULL))[3],"
-                     " count(*) FILTER (WHERE redrivable), source_queue, error_class,"
-                     " error_code, coalesce(sqlstate, '-'), m, count(DISTINCT key)" GROUPS_FROM
-                     " GROUP BY g, source_queue, error_class, error_code, sqlstate, m"
-                     " ORDER BY count(*) DESC, g LIMIT $6::bigint",
-                     6, NULL, params, NULL, NULL, 0);
+    r = groups_select(db, f->key, f->error_class, f->since, queue[0] ? queue : NULL, f->limit);
     if (PQresultStatus(r) != PGRES_TUPLES_OK) {
         log_error("cannot group parked messages: %s", PQerrorMessage(db));
         rc = PQstatus(db) == CONNECTION_OK ? 2 : 4;

@@ -21,6 +21,28 @@
 /* Default pace of an action, in parks per second (--rate N). */
 #define GROUPS_DEFAULT_RATE 1000.0
 
+/* The open parks a selection covers, as SQL text after a select list (each
+ * row is a park of idemq.parked with g = its group id and m = its masked
+ * reason): $1 key, $2 class, $3 since, $4 queue, $5 group (each NULL = any). */
+#define GROUPS_FROM                                                                          \
+    " FROM (SELECT p.*, idemq.park_group(p.source_queue, p.error_class, p.error_code,"     \
+    "  p.sqlstate, p.reason, p.key) AS g, idemq.mask_reason(p.reason, p.key) AS m"          \
+    "  FROM idemq.parked p) x"                                                              \
+    " WHERE ($1::text IS NULL OR key = $1) AND ($2::text IS NULL OR error_class = $2)"      \
+    " AND ($3::timestamptz IS NULL OR parked_at >= $3) AND ($4::text IS NULL OR"            \
+    " source_queue = $4) AND ($5::text IS NULL OR g = $5)"
+
+/*
+ * The failure groups of the open parks matching key, error_class, since
+ * and queue (each NULL = any), at most limit (0 = all), largest first. The
+ * result (the caller PQclears it, also on error) has the columns: 0 group
+ * id, 1 count, 2 first park, 3 last park, 4-6 up to 3 sample keys (NULL),
+ * 7 how many are redrivable, 8 source queue, 9 class, 10 code, 11 SQLSTATE
+ * ('-'), 12 masked reason, 13 distinct keys. Any thread owning db.
+ */
+PGresult *groups_select(PGconn *db, const char *key, const char *error_class, const char *since,
+                        const char *queue, long limit);
+
 /*
  * Prints the failure groups of the open parks matching f (input, key,
  * class, since; limit = at most that many groups), largest first: id,

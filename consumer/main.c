@@ -22,6 +22,7 @@
 #include "rate_gate.h"
 #include "run_report.h"
 #include "gauges.h"
+#include "console.h"
 #include "metrics.h"
 #include "sdnotify.h"
 #include "observe.h"
@@ -452,6 +453,7 @@ static int cmd_run(const struct conf *c, long until_idle_s)
     struct worker *ws;
     struct rate_gate *gate = NULL;
     struct metrics_server *metrics = NULL;
+    struct console *console = NULL;
     struct gauges *gauges = NULL;
     struct sdnotify *notify = NULL;
     long applied = 0, dups = 0, parked = 0, retried = 0, received = 0, from_ledger = 0,
@@ -505,6 +507,13 @@ static int cmd_run(const struct conf *c, long until_idle_s)
             log_info("metrics, readiness and liveness on http://%s/metrics, /ready and /live",
                      c->metrics_listen);
     }
+    if (c->console_listen[0]) { /* issue 20: the web console */
+        char err[256];
+        if (console_start(c, ws, c->workers, gauges, &console, err, sizeof err))
+            log_error("%s (running without the console)", err);
+        else
+            log_info("web console on http://%s/", c->console_listen);
+    }
     {
         char err[256];
         if (sdnotify_start(c, ws, c->workers, &notify, err, sizeof err))
@@ -535,6 +544,7 @@ static int cmd_run(const struct conf *c, long until_idle_s)
     }
     observe_log_summary(c); /* observe-mode inputs (issue 20) */
     run_report_log(ws, c->workers);
+    console_stop(console);
     metrics_stop(metrics);
     gauges_stop(gauges);
     for (int i = 0; i < c->workers; i++)

@@ -287,6 +287,53 @@ START_TEST(test_metrics_listen)
 }
 END_TEST
 
+/* console (issue 20): off by default, the same listen rule, never the
+ * metrics address; the sample config has it on loopback. */
+START_TEST(test_console_listen)
+{
+    static const char *const cases[][2] = {
+        {"console: { listen = \"127.0.0.1:9188\"; token_file = \"/t\"; };", NULL},
+        {"console: { listen = \"localhost:9188\"; };", "console.listen"},
+        {"console: { listen = \"127.0.0.1:0\"; };", "console.listen"},
+        {"console: { statement_timeout_ms = 10; };", "console.statement_timeout_ms"},
+        {"console: { colour = 1; };", "colour"},
+        {"metrics: { listen = \"127.0.0.1:9187\"; };\n"
+         "console: { listen = \"127.0.0.1:9187\"; };", "must differ"},
+    };
+    char text[512], err[1024];
+    struct conf *c = NULL;
+
+    unsetenv("IDEMQ_AMQP_URL");
+    unsetenv("IDEMQ_PG_DSN");
+    ck_assert(conf_load_string("inputs = ( { name = \"a\"; queue = \"q\"; effect_function = "
+                               "\"public.f\"; } );", &c, err, sizeof err) == IDEMQ_OK);
+    ck_assert_str_eq(c->console_listen, "");
+    ck_assert_str_eq(c->console_token_file, "");
+    ck_assert_int_eq(c->console_statement_timeout_ms, 5000);
+    conf_free(c);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        snprintf(text, sizeof text,
+                 "%s\ninputs = ( { name = \"a\"; queue = \"q\"; effect_function = "
+                 "\"public.f\"; } );", cases[i][0]);
+        c = NULL;
+        err[0] = '\0';
+        if (!cases[i][1]) {
+            ck_assert_msg(conf_load_string(text, &c, err, sizeof err) == IDEMQ_OK, "%s", err);
+            ck_assert_str_eq(c->console_listen, "127.0.0.1:9188");
+            ck_assert_str_eq(c->console_token_file, "/t");
+            conf_free(c);
+        } else {
+            ck_assert_msg(conf_load_string(text, &c, err, sizeof err) == IDEMQ_ERR_CONFIG,
+                          "accepted: %s", cases[i][0]);
+            ck_assert_msg(strstr(err, cases[i][1]) != NULL, "%s", err);
+        }
+    }
+    ck_assert(conf_load(IDEMQ_SOURCE_DIR "/config/idemq.cfg", &c, err, sizeof err) == IDEMQ_OK);
+    ck_assert_str_eq(c->console_listen, "127.0.0.1:9188");
+    conf_free(c);
+}
+END_TEST
+
 /* The binary agrees: check-config and run both exit 3 on ":PORT", naming
  * metrics.listen (run before it connects anywhere). */
 START_TEST(test_metrics_listen_run)
@@ -571,6 +618,7 @@ int main(void)
     tcase_add_test(tc, test_redact);
     tcase_add_test(tc, test_redact_blanks_and_provider_url);
     tcase_add_test(tc, test_metrics_listen);
+    tcase_add_test(tc, test_console_listen);
     tcase_add_test(tc, test_metrics_listen_run);
     tcase_add_test(tc, test_print_roundtrip);
     tcase_add_test(tc, test_sample_documents_every_key);

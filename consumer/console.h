@@ -1,0 +1,43 @@
+/*
+ * console: the web console of `idemq run` (issue 20), on console.listen,
+ * its own libmicrohttpd server and thread, apart from /metrics. Pages:
+ * overview (throughput and commit time over the last hour as SVG plots
+ * read from the ledger, queue, dead-letter and outbox depth, parked by
+ * group, probe states), failure groups with their actions, the parked list
+ * with filters and paging, and a key's story (`idemq jobs show`). Actions
+ * (redrive, discard, archive by group) are groups_act of groups.h: a POST
+ * guarded against cross-site requests (Origin / Sec-Fetch-Site and a
+ * one-time form token), confirmed after a dry run, and authorised by the
+ * secret of console.token_file; each is recorded like the CLI's.
+ *
+ * The server's one thread owns the console's PostgreSQL session (bounded by
+ * console.statement_timeout_ms); no page touches a worker's session.
+ * Everything stored is shown through html_text (html.h).
+ *
+ * API: console_start -> console_stop.
+ */
+#ifndef IDEMQ_CONSOLE_H
+#define IDEMQ_CONSOLE_H
+
+#include "conf.h"
+#include "gauges.h"
+#include "idemq_err.h"
+#include "worker.h"
+
+struct console;
+
+/*
+ * Starts the console on c->console_listen for workers ws[0..n) and the
+ * gauges g (NULL = none; all must outlive it). Reads console.token_file
+ * (when set) now. Returns IDEMQ_OK and *out (stop with console_stop), or
+ * IDEMQ_ERR_CONFIG (bad address, port taken, unreadable or empty token
+ * file) / IDEMQ_ERR_NOMEM with errbuf set. Main thread.
+ */
+idemq_err_t console_start(const struct conf *c, struct worker *ws, int n, struct gauges *g,
+                          struct console **out, char *errbuf, size_t errlen) IDEMQ_MUSTCHECK;
+
+/* Stops the server (waits for the request in progress) and frees it. NULL
+ * is fine. Main thread. */
+void console_stop(struct console *k);
+
+#endif

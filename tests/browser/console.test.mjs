@@ -1,0 +1,170 @@
+// The web console in a real browser (issue 20): Debian's chromium driven by
+// playwright-core, against the idemq that tests/integration/check_console.c
+// started on real servers. It loads every page, checks that a hostile key
+// is shown as text, that a POST from another origin, without the form token
+// or without the console token is refused, runs a group redrive (dry-run
+// confirmation, then the action) and saves screenshots at desktop and phone
+// widths. Prints "N passed, N failed"; exits 1 on any failure.
+//
+// Environment: CONSOLE_URL (http://127.0.0.1:PORT), CONSOLE_TOKEN,
+// CONSOLE_GROUP (the group to redrive, of CONSOLE_EXPECT parks),
+// CONSOLE_KEY (a key of that group), CONSOLE_SCRIPT_KEY (the hostile key),
+// SHOTS_DIR (optional: where the PNGs go).
+import { chromium } from 'playwright-core';
+import { mkdirSync } from 'node:fs';
+
+const env = (k) => {
+  if (!process.env[k]) { console.error(`console.test: ${k} is not set`); process.exit(2); }
+  return process.env[k];
+};
+const URL = env('CONSOLE_URL'), TOKEN = env('CONSOLE_TOKEN'), GROUP = env('CONSOLE_GROUP');
+const KEY = env('CONSOLE_KEY'), SCRIPT_KEY = env('CONSOLE_SCRIPT_KEY');
+const EXPECT = Number(process.env.CONSOLE_EXPECT || '3');
+const SHOTS = process.env.SHOTS_DIR || '';
+let passed = 0, failed = 0;
+const check = (ok, what) => {
+  if (ok) { passed++; console.log(`ok   ${what}`); } else { failed++; console.log(`FAIL ${what}`); }
+};
+
+const browser = await chromium.launch({
+  executablePath: process.env.CHROMIUM || '/usr/bin/chromium',
+  args: ['--no-sandbox', '--disable-gpu', '--disable-dev-shm-usage'],
+});
+const dialogs = [];
+try {
+  const ctx = await browser.newContext({ viewport: { width: 1280, height: 900 } });
+  const page = await ctx.newPage();
+  page.on('dialog', async (d) => { dialogs.push(d.message()); await d.dismiss(); });
+  page.setDefaultTimeout(15000);
+  if (SHOTS) mkdirSync(SHOTS, { recursive: true });
+  const pages = [
+    ['overview', '/', 'Overview'],
+    ['groups', '/groups', 'Failure groups'],
+    ['parked', '/parked', 'Parked messages'],
+    ['key', '/key?k=' + encodeURIComponent(KEY), 'Key'],
+  ];
+  for (const [name, path, h1] of pages) {
+    const r = await page.goto(URL + path);
+    check(r.status() === 200, `GET ${path} answers 200 (${r.status()})`);
+    check((await page.textContent('h1')).startsWith(h1), `${path} shows "${h1}"`);
+    if (SHOTS) await page.screenshot({ path: `${SHOTS}/${name}-desktop.png`, fullPage: true });
+  }
+  if (SHOTS) { // phone widths, before the actions change what the pages show
+    const phone = await browser.newContext({
+      viewport: { width: 390, height: 844 }, deviceScaleFactor: 1, isMobile: true });
+    const p = await phone.newPage();
+    for (const [name, path] of pages) {
+      await p.goto(URL + path);
+      await p.screenshot({ path: `${SHOTS}/${name}-phone.png`, fullPage: true });
+    }
+    await phone.close();
+  }
+  check((await page.textContent('#story')).includes(KEY), 'the key page tells the key\'s story');
+  await page.goto(URL + '/');
+  check((await page.$$('#plot-throughput svg polyline')).length > 0, 'the overview plots throughput');
+  check((await page.textContent('#probe-live')) === 'live', 'the overview shows the live probe');
+  await page.goto(URL + '/groups');
+  check((await page.textContent('#groups')).includes(GROUP), 'the groups page lists the group');
+  await page.goto(URL + '/parked?group=' + GROUP);
+  check((await page.textContent('#parked-total')) === `${EXPECT} open parks match`,
+        'the parked list filters by group');
+  check((await page.$$('#parked tr')).length === EXPECT + 1, 'one row per park');
+  await page.goto(URL + '/parked?group=' + GROUP + '&page=1');
+  check((await page.$$('#parked tr')).length === 1 && (await page.$('a[rel=prev]')) !== null,
+        'page 2 is empty and links back');
+
+  // The hostile key: text, never markup.
+  for (const path of ['/key?k=' + encodeURIComponent(SCRIPT_KEY),
+                      '/parked?key=' + encodeURIComponent(SCRIPT_KEY)]) {
+    await page.goto(URL + path);
+    const scripts = await page.evaluate(() => document.querySelectorAll('script').length);
+    check(scripts === 0, `${path.slice(0, 7)}: no <script> element in the DOM`);
+    const html = await page.content();
+    check(!html.includes('<script>alert(1)</script>'), `${path.slice(0, 7)}: no unescaped tag`);
+    check((await page.textContent('body')).includes(SCRIPT_KEY), `${path.slice(0, 7)}: the key shown as text`);
+  }
+  await page.waitForTimeout(200);
+  check(dialogs.length === 0, `no script ran (dialogs: ${dialogs.length})`);
+
+  // Cross-site and token-less POSTs are refused.
+  const req = ctx.request;
+  await page.goto(URL + '/groups');
+  const csrf = await page.inputValue('#groups input[name=csrf]');
+  let r = await req.post(URL + '/confirm', {
+    headers: { Origin: 'http://evil.example' }, maxRedirects: 0,
+    form: { csrf, action: 'redrive', group: GROUP },
+  });
+  check(r.status() === 403, `a POST from a foreign Origin is refused (${r.status()})`);
+  r = await req.post(URL + '/confirm', {
+    headers: { Origin: URL, 'Sec-Fetch-Site': 'cross-site' },
+    form: { csrf, action: 'redrive', group: GROUP },
+  });
+  check(r.status() === 403, `a POST with Sec-Fetch-Site cross-site is refused (${r.status()})`);
+  r = await req.post(URL + '/confirm', {
+    headers: { Origin: URL }, form: { csrf: '0'.repeat(32), action: 'redrive', group: GROUP },
+  });
+  check(r.status() === 403, `a POST without a valid form token is refused (${r.status()})`);
+
+  // The confirmation, then the action without the token: refused.
+  const openConfirm = async () => {
+    await page.goto(URL + '/groups');
+    const row = page.locator('#groups tr', { hasText: GROUP });
+    await row.locator('button', { hasText: 'redrive' }).click();
+    await page.waitForSelector('#dry-count');
+  };
+  await openConfirm();
+  check((await page.textContent('#dry-count')).includes(`${EXPECT} open park`),
+        `the dry run counts ${EXPECT} parks`);
+  check((await page.textContent('#dry-run')).includes(`would redrive ${EXPECT} messages`),
+        'the dry run shows what would move');
+  if (SHOTS) {
+    await page.screenshot({ path: `${SHOTS}/confirm-desktop.png`, fullPage: true });
+  }
+  const csrf2 = await page.inputValue('form[action="/act"] input[name=csrf]');
+  r = await req.post(URL + '/act', {
+    headers: { Origin: URL }, form: { csrf: csrf2, action: 'redrive', group: GROUP, actor: 'x' },
+  });
+  check(r.status() === 400, `an action without the token is refused (${r.status()})`);
+  await openConfirm();
+  await page.fill('input[name=actor]', 'browser-test');
+  await page.fill('input[name=token]', 'not-the-token');
+  await page.click('form[action="/act"] button');
+  check((await page.textContent('h1')) === 'Refused', 'an action with a wrong token is refused');
+
+  // The group redrive, end to end.
+  await openConfirm();
+  await page.fill('input[name=actor]', 'browser-test');
+  await page.fill('input[name=reason]', 'fixed the limit');
+  await page.fill('input[name=token]', TOKEN);
+  await page.click('form[action="/act"] button');
+  await page.waitForSelector('#act-result');
+  check((await page.textContent('#act-result')) === 'done', 'the redrive is done');
+  check((await page.textContent('#act-output')).includes(`redrove ${EXPECT} messages`),
+        `it redrove ${EXPECT} messages`);
+  check((await page.textContent('#act-output')).includes('recorded as operator action'),
+        'it is recorded as an operator action');
+
+  // A discard of the hostile key's group: needs a reason, then recorded.
+  await page.goto(URL + '/groups');
+  await page.locator('#groups tr', { hasText: SCRIPT_KEY })
+    .locator('button', { hasText: 'discard' }).click();
+  await page.waitForSelector('#dry-count');
+  check((await page.textContent('#dry-count')).includes('1 open park'), 'the discard dry run counts 1 park');
+  check((await page.evaluate(() => document.querySelectorAll('script').length)) === 0,
+        'the dry run shows the hostile key as text');
+  await page.fill('input[name=actor]', 'browser-test');
+  await page.fill('input[name=reason]', 'hostile key');
+  await page.fill('input[name=token]', TOKEN);
+  await page.click('form[action="/act"] button');
+  await page.waitForSelector('#act-result');
+  check((await page.textContent('#act-result')) === 'done', 'the discard is done');
+  check((await page.textContent('#act-output')).includes('discarded 1 of 1 park'), 'it discarded the park');
+
+} catch (e) {
+  failed++;
+  console.log(`FAIL ${e.message}`);
+} finally {
+  await browser.close();
+}
+console.log(`${passed} passed, ${failed} failed`);
+process.exit(failed ? 1 : 0);

@@ -1,0 +1,168 @@
+/*
+ * Integration test of the web console (issue 20): a real `idemq run` with
+ * console.listen on real RabbitMQ and PostgreSQL, driven by headless
+ * Chromium (tests/browser/console.test.mjs, playwright-core): every page,
+ * a hostile key shown as text, cross-site and token-less POSTs refused, and
+ * a group redrive and a discard confirmed after their dry runs; then the
+ * ledger must show the actions recorded, the redriven keys applied once
+ * and the discarded park closed. Plus plain HTTP checks of what needs no
+ * browser (the viewport meta, 404, the stylesheet).
+ */
+#include <check.h>
+
+#include "check_run.h"
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "itest.h"
+
+#define EFFECTS_FOR "SELECT count(*) FROM idemq_test.effects WHERE key = $1"
+#define TOKEN "console-test-token-4f1c"
+
+static const char *effect_sql =
+    "CREATE TABLE IF NOT EXISTS idemq_test.console_broken (test text PRIMARY KEY);"
+    "CREATE OR REPLACE FUNCTION idemq_test.console_effect(p_key text, p_payload jsonb,"
+    " p_meta jsonb) RETURNS jsonb LANGUAGE plpgsql AS $fn$ BEGIN"
+    " IF EXISTS (SELECT 1 FROM idemq_test.console_broken b WHERE b.test = p_payload->>'test')"
+    " THEN RAISE EXCEPTION 'order % rejected: limit %', p_payload->>'order',"
+    " p_payload->>'limit' USING ERRCODE = '22023';"
+    " END IF; RETURN idemq_test.record(p_key, p_payload, p_meta); END $fn$;";
+
+static long long mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+START_TEST(test_console_browser)
+{
+    struct itest t;
+    char extra[1024], tokfile[256], url[128], body[512], sql[512], a[3][160], hostile[200];
+    char group[16], cmd[4096], page[65536];
+    const char *bodies[1] = {body};
+    const char *shots = getenv("IDEMQ_CONSOLE_SHOTS");
+    int port = itest_free_port(), rc;
+    long long deadline;
+    pid_t pid;
+    FILE *f;
+
+    ck_assert_msg(access(IDEMQ_SOURCE_DIR "/tests/browser/node_modules/playwright-core",
+                         R_OK) == 0 && access("/usr/bin/chromium", X_OK) == 0,
+                  "the browser test needs chromium and tests/browser/node_modules: run "
+                  "scripts/setup");
+    snprintf(tokfile, sizeof tokfile, "/tmp/idemq-console-token-%d", (int)getpid());
+    ck_assert_ptr_nonnull(f = fopen(tokfile, "w"));
+    fprintf(f, "%s\n", TOKEN);
+    fclose(f);
+    snprintf(extra, sizeof extra,
+             "console: { listen = \"127.0.0.1:%d\"; token_file = \"%s\"; "
+             "statement_timeout_ms = 3000; };",
+             port, tokfile);
+    itest_extra_conf = extra;
+    itest_setup(&t, "console", "idemq_test.console_effect", "", "");
+    itest_sql(&t, effect_sql);
+    snprintf(sql, sizeof sql, "INSERT INTO idemq_test.console_broken VALUES ('%s')", t.name);
+    itest_sql(&t, sql);
+    for (int i = 0; i < 3; i++) { /* one failure group of three keys */
+        snprintf(a[i], sizeof a[i], "%s:a%d", t.name, i);
+        snprintf(body, sizeof body,
+                 "{\"job_id\":\"%s\",\"test\":\"%s\",\"order\":%d,\"limit\":%d}", a[i],
+                 t.name, 1001 + i * 17, 500 + i * 250);
+        itest_publish(&t, bodies, 1);
+    }
+    /* a hostile key, parked in a group of its own */
+    snprintf(hostile, sizeof hostile, "%s:<script>alert(1)</script>\"'&", t.name);
+    snprintf(body, sizeof body,
+             "{\"job_id\":\"%s:<script>alert(1)</script>\\\"'&\",\"raise\":\"22023\"}", t.name);
+    itest_publish(&t, bodies, 1);
+    itest_run_until_idle(&t, 2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE source_queue = $1",
+                                t.name),
+                     4);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", hostile),
+                     1);
+    itest_text(&t,
+               "SELECT idemq.park_group(source_queue, error_class, error_code, sqlstate, reason,"
+               " key) FROM idemq.parked WHERE key = $1",
+               a[0], group, sizeof group);
+    /* the cause fixed; the daemon runs with its console */
+    snprintf(sql, sizeof sql, "DELETE FROM idemq_test.console_broken WHERE test = '%s'", t.name);
+    itest_sql(&t, sql);
+    pid = itest_spawn(&t, t.cfg_path, 120, NULL);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d", port);
+    deadline = mono_ms() + itest_ms(15000);
+    snprintf(cmd, sizeof cmd, "%s/", url);
+    while (itest_http_get(cmd, page, sizeof page) != 200 && mono_ms() < deadline)
+        usleep(100 * 1000);
+    ck_assert_int_eq(itest_http_get(cmd, page, sizeof page), 200);
+    ck_assert_msg(strstr(page, "name=\"viewport\"") != NULL, "%s", page);
+    snprintf(cmd, sizeof cmd, "%s/nope", url);
+    ck_assert_int_eq(itest_http_get(cmd, page, sizeof page), 404);
+    snprintf(cmd, sizeof cmd, "%s/console.css", url);
+    ck_assert_int_eq(itest_http_get(cmd, page, sizeof page), 200);
+
+    setenv("CONSOLE_URL", url, 1);
+    setenv("CONSOLE_TOKEN", TOKEN, 1);
+    setenv("CONSOLE_GROUP", group, 1);
+    setenv("CONSOLE_KEY", a[0], 1);
+    setenv("CONSOLE_SCRIPT_KEY", hostile, 1);
+    setenv("CONSOLE_EXPECT", "3", 1);
+    setenv("SHOTS_DIR", shots ? shots : "", 1);
+    snprintf(cmd, sizeof cmd, "cd '%s/tests/browser' && timeout 90 node console.test.mjs",
+             IDEMQ_SOURCE_DIR);
+    rc = system(cmd);
+    ck_assert_msg(rc == 0, "the browser test failed (status %d): see its lines above", rc);
+
+    /* the ledger changed: the action recorded, the redriven keys applied once */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.operator_actions WHERE action ="
+                                    " 'redrive' AND actor = 'console:browser-test' AND reason ="
+                                    " 'fixed the limit' AND selected = 3 AND done = 3 AND"
+                                    " selection LIKE '%' || $1 || '%'",
+                                group),
+                     1);
+    deadline = mono_ms() + itest_ms(20000);
+    while (mono_ms() < deadline &&
+           itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key LIKE $1 || ':a%' AND"
+                          " state = 'applied'",
+                      t.name) < 3)
+        usleep(100 * 1000);
+    for (int i = 0; i < 3; i++)
+        ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, a[i]), 1);
+    /* the hostile key's group discarded through the console */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", hostile),
+                     0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.park_history WHERE key = $1 AND"
+                                    " resolution = 'discarded: hostile key' AND resolved_by ="
+                                    " 'console:browser-test'",
+                                hostile),
+                     1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.operator_action_keys k JOIN"
+                                    " idemq.operator_actions a ON a.id = k.action_id WHERE"
+                                    " k.key = $1 AND a.action = 'discard' AND k.outcome ="
+                                    " 'discarded'",
+                                hostile),
+                     1);
+    kill(pid, SIGTERM); /* drains and exits 0 (under ASan: no leak either) */
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);
+    unlink(tokfile);
+    itest_extra_conf = NULL;
+    itest_teardown(&t);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("console");
+    TCase *tc = tcase_create("console");
+    tcase_set_timeout(tc, 180);
+    tcase_add_test(tc, test_console_browser);
+    suite_add_tcase(s, tc);
+    return check_run(s);
+}
