@@ -116,12 +116,53 @@ START_TEST(test_celery_producer)
 }
 END_TEST
 
+/* idemq is killed after the commit of a task's batch, before its reply and
+ * its ack; started again, it answers the waiting client with the first
+ * result (the redelivery is a duplicate) and the effect ran once. */
+START_TEST(test_kill_between_commit_and_reply)
+{
+    struct itest t;
+    char cmd[2048], key[160], out[4096] = "";
+    const char *crash_env[] = {"IDEMQ_TEST_CRASH=after_commit", NULL};
+    FILE *p;
+    pid_t pid;
+    int rc;
+
+    itest_setup(&t, "celery_kill", "", "", CELERY_INPUT);
+    pid = itest_spawn(&t, t.cfg_path, 60, crash_env);
+    snprintf(cmd, sizeof cmd,
+             "%s %s/tests/integration/celery_producer.py '%s' '%s' '%s' '%s' one",
+             PYTHON, IDEMQ_SOURCE_DIR, getenv("IDEMQ_AMQP_URL"), t.name, t.name, t.name);
+    p = popen(cmd, "r");
+    ck_assert_ptr_nonnull(p);
+    rc = itest_wait(pid, itest_ms(30000));
+    ck_assert_msg(WIFSIGNALED(rc) && WTERMSIG(rc) == SIGKILL, "idemq was not killed (%d)", rc);
+    snprintf(key, sizeof key, "%s-K", t.name);
+    ck_assert_int_eq(effects_of(&t, key), 1); /* committed, not acknowledged, not answered */
+    pid = itest_spawn(&t, t.cfg_path, 60, NULL);
+    while (fgets(out, sizeof out, p))
+        fprintf(stderr, "producer: %s", out);
+    rc = pclose(p);
+    ck_assert_msg(WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "the Celery producer failed (%d)", rc);
+    ck_assert_ptr_nonnull(strstr(out, "\"charged\": 9"));
+    kill(pid, SIGTERM);
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "idemq exited with %d", rc);
+    ck_assert_int_eq(effects_of(&t, key), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts WHERE key = $1 AND "
+                                    "outcome = 'duplicate'", key),
+                     1);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("celery");
     TCase *tc = tcase_create("producer");
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, test_celery_producer);
+    tcase_add_test(tc, test_kill_between_commit_and_reply);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
