@@ -27,6 +27,23 @@ app.conf.update(task_serializer="json", result_serializer="json",
                 broker_connection_retry_on_startup=True)
 failures = []
 summary = {"celery": celery.__version__, "kombu": kombu.__version__}
+
+# Celery 5.2's rpc:// reply queue is transient and not exclusive, which
+# RabbitMQ 4.0 refuses by default (deprecated feature
+# transient_nonexcl_queues). That is between Celery and the broker, not
+# idemq: on a 4.x broker the client's reply queue is made durable (still
+# auto-delete), everything else as Celery does it.
+with app.connection_for_write() as conn:
+    conn.ensure_connection(max_retries=3)
+    broker_version = conn.connection.server_properties.get("version", "")
+    if isinstance(broker_version, bytes):
+        broker_version = broker_version.decode()
+summary["rabbitmq"] = broker_version
+if broker_version.split(".")[0].isdigit() and int(broker_version.split(".")[0]) >= 4:
+    type(app.backend).binding = property(
+        lambda self: self.Queue(self.oid, self.exchange, self.oid, durable=True,
+                                auto_delete=True, expires=self.expires))
+    summary["reply_queue"] = "durable (RabbitMQ 4 refuses Celery 5.2's transient one)"
 TIMEOUT = 20
 
 
