@@ -735,6 +735,12 @@ static idemq_err_t validate_input(struct conf_input *in, int line, const char *f
     in->celery = strcmp(in->protocol, "celery") == 0;
     if (in->celery)
         return validate_celery(in, line, file, errbuf, errlen);
+    for (int i = 0; i < in->celery_tasks.n; i++)
+        if (in->celery_tasks.v[i][0]) {
+            errf(errbuf, errlen, "%s:%d: input %s: celery_tasks needs protocol = \"celery\"",
+                 file, line, in->name);
+            return IDEMQ_ERR_CONFIG;
+        }
     if (strncmp(ks, "json:", 5) == 0 && ks[5]) {
         in->key_kind = CONF_KEY_JSON;
         in->key_name = strdup(ks + 5);

@@ -564,6 +564,7 @@ START_TEST(test_celery_settings)
         "protocol = \"celery\"; key_source = \"task_id\"; celery_tasks = [\"a=f\"]; "
         "effect_function = \"g\";",
         "protocol = \"amqp10\"; effect_function = \"g\";",
+        "effect_function = \"g\"; celery_tasks = [\"a=f\"];",
     };
     unsetenv("IDEMQ_AMQP_URL");
     unsetenv("IDEMQ_PG_DSN");
