@@ -670,8 +670,26 @@ static void carry_props(json_t *orig, amqp_basic_properties_t *p)
     }
 }
 
+static idemq_err_t publish(struct broker *b, const char *exchange, const char *routing_key,
+                           const void *body, size_t len, const struct broker_props *props,
+                           bool mandatory);
+
 idemq_err_t broker_publish(struct broker *b, const char *exchange, const char *routing_key,
                            const void *body, size_t len, const struct broker_props *props)
+{
+    return publish(b, exchange, routing_key, body, len, props, true);
+}
+
+idemq_err_t broker_publish_optional(struct broker *b, const char *exchange,
+                                    const char *routing_key, const void *body, size_t len,
+                                    const struct broker_props *props)
+{
+    return publish(b, exchange, routing_key, body, len, props, false);
+}
+
+static idemq_err_t publish(struct broker *b, const char *exchange, const char *routing_key,
+                           const void *body, size_t len, const struct broker_props *props,
+                           bool mandatory)
 {
     amqp_basic_properties_t p;
     amqp_pool_t pool;
@@ -719,8 +737,8 @@ idemq_err_t broker_publish(struct broker *b, const char *exchange, const char *r
         set_err(b, "out of memory tracking confirms");
         return IDEMQ_ERR_NOMEM;
     }
-    rc = amqp_basic_publish(b->conn, CHANNEL, bytes(exchange), bytes(routing_key), 1, 0, &p,
-                            data);
+    rc = amqp_basic_publish(b->conn, CHANNEL, bytes(exchange), bytes(routing_key),
+                            mandatory ? 1 : 0, 0, &p, data);
     empty_amqp_pool(&pool);
     if (check_rc(b, rc, "basic.publish"))
         return IDEMQ_ERR_BROKER;

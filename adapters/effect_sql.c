@@ -6,14 +6,26 @@
 #include <stdio.h>
 #include <string.h>
 
+static idemq_err_t check_one(PGconn *db, const struct conf_input *in, const char *sig,
+                             char *errbuf, size_t errlen, struct ledger_db_error *e);
+
 idemq_err_t effect_sql_check(PGconn *db, const struct conf_input *in, char *errbuf,
                              size_t errlen, struct ledger_db_error *e)
 {
-    const char *params[1] = {in->effect_signature};
+    idemq_err_t err = check_one(db, in, in->effect_signature, errbuf, errlen, e);
+    for (int k = 0; !err && k < in->n_routes; k++) /* issue 19: Celery task routes */
+        err = check_one(db, in, in->routes[k].signature, errbuf, errlen, e);
+    return err;
+}
+
+static idemq_err_t check_one(PGconn *db, const struct conf_input *in, const char *sig,
+                             char *errbuf, size_t errlen, struct ledger_db_error *e)
+{
+    const char *params[1] = {sig};
     PGresult *r;
     idemq_err_t err = IDEMQ_OK;
 
-    if (!in->effect_signature)
+    if (!sig)
         return IDEMQ_OK; /* a provider input without SQL effect (issue 9) */
     r = ledger_db_query(
         db,
@@ -27,15 +39,15 @@ idemq_err_t effect_sql_check(PGconn *db, const struct conf_input *in, char *errb
         return ledger_db_err(e);
     if (strcmp(PQgetvalue(r, 0, 0), "t") != 0) {
         snprintf(errbuf, errlen, "input %s: effect function %s does not exist", in->name,
-                 in->effect_signature);
+                 sig);
         err = IDEMQ_ERR_CONFIG;
     } else if (strcmp(PQgetvalue(r, 0, 1), "jsonb") != 0) {
         snprintf(errbuf, errlen, "input %s: effect function %s returns %s, not jsonb", in->name,
-                 in->effect_signature, PQgetvalue(r, 0, 1));
+                 sig, PQgetvalue(r, 0, 1));
         err = IDEMQ_ERR_CONFIG;
     } else if (strcmp(PQgetvalue(r, 0, 2), "t") != 0) {
         snprintf(errbuf, errlen, "input %s: no EXECUTE privilege on %s", in->name,
-                 in->effect_signature);
+                 sig);
         err = IDEMQ_ERR_CONFIG;
     }
     PQclear(r);

@@ -159,7 +159,8 @@ static const struct conf_key input_keys[] = {
     {"routing_key", CT_STR, I(routing_key), 0, 255, "", 0, 0, "binding key of the queue"},
     {"queue_type", CT_STR, I(queue_type), 1, 16, "classic", 0, 0, "classic or quorum"},
     {"key_source", CT_STR, I(key_source), 1, 300, "json:job_id", 0, 0,
-     "idempotency key: json:<field>, header:<name> or message_id"},
+     "idempotency key: json:<field>, header:<name> or message_id; Celery inputs: "
+     "kwarg:<name>, arg:<n> or task_id (weaker)"},
     {"max_body_bytes", CT_INT, I(max_body_bytes), 2, 64 * 1024 * 1024, NULL, 256 * 1024, 0,
      "larger bodies are parked as body_too_large"},
     {"effect_function", CT_STR, I(effect_function), 0, 127, "", 0, 0,
@@ -185,6 +186,13 @@ static const struct conf_key input_keys[] = {
      "apply (run the effect), or observe: claim keys and record duplicates, late replays and "
      "would-be parks of a copy of live traffic, run no effect, park nothing, ack everything "
      "(see consumer/README.md)"},
+    /* Celery producers (issue 19) */
+    {"protocol", CT_STR, I(protocol), 1, 16, "native", 0, 0,
+     "native (a JSON object body), or celery (Celery task messages, protocol 1 and 2, JSON "
+     "serializer; results to reply_to like the rpc:// backend)"},
+    {"celery_tasks", CT_STRLIST, I(celery_tasks), 0, 64, "", 0, 0,
+     "protocol = celery: \"task.name=schema.fn\" routes; a task named nowhere is parked as "
+     "celery_unknown_task"},
     {"deferred_report_after_s", CT_INT, I(deferred_report_after_s), 1, 86400 * 30, NULL, 300, 0,
      "deferred jobs (waiting for a predecessor) older than this are reported"},
     /* provider effects (issue 9): keep these rows together */
@@ -642,6 +650,77 @@ static idemq_err_t validate_lanes(const struct conf *c, struct conf_input *in, i
     return IDEMQ_OK;
 }
 
+/* A Celery input (issue 19): its key source and task routes. Effect
+ * indexes are given later (assign_effects), once every input is read. */
+static idemq_err_t validate_celery(struct conf_input *in, int line, const char *file,
+                                   char *errbuf, size_t errlen)
+{
+    const char *ks = in->key_source;
+    int n = 0;
+
+    if (strncmp(ks, "kwarg:", 6) == 0 && ks[6]) {
+        in->key_kind = CONF_KEY_CELERY_KWARG;
+        if (!(in->key_name = strdup(ks + 6)))
+            return IDEMQ_ERR_NOMEM;
+    } else if (strncmp(ks, "arg:", 4) == 0 && ks[4] >= '0' && ks[4] <= '9' &&
+               strspn(ks + 4, "0123456789") == strlen(ks + 4) && strlen(ks + 4) <= 3) {
+        in->key_kind = CONF_KEY_CELERY_ARG;
+        in->key_arg = atoi(ks + 4);
+    } else if (strcmp(ks, "task_id") == 0) {
+        in->key_kind = CONF_KEY_CELERY_TASK_ID;
+    } else {
+        errf(errbuf, errlen, "%s:%d: input %s: a Celery input's key_source must be "
+             "kwarg:<name>, arg:<n> (0 to 999) or task_id, not \"%s\"", file, line, in->name, ks);
+        return IDEMQ_ERR_CONFIG;
+    }
+    if (in->effect_function[0] || CONF_INPUT_PROVIDER(in) || CONF_INPUT_ORDERED(in) ||
+        in->emits) {
+        errf(errbuf, errlen, "%s:%d: input %s: a Celery input names its effects in "
+             "celery_tasks (no effect_function, provider, partitions or emits)",
+             file, line, in->name);
+        return IDEMQ_ERR_CONFIG;
+    }
+    if (!(in->routes = calloc((size_t)in->celery_tasks.n + 1, sizeof *in->routes)))
+        return IDEMQ_ERR_NOMEM;
+    for (int i = 0; i < in->celery_tasks.n; i++) {
+        const char *e = in->celery_tasks.v[i], *eq = strchr(e, '='), *fn, *dot;
+        struct conf_celery_route *r = &in->routes[n];
+        char sig[256];
+        if (!e[0])
+            continue; /* the default (no routes) */
+        fn = eq ? eq + 1 : "";
+        dot = strchr(fn, '.');
+        if (!eq || eq == e || (size_t)(eq - e) > 255 ||
+            !(dot ? is_lower_ident(fn, (size_t)(dot - fn)) &&
+                        is_lower_ident(dot + 1, strlen(dot + 1))
+                  : is_lower_ident(fn, strlen(fn)))) {
+            errf(errbuf, errlen, "%s:%d: input %s: celery_tasks[%d] must be "
+                 "\"task.name=schema.fn\" (a task name of 1 to 255 bytes, a lowercase SQL "
+                 "identifier, optionally schema-qualified), not \"%s\"",
+                 file, line, in->name, i, e);
+            return IDEMQ_ERR_CONFIG;
+        }
+        for (int k = 0; k < n; k++)
+            if (strlen(in->routes[k].task) == (size_t)(eq - e) &&
+                strncmp(in->routes[k].task, e, (size_t)(eq - e)) == 0) {
+                errf(errbuf, errlen, "%s:%d: input %s: celery_tasks names task \"%.*s\" twice",
+                     file, line, in->name, (int)(eq - e), e);
+                return IDEMQ_ERR_CONFIG;
+            }
+        snprintf(sig, sizeof sig, "%s(text,jsonb,jsonb)", fn);
+        if (!(r->task = strndup(e, (size_t)(eq - e))) || !(r->signature = strdup(sig)))
+            return IDEMQ_ERR_NOMEM;
+        r->effect = -1;
+        in->n_routes = ++n;
+    }
+    if (!n) {
+        errf(errbuf, errlen, "%s:%d: input %s: protocol = \"celery\" needs celery_tasks "
+             "(\"task.name=schema.fn\", at least one)", file, line, in->name);
+        return IDEMQ_ERR_CONFIG;
+    }
+    return IDEMQ_OK;
+}
+
 static idemq_err_t validate_input(struct conf_input *in, int line, const char *file,
                                   char *errbuf, size_t errlen)
 {
@@ -661,6 +740,20 @@ static idemq_err_t validate_input(struct conf_input *in, int line, const char *f
              file, line, in->name);
         return IDEMQ_ERR_CONFIG;
     }
+    if (strcmp(in->protocol, "native") && strcmp(in->protocol, "celery")) {
+        errf(errbuf, errlen, "%s:%d: input %s: protocol must be \"native\" or \"celery\", "
+             "not \"%s\"", file, line, in->name, in->protocol);
+        return IDEMQ_ERR_CONFIG;
+    }
+    in->celery = strcmp(in->protocol, "celery") == 0;
+    if (in->celery)
+        return validate_celery(in, line, file, errbuf, errlen);
+    for (int i = 0; i < in->celery_tasks.n; i++)
+        if (in->celery_tasks.v[i][0]) {
+            errf(errbuf, errlen, "%s:%d: input %s: celery_tasks needs protocol = \"celery\"",
+                 file, line, in->name);
+            return IDEMQ_ERR_CONFIG;
+        }
     if (strncmp(ks, "json:", 5) == 0 && ks[5]) {
         in->key_kind = CONF_KEY_JSON;
         in->key_name = strdup(ks + 5);
@@ -954,6 +1047,8 @@ static idemq_err_t read_inputs(const config_t *cfg, struct conf *c, const char *
             return err;
         if ((err = validate_mode(in, line, file, errbuf, errlen)) != IDEMQ_OK)
             return err;
+        for (int r = 0; r < in->n_routes; r++) /* after every input's own effect */
+            in->routes[r].effect = n + c->n_routes++;
         for (int j = 0; j < i; j++) {
             if (strcmp(c->inputs[j].name, in->name) == 0 ||
                 strcmp(c->inputs[j].queue, in->queue) == 0) {
@@ -1343,6 +1438,11 @@ void conf_free(struct conf *c)
         free(c->inputs[i].effect_signature);
         free(c->inputs[i].order_name);
         free(c->inputs[i].seq_name);
+        for (int r = 0; r < c->inputs[i].n_routes; r++) {
+            free(c->inputs[i].routes[r].task);
+            free(c->inputs[i].routes[r].signature);
+        }
+        free(c->inputs[i].routes);
     }
     free(c->inputs);
     free_strings(global_keys, N_GLOBAL, c);

@@ -30,6 +30,17 @@ enum conf_key_kind {
     CONF_KEY_HEADER,     /* header:<name>: an AMQP header */
     CONF_KEY_MESSAGE_ID, /* message_id: the producer-set AMQP property */
     CONF_KEY_NONE,       /* "": not configured (order_key_source, sequence_source) */
+    /* Celery inputs (issue 19, adapters/celery.h) */
+    CONF_KEY_CELERY_KWARG,   /* kwarg:<name>: a keyword argument of the task */
+    CONF_KEY_CELERY_ARG,     /* arg:<n>: the n-th positional argument (0-based) */
+    CONF_KEY_CELERY_TASK_ID, /* task_id: Celery's task id (weaker: a re-send is a new id) */
+};
+
+/* One task route of a Celery input: task name -> effect function. */
+struct conf_celery_route {
+    char *task;      /* Celery task name, e.g. "payments.charge" */
+    char *signature; /* "schema.fn(text,jsonb,jsonb)" */
+    int effect;      /* index in the effects list (conf_effect_count): after the inputs' */
 };
 
 /* What an ordered lane does after one of its jobs parked. */
@@ -109,6 +120,13 @@ struct conf_input {
     enum conf_on_park on_park_mode;
     bool key_reuse_parks; /* on_key_reuse = "park" */
     bool observe;         /* mode = "observe": claim and record, no effect, ack */
+    /* Celery producers (issue 19) */
+    char *protocol;                   /* "native" or "celery" */
+    struct conf_strlist celery_tasks; /* "task.name=schema.fn" entries */
+    bool celery;                      /* derived: protocol = "celery" */
+    int key_arg;                      /* CONF_KEY_CELERY_ARG: the argument's index */
+    struct conf_celery_route *routes; /* derived from celery_tasks */
+    int n_routes;
 };
 
 /* True for an input in observe mode (issue 20). */
@@ -119,6 +137,8 @@ struct conf_input {
 
 struct conf {
     char *path; /* file it came from, or "<string>" */
+    int n_routes; /* Celery task routes of all inputs (issue 19): effects
+                   * n_inputs .. n_inputs + n_routes - 1 */
     /* broker */
     struct conf_strlist urls;
     char *vhost; /* "" = take it from the URL */

@@ -302,9 +302,23 @@ static enum step run_txn_notices(struct batch *bt, struct job *jobs, int n, stru
 
     for (int i = 0; i < n; i++) {
         settle_plan_clear(&plans[i]);
-        if (is_observed(bt, &jobs[i]))
+        if (is_observed(bt, &jobs[i])) {
             bt->obs_jobs[nobs++] = &jobs[i]; /* decoded or not: observe_txn below */
-        else if (jobs[i].decode_err == IDEMQ_OK)
+            continue;
+        }
+        if (jobs[i].decode_err == IDEMQ_OK && jobs[i].hold_ms > 0) {
+            /* issue 19: a Celery eta/countdown ahead waits on the broker (a
+             * delay bucket, again until it is due), never unacknowledged
+             * here; nothing is claimed for it yet */
+            plans[i].how = SETTLE_DELAY;
+            plans[i].delay_ms = topology_clamp_delay(bt->c, jobs[i].hold_ms);
+            plans[i].attempt = 0;
+            log_job(LOG_LVL_INFO, jobs[i].has_key ? jobs[i].key : NULL, jobs[i].tag, 0,
+                    "celery eta in %ld ms: held on the broker for %ld ms", jobs[i].hold_ms,
+                    plans[i].delay_ms);
+            continue;
+        }
+        if (jobs[i].decode_err == IDEMQ_OK)
             bt->good[ngood++] = &jobs[i];
     }
     if (ledger_txn_begin(bt->lt, &e))

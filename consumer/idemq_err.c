@@ -49,6 +49,12 @@ const char *idemq_err_name(idemq_err_t err)
     case IDEMQ_ERR_OUTSIDE_WINDOW: return "outside_dedup_window";
     case IDEMQ_ERR_FORGED_REDRIVE: return "forged_redrive";
     case IDEMQ_ERR_KEY_REUSE: return "key_reuse";
+    case IDEMQ_ERR_CELERY_PICKLE: return "celery_pickle";
+    case IDEMQ_ERR_CELERY_SERIALIZER: return "celery_serializer";
+    case IDEMQ_ERR_CELERY_COMPRESSED: return "celery_compressed";
+    case IDEMQ_ERR_CELERY_MALFORMED: return "celery_malformed";
+    case IDEMQ_ERR_CELERY_UNKNOWN_TASK: return "celery_unknown_task";
+    case IDEMQ_ERR_CELERY_EXPIRED: return "celery_expired";
     }
     return "unknown";
 }
@@ -104,6 +110,12 @@ const char *idemq_err_str(idemq_err_t err)
     case IDEMQ_ERR_FORGED_REDRIVE:
         return "a redrive header (x-idemq-generation) without idemq's seal";
     case IDEMQ_ERR_KEY_REUSE: return "the key is applied with another body";
+    case IDEMQ_ERR_CELERY_PICKLE: return "a pickle Celery body (never decoded)";
+    case IDEMQ_ERR_CELERY_SERIALIZER: return "a Celery body in a serializer other than JSON";
+    case IDEMQ_ERR_CELERY_COMPRESSED: return "a compressed Celery body";
+    case IDEMQ_ERR_CELERY_MALFORMED: return "not a Celery task message of protocol 1 or 2";
+    case IDEMQ_ERR_CELERY_UNKNOWN_TASK: return "no route for the Celery task name";
+    case IDEMQ_ERR_CELERY_EXPIRED: return "the Celery task expired before it ran (revoked)";
     }
     return "unknown error";
 }

@@ -52,6 +52,13 @@ typedef enum {
     IDEMQ_ERR_OUTSIDE_WINDOW,    /* message older than the dedup window, key not claimed */
     IDEMQ_ERR_FORGED_REDRIVE,    /* x-idemq-generation without a valid x-idemq-seal */
     IDEMQ_ERR_KEY_REUSE,         /* an applied key with another body (on_key_reuse = park) */
+    /* Celery inputs (issue 19) */
+    IDEMQ_ERR_CELERY_PICKLE,       /* a pickle body: never decoded */
+    IDEMQ_ERR_CELERY_SERIALIZER,   /* YAML, msgpack or another serializer than JSON */
+    IDEMQ_ERR_CELERY_COMPRESSED,   /* a compressed body (kombu's compression header) */
+    IDEMQ_ERR_CELERY_MALFORMED,    /* not a Celery task message of protocol 1 or 2 */
+    IDEMQ_ERR_CELERY_UNKNOWN_TASK, /* no celery_tasks route for the task name */
+    IDEMQ_ERR_CELERY_EXPIRED,      /* expires passed before it ran: revoked, not run */
 } idemq_err_t;
 
 /* Stable snake_case name ("bad_json"), stored in the ledger. Never NULL. */

@@ -5,6 +5,7 @@
  */
 #include "job.h"
 
+#include "celery.h"
 #include "seal.h"
 
 #include <inttypes.h>
@@ -13,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "topology.h"
 
@@ -21,6 +23,7 @@ void job_init(struct job *j)
     memset(j, 0, sizeof *j);
     j->delivery_count = -1;
     j->lane = -1;
+    j->effect = -1;
     j->headers = json_object();
     j->props = json_object();
 }
@@ -33,9 +36,12 @@ void job_reset(struct job *j)
 
     json_object_clear(h);
     json_object_clear(p);
+    free(j->payload);
+    free(j->meta_extra);
     memset(j, 0, sizeof *j);
     j->delivery_count = -1;
     j->lane = -1;
+    j->effect = -1;
     j->body = body;
     j->body_cap = cap;
     j->headers = h;
@@ -45,6 +51,8 @@ void job_reset(struct job *j)
 void job_destroy(struct job *j)
 {
     free(j->body);
+    free(j->payload);
+    free(j->meta_extra);
     json_decref(j->headers);
     json_decref(j->props);
     memset(j, 0, sizeof *j);
@@ -234,6 +242,11 @@ static idemq_err_t take_key(struct job *j, const json_t *v, const char *what)
     return take_text(j, v, what, j->key, &j->has_key);
 }
 
+idemq_err_t job_take_key(struct job *j, const json_t *v, const char *what)
+{
+    return take_key(j, v, what);
+}
+
 /* Ordering key and sequence of an ordered input (body already an object). */
 static idemq_err_t take_order(struct job *j, const struct conf_input *in, json_t *root)
 {
@@ -355,6 +368,11 @@ idemq_err_t job_decode(struct job *j, const struct conf_input *in)
     if (j->wire_err == IDEMQ_ERR_UNDECODABLE) { /* nothing of it can be trusted */
         snprintf(j->reason, sizeof j->reason, "%s", j->wire_reason);
         return j->decode_err = j->wire_err;
+    }
+    if (in->celery) { /* issue 19: a Celery task message (adapters/celery.h) */
+        struct timespec now;
+        clock_gettime(CLOCK_REALTIME, &now);
+        return celery_decode(j, in, (long long)now.tv_sec * 1000 + now.tv_nsec / 1000000);
     }
     if (j->body_size > (uint64_t)in->max_body_bytes) {
         body_err = IDEMQ_ERR_BODY_TOO_LARGE;

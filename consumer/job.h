@@ -57,6 +57,18 @@ struct job {
     char order_key[CONF_KEY_MAX_BYTES + 1];
     bool has_seq;
     long long seq;          /* sequence_source value, >= 1 */
+    /* Celery inputs (issue 19): set by celery_decode (adapters/celery.h) */
+    int effect;             /* effect index of its task route, or -1: the input's own */
+    char *payload;          /* the effect's payload when it is not the body (owned) */
+    size_t payload_len;
+    char *meta_extra;       /* JSON object text added to meta as "celery" (owned) */
+    long hold_ms;           /* > 0: held on the broker this long first (eta/countdown) */
+    bool reply;             /* answer reply_to once settled (rpc:// results) */
+    int celery_err;         /* a Celery decode failure (idemq_err_t), also when the
+                             * job is parked for another reason; answered as FAILURE */
+    char task_id[JOB_SHORTSTR];
+    char reply_to[JOB_SHORTSTR];
+    char correlation_id[JOB_SHORTSTR];
 };
 
 /* Prepares an empty job. Cannot fail: buffers are allocated on demand. */
@@ -100,6 +112,11 @@ void job_set_digest(struct job *j, const unsigned char md[32]);
  * process's seal secret.
  */
 idemq_err_t job_decode(struct job *j, const struct conf_input *in);
+
+/* The key rules of the message contract applied to v (a string or an
+ * integer; NULL is missing): sets j->key/has_key, or returns the decode
+ * error with j->reason naming `what`. Pure. */
+idemq_err_t job_take_key(struct job *j, const json_t *v, const char *what);
 
 /* A producer's AMQP timestamp counts only from 2000-01-01T00:00:00Z to
  * JOB_TIMESTAMP_FUTURE_S ahead of this host's clock. */

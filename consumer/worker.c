@@ -17,6 +17,7 @@
 #include "backoff.h"
 #include "batch.h"
 #include "broker.h"
+#include "celery_reply.h"
 #include "classify.h"
 #include "effect_sql.h"
 #include "lane.h"
@@ -448,6 +449,14 @@ static enum step settle_committed(struct session *s, int n)
             snprintf(s->why, sizeof s->why, "out of memory holding a lane");
             return STEP_BROKER;
         }
+    }
+    if (s->c->n_routes) { /* issue 19: Celery results go out before the acks */
+        idemq_err_t rerr = celery_reply_batch(s->b, s->db, s->c, jobs, plans, n,
+                                              REPUBLISH_CONFIRM_MS, s->why, sizeof s->why);
+        if (rerr == IDEMQ_ERR_DB_CONN || rerr == IDEMQ_ERR_SQL)
+            return STEP_INFRA; /* nothing acknowledged: redelivered, answered again */
+        if (rerr)
+            return STEP_BROKER;
     }
     switch (settle_batch(&io, jobs, plans, n, s->why, sizeof s->why)) {
     case SETTLE_DONE:

@@ -169,6 +169,10 @@ static void add_meta(struct ledger_doc *d, const struct job *j, const struct con
         adds(d, ",\"message_id\":");
         add_cstring(d, j->message_id);
     }
+    if (j->meta_extra) { /* issue 19: a Celery task's facts */
+        adds(d, ",\"celery\":");
+        adds(d, j->meta_extra);
+    }
     /* What the set-based path passes on as it is (a plain job is a new key:
      * attempt 1 of generation 0); the isolating path sets its own. */
     adds(d, ",\"attempt\":1,\"generation\":0}");
@@ -181,7 +185,8 @@ void ledger_doc_add_job(struct ledger_doc *d, const struct job *j, const struct 
 
     adds(d, d->n++ ? ",{\"k\":" : "{\"k\":");
     add_cstring(d, j->key);
-    snprintf(num, sizeof num, ",\"i\":%d,\"q\":", input_idx + 1);
+    /* a Celery task's effect is its route's (issue 19), else the input's */
+    snprintf(num, sizeof num, ",\"i\":%d,\"q\":", (j->effect >= 0 ? j->effect : input_idx) + 1);
     adds(d, num);
     add_cstring(d, in->queue);
     adds(d, ",\"h\":\"");
@@ -189,7 +194,10 @@ void ledger_doc_add_job(struct ledger_doc *d, const struct job *j, const struct 
     adds(d, "\",\"m\":");
     add_meta(d, j, in);
     adds(d, ",\"p\":");
-    add(d, (const char *)j->body, j->body_len);
+    if (j->payload)
+        add(d, j->payload, j->payload_len);
+    else
+        add(d, (const char *)j->body, j->body_len);
     add_lane(d, j);
     adds(d, old ? ",\"w\":true}" : "}");
 }

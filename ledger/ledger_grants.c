@@ -78,11 +78,27 @@ static int each_statement(const struct conf *c, const char *role,
             if ((rc = emit(stmt, arg)))
                 return rc;
         }
+        if (!c->inputs[i].effect_signature)
+            continue; /* a Celery input's effects are its routes, below */
         snprintf(stmt, sizeof stmt, "GRANT EXECUTE ON FUNCTION %s TO %s",
                  c->inputs[i].effect_signature, r);
         if ((rc = emit(stmt, arg)))
             return rc;
     }
+    for (int i = 0; i < c->n_inputs; i++) /* issue 19: Celery task routes */
+        for (int k = 0; k < c->inputs[i].n_routes; k++) {
+            const char *sig = c->inputs[i].routes[k].signature, *dot = strchr(sig, '.');
+            const char *par = strchr(sig, '(');
+            if (dot && par && dot < par) {
+                snprintf(stmt, sizeof stmt, "GRANT USAGE ON SCHEMA %.*s TO %s",
+                         (int)(dot - sig), sig, r);
+                if ((rc = emit(stmt, arg)))
+                    return rc;
+            }
+            snprintf(stmt, sizeof stmt, "GRANT EXECUTE ON FUNCTION %s TO %s", sig, r);
+            if ((rc = emit(stmt, arg)))
+                return rc;
+        }
     return 0;
 }
 

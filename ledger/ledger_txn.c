@@ -46,15 +46,29 @@ static char *resolve_effects(PGconn *db, const struct conf *c, char *errbuf, siz
     size_t need = 3;
     char *out;
 
-    for (int i = 0; i < c->n_inputs; i++)
+    for (int i = 0; i < c->n_inputs; i++) {
         need += (c->inputs[i].effect_signature ? strlen(c->inputs[i].effect_signature) : 4) + 24;
+        for (int k = 0; k < c->inputs[i].n_routes; k++)
+            need += strlen(c->inputs[i].routes[k].signature) + 24;
+    }
     if (!(out = malloc(need))) {
         snprintf(errbuf, errlen, "out of memory");
         return NULL;
     }
     strcpy(out, "{");
-    for (int i = 0; i < c->n_inputs; i++) {
-        const char *params[1] = {c->inputs[i].effect_signature};
+    /* the inputs' own effects, then (issue 19) every Celery task route, in
+     * the order conf gave their indexes (struct conf_celery_route.effect) */
+    for (int i = 0, n = c->n_inputs + c->n_routes, ri = 0, rk = 0; i < n; i++) {
+        const char *params[1];
+        if (i < c->n_inputs) {
+            params[0] = c->inputs[i].effect_signature;
+        } else {
+            while (rk >= c->inputs[ri].n_routes) {
+                ri++;
+                rk = 0;
+            }
+            params[0] = c->inputs[ri].routes[rk++].signature;
+        }
         PGresult *r;
         if (!params[0]) { /* a provider input without SQL effect */
             strcat(out, i ? ",NULL" : "NULL");
@@ -298,7 +312,8 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
     for (int i = 0; i < n && plain; i++) {
         const struct job *j = jobs[i];
         IDEMQ_ASSERT(j->decode_err == IDEMQ_OK && j->has_key);
-        if (j->lane >= 0 || j->has_order_key || j->deferred_id > 0 || is_old(lt, j, now))
+        if (j->lane >= 0 || j->has_order_key || j->deferred_id > 0 || j->effect >= 0 ||
+            is_old(lt, j, now))
             plain = false;
     }
     if (plain && ledger_plain_ready(lt->plain, jobs, n)) {

@@ -70,3 +70,22 @@ BEGIN
     RETURN idemq_demo.apply_authorization(p_key, p_payload, p_meta);
 END
 $fn$;
+
+-- Celery inputs (issue 19, check_celery): the effect of task shop.charge
+-- records the call and returns a result the Python client reads back;
+-- shop.refuse raises a permanent error (22023) and is parked.
+CREATE OR REPLACE FUNCTION idemq_test.celery_charge(p_key text, p_payload jsonb, p_meta jsonb)
+RETURNS jsonb LANGUAGE plpgsql AS $fn$
+DECLARE v_id bigint;
+BEGIN
+    INSERT INTO idemq_test.effects (key, payload, meta) VALUES (p_key, p_payload, p_meta)
+    RETURNING id INTO v_id;
+    RETURN jsonb_build_object('charged', p_payload->'kwargs'->'amount', 'key', p_key,
+                              'task', p_meta->'celery'->>'task', 'effect_row', v_id,
+                              'args', p_payload->'args');
+END $fn$;
+CREATE OR REPLACE FUNCTION idemq_test.celery_refuse(p_key text, p_payload jsonb, p_meta jsonb)
+RETURNS jsonb LANGUAGE plpgsql AS $fn$
+BEGIN
+    RAISE EXCEPTION 'card declined for %', p_key USING ERRCODE = '22023';
+END $fn$;

@@ -607,6 +607,64 @@ START_TEST(test_observe_mode)
 }
 END_TEST
 
+/* Celery inputs (issue 19): routes get effect indexes after every input's
+ * own, key sources of their own, and a check-config print that loads. */
+START_TEST(test_celery_settings)
+{
+    struct conf *c, *c2;
+    char err[512], text[1024];
+    char *out = NULL;
+    size_t len = 0;
+    FILE *f;
+    static const char *const bad[] = {
+        "protocol = \"celery\"; key_source = \"kwarg:id\";",
+        "protocol = \"celery\"; key_source = \"kwarg:id\"; celery_tasks = [\"a.b\"];",
+        "protocol = \"celery\"; key_source = \"kwarg:id\"; celery_tasks = [\"=f\"];",
+        "protocol = \"celery\"; key_source = \"kwarg:id\"; celery_tasks = [\"a=F; drop\"];",
+        "protocol = \"celery\"; key_source = \"kwarg:id\"; celery_tasks = [\"a=f\", \"a=g\"];",
+        "protocol = \"celery\"; key_source = \"json:id\"; celery_tasks = [\"a=f\"];",
+        "protocol = \"celery\"; key_source = \"arg:x\"; celery_tasks = [\"a=f\"];",
+        "protocol = \"celery\"; key_source = \"arg:1000\"; celery_tasks = [\"a=f\"];",
+        "protocol = \"celery\"; key_source = \"task_id\"; celery_tasks = [\"a=f\"]; "
+        "effect_function = \"g\";",
+        "protocol = \"amqp10\"; effect_function = \"g\";",
+        "effect_function = \"g\"; celery_tasks = [\"a=f\"];",
+    };
+    unsetenv("IDEMQ_AMQP_URL");
+    unsetenv("IDEMQ_PG_DSN");
+    ck_assert_msg(conf_load_string(
+                      "inputs = ( { name = \"n\"; queue = \"qn\"; effect_function = \"f\"; },\n"
+                      "  { name = \"c\"; queue = \"qc\"; protocol = \"celery\";\n"
+                      "    key_source = \"arg:2\";\n"
+                      "    celery_tasks = [\"shop.charge=app.charge\", \"shop.refund=refund\"]; } );",
+                      &c, err, sizeof err) == IDEMQ_OK,
+                  "%s", err);
+    ck_assert_int_eq(c->n_routes, 2);
+    ck_assert(c->inputs[1].celery && !c->inputs[0].celery);
+    ck_assert_int_eq(c->inputs[1].key_kind, CONF_KEY_CELERY_ARG);
+    ck_assert_int_eq(c->inputs[1].key_arg, 2);
+    ck_assert_str_eq(c->inputs[1].routes[0].task, "shop.charge");
+    ck_assert_str_eq(c->inputs[1].routes[0].signature, "app.charge(text,jsonb,jsonb)");
+    ck_assert_int_eq(c->inputs[1].routes[0].effect, 2);
+    ck_assert_int_eq(c->inputs[1].routes[1].effect, 3);
+    ck_assert_ptr_null(c->inputs[1].effect_signature);
+    f = open_memstream(&out, &len);
+    conf_print(c, f);
+    fclose(f);
+    ck_assert_msg(conf_load_string(out, &c2, err, sizeof err) == IDEMQ_OK, "%s\n%s", err, out);
+    ck_assert_int_eq(c2->n_routes, 2);
+    ck_assert_str_eq(c2->inputs[1].routes[1].task, "shop.refund");
+    conf_free(c2);
+    conf_free(c);
+    free(out);
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        snprintf(text, sizeof text, "inputs = ( { name = \"c\"; queue = \"qc\"; %s } );", bad[i]);
+        ck_assert_msg(conf_load_string(text, &c, err, sizeof err) == IDEMQ_ERR_CONFIG,
+                      "accepted: %s", bad[i]);
+    }
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("conf");
@@ -626,6 +684,7 @@ int main(void)
     tcase_add_test(tc, test_provider_transport);
     tcase_add_test(tc, test_consumer_timeout_warning);
     tcase_add_test(tc, test_observe_mode);
+    tcase_add_test(tc, test_celery_settings);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
