@@ -20,6 +20,7 @@ void job_init(struct job *j)
 {
     memset(j, 0, sizeof *j);
     j->delivery_count = -1;
+    j->acquired_count = -1;
     j->lane = -1;
     j->headers = json_object();
     j->props = json_object();
@@ -35,6 +36,7 @@ void job_reset(struct job *j)
     json_object_clear(p);
     memset(j, 0, sizeof *j);
     j->delivery_count = -1;
+    j->acquired_count = -1;
     j->lane = -1;
     j->body = body;
     j->body_cap = cap;

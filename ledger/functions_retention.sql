@@ -870,7 +870,10 @@ BEGIN
                        ELSE '' END,
                CASE WHEN a.outcome = 'applied' THEN '  <== the effect was applied here' ELSE '' END,
                a.started_at, a.queue, a.redelivered,
-               coalesce(', delivery count ' || a.delivery_count, ''), a.consumer_id)
+               coalesce(', delivery count ' || a.delivery_count, '') ||
+               coalesce(', acquired ' || (SELECT x.acquired_count FROM idemq.attempts x
+                                           WHERE x.key = p_key AND x.id = a.id) || ' times', ''),
+               a.consumer_id)
       FROM idemq.key_attempts(p_key) a;
     IF j.batch_id IS NOT NULL OR j.key IS NULL THEN
         RETURN QUERY
@@ -885,7 +888,8 @@ BEGIN
                    b.id, b.jobs, b.pos,
                    CASE WHEN b.applied THEN '  <== the effect was applied here' ELSE '' END,
                    b.at, b.meta->>'queue', b.meta->>'redelivered',
-                   coalesce(', delivery count ' || (b.meta->>'delivery_count'), ''),
+                   coalesce(', delivery count ' || (b.meta->>'delivery_count'), '') ||
+                   coalesce(', acquired ' || (b.meta->>'acquired_count') || ' times', ''),
                    b.consumer_id)
           FROM idemq.key_batches(p_key, j.applied_at, j.batch_id) b;
     END IF;
@@ -979,10 +983,11 @@ BEGIN
     FOR j IN SELECT e FROM jsonb_array_elements(p_jobs) AS e LOOP
         SELECT x.attempts, x.generation INTO t FROM idemq.jobs x WHERE x.key = j->>'k';
         INSERT INTO idemq.attempts (key, attempt, generation, outcome, started_at, finished_at,
-            queue, routing_key, redelivered, delivery_count, consumer_id, message)
+            queue, routing_key, redelivered, delivery_count, acquired_count, consumer_id, message)
         VALUES (j->>'k', t.attempts, t.generation, 'duplicate', p_started, clock_timestamp(),
             j->'m'->>'queue', j->'m'->>'routing_key', (j->'m'->>'redelivered')::boolean,
-            (j->'m'->>'delivery_count')::integer, p_consumer, 'applied');
+            (j->'m'->>'delivery_count')::integer,
+            (j->'m'->>'acquired_count')::integer, p_consumer, 'applied');
     END LOOP;
     RETURN true;
 END
