@@ -740,7 +740,9 @@ BEGIN
         RETURN QUERY EXECUTE format(
             'SELECT a.id, a.key, a.attempt, a.outcome, a.started_at, a.finished_at, '
             'a.error_class, a.error_code, a.sqlstate, a.message, a.queue, a.routing_key, '
-            'a.redelivered, a.delivery_count, a.consumer_id, a.generation, a.delay_ms '
+            'a.redelivered, a.delivery_count, a.consumer_id, a.generation, a.delay_ms, '
+            -- acquired_count (0016): tables archived before it have none
+            '(to_jsonb(a)->>''acquired_count'')::integer '
             'FROM %I.%I a WHERE a.key = $1', idemq.history_schema(r.location), r.relname)
           USING p_key;
     END LOOP;
@@ -871,8 +873,7 @@ BEGIN
                CASE WHEN a.outcome = 'applied' THEN '  <== the effect was applied here' ELSE '' END,
                a.started_at, a.queue, a.redelivered,
                coalesce(', delivery count ' || a.delivery_count, '') ||
-               coalesce(', acquired ' || (SELECT x.acquired_count FROM idemq.attempts x
-                                           WHERE x.key = p_key AND x.id = a.id) || ' times', ''),
+               coalesce(', acquired ' || a.acquired_count || ' times', ''),
                a.consumer_id)
       FROM idemq.key_attempts(p_key) a;
     IF j.batch_id IS NOT NULL OR j.key IS NULL THEN
