@@ -13,6 +13,9 @@
  *   2. (any version) x-acquired-count, RabbitMQ 4.3's count of hand-outs,
  *      is recorded with the attempt and shown by `jobs show`; a value that
  *      is no sane integer (a producer's text) is recorded as unknown.
+ *   3. (any version) PostgreSQL 17's transaction_timeout bounds a worker
+ *      session's transactions (twice the call deadline): set and enforced
+ *      on 17, absent on 15 where the same session works without it.
  */
 #include <amqp.h>
 #include <check.h>
@@ -27,6 +30,7 @@
 
 #include "broker_admin.h"
 #include "itest.h"
+#include "ledger_db.h"
 #include "topology.h"
 
 #define EFFECTS_FOR "SELECT count(*) FROM idemq_test.effects WHERE key = $1"
@@ -181,6 +185,56 @@ START_TEST(test_acquired_count_recorded)
 }
 END_TEST
 
+/* 3. (any version) transaction_timeout on PostgreSQL 17, none before. A
+ * session opened like a worker's (statement_timeout 250 ms, call deadline
+ * 600 ms: transaction_timeout 1200 ms on 17) leaves a transaction open
+ * 1.5 s: 17 ends the session, 15 keeps it. */
+START_TEST(test_transaction_timeout)
+{
+    const char *dsn = getenv("IDEMQ_PG_DSN");
+    char err[512];
+    PGconn *db;
+    PGresult *r;
+    bool v17;
+
+    ck_assert_ptr_nonnull(dsn);
+    ledger_db_set_call_timeout(600);
+    db = ledger_db_connect(dsn, "itest txn_timeout", 250, err, sizeof err);
+    ck_assert_msg(db, "%s", err);
+    v17 = PQserverVersion(db) >= 170000;
+    printf("check_versions: PostgreSQL %d\n", PQserverVersion(db));
+    r = ledger_db_exec_raw(db, "SELECT current_setting('transaction_timeout', true)");
+    ck_assert_int_eq(PQresultStatus(r), PGRES_TUPLES_OK);
+    if (v17)
+        ck_assert_str_eq(PQgetvalue(r, 0, 0), "1200ms");
+    else
+        ck_assert(PQgetisnull(r, 0, 0)); /* no such setting before 17 */
+    PQclear(r);
+    r = ledger_db_exec_raw(db, "BEGIN");
+    ck_assert_int_eq(PQresultStatus(r), PGRES_COMMAND_OK);
+    PQclear(r);
+    usleep(1500000);
+    r = ledger_db_exec_raw(db, "SELECT 1");
+    if (v17)
+        ck_assert(PQresultStatus(r) != PGRES_TUPLES_OK || PQstatus(db) == CONNECTION_BAD);
+    else
+        ck_assert_int_eq(PQresultStatus(r), PGRES_TUPLES_OK);
+    PQclear(r);
+    PQfinish(db);
+
+    /* tools' sessions (no statement_timeout, no call deadline) get none */
+    ledger_db_set_call_timeout(0);
+    db = ledger_db_connect(dsn, "itest txn_timeout tool", 0, err, sizeof err);
+    ck_assert_msg(db, "%s", err);
+    r = ledger_db_exec_raw(db, "SELECT coalesce(current_setting('transaction_timeout', true), "
+                               "'none')");
+    ck_assert_int_eq(PQresultStatus(r), PGRES_TUPLES_OK);
+    ck_assert_str_eq(PQgetvalue(r, 0, 0), v17 ? "0" : "none");
+    PQclear(r);
+    PQfinish(db);
+}
+END_TEST
+
 int main(void)
 {
     const char *v = getenv("IDEMQ_SERVER_RABBITMQ");
@@ -195,6 +249,7 @@ int main(void)
     tc = tcase_create("versions");
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, test_acquired_count_recorded);
+    tcase_add_test(tc, test_transaction_timeout);
     if (v4)
         tcase_add_test(tc, test_default_delivery_limit);
     suite_add_tcase(s, tc);
