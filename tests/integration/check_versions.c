@@ -16,6 +16,14 @@
  *   3. (any version) PostgreSQL 17's transaction_timeout bounds a worker
  *      session's transactions (twice the call deadline): set and enforced
  *      on 17, absent on 15 where the same session works without it.
+ *   4. What RabbitMQ 4.3 removes is refused by this 4.0 node
+ *      (scripts/services sets deprecated_features.permit.global_qos,
+ *      .transient_nonexcl_queues and .queue_master_locator to false): a
+ *      transient non-exclusive queue fails and a global basic.qos is logged
+ *      as not permitted (4.0 still answers qos-ok; 4.3 refuses it), while
+ *      idemq's own declares of a classic, a quorum and an ordered (lanes)
+ *      input and `idemq declare` succeed, with no x-queue-version or
+ *      x-queue-mode on any queue.
  */
 #include <amqp.h>
 #include <check.h>
@@ -235,6 +243,115 @@ START_TEST(test_transaction_timeout)
 }
 END_TEST
 
+/* One raw RPC on a fresh connection; true when the broker accepted it. */
+static bool raw_ok(struct itest *t, int what, const char *name)
+{
+    struct broker *b;
+    char err[512];
+    amqp_rpc_reply_t r;
+    bool ok;
+    ck_assert(broker_open(t->conf, "itest removed", false, &b, err, sizeof err) == IDEMQ_OK);
+    if (what == 0)
+        amqp_basic_qos(broker_amqp(b), BROKER_CHANNEL, 0, 10, 1); /* global */
+    else
+        amqp_queue_declare(broker_amqp(b), BROKER_CHANNEL, amqp_cstring_bytes(name), 0, 0, 0, 0,
+                           amqp_empty_table); /* transient, not exclusive */
+    r = amqp_get_rpc_reply(broker_amqp(b));
+    ok = r.reply_type == AMQP_RESPONSE_NORMAL;
+    if (!ok && r.reply_type == AMQP_RESPONSE_SERVER_EXCEPTION &&
+        r.reply.id == AMQP_CHANNEL_CLOSE_METHOD) {
+        amqp_channel_close_t *c = r.reply.decoded;
+        printf("check_versions: refused: %u %.*s\n", c->reply_code, (int)c->reply_text.len,
+               (char *)c->reply_text.bytes);
+    }
+    broker_close(b);
+    return ok;
+}
+
+/* Queue arguments through the management API carry neither x-queue-version
+ * nor x-queue-mode, and the queue is durable. */
+static void no_v1_args(struct itest *t, const char *queue)
+{
+    char cmd[1024], out[8192];
+    FILE *p;
+    size_t n;
+    (void)t;
+    snprintf(cmd, sizeof cmd,
+             "curl -sf -u guest:guest '%s/api/queues/%%2F/%s?columns=durable,exclusive,"
+             "auto_delete,arguments'",
+             getenv("IDEMQ_RABBIT_MGMT_URL"), queue);
+    ck_assert_ptr_nonnull(p = popen(cmd, "r"));
+    n = fread(out, 1, sizeof out - 1, p);
+    out[n] = '\0';
+    ck_assert_int_eq(pclose(p), 0);
+    ck_assert_msg(strstr(out, "\"durable\":true") && strstr(out, "\"exclusive\":false"), "%s: %s",
+                  queue, out);
+    ck_assert_msg(!strstr(out, "x-queue-version") && !strstr(out, "x-queue-mode"), "%s: %s",
+                  queue, out);
+}
+
+/* Lines of the node's log naming a deprecated feature's use (the node logs
+ * the first use of each, and every refusal). */
+static long not_permitted_lines(void)
+{
+    char cmd[1024];
+    long n = -1;
+    FILE *p;
+    snprintf(cmd, sizeof cmd,
+             "cat '%s'/rabbit-4.0/log/*.log 2>/dev/null | grep -c 'is deprecated'",
+             getenv("IDEMQ_STATE_DIR"));
+    ck_assert_ptr_nonnull(p = popen(cmd, "r"));
+    ck_assert_int_eq(fscanf(p, "%ld", &n), 1);
+    pclose(p);
+    return n;
+}
+
+START_TEST(test_removed_features_unused)
+{
+    struct itest t, tq, tl;
+    char q[200], out[16384];
+    long before, after;
+    ck_assert_ptr_nonnull(getenv("IDEMQ_RABBIT_MGMT_URL"));
+    ck_assert_ptr_nonnull(getenv("IDEMQ_STATE_DIR"));
+    before = not_permitted_lines();
+    itest_setup(&t, "rmc", "idemq_test.record", "", "");
+    itest_setup(&tq, "rmq", "idemq_test.record", "", "queue_type = \"quorum\";");
+    itest_setup(&tl, "rml", "idemq_test.record", "",
+                "queue_type = \"quorum\"; partitions = 2; order_key_source = \"json:k\";");
+    /* what idemq declares is accepted: itest_setup declared each input,
+     * `idemq declare` again (the CLI path), and idemq sets per-consumer QoS */
+    ck_assert_int_eq(itest_idemq(&t, "declare", out, sizeof out), 0);
+    ck_assert_int_eq(itest_idemq(&tq, "declare", out, sizeof out), 0);
+    ck_assert_int_eq(itest_idemq(&tl, "declare", out, sizeof out), 0);
+    ck_assert_int_eq(itest_idemq(&tl, "run --until-idle 1", out, sizeof out), 0);
+    no_v1_args(&t, t.name);
+    snprintf(q, sizeof q, "%s.dead", t.name);
+    no_v1_args(&t, q);
+    no_v1_args(&tq, tq.name);
+    topology_partition_queue(&tl.conf->inputs[0], 1, q, sizeof q);
+    no_v1_args(&tl, q);
+    /* none of that used a deprecated feature (the log would name it) */
+    usleep(500000);
+    ck_assert_int_eq(not_permitted_lines(), before);
+    /* while the node refuses a transient non-exclusive queue, and logs the
+     * refusal; a global basic.qos 4.0 only logs as not permitted (once per
+     * node) and still answers qos-ok (4.3 refuses it) */
+    snprintf(q, sizeof q, "%s_transient", t.name);
+    ck_assert(!raw_ok(&t, 1, q));
+    after = not_permitted_lines();
+    for (int i = 0; i < 100 && after == before; i++) {
+        usleep(50000);
+        after = not_permitted_lines();
+    }
+    ck_assert_int_gt(after, before);
+    printf("check_versions: a global basic.qos on this node: %s\n",
+           raw_ok(&t, 0, NULL) ? "qos-ok (logged as not permitted)" : "refused");
+    itest_teardown(&tl);
+    itest_teardown(&tq);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     const char *v = getenv("IDEMQ_SERVER_RABBITMQ");
@@ -252,6 +369,8 @@ int main(void)
     tcase_add_test(tc, test_transaction_timeout);
     if (v4)
         tcase_add_test(tc, test_default_delivery_limit);
+    if (v4)
+        tcase_add_test(tc, test_removed_features_unused);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
