@@ -25,6 +25,7 @@
 #include "confirms.h"
 #include "delivery.h"
 #include "broker_tls.h"
+#include "giveback.h"
 #include "log.h"
 
 #define CHANNEL BROKER_CHANNEL
@@ -250,6 +251,31 @@ idemq_err_t broker_open(const struct conf *c, const char *conn_name, bool confir
     snprintf(errbuf, errlen, "no broker URL answered; last error: %s", b->err);
     broker_close(b);
     return err == IDEMQ_ERR_NOMEM ? err : IDEMQ_ERR_BROKER;
+}
+
+idemq_err_t broker_give_back(struct broker *b, uint64_t failed_tag)
+{
+    const char **tags;
+    int n = 0;
+    struct giveback_counts k;
+    idemq_err_t err;
+    if (!b || !b->conn || !b->healthy)
+        return IDEMQ_ERR_BROKER; /* the channel is gone: the broker has them back */
+    /* without memory for the tags, no cancel: the broker may hand out more
+     * before the close (they return with it) */
+    if ((tags = calloc((size_t)b->n_cons + 1, sizeof *tags)))
+        for (int i = 0; i < b->n_cons; i++)
+            tags[n++] = b->cons[i].tag;
+    err = giveback_send(b->conn, CHANNEL, &b->acks, tags, n, failed_tag, &k);
+    free(tags);
+    if (err) {
+        set_err(b, "giving deliveries back: the connection failed");
+        b->healthy = false;
+    }
+    drop_stash(b); /* their tags were given back with the others */
+    log_debug("gave back %d deliveries (%d basic.nack, %d basic.reject) after %d acks",
+              k.nacked + k.rejected, k.nacked, k.rejected, k.acked);
+    return err;
 }
 
 void broker_close(struct broker *b)

@@ -47,6 +47,18 @@ int broker_server_major(struct broker *b);
 idemq_err_t broker_open(const struct conf *c, const char *conn_name, bool confirms,
                         struct broker **out, char *errbuf, size_t errlen) IDEMQ_MUSTCHECK;
 
+/*
+ * Before a broker_close that gives deliveries back (a pause, a reconnect, a
+ * drain): cancels the consumers, sends the acks settled deliveries allow,
+ * then returns every unsettled delivery one at a time, basic.reject(requeue)
+ * for failed_tag (the delivery whose own attempt failed; 0 for none) and
+ * basic.nack(requeue) for the others, so RabbitMQ 4.3 counts toward the
+ * delivery limit only the failure (see giveback.h). Deliveries read but not
+ * handed out are given back too. IDEMQ_ERR_BROKER when the connection was
+ * already gone or failed on the way (the rest return with it).
+ */
+idemq_err_t broker_give_back(struct broker *b, uint64_t failed_tag);
+
 /* Closes the channel and connection (gracefully if still healthy) and
  * frees b, including deliveries not yet handed out. NULL is fine. */
 void broker_close(struct broker *b);

@@ -104,8 +104,14 @@ idemq_err_t delivery_props_to_job(const amqp_basic_properties_t *p, struct job *
         }
         dc = json_object_get(j->headers, "x-delivery-count");
         if (json_is_integer(dc) && json_integer_value(dc) >= 0 &&
-            json_integer_value(dc) <= 1000000000)
+            json_integer_value(dc) <= DELIVERY_COUNT_MAX)
             j->delivery_count = (int)json_integer_value(dc);
+        /* 4.3's count of hand-outs: kept for the attempt's record only (a
+         * producer can send any value under this name to a classic queue). */
+        dc = json_object_get(j->headers, "x-acquired-count");
+        if (json_is_integer(dc) && json_integer_value(dc) >= 0 &&
+            json_integer_value(dc) <= DELIVERY_COUNT_MAX)
+            j->acquired_count = (int)json_integer_value(dc);
     }
     return rc ? IDEMQ_ERR_NOMEM : IDEMQ_OK;
 }

@@ -57,10 +57,14 @@ idemq_err_t delivery_read(struct delivery_reader *r, amqp_connection_state_t con
 /*
  * Copies message properties into j: string properties and the headers
  * table into j->props / j->headers as JSON (within lim), message_id,
- * x-delivery-count. A header table over a limit sets j->wire_err
+ * x-delivery-count and x-acquired-count (RabbitMQ 4.3), each only when it is
+ * an integer in 0..DELIVERY_COUNT_MAX (otherwise -1, the header stays in
+ * j->headers as data). A header table over a limit sets j->wire_err
  * (IDEMQ_ERR_HEADERS_TOO_DEEP / _TOO_LARGE) and j->wire_reason and keeps
  * what fit. Returns IDEMQ_ERR_NOMEM or IDEMQ_OK. Pure.
  */
+#define DELIVERY_COUNT_MAX 1000000000 /* a larger count is not the broker's */
+
 idemq_err_t delivery_props_to_job(const amqp_basic_properties_t *p, struct job *j,
                                   const struct amqp_table_limits *lim) IDEMQ_MUSTCHECK;
 

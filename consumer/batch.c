@@ -622,6 +622,7 @@ enum batch_step batch_process(struct batch *bt, int *committed)
 
     *committed = 0;
     bt->ladder_depth = 0;
+    bt->failed_tag = 0;
     for (int i = 0; i < bt->n; i++) {
         struct job *j = &bt->jobs[i];
         if (j->input < 0 || j->input >= bt->c->n_inputs) {
@@ -653,6 +654,8 @@ enum batch_step batch_process(struct batch *bt, int *committed)
             bt->plans[i].how = SETTLE_HOLD;
             bt->plans[i].held_lane = lid;
         } else if ((st = isolate(bt, i)) != STEP_OK) {
+            if (st == STEP_RETRY)
+                bt->failed_tag = bt->jobs[i].tag;
             return to_batch_step(st);
         } else if (bt->plans[i].how == SETTLE_HOLD || bt->plans[i].how == SETTLE_RELEASE) {
             bt->plans[i].held_lane = lid; /* later jobs of its lane wait behind it */

@@ -74,6 +74,8 @@ struct batch {
     atomic_llong *progress;  /* liveness: set to CLOCK_MONOTONIC ms at each commit */
     int ladder_depth;        /* for tests and logs: the deepest rung used */
     char why[512];           /* reason of the last non-OK step */
+    uint64_t failed_tag;     /* BATCH_REDELIVER: the delivery whose own attempt failed
+                              * (contention it could not outlast), 0 if none */
     struct ledger_db_error last_call; /* the last whole-call failure */
     struct ledger_db_error failure;   /* what rung 2 records as the attempt */
 };

@@ -22,6 +22,7 @@ void job_init(struct job *j)
 {
     memset(j, 0, sizeof *j);
     j->delivery_count = -1;
+    j->acquired_count = -1;
     j->lane = -1;
     j->effect = -1;
     j->headers = json_object();
@@ -40,6 +41,7 @@ void job_reset(struct job *j)
     free(j->meta_extra);
     memset(j, 0, sizeof *j);
     j->delivery_count = -1;
+    j->acquired_count = -1;
     j->lane = -1;
     j->effect = -1;
     j->body = body;

@@ -25,6 +25,9 @@ struct job {
     uint64_t tag;
     bool redelivered;
     int delivery_count; /* x-delivery-count of quorum queues; -1 if absent */
+    int acquired_count; /* x-acquired-count (RabbitMQ 4.3: every hand-out); -1 if absent
+                         * or not a sane integer. Recorded, never used for control:
+                         * on a classic queue a producer can set it */
     int input;          /* index into conf->inputs */
     long long received_ns; /* CLOCK_MONOTONIC when the worker took it */
     char exchange[JOB_SHORTSTR];

@@ -14,13 +14,14 @@
  * Headers RabbitMQ (or a plugin) acts on when a message is published or
  * moved: sender-selected distribution (CC, BCC: exact, case-sensitive
  * names; they add routing keys, so on the default exchange they name any
- * queue), dead-letter history (cycle detection), the quorum delivery count,
+ * queue), dead-letter history (cycle detection), the quorum delivery and
+ * acquired counts (4.3),
  * federation's hop record, stream filters, MQTT and AMQP 1.0 annotations
  * (x-cc is AMQP 1.0's CC), the delayed-message and deduplication plugins.
  * Exact names, then prefixes.
  */
 static const char *const broker_names[] = {
-    "CC", "BCC", "x-cc", "x-death", "x-delivery-count", "x-received-from",
+    "CC", "BCC", "x-cc", "x-death", "x-delivery-count", "x-acquired-count", "x-received-from",
     "x-stream-filter", "x-stream-filter-value", "x-delay", "x-deduplication-header",
     "x-cache-ttl", NULL};
 static const char *const broker_prefixes[] = {"x-first-death-", "x-last-death-", "x-opt-",

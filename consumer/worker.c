@@ -65,6 +65,7 @@ struct session {
     PGconn *db;
     struct ledger_txn *lt;
     struct broker *b;
+    uint64_t failed_tag;      /* given back with basic.reject by drop_broker, 0: none */
     struct batch bt;          /* the batch: jobs, plans, the transaction ladder */
     long long *park_ids;
     uint64_t rng;
@@ -201,7 +202,14 @@ static void drop_db(struct session *s)
 
 static void drop_broker(struct session *s)
 {
-    broker_close(s->b); /* unacknowledged deliveries go back to the queue */
+    /* Unacknowledged deliveries go back to the queue one at a time before
+     * the close, so RabbitMQ 4.3 charges its delivery limit only with the
+     * one that failed (adapters/giveback.h); if the connection is gone
+     * already they are back anyway. */
+    if (s->b)
+        (void)broker_give_back(s->b, s->failed_tag);
+    s->failed_tag = 0;
+    broker_close(s->b);
     s->b = NULL;
     lane_clear(s->lanes); /* held deliveries too: their tags died with the channel */
     provider_run_abandon(s->pr); /* and provider deliveries (their calls go on) */
@@ -562,8 +570,9 @@ static enum step process(struct session *s)
 
     /* provider jobs leave the batch: their decisions come later */
     provider_run_take(s->pr, s->db, s->bt.jobs, &s->bt.n, &release, s->why, sizeof s->why);
-    if (s->bt.n)
-        bs = batch_process(&s->bt, &committed);
+    s->failed_tag = 0;
+    if (s->bt.n && (bs = batch_process(&s->bt, &committed)) == BATCH_REDELIVER)
+        s->failed_tag = s->bt.failed_tag; /* given back with basic.reject */
     if (release && bs == BATCH_OK) {
         bs = BATCH_REDELIVER;
         snprintf(s->bt.why, sizeof s->bt.why, "%s", s->why);

@@ -47,9 +47,11 @@ LANGUAGE sql
 SET search_path = pg_catalog, idemq
 AS $fn$
     INSERT INTO idemq.attempts (key, attempt, generation, outcome, started_at, finished_at,
-        queue, routing_key, redelivered, delivery_count, consumer_id, delay_ms, message)
+        queue, routing_key, redelivered, delivery_count, acquired_count, consumer_id, delay_ms,
+        message)
     VALUES (p_key, p_attempt, p_generation, p_outcome, p_started, p_finished, p_queue,
         m->>'routing_key', (m->>'redelivered')::boolean, (m->>'delivery_count')::integer,
+        (m->>'acquired_count')::integer,
         p_consumer, p_delay_ms, p_message);
 $fn$;
 
@@ -473,12 +475,13 @@ BEGIN
     END IF;
     INSERT INTO idemq.attempts (key, attempt, generation, outcome, started_at, finished_at,
         error_class, error_code, sqlstate, message, queue, routing_key, redelivered,
-        delivery_count, consumer_id, delay_ms)
+        delivery_count, acquired_count, consumer_id, delay_ms)
     VALUES (p_key, p_attempt, v_gen,
         CASE WHEN p_class = 'transient' THEN 'transient_error' ELSE 'permanent_error' END,
         p_started, p_finished, p_class, p_code, p_sqlstate, p_message, p_queue,
         p_meta->>'routing_key', (p_meta->>'redelivered')::boolean,
-        (p_meta->>'delivery_count')::integer, p_consumer,
+        (p_meta->>'delivery_count')::integer,
+        (p_meta->>'acquired_count')::integer, p_consumer,
         CASE WHEN p_park THEN NULL ELSE p_delay_ms END);
     IF NOT p_park THEN
         -- issue 12: the message stays in the ledger until the retry came

@@ -47,10 +47,11 @@ RETURNS bigint
 LANGUAGE sql SET search_path = pg_catalog, idemq AS $fn$
     INSERT INTO idemq.attempts (key, attempt, generation, outcome, started_at, finished_at,
         error_class, error_code, message, queue, routing_key, redelivered, delivery_count,
-        consumer_id, delay_ms)
+        acquired_count, consumer_id, delay_ms)
     SELECT j.key, j.attempts, j.generation, p_outcome, p_started, clock_timestamp(), p_class,
         p_code, left(p_message, 2000), j.source_queue, p_meta->>'routing_key',
-        (p_meta->>'redelivered')::boolean, (p_meta->>'delivery_count')::integer, p_consumer,
+        (p_meta->>'redelivered')::boolean, (p_meta->>'delivery_count')::integer,
+        (p_meta->>'acquired_count')::integer, p_consumer,
         p_delay_ms
       FROM idemq.jobs j WHERE j.key = p_key
     RETURNING id;
@@ -946,12 +947,13 @@ BEGIN
          WHERE j.key = p_key;
         INSERT INTO idemq.attempts (key, attempt, generation, outcome, started_at, finished_at,
             error_class, error_code, sqlstate, message, queue, routing_key, redelivered,
-            delivery_count, consumer_id, delay_ms)
+            delivery_count, acquired_count, consumer_id, delay_ms)
         SELECT j.key, j.attempts, j.generation, 'transient_error', v_now, clock_timestamp(),
             p_class, p_code, p_sqlstate,
             format('provider reference %s is recorded; the local effect failed: %s',
                    v_int.provider_ref, p_message), j.source_queue, p_meta->>'routing_key',
             (p_meta->>'redelivered')::boolean, (p_meta->>'delivery_count')::integer,
+            (p_meta->>'acquired_count')::integer,
             p_consumer, r_delay_ms
           FROM idemq.jobs j WHERE j.key = p_key;
         r_action := 'retry';

@@ -5,6 +5,7 @@
 #include "ledger_db.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <poll.h>
 #include <stdio.h>
 #include <string.h>
@@ -94,6 +95,18 @@ PGconn *ledger_db_connect(const char *dsn, const char *app_name, int statement_t
         return NULL;
     }
     PQclear(res);
+    if (PQserverVersion(db) >= 170000 && statement_timeout_ms > 0 && call_timeout_ms > 0) {
+        long long ms = (long long)call_timeout_ms * LEDGER_DB_TXN_DEADLINES;
+        snprintf(set, sizeof set, "SET transaction_timeout = %lld", ms > INT_MAX ? INT_MAX : ms);
+        res = ledger_db_exec_raw(db, set);
+        if (PQresultStatus(res) != PGRES_COMMAND_OK) {
+            snprintf(errbuf, errlen, "cannot set transaction_timeout: %s", PQerrorMessage(db));
+            PQclear(res);
+            PQfinish(db);
+            return NULL;
+        }
+        PQclear(res);
+    }
     return db;
 }
 

@@ -34,7 +34,15 @@ struct ledger_db_error {
  * keepalives (idle 10 s, interval 5 s, 3 probes), tcp_user_timeout 30 s and
  * connect_timeout 10 s are defaults the DSN may override. Any thread; one
  * connection per thread.
+ * On PostgreSQL 17 and later (PQserverVersion >= 170000), a session with a
+ * statement_timeout opened by a thread with a call deadline also gets
+ * transaction_timeout = LEDGER_DB_TXN_DEADLINES x the deadline: a
+ * transaction the worker abandoned at its deadline (a partition that lost
+ * the shutdown's FIN too) ends on the server, releasing its row locks on
+ * keys, within that bound instead of when keepalives give up. Older
+ * servers have no such setting; the session is the same otherwise.
  */
+#define LEDGER_DB_TXN_DEADLINES 2 /* a worker transaction is one or two calls */
 PGconn *ledger_db_connect(const char *dsn, const char *app_name, int statement_timeout_ms,
                           char *errbuf, size_t errlen);
 

@@ -165,6 +165,10 @@ static void add_meta(struct ledger_doc *d, const struct job *j, const struct con
         snprintf(num, sizeof num, ",\"delivery_count\":%d", j->delivery_count);
         adds(d, num);
     }
+    if (j->acquired_count >= 0) {
+        snprintf(num, sizeof num, ",\"acquired_count\":%d", j->acquired_count);
+        adds(d, num);
+    }
     if (j->has_message_id) {
         adds(d, ",\"message_id\":");
         add_cstring(d, j->message_id);

@@ -536,6 +536,8 @@ idemq_err_t ledger_txn_record_failure(struct ledger_txn *lt, const struct job *j
 
     if (meta && j->delivery_count >= 0)
         json_object_set_new(meta, "delivery_count", json_integer(j->delivery_count));
+    if (meta && j->acquired_count >= 0)
+        json_object_set_new(meta, "acquired_count", json_integer(j->acquired_count));
     meta_s = meta ? dump(meta) : NULL;
     json_decref(meta);
     if (!headers || !props || !meta_s) {

@@ -204,10 +204,11 @@ START_TEST(test_deep_and_large_headers)
     char body[512], key[200], log[300];
     const struct conf_input *in;
     const char *server = getenv("IDEMQ_SERVER_RABBITMQ");
-    if (server && strncmp(server, "4.", 2) == 0) {
+    if (server && strncmp(server, "4.", 2) == 0 && !getenv("IDEMQ_DEEP_ON_4")) {
         /* Open defect on RabbitMQ 4.0 (adapters/README.md "RabbitMQ versions"): half of
          * the jobs published behind 17,000-deep headers stay unacknowledged
-         * on the worker's connection; the cause is not found yet. */
+         * on the worker's connection; the cause is not found yet.
+         * IDEMQ_DEEP_ON_4=1 runs it on 4.x anyway (to reproduce it). */
         fprintf(stderr, "test_deep_and_large_headers: SKIPPED on RabbitMQ %s (open defect)\n",
                 server);
         return;

@@ -5,6 +5,7 @@
 
 #include "check_run.h"
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -196,7 +197,7 @@ START_TEST(test_props_to_job)
     amqp_pool_t pool;
     amqp_basic_properties_t p;
     struct amqp_table_limits lim;
-    amqp_table_entry_t e[2];
+    amqp_table_entry_t e[3];
     struct job j;
     init_amqp_pool(&pool, 4096);
     amqp_table_default_limits(&lim);
@@ -209,7 +210,10 @@ START_TEST(test_props_to_job)
     e[1].value.kind = AMQP_FIELD_KIND_TABLE;
     e[1].value.value.table = nested(&pool, 40);
     p._flags = AMQP_BASIC_HEADERS_FLAG | AMQP_BASIC_MESSAGE_ID_FLAG | AMQP_BASIC_TIMESTAMP_FLAG;
-    p.headers.num_entries = 2;
+    e[2].key = amqp_cstring_bytes("x-acquired-count");
+    e[2].value.kind = AMQP_FIELD_KIND_I64;
+    e[2].value.value.i64 = 7;
+    p.headers.num_entries = 3;
     p.headers.entries = e;
     p.message_id.bytes = (void *)"a\0b";
     p.message_id.len = 3;
@@ -218,11 +222,69 @@ START_TEST(test_props_to_job)
     ck_assert_int_eq(j.wire_err, IDEMQ_ERR_HEADERS_TOO_DEEP);
     ck_assert_ptr_nonnull(strstr(j.wire_reason, "deeper than 16"));
     ck_assert_int_eq(j.delivery_count, 3);
+    ck_assert_int_eq(j.acquired_count, 7);
     ck_assert(j.has_message_id);
     ck_assert(!job_utf8_valid((unsigned char *)j.message_id, strlen(j.message_id)));
     ck_assert_ptr_nonnull(json_object_get(j.props, "message_id")); /* shown as hex */
     ck_assert_int_eq(json_integer_value(json_object_get(j.props, "timestamp")), 1700000000);
     job_destroy(&j);
+    empty_amqp_pool(&pool);
+}
+END_TEST
+
+/* x-acquired-count (RabbitMQ 4.3) is taken only as an integer in
+ * 0..DELIVERY_COUNT_MAX; anything else (a producer's string, a negative or
+ * huge number, a table) leaves the count unknown and stays a header. */
+START_TEST(test_acquired_count_bounded)
+{
+    amqp_pool_t pool;
+    amqp_basic_properties_t p;
+    struct amqp_table_limits lim;
+    amqp_table_entry_t e;
+    struct job j;
+    struct {
+        uint8_t kind;
+        int64_t v;
+        int want;
+    } cases[] = {
+        {AMQP_FIELD_KIND_I32, 1, 1},
+        {AMQP_FIELD_KIND_U32, 4000, 4000},
+        {AMQP_FIELD_KIND_I64, 0, 0},
+        {AMQP_FIELD_KIND_I64, DELIVERY_COUNT_MAX, DELIVERY_COUNT_MAX},
+        {AMQP_FIELD_KIND_I64, DELIVERY_COUNT_MAX + 1LL, -1},
+        {AMQP_FIELD_KIND_I64, -5, -1},
+        {AMQP_FIELD_KIND_I64, INT64_MIN, -1},
+        {AMQP_FIELD_KIND_UTF8, 0, -1}, /* "12": text is not a count */
+        {AMQP_FIELD_KIND_TABLE, 0, -1},
+    };
+    init_amqp_pool(&pool, 4096);
+    amqp_table_default_limits(&lim);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        memset(&p, 0, sizeof p);
+        memset(&e, 0, sizeof e);
+        job_init(&j);
+        e.key = amqp_cstring_bytes("x-acquired-count");
+        e.value.kind = cases[i].kind;
+        if (cases[i].kind == AMQP_FIELD_KIND_I32)
+            e.value.value.i32 = (int32_t)cases[i].v;
+        else if (cases[i].kind == AMQP_FIELD_KIND_U32)
+            e.value.value.u32 = (uint32_t)cases[i].v;
+        else if (cases[i].kind == AMQP_FIELD_KIND_I64)
+            e.value.value.i64 = cases[i].v;
+        else if (cases[i].kind == AMQP_FIELD_KIND_UTF8)
+            e.value.value.bytes = amqp_cstring_bytes("12");
+        else
+            e.value.value.table = nested(&pool, 2);
+        p._flags = AMQP_BASIC_HEADERS_FLAG;
+        p.headers.num_entries = 1;
+        p.headers.entries = &e;
+        ck_assert_int_eq(delivery_props_to_job(&p, &j, &lim), IDEMQ_OK);
+        ck_assert_msg(j.acquired_count == cases[i].want, "case %zu: %d, want %d", i,
+                      j.acquired_count, cases[i].want);
+        ck_assert_int_eq(j.delivery_count, -1); /* the other count is untouched */
+        ck_assert_ptr_nonnull(json_object_get(j.headers, "x-acquired-count")); /* kept as data */
+        job_destroy(&j);
+    }
     empty_amqp_pool(&pool);
 }
 END_TEST
@@ -236,6 +298,7 @@ int main(void)
     tcase_add_test(tc, test_field_types);
     tcase_add_test(tc, test_round_trip);
     tcase_add_test(tc, test_props_to_job);
+    tcase_add_test(tc, test_acquired_count_bounded);
     suite_add_tcase(s, tc);
     return check_run(s);
 }

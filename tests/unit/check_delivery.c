@@ -176,6 +176,43 @@ START_TEST(test_oversized_body)
 }
 END_TEST
 
+/* RabbitMQ 4.3's headers of a quorum queue delivery as they come on the
+ * wire: x-delivery-count (failures) and x-acquired-count (hand-outs) as
+ * signed 64-bit fields ('l'); a second delivery carries x-acquired-count as
+ * a long string (what a producer could send a classic queue): not a count. */
+START_TEST(test_acquired_count_in_frame)
+{
+    struct fake f;
+    struct job j;
+    uint8_t hdr[128];
+    uint8_t tbl[] = {0, 0, 0, 0,
+                     16, 'x', '-', 'd', 'e', 'l', 'i', 'v', 'e', 'r', 'y', '-', 'c', 'o', 'u', 'n',
+                     't', 'l', 0, 0, 0, 0, 0, 0, 0, 2,
+                     16, 'x', '-', 'a', 'c', 'q', 'u', 'i', 'r', 'e', 'd', '-', 'c', 'o', 'u', 'n',
+                     't', 'l', 0, 0, 0, 0, 0, 0, 0, 5};
+    uint8_t bad[] = {0, 0, 0, 0, 16, 'x', '-', 'a', 'c', 'q', 'u', 'i', 'r', 'e', 'd', '-',
+                     'c', 'o', 'u', 'n', 't', 'S', 0, 0, 0, 1, '9'};
+    char err[256];
+    fake_open(&f);
+    job_init(&j);
+    tbl[3] = sizeof tbl - 4;
+    bad[3] = sizeof bad - 4;
+    frame(&f, 2, 1, hdr, (uint32_t)header(hdr, 2, 0x2000, tbl, sizeof tbl));
+    frame(&f, 3, 1, "{}", 2);
+    ck_assert_int_eq(delivery_read(&f.rd, f.conn, 1, &j, 1000, 2000, err, sizeof err), IDEMQ_OK);
+    ck_assert_int_eq(j.delivery_count, 2);
+    ck_assert_int_eq(j.acquired_count, 5);
+    job_reset(&j);
+    frame(&f, 2, 1, hdr, (uint32_t)header(hdr, 2, 0x2000, bad, sizeof bad));
+    frame(&f, 3, 1, "{}", 2);
+    ck_assert_int_eq(delivery_read(&f.rd, f.conn, 1, &j, 1000, 2000, err, sizeof err), IDEMQ_OK);
+    ck_assert_int_eq(j.acquired_count, -1);
+    ck_assert_str_eq(json_string_value(json_object_get(j.headers, "x-acquired-count")), "9");
+    job_destroy(&j);
+    fake_close(&f);
+}
+END_TEST
+
 /* A content header the library's decoder refuses (an unknown field type in
  * the headers table): the job says undecodable, the read side is done. */
 START_TEST(test_undecodable_header)
@@ -319,6 +356,7 @@ int main(void)
     tcase_add_test(tc, test_whole_message);
     tcase_add_test(tc, test_oversized_body);
     tcase_add_test(tc, test_undecodable_header);
+    tcase_add_test(tc, test_acquired_count_in_frame);
     tcase_add_test(tc, test_broken_framing);
     tcase_add_test(tc, test_deep_headers_in_frame);
     tcase_add_test(tc, test_timestamp_out_of_range);

@@ -72,6 +72,7 @@ START_TEST(test_jobs)
     strcpy(j.routing_key, "rk\xff");
     j.redelivered = true;
     j.delivery_count = 2;
+    j.acquired_count = 9;
     strcpy(j.message_id, "mid");
     j.has_message_id = true;
     json_object_set_new(j.headers, "h", json_integer(5));
@@ -99,6 +100,7 @@ START_TEST(test_jobs)
         ck_assert_str_eq(json_string_value(json_object_get(m, "routing_key")), "rk\xef\xbf\xbd");
         ck_assert(json_is_true(json_object_get(m, "redelivered")));
         ck_assert_int_eq(json_integer_value(json_object_get(m, "delivery_count")), 2);
+        ck_assert_int_eq(json_integer_value(json_object_get(m, "acquired_count")), 9);
         ck_assert_str_eq(json_string_value(json_object_get(m, "message_id")), "mid");
         ck_assert_int_eq(json_integer_value(json_object_get(json_object_get(m, "headers"), "h")),
                          5);
@@ -112,6 +114,7 @@ START_TEST(test_jobs)
     }
     /* Without the optional facts. */
     j.delivery_count = -1;
+    j.acquired_count = -1;
     j.has_message_id = false;
     json_object_clear(j.headers);
     ledger_doc_begin(&d);
@@ -120,6 +123,7 @@ START_TEST(test_jobs)
     v = parse(&d);
     m = json_object_get(json_array_get(v, 0), "m");
     ck_assert_ptr_null(json_object_get(m, "delivery_count"));
+    ck_assert_ptr_null(json_object_get(m, "acquired_count"));
     ck_assert_ptr_null(json_object_get(m, "message_id"));
     ck_assert_int_eq(json_object_size(json_object_get(m, "headers")), 0);
     json_decref(v);
