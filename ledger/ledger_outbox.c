@@ -157,8 +157,7 @@ int ledger_outbox_print_key(PGconn *db, const char *key, FILE *out)
     PGresult *res = PQexecParams(
         db,
         "SELECT id, state, exchange, routing_key, coalesce(order_key, '-'), attempts, "
-        "created_at, coalesce(sent_at, parked_at), last_error, message_id "
-        "FROM idemq.outbox WHERE key = $1 ORDER BY id",
+        "created_at, at, last_error, message_id FROM idemq.key_outbox($1) ORDER BY id",
         1, NULL, params, NULL, NULL, 0);
     int n;
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
