@@ -574,6 +574,43 @@ START_TEST(test_metrics_and_ready)
 }
 END_TEST
 
+
+/* Producer-controlled text of outbox rows (exchange, routing key, order key,
+ * the broker's error that quotes them) is printed escaped by `jobs show`
+ * and `parked list`, like the rest of their output: no control byte
+ * reaches the terminal. */
+START_TEST(test_show_escaped)
+{
+    struct itest t;
+    char key[128], sql[768], args[300], out[16384];
+
+    setup(&t, "obesc", "");
+    snprintf(key, sizeof key, "%s:esc", t.name);
+    snprintf(sql, sizeof sql,
+             "SELECT idemq.emit(E'ex\\x1b[2J', E'rk\\x1b[31m\\nfake line', 'x', NULL, "
+             "E'ok\\r', '%s'); UPDATE idemq.outbox SET state = 'parked', parked_at = now(), "
+             "attempts = 1, last_error = E'returned: key rk\\x1b[31m\\nfake line' "
+             "WHERE key = '%s'",
+             key, key);
+    itest_sql(&t, sql);
+    snprintf(args, sizeof args, "jobs show %s", key);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, " parked: ") != NULL, "%s", out);
+    ck_assert_msg(!strchr(out, '\x1b') && !strchr(out, '\r') && !strstr(out, "\nfake line"),
+                  "control bytes printed: %s", out);
+    ck_assert_msg(strstr(out, "rk\\x1b[31m\\nfake line") && strstr(out, "ex\\x1b[2J") &&
+                      strstr(out, "ok\\r"),
+                  "%s", out);
+    snprintf(args, sizeof args, "parked list --key %s", key);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "outbox rows parked") != NULL, "%s", out);
+    ck_assert_msg(!strchr(out, '\x1b') && !strstr(out, "\nfake line"),
+                  "control bytes printed: %s", out);
+    ck_assert_msg(strstr(out, "rk\\x1b[31m\\nfake line") != NULL, "%s", out);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("outbox");
@@ -589,6 +626,10 @@ int main(void)
     tcase_add_test(tc, test_metrics_and_ready);
     tcase_add_test(tc, test_two_relays);
     tcase_add_test(tc, test_privileges);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("outbox_show"); /* operator output */
+    tcase_set_timeout(tc, itest_ms(120));
+    tcase_add_test(tc, test_show_escaped);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
