@@ -29,6 +29,11 @@ static const struct {
     {"topology", "How `idemq run` checks the exchanges, queues and bindings at start-up."},
     {"ledger", "The ledger's lifecycle: dedup window, history partitions, archive and drops. "
                "`idemq migrate` writes these to the ledger; `run` warns when they differ."},
+    {"outbox", "The relay of the transactional outbox: rows written by `idemq.emit` in an "
+               "effect or an application's transaction are published after their commit "
+               "(mandatory, confirmed, in commit order per order key) by the processes with "
+               "`relay = 1`. Unsent rows stay until sent or parked; sent rows age out with "
+               "the `ledger` history partitions."},
     {"inputs[]", "`inputs` is a list of groups, one per queue consumed "
                  "(`inputs = ( { name = \"payouts\"; queue = \"payouts\"; ... } );`); "
                  "these keys go in each group."},

@@ -110,16 +110,58 @@ LANGUAGE sql SECURITY DEFINER AS $fn$
               o.message_id, o.attempts, o.created_at;
 $fn$;
 
--- Confirmed by the broker: sent. Returns the commit-to-confirm latency of
--- each row marked (ms since created_at).
+-- Confirmed by the broker: sent. The row moves to idemq.outbox_sent (its
+-- history, partitioned by sent_at: it ages out with the other history,
+-- migration 0017), in this statement. Returns the commit-to-confirm
+-- latency of each row marked (ms since created_at).
 CREATE OR REPLACE FUNCTION idemq.outbox_sent(p_holder text, p_ids bigint[])
 RETURNS TABLE (r_id bigint, r_latency_ms double precision)
 LANGUAGE sql SECURITY DEFINER AS $fn$
-    UPDATE idemq.outbox o
-       SET state = 'sent', sent_at = clock_timestamp(), lease_holder = NULL, lease_until = NULL,
-           attempts = o.attempts + 1
-     WHERE o.id = ANY (p_ids) AND o.state = 'pending' AND o.lease_holder = p_holder
-    RETURNING o.id, extract(epoch FROM (clock_timestamp() - o.created_at)) * 1000;
+    WITH m AS (
+        DELETE FROM idemq.outbox o
+         WHERE o.id = ANY (p_ids) AND o.state = 'pending' AND o.lease_holder = p_holder
+        RETURNING o.*),
+    i AS (
+        INSERT INTO idemq.outbox_sent (id, key, exchange, routing_key, body, headers, order_key,
+                                       message_id, created_at, commit_seq, attempts, sent_at,
+                                       last_error)
+        SELECT m.id, m.key, m.exchange, m.routing_key, m.body, m.headers, m.order_key,
+               m.message_id, m.created_at, m.commit_seq, m.attempts + 1, clock_timestamp(),
+               m.last_error
+          FROM m
+        RETURNING id, created_at, sent_at)
+    SELECT i.id, extract(epoch FROM (i.sent_at - i.created_at)) * 1000 FROM i;
+$fn$;
+
+-- Every outbox row a key emitted, for `jobs show`: the rows not sent
+-- (idemq.outbox), the sent ones in the hot partitions of idemq.outbox_sent
+-- and in the archived ones (dropped ones are gone). state: pending,
+-- parked or sent; at: sent_at or parked_at. Like idemq.key_attempts, not
+-- revoked from PUBLIC (a reader needs USAGE on schema idemq).
+CREATE OR REPLACE FUNCTION idemq.key_outbox(p_key text)
+RETURNS TABLE (id bigint, state text, exchange text, routing_key text, order_key text,
+               attempts integer, created_at timestamptz, at timestamptz, last_error text,
+               message_id text)
+LANGUAGE plpgsql STABLE SECURITY DEFINER AS $fn$
+DECLARE
+    r record;
+BEGIN
+    RETURN QUERY SELECT o.id, o.state, o.exchange, o.routing_key, o.order_key, o.attempts,
+                        o.created_at, o.parked_at, o.last_error, o.message_id
+                   FROM idemq.outbox o WHERE o.key = p_key;
+    RETURN QUERY SELECT o.id, 'sent'::text, o.exchange, o.routing_key, o.order_key, o.attempts,
+                        o.created_at, o.sent_at, o.last_error, o.message_id
+                   FROM idemq.outbox_sent o WHERE o.key = p_key;
+    FOR r IN SELECT h.relname, h.location FROM idemq.history_parts h
+              WHERE h.kind = 'outbox' AND NOT h.attached AND h.location <> 'dropped'
+              ORDER BY h.lo LOOP
+        RETURN QUERY EXECUTE format(
+            'SELECT o.id, ''sent''::text, o.exchange, o.routing_key, o.order_key, o.attempts, '
+            'o.created_at, o.sent_at, o.last_error, o.message_id FROM %I.%I o '
+            'WHERE o.key = $1', idemq.history_schema(r.location), r.relname)
+          USING p_key;
+    END LOOP;
+END
 $fn$;
 
 -- Returned (unroutable: p_park) or nacked: parked at once when p_park, or

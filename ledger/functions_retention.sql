@@ -81,9 +81,11 @@ LANGUAGE sql IMMUTABLE
 SET search_path = pg_catalog, idemq
 AS $fn$
     SELECT CASE p_kind WHEN 'attempts' THEN 'attempts' WHEN 'batches' THEN 'batches'
-                       WHEN 'redrives' THEN 'redrives' WHEN 'parks' THEN 'park_history' END,
+                       WHEN 'redrives' THEN 'redrives' WHEN 'parks' THEN 'park_history'
+                       WHEN 'outbox' THEN 'outbox_sent' END,
            CASE p_kind WHEN 'attempts' THEN 'started_at' WHEN 'batches' THEN 'at'
-                       WHEN 'redrives' THEN 'redriven_at' WHEN 'parks' THEN 'resolved_at' END;
+                       WHEN 'redrives' THEN 'redriven_at' WHEN 'parks' THEN 'resolved_at'
+                       WHEN 'outbox' THEN 'sent_at' END;
 $fn$;
 
 -- The schema a registered history table is in.
@@ -537,7 +539,8 @@ BEGIN
     SELECT * INTO STRICT s FROM idemq.retention r WHERE r.id = 1;
 
     -- 1. Partitions ahead (and for rows waiting in a default partition).
-    FOREACH k IN ARRAY ARRAY['batches', 'attempts', 'redrives', 'parks'] LOOP
+    -- (outbox: the sent rows of the transactional outbox, migration 0017)
+    FOREACH k IN ARRAY ARRAY['batches', 'attempts', 'redrives', 'parks', 'outbox'] LOOP
         v_res := idemq.ensure_partitions(k, s.partition_interval, v_now, v_deadline,
                                          (v_rows - v_rescued)::integer);
         v_created := v_created + (v_res->>'created')::integer;
@@ -596,7 +599,7 @@ BEGIN
               WHERE h.location <> 'dropped' AND NOT h.attached
                 AND NOT idemq.history_filling(h.attached, h.location, h.lo)
                 AND h.hi <= v_now - s.history_retention
-                AND (h.pruned_at IS NOT NULL OR h.kind IN ('redrives', 'parks'))
+                AND (h.pruned_at IS NOT NULL OR h.kind IN ('redrives', 'parks', 'outbox'))
               ORDER BY h.lo LOOP
         IF clock_timestamp() >= v_deadline THEN
             v_more := true;

@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ops.h"
+
 static const char *opt(PGresult *res, int i, int col)
 {
     return PQgetisnull(res, i, col) ? NULL : PQgetvalue(res, i, col);
@@ -146,19 +148,17 @@ idemq_err_t ledger_outbox_gauges(PGconn *db, long *pending, long *parked, double
     return IDEMQ_OK;
 }
 
-static const char *val(PGresult *res, int i, int col)
-{
-    return PQgetisnull(res, i, col) ? "-" : PQgetvalue(res, i, col);
-}
-
+/* Producer-controlled text (exchange, routing key, order key, key, the
+ * broker's error that quotes them) is printed through ops_text, like the
+ * rest of the operator output: no control byte reaches the terminal. */
 int ledger_outbox_print_key(PGconn *db, const char *key, FILE *out)
 {
     const char *params[1] = {key};
+    struct ops_strs a = {NULL, 0, 0};
     PGresult *res = PQexecParams(
         db,
         "SELECT id, state, exchange, routing_key, coalesce(order_key, '-'), attempts, "
-        "created_at, coalesce(sent_at, parked_at), last_error, message_id "
-        "FROM idemq.outbox WHERE key = $1 ORDER BY id",
+        "created_at, at, last_error, message_id FROM idemq.key_outbox($1) ORDER BY id",
         1, NULL, params, NULL, NULL, 0);
     int n;
     if (PQresultStatus(res) != PGRES_TUPLES_OK) {
@@ -171,11 +171,13 @@ int ledger_outbox_print_key(PGconn *db, const char *key, FILE *out)
     for (int i = 0; i < n; i++) {
         fprintf(out, "  %s  row %s (%s) %s: exchange '%s', routing key %s, order key %s, "
                      "%s publishes, at %s\n",
-                val(res, i, 6), val(res, i, 0), val(res, i, 9), val(res, i, 1), val(res, i, 2),
-                val(res, i, 3), val(res, i, 4), val(res, i, 5), val(res, i, 7));
+                ops_tval(&a, res, i, 6), ops_tval(&a, res, i, 0), ops_tval(&a, res, i, 9),
+                ops_tval(&a, res, i, 1), ops_tval(&a, res, i, 2), ops_tval(&a, res, i, 3),
+                ops_tval(&a, res, i, 4), ops_tval(&a, res, i, 5), ops_tval(&a, res, i, 7));
         if (!PQgetisnull(res, i, 8))
-            fprintf(out, "    last error: %s\n", val(res, i, 8));
+            fprintf(out, "    last error: %s\n", ops_tval(&a, res, i, 8));
     }
+    ops_strs_free(&a);
     PQclear(res);
     return n;
 }
@@ -185,6 +187,7 @@ int ledger_outbox_print_parked(PGconn *db, const char *key, const char *since, l
 {
     char lim[24];
     const char *params[3] = {key, since, lim};
+    struct ops_strs a = {NULL, 0, 0};
     PGresult *res;
     int n;
 
@@ -206,8 +209,10 @@ int ledger_outbox_print_parked(PGconn *db, const char *key, const char *since, l
                      "%-20s %-20s %-3s %s\n",
                 "row", "parked_at", "key", "exchange", "routing_key", "att", "error");
     for (int i = 0; i < n; i++)
-        fprintf(out, "%-6s %-27s %-32s %-20s %-20s %-3s %s\n", val(res, i, 0), val(res, i, 1),
-                val(res, i, 2), val(res, i, 3), val(res, i, 4), val(res, i, 5), val(res, i, 6));
+        fprintf(out, "%-6s %-27s %-32s %-20s %-20s %-3s %s\n", ops_tval(&a, res, i, 0),
+                ops_tval(&a, res, i, 1), ops_tval(&a, res, i, 2), ops_tval(&a, res, i, 3),
+                ops_tval(&a, res, i, 4), ops_tval(&a, res, i, 5), ops_tval(&a, res, i, 6));
+    ops_strs_free(&a);
     PQclear(res);
     return n;
 }

@@ -14,6 +14,10 @@
  *   idemq-bench count   -c CFG
  *   idemq-bench reset   -c CFG      (delete the input's queue, declare it again)
  *
+ * Every command acts on the configuration's first input, or on the one
+ * --input NAME names (the outbox case of scripts/bench: its second input
+ * consumes what the first one's effect emits).
+ *
  * Output is one line of key=value pairs on stdout, for the script to read.
  */
 #include <errno.h>
@@ -49,7 +53,10 @@ struct opts {
     long soak_window;    /* > 0: soak mode (see body_for) */
     int transient_pm;    /* new keys failing once, transiently, per mille */
     int permanent_pm;    /* new keys failing for good (parked), per mille */
+    const char *input;   /* --input NAME: the input acted on (NULL: the first) */
 };
+
+static int sel_input; /* index of the input acted on (main, from --input) */
 
 static double now_s(void)
 {
@@ -73,7 +80,8 @@ static void usage(void)
                     "       idemq-bench drain -c CFG -n N [--batch B]\n"
                     "       idemq-bench lean -c CFG -n N [--batch B] [--workers W]\n"
                     "       idemq-bench count -c CFG\n"
-                    "       idemq-bench reset -c CFG\n");
+                    "       idemq-bench reset -c CFG\n"
+                    "(every command: [--input NAME], default the first input)\n");
 }
 
 static int parse(int argc, char **argv, struct opts *o)
@@ -84,7 +92,8 @@ static int parse(int argc, char **argv, struct opts *o)
         {"rate", required_argument, NULL, 'R'},   {"batch", required_argument, NULL, 'b'},
         {"workers", required_argument, NULL, 'w'}, {"soak-window", required_argument, NULL, 's'},
         {"transient-permille", required_argument, NULL, 't'},
-        {"permanent-permille", required_argument, NULL, 'p'}, {NULL, 0, NULL, 0}};
+        {"permanent-permille", required_argument, NULL, 'p'},
+        {"input", required_argument, NULL, 'i'}, {NULL, 0, NULL, 0}};
     int c;
     char *end;
 
@@ -105,9 +114,10 @@ static int parse(int argc, char **argv, struct opts *o)
         case 's': o->soak_window = strtol(optarg, &end, 10); break;
         case 't': o->transient_pm = (int)strtol(optarg, &end, 10); break;
         case 'p': o->permanent_pm = (int)strtol(optarg, &end, 10); break;
+        case 'i': o->input = optarg; break;
         default: return -1;
         }
-        if (c != 'c' && c != 'r' && (errno || *end))
+        if (c != 'c' && c != 'r' && c != 'i' && (errno || *end))
             return -1;
     }
     if (optind != argc - 1 || !o->config)
@@ -201,7 +211,7 @@ static int body_for(const struct opts *o, long i, long *unique, char *buf, size_
 
 static int cmd_publish(const struct conf *c, const struct opts *o)
 {
-    const struct conf_input *in = &c->inputs[0];
+    const struct conf_input *in = &c->inputs[sel_input];
     struct broker *b;
     char err[512], body[512];
     long unique = 0, window = 0, dups = 0, late = 0, transient = 0, permanent = 0;
@@ -271,7 +281,7 @@ fail:
 
 static int cmd_drain(const struct conf *c, const struct opts *o)
 {
-    const struct conf_input *in = &c->inputs[0];
+    const struct conf_input *in = &c->inputs[sel_input];
     struct broker *b;
     struct job j;
     char err[512];
@@ -361,7 +371,7 @@ static void *lean_thread(void *arg)
 {
     struct lean_shared *sh = arg;
     const struct conf *c = sh->c;
-    const struct conf_input *in = &c->inputs[0];
+    const struct conf_input *in = &c->inputs[sel_input];
     struct broker *b = NULL;
     PGconn *db = NULL;
     struct job j;
@@ -489,7 +499,7 @@ static int cmd_count(const struct conf *c)
         fprintf(stderr, "idemq-bench: %s\n", err);
         return 1;
     }
-    if (broker_admin_queue_counts(b, c->inputs[0].queue, &n, NULL)) {
+    if (broker_admin_queue_counts(b, c->inputs[sel_input].queue, &n, NULL)) {
         fprintf(stderr, "idemq-bench: %s\n", broker_error(b));
         broker_close(b);
         return 1;
@@ -508,7 +518,8 @@ static int cmd_reset(const struct conf *c)
         fprintf(stderr, "idemq-bench: %s\n", err);
         return 1;
     }
-    if (broker_admin_delete_queue(b, c->inputs[0].queue) || topology_declare(b, c, &c->inputs[0])) {
+    if (broker_admin_delete_queue(b, c->inputs[sel_input].queue) ||
+        topology_declare(b, c, &c->inputs[sel_input])) {
         fprintf(stderr, "idemq-bench: %s\n", broker_error(b));
         rc = 1;
     }
@@ -532,6 +543,17 @@ int main(int argc, char **argv)
         return 3;
     }
     log_current_level = LOG_LVL_WARN;
+    if (o.input) {
+        sel_input = -1;
+        for (int i = 0; i < c->n_inputs && sel_input < 0; i++)
+            if (strcmp(c->inputs[i].name, o.input) == 0)
+                sel_input = i;
+        if (sel_input < 0) {
+            fprintf(stderr, "idemq-bench: %s has no input named %s\n", o.config, o.input);
+            conf_free(c);
+            return 2;
+        }
+    }
     if (strcmp(o.cmd, "publish") == 0)
         rc = cmd_publish(c, &o);
     else if (strcmp(o.cmd, "drain") == 0)

@@ -21,6 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "broker_admin.h"
 #include "itest.h"
 #include "ledger_db.h"
 #include "ledger_migrate.h"
@@ -71,15 +72,21 @@ static void drop_own_database(void)
 /* A test's ledger: own database, the ledger.* windows given, migrated by
  * `idemq migrate` (which writes the windows and makes the first
  * partitions). */
-static void lc_setup(struct itest *t, const char *tag, const char *ledger)
+static void lc_setup_more(struct itest *t, const char *tag, const char *ledger,
+                          const char *more)
 {
-    static char extra[512];
+    static char extra[768];
     char out[4096];
     own_database(tag);
-    snprintf(extra, sizeof extra, "ledger: { %s };", ledger);
+    snprintf(extra, sizeof extra, "ledger: { %s };%s", ledger, more);
     itest_extra_conf = extra;
     itest_setup(t, tag, "idemq_test.record", "", "");
     ck_assert_msg(itest_idemq(t, "migrate", out, sizeof out) == 0, "%s", out);
+}
+
+static void lc_setup(struct itest *t, const char *tag, const char *ledger)
+{
+    lc_setup_more(t, tag, ledger, "");
 }
 
 static void lc_teardown(struct itest *t)
@@ -885,6 +892,97 @@ START_TEST(test_v3_upgrade)
 }
 END_TEST
 
+
+/* 9. The transactional outbox's sent rows age out with the history (issue
+ * 18): a sent row lives in a partition of idemq.outbox_sent, is still shown
+ * by `jobs show` of its key once archived, and is gone once the partition
+ * is dropped; a parked row and a pending one (never relayed) stay in
+ * idemq.outbox, whatever the time. */
+START_TEST(test_outbox_sent_ages_out)
+{
+    struct itest t;
+    struct broker *b;
+    char q[200], ks[128], kp[128], ku[128], sql[768], out[16384], args[300], rel[128],
+        err[512];
+
+    lc_setup_more(&t, "outbox",
+                  "dedup_window_days = 0.01; partition_interval = \"1 minute\"; "
+                  "history_hot_days = 0.005; history_retention_days = 0.02;",
+                  "outbox: { relay = 1; poll_ms = 200; };");
+    snprintf(q, sizeof q, "%s.out", t.name);
+    ck_assert_msg(broker_open(t.conf, "itest lifecycle", false, &b, err, sizeof err) == 0, "%s",
+                  err);
+    ck_assert(broker_admin_declare_queue(b, q, NULL, false) == IDEMQ_OK);
+    ck_assert(broker_admin_purge(b, q) == IDEMQ_OK);
+    broker_close(b);
+    key(&t, ks, sizeof ks, "sent");
+    key(&t, kp, sizeof kp, "parked");
+    key(&t, ku, sizeof ku, "pending");
+    snprintf(sql, sizeof sql,
+             "SELECT idemq.emit('', '%s', 'to be sent', NULL, NULL, '%s'); "
+             "SELECT idemq.emit('', '%s.nowhere', 'unroutable', NULL, NULL, '%s')",
+             q, ks, t.name, kp);
+    itest_sql(&t, sql);
+    itest_run_until_idle(&t, 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox_sent WHERE key = $1", ks),
+                     1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1", ks), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "state = 'parked'",
+                                kp),
+                     1);
+    /* emitted now, never relayed (no idemq runs from here on) */
+    snprintf(sql, sizeof sql, "SELECT idemq.emit('', '%s', 'left pending', NULL, NULL, '%s')", q,
+             ku);
+    itest_sql(&t, sql);
+    /* the partition that holds the sent row */
+    itest_text(&t, "SELECT h.relname FROM idemq.history_parts h, idemq.outbox_sent s WHERE "
+                   "h.kind = 'outbox' AND h.attached AND s.key = $1 AND s.sent_at >= h.lo AND "
+                   "s.sent_at < h.hi",
+               ks, rel, sizeof rel);
+    ck_assert_msg(rel[0], "the sent row is in no partition of its own");
+
+    /* past the hot window: archived, still in the key's story */
+    snprintf(sql, sizeof sql, "SELECT hi + interval '0.005 days' + interval '1 minute' FROM "
+                              "idemq.history_parts WHERE relname = '%s'", rel);
+    maintain_at(&t, sql, out, sizeof out);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.history_parts WHERE relname = $1 "
+                                    "AND location = 'archive'",
+                                rel),
+                     1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox_sent WHERE key = $1", ks),
+                     0);
+    snprintf(args, sizeof args, "jobs show %s", ks);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, ") sent: exchange") != NULL, "%s", out);
+
+    /* past the retention: the partition is dropped, the sent row gone; the
+     * parked and the pending rows stay */
+    snprintf(sql, sizeof sql, "SELECT hi + interval '0.02 days' + interval '1 minute' FROM "
+                              "idemq.history_parts WHERE relname = '%s'", rel);
+    maintain_at(&t, sql, out, sizeof out);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.history_parts WHERE relname = $1 "
+                                    "AND location = 'dropped'",
+                                rel),
+                     1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.key_outbox($1)", ks), 0);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 1);
+    ck_assert_msg(strstr(out, "no job, attempt or park") != NULL, "%s", out);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "state = 'parked'",
+                                kp),
+                     1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "state = 'pending'",
+                                ku),
+                     1);
+    snprintf(args, sizeof args, "jobs show %s", kp);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, ") parked: exchange") != NULL, "%s", out);
+    lc_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("lifecycle");
@@ -898,6 +996,7 @@ int main(void)
     tcase_add_test(tc, test_maintenance_step_failure_reported);
     tcase_add_test(tc, test_grant_role_maintenance_and_archive);
     tcase_add_test(tc, test_v3_upgrade);
+    tcase_add_test(tc, test_outbox_sent_ages_out);
     suite_add_tcase(s, tc);
     return check_run(s);
 }

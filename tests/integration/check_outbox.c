@@ -34,6 +34,12 @@
     "PERFORM idemq_test.switches(p_key, p_payload, p_meta); "                                \
     "RETURN jsonb_build_object('outbox_id', v_id); END $fn$"
 
+/* Every outbox row, sent (moved to idemq.outbox_sent, migration 0017) or
+ * not (idemq.outbox). */
+#define OB_ALL                                                                               \
+    "(SELECT id, key, routing_key, order_key, body, commit_seq, 'sent'::text AS state, "     \
+    "sent_at FROM idemq.outbox_sent UNION ALL SELECT id, key, routing_key, order_key, body, " \
+    "commit_seq, state, sent_at FROM idemq.outbox)"
 #define OUTBOX_CONF "outbox: { relay = 1; poll_ms = 200; max_attempts = 2; };"
 
 static void setup(struct itest *t, const char *tag, const char *extra_input)
@@ -135,18 +141,18 @@ START_TEST(test_effect_emits_once)
     n = drain(&t, q, bodies, ids, keys, 4);
     ck_assert_int_eq(n, 1);
     snprintf(want, sizeof want, "outbox:%ld",
-             itest_long(&t, "SELECT id FROM idemq.outbox WHERE key = $1", key));
+             itest_long(&t, "SELECT id FROM " OB_ALL " o WHERE key = $1", key));
     ck_assert_str_eq(ids[0], want);
     ck_assert_str_eq(keys[0], key);
     ck_assert_ptr_nonnull(strstr(bodies[0], key));
-    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM " OB_ALL " o WHERE key = $1 AND "
                                     "state = 'sent' AND sent_at IS NOT NULL",
                                 key),
                      1);
     /* the failed job's emit rolled back with it */
     snprintf(key, sizeof key, "%s:bad", t.name);
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", key), 1);
-    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1", key), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM " OB_ALL " o WHERE key = $1", key), 0);
     itest_teardown(&t);
 }
 END_TEST
@@ -168,7 +174,7 @@ START_TEST(test_application_emit)
     itest_run_until_idle(&t, 1);
     ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 4), 1);
     ck_assert_str_eq(bodies[0], "committed");
-    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE routing_key = $1 "
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM " OB_ALL " o WHERE routing_key = $1 "
                                     "AND state = 'sent'",
                                 q),
                      1);
@@ -215,12 +221,12 @@ START_TEST(test_commit_order)
     exec_ok(bconn, sql);
     exec_ok(bconn, "COMMIT");
     /* B is relayed while A is still open */
-    wait_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key = $1 AND state = 'sent'",
+    wait_long(&t, "SELECT count(*) FROM " OB_ALL " o WHERE order_key = $1 AND state = 'sent'",
               ok, 1, 3000);
     exec_ok(a, "COMMIT");
     snprintf(sql, sizeof sql, "SELECT idemq.emit('', '%s', 'C', NULL, '%s')", q, ok);
     exec_ok(bconn, sql);
-    wait_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key = $1 AND state = 'sent'",
+    wait_long(&t, "SELECT count(*) FROM " OB_ALL " o WHERE order_key = $1 AND state = 'sent'",
               ok, 3, 3000);
     PQfinish(a);
     PQfinish(bconn);
@@ -231,7 +237,7 @@ START_TEST(test_commit_order)
     ck_assert_str_eq(bodies[1], "A");
     ck_assert_str_eq(bodies[2], "C");
     /* A has the smaller id: an "id > last seen" relay would have lost or reordered it */
-    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox a, idemq.outbox b "
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM " OB_ALL " a, " OB_ALL " b "
                                     "WHERE a.order_key = $1 AND b.order_key = $1 AND "
                                     "convert_from(a.body, 'UTF8') = 'A' AND "
                                     "convert_from(b.body, 'UTF8') = 'B' AND a.id < b.id AND "
@@ -318,7 +324,7 @@ START_TEST(test_crash_after_commit)
     itest_run_until_idle(&t, 1);
     ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 4), 1);
     ck_assert_str_eq(keys[0], key);
-    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1", key), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM " OB_ALL " o WHERE key = $1", key), 1);
     itest_teardown(&t);
 }
 END_TEST
@@ -350,10 +356,10 @@ START_TEST(test_crash_after_confirm)
     itest_run_until_idle(&t, 1);
     ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 4), 2);
     snprintf(want, sizeof want, "outbox:%ld",
-             itest_long(&t, "SELECT id FROM idemq.outbox WHERE routing_key = $1", q));
+             itest_long(&t, "SELECT id FROM " OB_ALL " o WHERE routing_key = $1", q));
     ck_assert_str_eq(ids[0], want);
     ck_assert_str_eq(ids[1], want);
-    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE routing_key = $1 "
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM " OB_ALL " o WHERE routing_key = $1 "
                                     "AND state = 'sent'",
                                 q),
                      1);
@@ -386,7 +392,7 @@ START_TEST(test_broker_down)
                                 q),
                      1);
     ck_assert_int_eq(itest_services("rabbit-start"), 0);
-    wait_long(&t, "SELECT count(*) FROM idemq.outbox WHERE routing_key = $1 AND state = 'sent'",
+    wait_long(&t, "SELECT count(*) FROM " OB_ALL " o WHERE routing_key = $1 AND state = 'sent'",
               q, 1, 30000);
     st = itest_wait(pid, itest_ms(60000));
     ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
@@ -437,10 +443,9 @@ START_TEST(test_two_relays)
     for (int k = 0; k < KEYS; k++)
         ck_assert_int_eq(last[k], ROWS / KEYS - 1);
     snprintf(ok, sizeof ok, "%s:%%", t.name);
-    ck_assert_int_eq(itest_long(&t, "SELECT count(DISTINCT lease_holder) FROM idemq.outbox "
-                                    "WHERE order_key LIKE $1",
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key LIKE $1",
                                 ok),
-                     0); /* every lease was given up when its row was sent */
+                     0); /* every row moved to idemq.outbox_sent when it was sent */
     itest_teardown(&t);
 }
 END_TEST
@@ -569,6 +574,43 @@ START_TEST(test_metrics_and_ready)
 }
 END_TEST
 
+
+/* Producer-controlled text of outbox rows (exchange, routing key, order key,
+ * the broker's error that quotes them) is printed escaped by `jobs show`
+ * and `parked list`, like the rest of their output: no control byte
+ * reaches the terminal. */
+START_TEST(test_show_escaped)
+{
+    struct itest t;
+    char key[128], sql[768], args[300], out[16384];
+
+    setup(&t, "obesc", "");
+    snprintf(key, sizeof key, "%s:esc", t.name);
+    snprintf(sql, sizeof sql,
+             "SELECT idemq.emit(E'ex\\x1b[2J', E'rk\\x1b[31m\\nfake line', 'x', NULL, "
+             "E'ok\\r', '%s'); UPDATE idemq.outbox SET state = 'parked', parked_at = now(), "
+             "attempts = 1, last_error = E'returned: key rk\\x1b[31m\\nfake line' "
+             "WHERE key = '%s'",
+             key, key);
+    itest_sql(&t, sql);
+    snprintf(args, sizeof args, "jobs show %s", key);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, " parked: ") != NULL, "%s", out);
+    ck_assert_msg(!strchr(out, '\x1b') && !strchr(out, '\r') && !strstr(out, "\nfake line"),
+                  "control bytes printed: %s", out);
+    ck_assert_msg(strstr(out, "rk\\x1b[31m\\nfake line") && strstr(out, "ex\\x1b[2J") &&
+                      strstr(out, "ok\\r"),
+                  "%s", out);
+    snprintf(args, sizeof args, "parked list --key %s", key);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "outbox rows parked") != NULL, "%s", out);
+    ck_assert_msg(!strchr(out, '\x1b') && !strstr(out, "\nfake line"),
+                  "control bytes printed: %s", out);
+    ck_assert_msg(strstr(out, "rk\\x1b[31m\\nfake line") != NULL, "%s", out);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("outbox");
@@ -584,6 +626,10 @@ int main(void)
     tcase_add_test(tc, test_metrics_and_ready);
     tcase_add_test(tc, test_two_relays);
     tcase_add_test(tc, test_privileges);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("outbox_show"); /* operator output */
+    tcase_set_timeout(tc, itest_ms(120));
+    tcase_add_test(tc, test_show_escaped);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
