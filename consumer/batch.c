@@ -243,7 +243,7 @@ static enum step observe_txn(struct batch *bt, struct job *jobs, struct plan *pl
         if (o->outcome == OBSERVE_WOULD_PARK || o->outcome == OBSERVE_LATE)
             log_job(LOG_LVL_INFO, j->has_key ? j->key : NULL, j->tag, 0,
                     "observe: %s %s (apply mode would park it; acknowledged)",
-                    observe_outcome_name(o->outcome), o->code_name);
+                    ledger_observe_outcome_name(o->outcome), o->code_name);
         else if (o->outcome == OBSERVE_DUPLICATE)
             log_job(LOG_LVL_DEBUG, j->key, j->tag, 0, "observe: duplicate%s%s",
                     o->code_name[0] ? " " : "", o->code_name);

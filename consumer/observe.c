@@ -71,7 +71,7 @@ size_t observe_metrics_render(const struct conf *c, char *buf, size_t len)
         label(name, sizeof name, c->inputs[i].name);
         for (int o = OBSERVE_NEW; o < OBSERVE_N_OUTCOMES; o++)
             ADD("idemq_observed_total{input=\"%s\",outcome=\"%s\"} %ld\n", name,
-                observe_outcome_name((enum observe_outcome)o), atomic_load(&by_outcome[i][o]));
+                ledger_observe_outcome_name((enum observe_outcome)o), atomic_load(&by_outcome[i][o]));
     }
     ADD("%s", "# HELP idemq_observe_would_park_total deliveries of observe-mode inputs that "
               "apply mode would park, by code (late replays as outside_dedup_window)\n"
@@ -140,7 +140,7 @@ int observe_report(const struct conf *c, const char *input, const char *since, F
         const char *first = PQgetvalue(r, i, 4), *last = PQgetvalue(r, i, 5);
         int k = i;
         for (; k < rows && strcmp(PQgetvalue(r, k, 0), in) == 0; k++) {
-            enum observe_outcome o = observe_outcome_parse(PQgetvalue(r, k, 1));
+            enum observe_outcome o = ledger_observe_outcome_parse(PQgetvalue(r, k, 1));
             long long v = atoll(PQgetvalue(r, k, 3));
             const char *code = PQgetvalue(r, k, 2);
             n[o] += v;
@@ -165,7 +165,7 @@ int observe_report(const struct conf *c, const char *input, const char *since, F
         fprintf(out, "  would be parked  %lld  (late replays included: %lld)\n",
                 n[OBSERVE_WOULD_PARK] + n[OBSERVE_LATE], n[OBSERVE_LATE]);
         for (int x = i; x < k; x++) {
-            enum observe_outcome o = observe_outcome_parse(PQgetvalue(r, x, 1));
+            enum observe_outcome o = ledger_observe_outcome_parse(PQgetvalue(r, x, 1));
             if (o == OBSERVE_WOULD_PARK || o == OBSERVE_LATE)
                 fprintf(out, "    %-22s %s\n", ops_tval(&a, r, x, 2), PQgetvalue(r, x, 3));
         }

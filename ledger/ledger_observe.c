@@ -13,12 +13,12 @@ static const char *const names[OBSERVE_N_OUTCOMES] = {
     "none", "observed", "duplicate", "late_replay", "would_park", "unrecorded",
 };
 
-const char *observe_outcome_name(enum observe_outcome o)
+const char *ledger_observe_outcome_name(enum observe_outcome o)
 {
     return o > OBSERVE_NONE && o < OBSERVE_N_OUTCOMES ? names[o] : names[0];
 }
 
-enum observe_outcome observe_outcome_parse(const char *name)
+enum observe_outcome ledger_observe_outcome_parse(const char *name)
 {
     for (int o = OBSERVE_NEW; name && o < OBSERVE_N_OUTCOMES; o++)
         if (strcmp(name, names[o]) == 0)
@@ -26,7 +26,7 @@ enum observe_outcome observe_outcome_parse(const char *name)
     return OBSERVE_NONE;
 }
 
-idemq_err_t observe_code_parse(const char *name)
+idemq_err_t ledger_observe_code_parse(const char *name)
 {
     if (!name || !name[0])
         return IDEMQ_OK;
@@ -45,7 +45,7 @@ static json_t *text(const char *s)
     return json_string(buf);
 }
 
-char *observe_doc(const struct conf *c, struct job *const *jobs, const bool *old, int n)
+char *ledger_observe_doc(const struct conf *c, struct job *const *jobs, const bool *old, int n)
 {
     json_t *arr = json_array();
     char *out = NULL;

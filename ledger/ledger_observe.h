@@ -32,20 +32,20 @@ enum observe_outcome {
 };
 
 /* The stored name of an outcome ("observed", ...); "none" for OBSERVE_NONE. */
-const char *observe_outcome_name(enum observe_outcome o);
+const char *ledger_observe_outcome_name(enum observe_outcome o);
 
 /* The outcome of a stored name; OBSERVE_NONE for anything else. */
-enum observe_outcome observe_outcome_parse(const char *name);
+enum observe_outcome ledger_observe_outcome_parse(const char *name);
 
 /* The idemq_err_t whose idemq_err_name is name (a would-park code), or
  * IDEMQ_OK when name is none of them (NULL, ""). */
-idemq_err_t observe_code_parse(const char *name);
+idemq_err_t ledger_observe_code_parse(const char *name);
 
 /*
  * The observe_batch document for jobs[0..n) of c's inputs (each decoded by
  * job_decode); old[i]: the message is older than the dedup window. Returns
  * a malloc'd NUL-terminated string, or NULL when out of memory.
  */
-char *observe_doc(const struct conf *c, struct job *const *jobs, const bool *old, int n);
+char *ledger_observe_doc(const struct conf *c, struct job *const *jobs, const bool *old, int n);
 
 #endif

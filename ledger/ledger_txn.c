@@ -440,7 +440,7 @@ idemq_err_t ledger_txn_observe(struct ledger_txn *lt, struct job *const *jobs, i
         }
     for (int i = 0; i < n; i++)
         old[i] = is_old(lt, jobs[i], now);
-    doc = observe_doc(lt->conf, jobs, old, n);
+    doc = ledger_observe_doc(lt->conf, jobs, old, n);
     free(old);
     if (!doc) {
 nomem:
@@ -475,9 +475,9 @@ nomem:
         }
         x = &res[idx];
         memset(x, 0, sizeof *x);
-        x->outcome = observe_outcome_parse(PQgetvalue(r, row, 1));
+        x->outcome = ledger_observe_outcome_parse(PQgetvalue(r, row, 1));
         copy_field(x->code_name, sizeof x->code_name, r, row, 2);
-        x->code = observe_code_parse(x->code_name);
+        x->code = ledger_observe_code_parse(x->code_name);
         if (x->outcome == OBSERVE_NONE) {
             PQclear(r);
             return observe_bad(e, "an unknown outcome");

@@ -50,7 +50,7 @@ START_TEST(test_doc)
     for (int i = 0; i < 3; i++)
         job_decode(&jobs[i], &c->inputs[1]);
     ck_assert_int_eq(jobs[2].decode_err, IDEMQ_ERR_BAD_JSON);
-    ck_assert_ptr_nonnull(doc = observe_doc(c, ptrs, old, 3));
+    ck_assert_ptr_nonnull(doc = ledger_observe_doc(c, ptrs, old, 3));
     ck_assert_ptr_nonnull(v = json_loads(doc, 0, NULL));
     ck_assert_int_eq(json_array_size(v), 3);
     o = json_array_get(v, 0);
@@ -79,16 +79,16 @@ END_TEST
 START_TEST(test_names)
 {
     for (int o = OBSERVE_NEW; o < OBSERVE_N_OUTCOMES; o++)
-        ck_assert_int_eq(observe_outcome_parse(observe_outcome_name((enum observe_outcome)o)), o);
-    ck_assert_int_eq(observe_outcome_parse("applied"), OBSERVE_NONE);
-    ck_assert_int_eq(observe_outcome_parse(NULL), OBSERVE_NONE);
-    ck_assert_str_eq(observe_outcome_name(OBSERVE_LATE), "late_replay");
-    ck_assert_int_eq(observe_code_parse("outside_dedup_window"), IDEMQ_ERR_OUTSIDE_WINDOW);
-    ck_assert_int_eq(observe_code_parse("key_reuse"), IDEMQ_ERR_KEY_REUSE);
-    ck_assert_int_eq(observe_code_parse("bad_json"), IDEMQ_ERR_BAD_JSON);
-    ck_assert_int_eq(observe_code_parse(""), IDEMQ_OK);
-    ck_assert_int_eq(observe_code_parse(NULL), IDEMQ_OK);
-    ck_assert_int_eq(observe_code_parse("nonsense"), IDEMQ_OK);
+        ck_assert_int_eq(ledger_observe_outcome_parse(ledger_observe_outcome_name((enum observe_outcome)o)), o);
+    ck_assert_int_eq(ledger_observe_outcome_parse("applied"), OBSERVE_NONE);
+    ck_assert_int_eq(ledger_observe_outcome_parse(NULL), OBSERVE_NONE);
+    ck_assert_str_eq(ledger_observe_outcome_name(OBSERVE_LATE), "late_replay");
+    ck_assert_int_eq(ledger_observe_code_parse("outside_dedup_window"), IDEMQ_ERR_OUTSIDE_WINDOW);
+    ck_assert_int_eq(ledger_observe_code_parse("key_reuse"), IDEMQ_ERR_KEY_REUSE);
+    ck_assert_int_eq(ledger_observe_code_parse("bad_json"), IDEMQ_ERR_BAD_JSON);
+    ck_assert_int_eq(ledger_observe_code_parse(""), IDEMQ_OK);
+    ck_assert_int_eq(ledger_observe_code_parse(NULL), IDEMQ_OK);
+    ck_assert_int_eq(ledger_observe_code_parse("nonsense"), IDEMQ_OK);
 }
 END_TEST
 
