@@ -230,7 +230,7 @@ const char html_css[] =
 void html_page_start(struct html *b, const char *title, const char *nav)
 {
     static const char *const items[][2] = {
-        {"overview", "/"}, {"groups", "/groups"}, {"parked", "/parked"}};
+        {"overview", "/"}, {"groups", "/groups"}, {"parked", "/parked"}, {"observe", "/observe"}};
     html_raw(b, "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
                 "<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\">"
                 "<title>");
@@ -284,15 +284,18 @@ void html_plot(struct html *b, const char *title, const double *v, int n, const 
     html_text(b, title);
     html_printf(b, "</title><text x=\"%.0f\" y=\"14\" font-weight=\"600\">", L);
     html_text(b, title);
+    if (unit && unit[0]) { /* here, not beside the top tick: the margin would clip it */
+        html_raw(b, " (");
+        html_text(b, unit);
+        html_raw(b, ")");
+    }
     html_raw(b, "</text>");
     /* grid: 0, half, top */
     for (int g = 0; g <= 2; g++) {
         double y = T + (H - T - B) * (1 - g / 2.0);
         html_printf(b, "<line x1=\"%.0f\" y1=\"%.1f\" x2=\"%.0f\" y2=\"%.1f\" stroke=\"#d9dde3\"/>"
-                       "<text x=\"%.0f\" y=\"%.1f\" text-anchor=\"end\">%g ",
+                       "<text x=\"%.0f\" y=\"%.1f\" text-anchor=\"end\">%g</text>",
                     L, y, W - R, y, L - 4, y + 4, top * g / 2.0);
-        html_text(b, g == 2 ? unit : "");
-        html_raw(b, "</text>");
     }
     html_printf(b, "<text x=\"%.0f\" y=\"%.0f\">", L, H - 6);
     html_text(b, xlabel_old);

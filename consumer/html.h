@@ -68,8 +68,8 @@ void html_page_end(struct html *b);
 
 /*
  * Appends an SVG line plot of v[0..n) (n >= 2; oldest first, NaN = no data,
- * drawn as a gap), titled `title` (escaped) with the y axis from 0 to the
- * largest value (its label printed with `unit`, escaped) and the x axis
+ * drawn as a gap), titled `title (unit)` (escaped) with the y axis from 0 to
+ * the largest value rounded up (numbers only: the unit is in the title) and the x axis
  * labelled from `xlabel_old` to "now". Pure markup, no script.
  */
 void html_plot(struct html *b, const char *title, const double *v, int n, const char *unit,

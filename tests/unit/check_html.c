@@ -123,7 +123,11 @@ START_TEST(test_plot)
     ck_assert(strstr(b.p, "t&lt;1&gt;") && !strstr(b.p, "t<1>"));
     /* the gap splits the line in two; the axis top is a round 50 */
     ck_assert_ptr_nonnull(strstr(strstr(b.p, "<polyline") + 1, "<polyline"));
-    ck_assert(strstr(b.p, ">50 ms<") != NULL);
+    ck_assert(strstr(b.p, ">50<") != NULL);
+    /* the unit is in the title line, not beside the top tick, where the
+     * plot's left margin clipped it ("000 /min") */
+    ck_assert(strstr(b.p, "t&lt;1&gt; (ms)</text>") != NULL);
+    ck_assert(strstr(b.p, " ms<") == NULL);
     ck_assert(strstr(b.p, "<script") == NULL);
     ck_assert(strstr(b.p, "<circle") == NULL);
     html_free(&b);
