@@ -24,6 +24,7 @@
 #include "html.h"
 #include "liveness.h"
 #include "log.h"
+#include "observe.h"
 #include "ops.h"
 #include "topology.h"
 
@@ -212,10 +213,10 @@ static void overview_plots(struct console *k, struct html *b)
     }
     PQclear(r);
     html_raw(b, "<div class=\"cards\"><div class=\"card\" id=\"plot-throughput\">");
-    html_plot(b, "applied per minute", tp, 60, "/min", "60 min ago");
+    html_plot(b, "applied", tp, 60, "per minute", "60 min ago");
     html_printf(b, "<p class=\"mut\">%.0f applied in the last hour</p></div>"
                    "<div class=\"card\" id=\"plot-latency\">", total);
-    html_plot(b, "commit time p95 (ms)", lat, 60, "ms", "60 min ago");
+    html_plot(b, "commit time p95", lat, 60, "ms", "60 min ago");
     html_raw(b, "<p class=\"mut\">of the transactions that applied them (a gap: none that minute)</p>"
                 "</div></div>");
 }
@@ -603,6 +604,76 @@ static unsigned page_key(struct console *k, struct MHD_Connection *conn, struct 
     return status;
 }
 
+/* ---- the observe baseline ---- */
+
+/* A since filter as the page accepts it: a date or timestamp's characters
+ * only (PostgreSQL parses it); anything else is refused before the query. */
+static bool since_ok(const char *s)
+{
+    size_t n = strlen(s);
+    if (n == 0 || n > 40)
+        return false;
+    return strspn(s, "0123456789-:+. TZtz") == n;
+}
+
+static unsigned page_observe(struct console *k, struct MHD_Connection *conn, struct html *b)
+{
+    const char *in = arg(conn, "input"), *since = arg(conn, "since");
+    unsigned status = MHD_HTTP_OK;
+    char *text = NULL;
+    size_t len = 0;
+    int rc = 0, modes = 0;
+    FILE *f;
+
+    html_page_start(b, "observe baseline", "observe");
+    html_raw(b, "<h1>Observe baseline</h1><p class=\"mut\">What inputs with "
+                "<code>mode = \"observe\"</code> saw on their copy of live traffic while the "
+                "existing consumer applied it: keys claimed, duplicates already present, late "
+                "replays and what apply mode would park (<code>idemq observe report</code>). "
+                "No effect ran for any of it. After the switch to <code>mode = \"apply\"</code>, "
+                "every key observed here is a duplicate: the old consumer applied it, idemq "
+                "never will.</p>");
+    for (int i = 0; i < k->c->n_inputs; i++)
+        if (CONF_INPUT_OBSERVE(&k->c->inputs[i])) {
+            html_raw(b, modes++ ? ", " : "<p id=\"observe-inputs\">observing now: ");
+            html_text(b, k->c->inputs[i].name);
+        }
+    html_raw(b, modes ? "</p>" : "<p id=\"observe-inputs\">no input of this process is in "
+                                 "observe mode; the ledger's observations are shown</p>");
+    html_raw(b, "<form class=\"filters\" method=\"get\" action=\"/observe\">");
+    filter_field(b, "input", "input", in, "any");
+    filter_field(b, "since", "since", since, "2026-12-01 10:00Z");
+    html_raw(b, "<button>filter</button> <a href=\"/observe\">clear</a></form>");
+    if ((in && strlen(in) > 200) || (since && !since_ok(since))) {
+        html_raw(b, "<p class=\"bad\">since must be a date or timestamp (like 2026-12-01 or "
+                    "2026-12-01 10:00Z) and input a name of at most 200 bytes</p>");
+        html_page_end(b);
+        return MHD_HTTP_BAD_REQUEST;
+    }
+    if (!db_of(k)) {
+        unavailable(b, "the observations");
+        html_page_end(b);
+        return MHD_HTTP_SERVICE_UNAVAILABLE;
+    }
+    if (!(f = open_memstream(&text, &len))) {
+        html_raw(b, "<p class=\"bad\">out of memory</p>");
+        html_page_end(b);
+        return MHD_HTTP_INTERNAL_SERVER_ERROR;
+    }
+    rc = observe_report_db(k->db, in, since, f);
+    fclose(f);
+    html_raw(b, "<pre id=\"baseline\">");
+    if (text)
+        html_text_n(b, text, len);
+    html_raw(b, rc > 1 ? "the ledger did not answer (see the log)\n" : "");
+    html_raw(b, "</pre>");
+    free(text);
+    if (rc > 1)
+        status = MHD_HTTP_SERVICE_UNAVAILABLE;
+    html_page_end(b);
+    return status;
+}
+
 /* ---- actions ---- */
 
 /* The first count after "selects " in a groups_act output, -1 if none. */
@@ -927,6 +998,8 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
         page_parked(k, conn, &b);
     } else if (strcmp(url, "/key") == 0) {
         status = page_key(k, conn, &b);
+    } else if (strcmp(url, "/observe") == 0) {
+        status = page_observe(k, conn, &b);
     } else {
         html_free(&b);
         return refuse(conn, MHD_HTTP_NOT_FOUND, "no such page: try /");

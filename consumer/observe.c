@@ -107,14 +107,23 @@ void observe_log_summary(const struct conf *c)
 
 int observe_report(const struct conf *c, const char *input, const char *since, FILE *out)
 {
-    const char *params[2] = {input, since};
     PGconn *db = ops_connect(c, "idemq observe", c->statement_timeout_ms);
+    int rc;
+
+    if (!db)
+        return 4;
+    rc = observe_report_db(db, input, since, out);
+    PQfinish(db);
+    return rc;
+}
+
+int observe_report_db(PGconn *db, const char *input, const char *since, FILE *out)
+{
+    const char *params[2] = {input, since};
     struct ops_strs a = {NULL, 0, 0};
     PGresult *r;
     int rc = 0, rows;
 
-    if (!db)
-        return 4;
     r = PQexecParams(db,
                      "SELECT input, outcome, coalesce(code, ''), n, first_at, last_at "
                      "FROM idemq.observe_report($1, $2::timestamptz)",
@@ -173,7 +182,6 @@ int observe_report(const struct conf *c, const char *input, const char *since, F
     }
 out:
     PQclear(r);
-    PQfinish(db);
     ops_strs_free(&a);
     return rc;
 }

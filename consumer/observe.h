@@ -44,6 +44,10 @@ void observe_log_summary(const struct conf *c);
  * replays and would-be parks by code. 0, 1 (nothing observed), 4 (database). */
 int observe_report(const struct conf *c, const char *input, const char *since, FILE *out);
 
+/* The same report over an open connection (the console's /observe page);
+ * input and since may be NULL. Same return codes; db is left open. */
+int observe_report_db(PGconn *db, const char *input, const char *since, FILE *out);
+
 /* The observe-mode lines of `jobs show KEY` (observed only, and the key's
  * observations). Returns how many lines were printed (0 when none, or the
  * ledger has no observations table). */

@@ -9,6 +9,7 @@
 // Environment: CONSOLE_URL (http://127.0.0.1:PORT), CONSOLE_TOKEN,
 // CONSOLE_GROUP (the group to redrive, of CONSOLE_EXPECT parks),
 // CONSOLE_KEY (a key of that group), CONSOLE_SCRIPT_KEY (the hostile key),
+// CONSOLE_OBSERVE_INPUT (an input with 47 observations in the ledger),
 // SHOTS_DIR (optional: where the PNGs go).
 import { chromium } from 'playwright-core';
 import { mkdirSync } from 'node:fs';
@@ -20,6 +21,7 @@ const env = (k) => {
 const URL = env('CONSOLE_URL'), TOKEN = env('CONSOLE_TOKEN'), GROUP = env('CONSOLE_GROUP');
 const KEY = env('CONSOLE_KEY'), SCRIPT_KEY = env('CONSOLE_SCRIPT_KEY');
 const EXPECT = Number(process.env.CONSOLE_EXPECT || '3');
+const OBS_INPUT = env('CONSOLE_OBSERVE_INPUT');
 const SHOTS = process.env.SHOTS_DIR || '';
 let passed = 0, failed = 0;
 const check = (ok, what) => {
@@ -41,7 +43,8 @@ try {
     ['overview', '/', 'Overview'],
     ['groups', '/groups', 'Failure groups'],
     ['parked', '/parked', 'Parked messages'],
-    ['key', '/key?k=' + encodeURIComponent(KEY), 'Key'],
+    ['observe', '/observe', 'Observe baseline'],
+    ['key', '/key?k=' + encodeURIComponent(KEY), 'Key'], // last: the checks below read it
   ];
   for (const [name, path, h1] of pages) {
     const r = await page.goto(URL + path);
@@ -60,6 +63,11 @@ try {
     await phone.close();
   }
   check((await page.textContent('#story')).includes(KEY), 'the key page tells the key\'s story');
+  await page.goto(URL + '/observe?input=' + encodeURIComponent(OBS_INPUT));
+  const baseline = await page.textContent('#baseline');
+  check(baseline.includes(`input ${OBS_INPUT}: 47 deliveries`), 'the observe page shows the baseline');
+  check(baseline.includes('would be parked  3  (late replays included: 1)'),
+        'the baseline counts what apply mode would park');
   await page.goto(URL + '/');
   check((await page.$$('#plot-throughput svg polyline')).length > 0, 'the overview plots throughput');
   check((await page.textContent('#probe-live')) === 'live', 'the overview shows the live probe');

@@ -44,7 +44,7 @@ START_TEST(test_console_browser)
 {
     struct itest t;
     char extra[1024], tokfile[256], url[128], body[512], sql[512], a[3][160], hostile[200];
-    char group[16], cmd[4096], page[65536];
+    char group[16], cmd[4096], page[65536], obs[200];
     const char *bodies[1] = {body};
     const char *shots = getenv("IDEMQ_CONSOLE_SHOTS");
     int port = itest_free_port(), rc;
@@ -91,6 +91,18 @@ START_TEST(test_console_browser)
                "SELECT idemq.park_group(source_queue, error_class, error_code, sqlstate, reason,"
                " key) FROM idemq.parked WHERE key = $1",
                a[0], group, sizeof group);
+    /* a baseline for the /observe page: what an observe-mode input of
+     * another process recorded (the rows observe_batch writes) */
+    snprintf(obs, sizeof obs, "%s_obs", t.name);
+    itest_long(&t,
+               "WITH o(outcome, code, n) AS (VALUES ('observed', NULL, 40),"
+               " ('duplicate', NULL, 3), ('duplicate', 'key_reuse', 1),"
+               " ('late_replay', 'outside_dedup_window', 1), ('would_park', 'bad_json', 2)),"
+               " ins AS (INSERT INTO idemq.observations (input, queue, key, outcome, code, reason,"
+               " payload_sha256, redelivered, consumer_id) SELECT $1, $1 || '.q', $1 || ':' || g,"
+               " o.outcome, o.code, NULL, NULL, false, 'check_console' FROM o,"
+               " generate_series(1, o.n) g RETURNING 1) SELECT count(*) FROM ins",
+               obs);
     /* the cause fixed; the daemon runs with its console */
     snprintf(sql, sizeof sql, "DELETE FROM idemq_test.console_broken WHERE test = '%s'", t.name);
     itest_sql(&t, sql);
@@ -113,6 +125,7 @@ START_TEST(test_console_browser)
     setenv("CONSOLE_KEY", a[0], 1);
     setenv("CONSOLE_SCRIPT_KEY", hostile, 1);
     setenv("CONSOLE_EXPECT", "3", 1);
+    setenv("CONSOLE_OBSERVE_INPUT", obs, 1);
     setenv("SHOTS_DIR", shots ? shots : "", 1);
     snprintf(cmd, sizeof cmd, "cd '%s/tests/browser' && timeout 90 node console.test.mjs",
              IDEMQ_SOURCE_DIR);

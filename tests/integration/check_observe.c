@@ -72,15 +72,17 @@ START_TEST(test_observe_then_apply)
 {
     struct itest t;
     char obs_cfg[256], obsq[160], oname[160], keys[6][128], b[9][256], out[16384],
-        scrape[32768], url[96], path[200], series[256], v[64];
+        scrape[32768], url[320], path[200], series[256], v[64];
     struct conf *oc = NULL;
     char err[1024];
     struct itest_raw *raw;
     amqp_basic_properties_t now_p, old_p;
-    int port = itest_free_port(), st;
+    int port = itest_free_port(), cport = itest_free_port(), st;
     pid_t pid;
     FILE *f;
 
+    while (cport == port)
+        cport = itest_free_port();
     itest_setup(&t, "observe", "idemq_test.record", "batch_max = 50; batch_wait_ms = 300;", "");
     /* the observe input: its own queue, bound beside the test input's */
     snprintf(obsq, sizeof obsq, "%s.observe", t.name);
@@ -90,10 +92,11 @@ START_TEST(test_observe_then_apply)
     fprintf(f,
             "broker: { heartbeat = 10; };\n"
             "metrics: { listen = \"127.0.0.1:%d\"; };\n"
+            "console: { listen = \"127.0.0.1:%d\"; };\n"
             "consumer: { id = \"%s-obs\"; batch_max = 50; batch_wait_ms = 300; };\n"
             "inputs = ( { name = \"%s\"; exchange = \"%s\"; queue = \"%s\"; routing_key = \"%s\";\n"
             "  effect_function = \"idemq_test.record\"; mode = \"observe\"; } );\n",
-            port, t.name, oname, t.name, obsq, t.name);
+            port, cport, t.name, oname, t.name, obsq, t.name);
     fclose(f);
     ck_assert_msg(conf_load(obs_cfg, &oc, err, sizeof err) == IDEMQ_OK, "%s", err);
     ck_assert_msg(sh_out(out, sizeof out, "%s declare -c %s", IDEMQ_BINARY, obs_cfg) == 0, "%s",
@@ -123,7 +126,7 @@ START_TEST(test_observe_then_apply)
 
     /* observe: scrape /metrics while it runs */
     snprintf(path, sizeof path, "/tmp/%s.observe.log", t.name);
-    pid = itest_spawn_log(obs_cfg, 3, NULL, path);
+    pid = itest_spawn_log(obs_cfg, 5, NULL, path);
     snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", port);
     snprintf(series, sizeof series, "idemq_observed_total{input=\"%s\",outcome=\"would_park\"} ",
              oname);
@@ -134,6 +137,24 @@ START_TEST(test_observe_then_apply)
         sleep_ms(100);
     }
     ck_assert_msg(metric(scrape, series) == 2, "scrape:\n%s", scrape);
+    /* the baseline on the console's /observe page, while it runs (escaped
+     * text of the same report; a since that is no timestamp is refused) */
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/observe?input=%s", cport, oname);
+    for (int waited = 0; waited < itest_ms(10000); waited += 100) {
+        if (itest_http_get(url, out, sizeof out) == 200 && strstr(out, "9 deliveries"))
+            break;
+        sleep_ms(100);
+    }
+    ck_assert_msg(strstr(out, "9 deliveries") && strstr(out, "observed keys    4") &&
+                  strstr(out, "would be parked  3  (late replays included: 1)") &&
+                  strstr(out, "outside_dedup_window") && strstr(out, "observing now: "),
+                  "%s", out);
+    ck_assert_msg(strstr(out, oname), "%s", out);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/observe?since=2999-01-01", cport);
+    ck_assert_int_eq(itest_http_get(url, out, sizeof out), 200);
+    ck_assert_msg(strstr(out, "nothing observed"), "%s", out);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/observe?since=now()%%3Bdrop", cport);
+    ck_assert_int_eq(itest_http_get(url, out, sizeof out), 400);
 #define SERIES(o) (snprintf(series, sizeof series, "idemq_observed_total{input=\"%s\",outcome=\"" o "\"} ", oname), series)
     ck_assert_int_eq(metric(scrape, SERIES("observed")), 4);
     ck_assert_int_eq(metric(scrape, SERIES("duplicate")), 2);
