@@ -143,6 +143,22 @@ summary["countdown_s"] = round(waited, 2)
 # 8. ignore_result: applied, no reply (check_celery counts the effect)
 send("shop.charge", kwargs={"order_id": f"{prefix}-I", "amount": 2}, ignore_result=True)
 
+# 9. task protocol 1 (everything in the body), from a real Celery client
+#    configured for it (task_protocol = 1), the rpc:// reply as for 2
+app1 = celery.Celery("producer-v1", broker=url, backend="rpc://")
+app1.conf.update(app.conf)
+app1.conf.task_protocol = 1
+v1 = app1.send_task("shop.charge", args=["y"], kwargs={"order_id": f"{prefix}-V1", "amount": 4},
+                    exchange=exchange, routing_key=rk, declare=[])
+r6 = v1.get(timeout=TIMEOUT)
+check("protocol 1 applied", r6.get("charged") == 4 and r6.get("key") == f"{prefix}-V1"
+      and r6.get("args") == ["y"], r6)
+v1again = app1.send_task("shop.charge", args=["y"], kwargs={"order_id": f"{prefix}-V1",
+                                                            "amount": 4},
+                         exchange=exchange, routing_key=rk, declare=[])
+r7 = v1again.get(timeout=TIMEOUT)
+check("protocol 1 duplicate answered with the first result", r7 == r6, f"{r7} != {r6}")
+
 summary["failures"] = failures
 print(json.dumps(summary))
 for f in failures:

@@ -5,7 +5,8 @@
  * task is applied once, duplicates are answered with the first result, a
  * pickle task, an unknown task name and a refused task are parked and
  * answered FAILURE, an expired task is revoked (parked, answered REVOKED,
- * not run), a countdown is held on the broker, ignore_result gets no reply.
+ * not run), a countdown is held on the broker, ignore_result gets no reply,
+ * and a client configured for task protocol 1 is answered as well.
  */
 #include <check.h>
 
@@ -92,6 +93,14 @@ START_TEST(test_celery_producer)
                      1);
     snprintf(key, sizeof key, "%s-B", t.name);
     ck_assert_int_eq(effects_of(&t, key), 1);
+    /* protocol 1, from the client with task_protocol = 1: once, as 1 */
+    snprintf(key, sizeof key, "%s-V1", t.name);
+    ck_assert_int_eq(effects_of(&t, key), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = $1 "
+                                    "AND meta->'celery'->>'protocol' = '1' "
+                                    "AND payload->'args' = '[\"y\"]'",
+                                key),
+                     1);
     snprintf(key, sizeof key, "%s-C", t.name);
     ck_assert_int_eq(effects_of(&t, key), 1);
     /* parked, never run */
