@@ -170,12 +170,77 @@ START_TEST(test_console_browser)
 }
 END_TEST
 
+/* curl's HTTP status for url with extra curl arguments (auth), -1 if none. */
+static int curl_status(const char *url, const char *args)
+{
+    char cmd[1024], out[16] = "";
+    FILE *p;
+    snprintf(cmd, sizeof cmd, "curl -s -o /dev/null -w '%%{http_code}' %s '%s'", args, url);
+    if (!(p = popen(cmd, "r")))
+        return -1;
+    if (!fgets(out, sizeof out, p))
+        out[0] = '\0';
+    pclose(p);
+    return atoi(out) > 0 ? atoi(out) : -1; /* "000": no answer */
+}
+
+/* A client that is not on loopback (the test hook makes every client one:
+ * the tests must not listen beyond loopback) reads only with the token as
+ * the HTTP Basic password, and never without console.token_file. */
+START_TEST(test_console_remote_read)
+{
+#ifndef IDEMQ_TEST_HOOKS
+    fprintf(stderr, "test_console_remote_read: needs -DIDEMQ_TEST_HOOKS=ON (scripts/test)\n");
+    ck_abort_msg("built without IDEMQ_TEST_HOOKS");
+#else
+    struct itest t;
+    char extra[1024], tokfile[256], url[128];
+    const char *env[] = {"IDEMQ_TEST_CONSOLE_REMOTE=1", NULL};
+    int port = itest_free_port(), rc;
+    long long deadline;
+    pid_t pid;
+    FILE *f;
+
+    snprintf(tokfile, sizeof tokfile, "/tmp/idemq-console-rtoken-%d", (int)getpid());
+    ck_assert_ptr_nonnull(f = fopen(tokfile, "w"));
+    fprintf(f, "%s\n", TOKEN);
+    fclose(f);
+    for (int with_token = 1; with_token >= 0; with_token--) {
+        snprintf(extra, sizeof extra, "console: { listen = \"127.0.0.1:%d\"; token_file = \"%s\"; };",
+                 port, with_token ? tokfile : "");
+        itest_extra_conf = extra;
+        itest_setup(&t, "console_remote", "idemq_test.record", "", "");
+        pid = itest_spawn(&t, t.cfg_path, 60, env);
+        snprintf(url, sizeof url, "http://127.0.0.1:%d/", port);
+        deadline = mono_ms() + itest_ms(15000);
+        while (curl_status(url, "") == -1 && mono_ms() < deadline)
+            usleep(100 * 1000);
+        /* no credentials, a wrong token, the token as the password */
+        ck_assert_int_eq(curl_status(url, ""), 401);
+        ck_assert_int_eq(curl_status(url, "-u ops:not-the-token"), 401);
+        ck_assert_int_eq(curl_status(url, "-u ops:" TOKEN), with_token ? 200 : 401);
+        snprintf(url, sizeof url, "http://127.0.0.1:%d/observe", port);
+        ck_assert_int_eq(curl_status(url, "-u anyone:" TOKEN), with_token ? 200 : 401);
+        snprintf(url, sizeof url, "http://127.0.0.1:%d/console.css", port);
+        ck_assert_int_eq(curl_status(url, ""), 401);
+        kill(pid, SIGTERM);
+        rc = itest_wait(pid, itest_ms(15000));
+        ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);
+        itest_extra_conf = NULL;
+        itest_teardown(&t);
+    }
+    unlink(tokfile);
+#endif
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("console");
     TCase *tc = tcase_create("console");
     tcase_set_timeout(tc, 180);
     tcase_add_test(tc, test_console_browser);
+    tcase_add_test(tc, test_console_remote_read);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
