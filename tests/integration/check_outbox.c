@@ -298,6 +298,95 @@ START_TEST(test_unroutable_parked)
 }
 END_TEST
 
+/* One claimed batch with a returned row and a nacked row in the middle
+ * (rows of four order keys and one without, one transaction): the batch's
+ * publishes are confirmed together, the returned row is parked at once,
+ * the nacked one (a full queue with x-overflow=reject-publish) after
+ * outbox.max_attempts, every other row is sent; the row after each
+ * refused one in its order key is sent only once that one is parked, and
+ * a key's two rows arrive in commit order. */
+START_TEST(test_batch_refused_middle)
+{
+    struct itest t;
+    char q[200], full[220], sql[2048], k[4][160], bodies[8][256], ids[8][64], keys[8][128];
+    struct broker *b;
+    char err[512];
+    json_t *args;
+    int n, pos_a1 = -1, pos_a2 = -1;
+
+    setup(&t, "obbatch", "");
+    declare_out(&t, q, sizeof q);
+    snprintf(full, sizeof full, "%s.full", t.name);
+    ck_assert_msg(broker_open(t.conf, "outbox test", true, &b, err, sizeof err) == IDEMQ_OK,
+                  "%s", err);
+    args = json_pack("{s:i, s:s}", "x-max-length", 1, "x-overflow", "reject-publish");
+    ck_assert(broker_admin_declare_queue(b, full, args, false) == IDEMQ_OK);
+    json_decref(args);
+    ck_assert(broker_admin_purge(b, full) == IDEMQ_OK);
+    ck_assert(broker_publish(b, "", full, "filler", 6, NULL) == IDEMQ_OK);
+    ck_assert_msg(broker_wait_confirms(b, 5000) == IDEMQ_OK, "%s", broker_error(b));
+    broker_close(b);
+    for (int i = 0; i < 4; i++)
+        snprintf(k[i], sizeof k[i], "%s:k%d", t.name, i);
+    snprintf(sql, sizeof sql,
+             "BEGIN; "
+             "SELECT idemq.emit('', '%s', 'A1', NULL, '%s'); "        /* k0 */
+             "SELECT idemq.emit('', '%s.nowhere', 'R', NULL, '%s'); " /* k1: returned */
+             "SELECT idemq.emit('', '%s', 'N', NULL, '%s'); "         /* k2: nacked */
+             "SELECT idemq.emit('', '%s', 'B'); "                     /* no order key */
+             "SELECT idemq.emit('', '%s', 'D1', NULL, '%s'); "        /* k3 */
+             "SELECT idemq.emit('', '%s', 'R2', NULL, '%s'); "        /* k1, after R */
+             "SELECT idemq.emit('', '%s', 'N2', NULL, '%s'); "        /* k2, after N */
+             "SELECT idemq.emit('', '%s', 'A2', NULL, '%s'); "        /* k0, after A1 */
+             "COMMIT",
+             q, k[0], t.name, k[1], full, k[2], q, q, k[3], q, k[1], q, k[2], q, k[0]);
+    itest_sql(&t, sql);
+    itest_run_until_idle(&t, 3);
+
+    n = drain(&t, q, bodies, ids, keys, 8);
+    ck_assert_int_eq(n, 6);
+    for (int i = 0; i < n; i++) {
+        if (strcmp(bodies[i], "A1") == 0)
+            pos_a1 = i;
+        if (strcmp(bodies[i], "A2") == 0)
+            pos_a2 = i;
+    }
+    ck_assert_msg(pos_a1 >= 0 && pos_a2 > pos_a1, "A1 at %d, A2 at %d", pos_a1, pos_a2);
+    ck_assert_int_eq(itest_queue_ready(&t, full), 1); /* the filler only: N was refused */
+    /* the returned row: parked at once; the nacked one after max_attempts (2) */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key = $1 "
+                                    "AND state = 'parked' AND attempts = 1 AND "
+                                    "last_error LIKE '%returned as unroutable%' AND "
+                                    "convert_from(body, 'UTF8') = 'R'",
+                                k[1]),
+                     1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key = $1 "
+                                    "AND state = 'parked' AND attempts = 2 AND "
+                                    "last_error LIKE '%nacked%' AND "
+                                    "convert_from(body, 'UTF8') = 'N'",
+                                k[2]),
+                     1);
+    /* everything else sent, nothing left pending */
+    snprintf(sql, sizeof sql, "%s:%%", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox_sent WHERE routing_key = "
+                                    "$1",
+                                q),
+                     6);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE state = 'pending' "
+                                    "AND (order_key LIKE $1 OR order_key IS NULL)",
+                                sql),
+                     0);
+    /* the next row of a refused row's key went only after it was parked */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox p "
+                                    "JOIN idemq.outbox_sent s ON s.order_key = p.order_key "
+                                    "WHERE p.order_key LIKE $1 AND p.state = 'parked' AND "
+                                    "s.commit_seq > p.commit_seq AND s.sent_at > p.parked_at",
+                                sql),
+                     2);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* SIGKILL after the effect transaction committed, before the relay
  * published: the next run's recovery poll relays the row once (the
  * redelivered job is a duplicate and emits nothing). */
@@ -620,6 +709,7 @@ int main(void)
     tcase_add_test(tc, test_application_emit);
     tcase_add_test(tc, test_commit_order);
     tcase_add_test(tc, test_unroutable_parked);
+    tcase_add_test(tc, test_batch_refused_middle);
     tcase_add_test(tc, test_crash_after_commit);
     tcase_add_test(tc, test_crash_after_confirm);
     tcase_add_test(tc, test_broker_down);
