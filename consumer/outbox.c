@@ -209,8 +209,9 @@ static idemq_err_t publish_rows(const struct outbox *o, const struct conf *c, PG
         const struct outbox_row *r = &rows->row[i];
         char err[600];
         if (st[i] == BROKER_CONFIRM_RETURNED) {
-            snprintf(err, sizeof err, "message returned as unroutable: 312 NO_ROUTE (exchange '%s', routing "
-                                      "key %s)", r->exchange, r->routing_key);
+            snprintf(err, sizeof err,
+                     "message returned as unroutable: 312 NO_ROUTE (exchange '%s', routing key %s)",
+                     r->exchange, r->routing_key);
             if (refused(o, c, db, r, err, true))
                 return IDEMQ_ERR_DB_CONN;
         } else if (st[i] == BROKER_CONFIRM_NACKED) {

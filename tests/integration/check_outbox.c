@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "broker.h"
@@ -456,6 +457,131 @@ START_TEST(test_crash_after_confirm)
 }
 END_TEST
 
+/* Three relays (three idemq processes) relay one outbox while rows keep
+ * being emitted (ten per transaction, five order keys interleaved) and
+ * one relay after the other is SIGKILLed every ~0.4 s and started again.
+ * Every row is published; per order key the messages arrive in commit
+ * order, a re-publish (a relay killed between a publish and its sent
+ * mark) only repeating the row just before, with the same message_id, so
+ * a consumer deduplicating on message_id applies each row once. A killed
+ * relay's leases are made to pass 0.3 s after it died (outbox.lease_s is
+ * at least 15 s; the pause lets the broker take in what the dead
+ * connection still had on the wire). IDEMQ_OUTBOX_KILL_S sets the kill
+ * loop's length (12 s here; ctest's check_outbox_kill_long: 120 s). */
+enum { KILL_KEYS = 5, KILL_MAX = 40000, KILL_TX = 10 };
+static char kb[KILL_MAX][256], kid[KILL_MAX][64], kkey[KILL_MAX][128];
+
+static long long now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static int kill_secs(void)
+{
+    const char *v = getenv("IDEMQ_OUTBOX_KILL_S");
+    return v && atoi(v) > 0 ? atoi(v) : 12;
+}
+
+START_TEST(test_relays_kill_loop)
+{
+    struct itest t;
+    char q[200], sql[768], like[160];
+    static int last[KILL_KEYS], seen_id[KILL_KEYS];
+    static char first_id[KILL_KEYS][64];
+    PGconn *em;
+    pid_t pids[3];
+    long long t0, next_kill, now;
+    int rows = 0, kills = 0, victim = 0, n, dups = 0, rate;
+
+    setup(&t, "obkill", "");
+    declare_out(&t, q, sizeof q);
+    snprintf(like, sizeof like, "%s:%%", t.name);
+    em = connect_db();
+    for (int i = 0; i < 3; i++)
+        pids[i] = itest_spawn(&t, t.cfg_path, 600, NULL);
+    t0 = now_ms();
+    next_kill = t0 + 1000;
+    /* rows at up to 600/s (fewer in a long loop: at most KILL_MAX / 2 in
+     * all), KILL_TX per transaction: rows of a transaction get its commit
+     * position in id order */
+    rate = 600 < KILL_MAX / 2 / kill_secs() ? 600 : KILL_MAX / 2 / kill_secs();
+    while ((now = now_ms()) - t0 < kill_secs() * 1000LL) {
+        if (rows + KILL_TX <= KILL_MAX / 2 && rows < (now - t0) * rate / 1000) {
+            snprintf(sql, sizeof sql,
+                     "SELECT idemq.emit('', '%s', ((%d + g) %% %d) || ' ' || ((%d + g) / %d), "
+                     "NULL, '%s:' || ((%d + g) %% %d)) FROM generate_series(0, %d) g ORDER BY g",
+                     q, rows, KILL_KEYS, rows, KILL_KEYS, t.name, rows, KILL_KEYS, KILL_TX - 1);
+            exec_ok(em, sql);
+            rows += KILL_TX;
+        }
+        if (now >= next_kill) {
+            pid_t dead = pids[victim];
+            char holder[64];
+            int st;
+            kill(dead, SIGKILL);
+            st = itest_wait(dead, itest_ms(10000));
+            ck_assert_msg(st != -1 && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL,
+                          "relay %d: status 0x%x (it died before it was killed)", (int)dead,
+                          st);
+            usleep(300000);
+            snprintf(holder, sizeof holder, "%%:%d:w%%", (int)dead);
+            snprintf(sql, sizeof sql,
+                     "UPDATE idemq.outbox SET lease_until = now() - interval '1 second' "
+                     "WHERE state = 'pending' AND lease_holder LIKE '%s'",
+                     holder);
+            exec_ok(em, sql);
+            pids[victim] = itest_spawn(&t, t.cfg_path, 600, NULL);
+            victim = (victim + 1) % 3;
+            kills++;
+            next_kill = now_ms() + 400;
+        }
+        usleep(2000);
+    }
+    /* no more kills: the three drain what is left */
+    wait_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key LIKE $1", like, 0, 60000);
+    for (int i = 0; i < 3; i++) {
+        int st;
+        kill(pids[i], SIGTERM);
+        st = itest_wait(pids[i], itest_ms(30000));
+        ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    }
+    PQfinish(em);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox_sent WHERE order_key "
+                                "LIKE $1",
+                                like),
+                     rows);
+    n = drain(&t, q, kb, kid, kkey, KILL_MAX);
+    ck_assert_msg(n >= rows && n < KILL_MAX, "%d messages for %d rows", n, rows);
+    for (int k = 0; k < KILL_KEYS; k++)
+        last[k] = -1, seen_id[k] = 0;
+    for (int i = 0; i < n; i++) {
+        int k = -1, seq = -1;
+        ck_assert_int_eq(sscanf(kb[i], "%d %d", &k, &seq), 2);
+        ck_assert_msg(k >= 0 && k < KILL_KEYS, "%s", kb[i]);
+        if (seq == last[k]) { /* a re-publish of the row just before: same message_id */
+            ck_assert_str_eq(kid[i], first_id[k]);
+            dups++;
+            continue;
+        }
+        ck_assert_msg(seq == last[k] + 1,
+                      "key %d: %d after %d (a row overtaken, skipped or repeated late)", k, seq,
+                      last[k]);
+        last[k] = seq;
+        snprintf(first_id[k], sizeof first_id[k], "%s", kid[i]);
+        seen_id[k]++;
+    }
+    for (int k = 0; k < KILL_KEYS; k++)
+        ck_assert_int_eq(last[k] + 1, rows / KILL_KEYS + (k < rows % KILL_KEYS));
+    ck_assert_int_eq(n - dups, rows); /* once each, counting a message_id once */
+    ck_assert_int_ge(kills, kill_secs() - 1);
+    fprintf(stderr, "kill loop: %d rows, %d kills, %d messages (%d re-published)\n", rows,
+            kills, n, dups);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* The broker goes away: rows emitted meanwhile are held, then drained
  * once it is back. */
 START_TEST(test_broker_down)
@@ -716,6 +842,10 @@ int main(void)
     tcase_add_test(tc, test_metrics_and_ready);
     tcase_add_test(tc, test_two_relays);
     tcase_add_test(tc, test_privileges);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("outbox_kill"); /* three relays under a kill loop */
+    tcase_set_timeout(tc, itest_ms(kill_secs() + 120));
+    tcase_add_test(tc, test_relays_kill_loop);
     suite_add_tcase(s, tc);
     tc = tcase_create("outbox_show"); /* operator output */
     tcase_set_timeout(tc, itest_ms(120));
