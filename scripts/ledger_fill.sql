@@ -132,7 +132,7 @@ BEGIN
         SELECT 'payout:inv-' || i, 1, 0, 'duplicate', t + interval '1 second',
                t + interval '1015 milliseconds', 'idemq.bench.classic', 'bench.classic', false,
                'bench', 'applied'
-          FROM generate_series(v_lo + 7, v_hi - 1, 20) AS i,
+          FROM generate_series(v_lo + (27 - v_lo % 20) % 20, v_hi - 1, 20) AS i,
                LATERAL (SELECT s.lo + (s.hi - s.lo) * ((i / 100 * 100)::double precision / s.nmax)) AS x(t);
         -- one park in 10,000: its job row, its attempt, the open park
         WITH p AS MATERIALIZED (
@@ -140,7 +140,7 @@ BEGIN
                    s.lo + (s.hi - s.lo) * ((i / 100 * 100)::double precision / s.nmax) AS t,
                    convert_to(rpad('{"job_id":"payout:bad-' || i || '","amount_minor":' || (100 + i % 100000)
                                    || ',"currency":"EUR","memo":"', 198, 'x') || '"}', 'UTF8') AS body
-              FROM generate_series(v_lo + 9999, v_hi - 1, 10000) AS i
+              FROM generate_series(v_lo + (19999 - v_lo % 10000) % 10000, v_hi - 1, 10000) AS i
         ), j AS (
             INSERT INTO idemq.jobs (key, state, source_queue, payload_sha256, attempts, first_seen_at,
                                     last_attempt_at, last_error_class, last_sqlstate, last_error)
