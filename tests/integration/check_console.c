@@ -170,6 +170,7 @@ START_TEST(test_console_browser)
 }
 END_TEST
 
+#ifdef IDEMQ_TEST_HOOKS
 /* curl's HTTP status for url with extra curl arguments (auth), -1 if none. */
 static int curl_status(const char *url, const char *args)
 {
@@ -183,6 +184,7 @@ static int curl_status(const char *url, const char *args)
     pclose(p);
     return atoi(out) > 0 ? atoi(out) : -1; /* "000": no answer */
 }
+#endif
 
 /* A client that is not on loopback (the test hook makes every client one:
  * the tests must not listen beyond loopback) reads only with the token as
