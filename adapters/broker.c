@@ -55,6 +55,12 @@ struct broker {
     int n_cons, cap_cons;
     struct confirms cf;
     uint64_t wait_from; /* first publish not yet covered by a wait */
+    /* basic.returns since the last wait: their message_ids (a NUL for a
+     * message without one), to tell which publish a confirm after a return
+     * covered (broker_wait_confirms_each) */
+    char (*returned)[JOB_SHORTSTR];
+    size_t n_returned, cap_returned;
+    size_t returns_seen; /* basic.returns since the last wait, listed or not */
     struct acks acks;
     struct delivery_reader rd;
     /* deliveries read while waiting for something else */
@@ -138,6 +144,7 @@ static idemq_err_t open_channel(struct broker *b)
     drop_stash(b);
     confirms_reset(&b->cf);
     b->wait_from = confirms_next_seq(&b->cf);
+    b->n_returned = b->returns_seen = 0;
     acks_reset(&b->acks);
     b->n_cons = 0;
     b->healthy = true;
@@ -293,6 +300,7 @@ void broker_close(struct broker *b)
         amqp_destroy_connection(b->conn);
     }
     confirms_free(&b->cf);
+    free(b->returned);
     acks_free(&b->acks);
     delivery_reader_free(&b->rd);
     free(b->cons);
@@ -322,6 +330,36 @@ static idemq_err_t read_content(struct broker *b, amqp_channel_t ch, struct job 
         b->healthy = false;
         return IDEMQ_ERR_BROKER;
     }
+}
+
+/* The content of a basic.return just read: its message_id joins the list
+ * of returns since the last wait. IDEMQ_ERR_TIMEOUT (the frame was
+ * handled, like the other confirm frames) or IDEMQ_ERR_BROKER. */
+static idemq_err_t note_return(struct broker *b, amqp_channel_t ch)
+{
+    struct job j;
+    idemq_err_t err;
+
+    b->returns_seen++;
+    if (b->n_returned == b->cap_returned) {
+        size_t cap = b->cap_returned ? b->cap_returned * 2 : 8;
+        char(*r)[JOB_SHORTSTR] = realloc(b->returned, cap * sizeof *r);
+        if (!r) { /* unmatched: broker_wait_confirms_each counts it as a nack */
+            if (read_content(b, ch, NULL))
+                return IDEMQ_ERR_BROKER;
+            return IDEMQ_ERR_TIMEOUT;
+        }
+        b->returned = r;
+        b->cap_returned = cap;
+    }
+    job_init(&j);
+    j.input = -1; /* a body prefix is enough */
+    err = read_content(b, ch, &j);
+    if (err == IDEMQ_OK && !j.wire_err)
+        snprintf(b->returned[b->n_returned++], JOB_SHORTSTR, "%s",
+                 j.has_message_id ? j.message_id : "");
+    job_destroy(&j);
+    return err ? err : IDEMQ_ERR_TIMEOUT;
 }
 
 static const struct consumer *find_consumer(const struct broker *b, amqp_bytes_t tag)
@@ -452,9 +490,7 @@ static idemq_err_t pump_frame(struct broker *b, struct job *j, struct timeval *t
                 (int)r->exchange.len, (char *)r->exchange.bytes, (int)r->routing_key.len,
                 (char *)r->routing_key.bytes);
         confirms_return(&b->cf);
-        if (read_content(b, frame.channel, NULL))
-            return IDEMQ_ERR_BROKER;
-        return IDEMQ_ERR_TIMEOUT;
+        return note_return(b, frame.channel);
     }
     case AMQP_CHANNEL_CLOSE_METHOD: {
         amqp_channel_close_t *m = frame.payload.method.decoded;
@@ -865,6 +901,7 @@ idemq_err_t broker_wait_confirms(struct broker *b, int timeout_ms)
     }
     /* Decided: the next wait covers only what is published after this. */
     b->wait_from = last + 1;
+    b->n_returned = b->returns_seen = 0;
     confirms_forget_below(&b->cf, b->wait_from);
     if (res == CONFIRMS_FAILED) {
         if (!strstr(b->err, "nacked") && !strstr(b->err, "returned"))
@@ -933,3 +970,95 @@ idemq_err_t broker_rpc_done(struct broker *b, const char *what, bool reopen)
 }
 
 void broker_set_error(struct broker *b, const char *text) { set_err(b, "%s", text); }
+
+/* Was a publish with this message_id returned since the last wait? */
+static bool was_returned(const struct broker *b, const char *message_id, bool *matched)
+{
+    for (size_t i = 0; i < b->n_returned; i++)
+        if (message_id && !matched[i] && strcmp(b->returned[i], message_id) == 0) {
+            matched[i] = true;
+            return true;
+        }
+    return false;
+}
+
+idemq_err_t broker_wait_confirms_each(struct broker *b, int timeout_ms,
+                                      const char *const *message_ids, enum broker_confirm *out,
+                                      size_t n)
+{
+    long long deadline = now_ms() + timeout_ms;
+    uint64_t first = b->wait_from, last = confirms_next_seq(&b->cf) - 1;
+    idemq_err_t err = IDEMQ_OK;
+    bool *matched;
+    size_t unmatched = 0;
+
+    for (size_t i = 0; i < n; i++)
+        out[i] = BROKER_CONFIRM_PENDING;
+    if (last + 1 - first != n) {
+        set_err(b, "broker_wait_confirms_each: %zu publishes named, %llu outstanding", n,
+                (unsigned long long)(last + 1 - first));
+        return IDEMQ_ERR_INTERNAL;
+    }
+    for (;;) {
+        long long left = deadline - now_ms();
+        struct timeval tv;
+        bool pending = false;
+        for (uint64_t s = first; s <= last && !pending; s++)
+            pending = confirms_seq_state(&b->cf, s) == CONFIRMS_SEQ_PENDING;
+        if (!pending)
+            break;
+        if (b->read_wedged) {
+            set_err(b, "publishes cannot be confirmed: the connection cannot read past an "
+                       "undecodable message");
+            err = IDEMQ_ERR_BROKER;
+            break;
+        }
+        if (left <= 0) {
+            set_err(b, "publishes %llu..%llu not all confirmed within %d ms",
+                    (unsigned long long)first, (unsigned long long)last, timeout_ms);
+            err = IDEMQ_ERR_TIMEOUT;
+            break;
+        }
+        tv.tv_sec = left / 1000;
+        tv.tv_usec = (left % 1000) * 1000;
+        if (pump_frame(b, NULL, &tv) == IDEMQ_ERR_BROKER) {
+            err = IDEMQ_ERR_BROKER;
+            break;
+        }
+    }
+    /* A confirm after a basic.return covers the returned publish, and with
+     * `multiple` maybe others: the returned one is found by message_id.
+     * A return that matches none (no message_id, or not read) leaves every
+     * publish its confirm covered in doubt: counted as nacked. */
+    matched = calloc(b->n_returned ? b->n_returned : 1, sizeof *matched);
+    for (size_t i = 0; i < n; i++) {
+        switch (confirms_seq_state(&b->cf, first + i)) {
+        case CONFIRMS_SEQ_ACKED:
+            out[i] = BROKER_CONFIRM_ACKED;
+            break;
+        case CONFIRMS_SEQ_RETURN_ACKED:
+            out[i] = matched && was_returned(b, message_ids[i], matched) ? BROKER_CONFIRM_RETURNED
+                                                                         : BROKER_CONFIRM_ACKED;
+            break;
+        case CONFIRMS_SEQ_PENDING:
+            out[i] = BROKER_CONFIRM_PENDING;
+            break;
+        default:
+            out[i] = BROKER_CONFIRM_NACKED;
+        }
+    }
+    unmatched = b->returns_seen;
+    for (size_t r = 0; matched && r < b->n_returned; r++)
+        unmatched -= matched[r];
+    for (size_t i = 0; i < n && unmatched; i++) /* in doubt */
+        if (confirms_seq_state(&b->cf, first + i) == CONFIRMS_SEQ_RETURN_ACKED &&
+            out[i] == BROKER_CONFIRM_ACKED)
+            out[i] = BROKER_CONFIRM_NACKED;
+    free(matched);
+    if (err == IDEMQ_OK) {
+        b->wait_from = last + 1;
+        b->n_returned = b->returns_seen = 0;
+        confirms_forget_below(&b->cf, b->wait_from);
+    }
+    return err;
+}

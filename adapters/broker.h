@@ -175,6 +175,31 @@ idemq_err_t broker_publish_optional(struct broker *b, const char *exchange,
  */
 idemq_err_t broker_wait_confirms(struct broker *b, int timeout_ms) IDEMQ_MUSTCHECK;
 
+/* What became of one publish (broker_wait_confirms_each). */
+enum broker_confirm {
+    BROKER_CONFIRM_PENDING = 0, /* not confirmed (yet): the wait failed or timed out */
+    BROKER_CONFIRM_ACKED,
+    BROKER_CONFIRM_NACKED,      /* nacked, or its confirm is in doubt */
+    BROKER_CONFIRM_RETURNED,    /* basic.return: unroutable */
+};
+
+/*
+ * broker_wait_confirms for a batch whose publishes are told apart: waits
+ * until every one of the n publishes since the previous wait is decided,
+ * and sets out[i] for the i-th. message_ids[i] is the message_id it was
+ * published with: a basic.return names no sequence number and the confirm
+ * after it may cover several (`multiple`), so the returned publish is
+ * found by its message_id (a return that matches none leaves the publishes
+ * that confirm covered NACKED). IDEMQ_OK when all are decided (out[] says
+ * how); IDEMQ_ERR_BROKER (the connection or channel failed, see
+ * broker_error) or IDEMQ_ERR_TIMEOUT (drop the connection) with out[]
+ * holding what was decided so far, the rest PENDING; IDEMQ_ERR_INTERNAL
+ * when n is not the number of publishes since the previous wait.
+ */
+idemq_err_t broker_wait_confirms_each(struct broker *b, int timeout_ms,
+                                      const char *const *message_ids, enum broker_confirm *out,
+                                      size_t n) IDEMQ_MUSTCHECK;
+
 /* basic.get of one message into j (auto-ack when ack is true).
  * IDEMQ_ERR_TIMEOUT if the queue is empty; IDEMQ_ERR_UNDECODABLE for a
  * message the client library cannot decode (j->tag set; the connection

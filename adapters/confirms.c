@@ -7,7 +7,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { ST_PENDING = 0, ST_ACKED = 1, ST_FAILED = 2 };
+enum {
+    ST_PENDING = CONFIRMS_SEQ_PENDING,
+    ST_ACKED = CONFIRMS_SEQ_ACKED,
+    ST_FAILED = CONFIRMS_SEQ_NACKED,
+    ST_RETURN_ACKED = CONFIRMS_SEQ_RETURN_ACKED,
+};
 
 void confirms_init(struct confirms *c)
 {
@@ -49,7 +54,8 @@ static void confirm(struct confirms *c, uint64_t tag, bool multiple, uint8_t st)
 {
     uint64_t lo, hi;
     if (c->return_seen) { /* the confirm of a returned publish: it failed */
-        st = ST_FAILED;
+        if (st == ST_ACKED)
+            st = ST_RETURN_ACKED;
         c->return_seen = false;
     }
     if (tag == 0 || tag >= c->next) { /* never published on this channel */
@@ -90,11 +96,18 @@ enum confirms_result confirms_range(const struct confirms *c, uint64_t first, ui
         return CONFIRMS_FAILED; /* not tracked: cannot be vouched for */
     for (uint64_t s = first; s <= last; s++) {
         uint8_t st = c->state[s - c->base];
-        if (st == ST_FAILED)
+        if (st == ST_FAILED || st == ST_RETURN_ACKED)
             return CONFIRMS_FAILED;
         pending = pending || st == ST_PENDING;
     }
     return pending ? CONFIRMS_PENDING : CONFIRMS_ACKED;
+}
+
+enum confirms_seq confirms_seq_state(const struct confirms *c, uint64_t seq)
+{
+    if (seq < c->base || seq >= c->next)
+        return CONFIRMS_SEQ_UNTRACKED;
+    return (enum confirms_seq)c->state[seq - c->base];
 }
 
 void confirms_forget_below(struct confirms *c, uint64_t seq)

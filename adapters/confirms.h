@@ -10,7 +10,7 @@
  *
  * API: confirms_init -> confirms_reset (confirm.select) ->
  *      [confirms_publish | confirms_ack | confirms_nack | confirms_return |
- *      confirms_range]* -> confirms_free. One thread.
+ *      confirms_range | confirms_seq_state]* -> confirms_free. One thread.
  */
 #ifndef IDEMQ_CONFIRMS_H
 #define IDEMQ_CONFIRMS_H
@@ -27,8 +27,20 @@ enum confirms_result {
     CONFIRMS_FAILED,    /* at least one was nacked or returned */
 };
 
+/* The state of one publish (confirms_seq). A confirm right after a
+ * basic.return covers the returned publish but, with `multiple`, maybe
+ * others too: what it covers is RETURN_ACKED, told apart by the caller
+ * (broker_wait_confirms_each matches returns by message_id). */
+enum confirms_seq {
+    CONFIRMS_SEQ_PENDING = 0,
+    CONFIRMS_SEQ_ACKED,
+    CONFIRMS_SEQ_NACKED,
+    CONFIRMS_SEQ_RETURN_ACKED,
+    CONFIRMS_SEQ_UNTRACKED, /* never published, or forgotten */
+};
+
 struct confirms {
-    uint8_t *state;     /* per outstanding seq: 0 pending, 1 acked, 2 failed */
+    uint8_t *state;     /* per outstanding seq: an enum confirms_seq */
     uint64_t base;      /* seq of state[0] */
     uint64_t next;      /* seq the next publish gets (first is 1) */
     size_t cap;
@@ -60,6 +72,9 @@ void confirms_return(struct confirms *c);
 /* The state of the publishes first..last (inclusive; first > last is an
  * empty range, CONFIRMS_ACKED). */
 enum confirms_result confirms_range(const struct confirms *c, uint64_t first, uint64_t last);
+
+/* The state of one publish. */
+enum confirms_seq confirms_seq_state(const struct confirms *c, uint64_t seq);
 
 /* Drops the states of sequence numbers below seq (decided ranges), so the
  * table stays as small as what is in flight. */

@@ -66,16 +66,18 @@ static json_t *row_headers(const struct outbox_row *r)
     return h;
 }
 
-/* Gives back rows[from..n): not published (or not known to be). */
+/* Gives back the rows of rows->row whose give[i] is set: not published,
+ * or not known to be confirmed. */
 static idemq_err_t give_back(const struct outbox *o, PGconn *db, struct outbox_rows *rows,
-                             int from, const char *error)
+                             const bool *give, const char *error)
 {
     struct ledger_db_error e = {{0}, {0}, false};
     long long ids[OUTBOX_CLAIM_MAX];
     int n = 0;
-    for (int i = from; i < rows->n && n < OUTBOX_CLAIM_MAX; i++)
-        ids[n++] = rows->row[i].id;
-    if (ledger_outbox_release(db, o->holder, ids, n, error, &e)) {
+    for (int i = 0; i < rows->n && n < OUTBOX_CLAIM_MAX; i++)
+        if (give[i])
+            ids[n++] = rows->row[i].id;
+    if (n && ledger_outbox_release(db, o->holder, ids, n, error, &e)) {
         log_warn("outbox: cannot give back %d rows (%s); they are published again once their "
                  "lease passed", n, e.message);
         return e.conn_lost ? IDEMQ_ERR_DB_CONN : IDEMQ_OK;
@@ -108,75 +110,133 @@ static idemq_err_t refused(const struct outbox *o, const struct conf *c, PGconn 
     return IDEMQ_OK;
 }
 
-/* Publishes the claimed rows one by one, each confirmed before the next
- * (a row of an order key never overtakes its predecessor). */
+/* The first row not confirmed whose exchange the broker's channel.close
+ * names as missing ("NOT_FOUND - no exchange 'x' ..."), or -1. */
+static int missing_exchange_row(const struct outbox_rows *rows, const enum broker_confirm *st,
+                                int published, const char *text)
+{
+    if (!strstr(text, "NOT_FOUND"))
+        return -1;
+    for (int i = 0; i < published; i++) {
+        char want[300];
+        if (st[i] != BROKER_CONFIRM_PENDING || !rows->row[i].exchange[0])
+            continue;
+        snprintf(want, sizeof want, "no exchange '%s'", rows->row[i].exchange);
+        if (strstr(text, want))
+            return i;
+    }
+    return -1;
+}
+
+/*
+ * Publishes the claimed rows, all of them, then collects their confirms at
+ * once (one round trip to the broker, one to PostgreSQL for the sent
+ * marks). A claim holds at most one row per order key (the key's head, see
+ * idemq.outbox_claim), so no two rows of a batch share an order key: one
+ * refused row holds back nothing else of the batch, and the next row of
+ * its key is claimed only once it is decided (sent, parked, or pending
+ * again after NACK_RETRY_MS). Rows confirmed are marked sent in one
+ * statement; returned ones are parked; nacked ones count an attempt; the
+ * rest (not published, or not confirmed when the connection failed) are
+ * given back.
+ */
 static idemq_err_t publish_rows(const struct outbox *o, const struct conf *c, PGconn *db,
                                 struct broker *b, struct outbox_rows *rows, char *why,
                                 size_t whylen)
 {
-    for (int i = 0; i < rows->n; i++) {
+    const char *mids[OUTBOX_CLAIM_MAX];
+    enum broker_confirm st[OUTBOX_CLAIM_MAX];
+    long long sent_ids[OUTBOX_CLAIM_MAX];
+    double latency[OUTBOX_CLAIM_MAX];
+    bool give[OUTBOX_CLAIM_MAX];
+    struct ledger_db_error e = {{0}, {0}, false};
+    int published = 0, n_sent = 0, bad = -1;
+    idemq_err_t perr = IDEMQ_OK, werr = IDEMQ_OK;
+    char text[512] = "";
+
+    for (int i = 0; i < rows->n && i < OUTBOX_CLAIM_MAX; i++) {
         const struct outbox_row *r = &rows->row[i];
-        struct ledger_db_error e = {{0}, {0}, false};
         json_t *h = row_headers(r);
         struct broker_props p = {r->message_id, NULL, h, true, NULL, NULL};
-        idemq_err_t err;
-        double latency = -1;
-        const char *text;
 
         if (!h) {
-            snprintf(why, whylen, "outbox: out of memory");
-            give_back(o, db, rows, i, why);
-            return IDEMQ_ERR_NOMEM;
+            perr = IDEMQ_ERR_NOMEM;
+            snprintf(text, sizeof text, "outbox: out of memory");
+            break;
         }
-        err = broker_publish(b, r->exchange, r->routing_key, r->body, r->body_len, &p);
+        perr = broker_publish(b, r->exchange, r->routing_key, r->body, r->body_len, &p);
         json_decref(h);
-        if (err == IDEMQ_OK)
-            err = broker_wait_confirms(b, CONFIRM_MS);
-        if (err == IDEMQ_OK) {
-#ifdef IDEMQ_TEST_HOOKS
-            const char *crash = getenv("IDEMQ_TEST_CRASH");
-            if (crash && strcmp(crash, "outbox_after_confirm") == 0) {
-                log_warn("test hook: SIGKILL after the outbox confirm, before marking sent");
-                kill(getpid(), SIGKILL);
-            }
-#endif
-            if (ledger_outbox_sent(db, o->holder, r->id, &latency, &e)) {
-                snprintf(why, whylen, "outbox: row %lld confirmed but not marked sent: %s",
-                         r->id, e.message);
-                if (e.conn_lost)
-                    return IDEMQ_ERR_DB_CONN; /* published again after its lease */
-                log_warn("%s", why);
-                continue;
-            }
-            if (latency >= 0) {
-                atomic_fetch_add(&outbox_stats.relayed, 1);
-                note_latency(latency);
-            }
-            continue;
+        if (perr) {
+            snprintf(text, sizeof text, "%s", broker_error(b));
+            break;
         }
-        text = broker_error(b);
-        if (err == IDEMQ_ERR_BROKER && strstr(text, "returned")) {
-            if (refused(o, c, db, r, text, true))
-                return IDEMQ_ERR_DB_CONN;
-            continue;
-        }
-        if (err == IDEMQ_ERR_BROKER && strstr(text, "nacked")) {
-            if (refused(o, c, db, r, text, false))
-                return IDEMQ_ERR_DB_CONN;
-            continue;
-        }
-        snprintf(why, whylen, "outbox: publish of row %lld failed: %s", r->id, text);
-        if (err == IDEMQ_ERR_BROKER && strstr(text, "NOT_FOUND")) {
-            /* the exchange does not exist: the channel is gone, the row counts */
-            if (refused(o, c, db, r, text, false))
-                return IDEMQ_ERR_DB_CONN;
-            i++;
-        }
-        if (give_back(o, db, rows, i, text))
-            return IDEMQ_ERR_DB_CONN;
-        return IDEMQ_ERR_BROKER;
+        mids[published++] = r->message_id;
     }
-    return IDEMQ_OK;
+    for (int i = 0; i < OUTBOX_CLAIM_MAX; i++)
+        st[i] = BROKER_CONFIRM_PENDING;
+    if (published) {
+        werr = broker_wait_confirms_each(b, CONFIRM_MS, mids, st, (size_t)published);
+        if (werr && !text[0])
+            snprintf(text, sizeof text, "%s", broker_error(b));
+    }
+#ifdef IDEMQ_TEST_HOOKS
+    {
+        const char *crash = getenv("IDEMQ_TEST_CRASH");
+        if (crash && strcmp(crash, "outbox_after_confirm") == 0 && published &&
+            st[0] == BROKER_CONFIRM_ACKED) {
+            log_warn("test hook: SIGKILL after the outbox confirm, before marking sent");
+            kill(getpid(), SIGKILL);
+        }
+    }
+#endif
+    for (int i = 0; i < published; i++)
+        if (st[i] == BROKER_CONFIRM_ACKED)
+            sent_ids[n_sent++] = rows->row[i].id;
+    if (ledger_outbox_sent(db, o->holder, sent_ids, n_sent, latency, &e)) {
+        snprintf(why, whylen, "outbox: %d rows confirmed but not marked sent: %s", n_sent,
+                 e.message);
+        if (e.conn_lost)
+            return IDEMQ_ERR_DB_CONN; /* published again after their lease */
+        log_warn("%s", why);
+    } else {
+        for (int i = 0; i < n_sent; i++)
+            if (latency[i] >= 0) {
+                atomic_fetch_add(&outbox_stats.relayed, 1);
+                note_latency(latency[i]);
+            }
+    }
+    for (int i = 0; i < published; i++) {
+        const struct outbox_row *r = &rows->row[i];
+        char err[600];
+        if (st[i] == BROKER_CONFIRM_RETURNED) {
+            snprintf(err, sizeof err,
+                     "message returned as unroutable: 312 NO_ROUTE (exchange '%s', routing key %s)",
+                     r->exchange, r->routing_key);
+            if (refused(o, c, db, r, err, true))
+                return IDEMQ_ERR_DB_CONN;
+        } else if (st[i] == BROKER_CONFIRM_NACKED) {
+            snprintf(err, sizeof err, "broker nacked the publish (exchange '%s', routing key %s)",
+                     r->exchange, r->routing_key);
+            if (refused(o, c, db, r, err, false))
+                return IDEMQ_ERR_DB_CONN;
+        }
+    }
+    if (!perr && !werr)
+        return IDEMQ_OK;
+    /* the channel or connection failed: a publish to a missing exchange
+     * counts an attempt (the broker closed the channel on it), the rest not
+     * confirmed goes back */
+    if (werr == IDEMQ_ERR_BROKER && (bad = missing_exchange_row(rows, st, published, text)) >= 0)
+        if (refused(o, c, db, &rows->row[bad], text, false))
+            return IDEMQ_ERR_DB_CONN;
+    for (int i = 0; i < rows->n && i < OUTBOX_CLAIM_MAX; i++)
+        give[i] = i != bad && (i >= published || st[i] == BROKER_CONFIRM_PENDING);
+    snprintf(why, whylen, "outbox: publish failed: %s", text);
+    if (give_back(o, db, rows, give, text))
+        return IDEMQ_ERR_DB_CONN;
+    if (perr == IDEMQ_ERR_NOMEM && !werr)
+        return IDEMQ_ERR_NOMEM;
+    return IDEMQ_ERR_BROKER;
 }
 
 idemq_err_t outbox_relay(struct outbox *o, const struct conf *c, PGconn *db, struct broker *b,

@@ -69,19 +69,50 @@ idemq_err_t ledger_outbox_claim(PGconn *db, const char *holder, int limit, int l
     return IDEMQ_OK;
 }
 
-idemq_err_t ledger_outbox_sent(PGconn *db, const char *holder, long long id, double *latency_ms,
-                               struct ledger_db_error *e)
+/* "{1,2,3}" of ids[0..n); NULL when out of memory (free it). */
+static char *id_array(const long long *ids, int n)
 {
-    char ids[40];
-    const char *params[2] = {holder, ids};
+    size_t cap = 3 + (size_t)n * 21, o = 0;
+    char *arr = malloc(cap);
+    if (!arr)
+        return NULL;
+    arr[o++] = '{';
+    for (int i = 0; i < n; i++)
+        o += (size_t)snprintf(arr + o, cap - o, "%s%lld", i ? "," : "", ids[i]);
+    snprintf(arr + o, cap - o, "}");
+    return arr;
+}
+
+idemq_err_t ledger_outbox_sent(PGconn *db, const char *holder, const long long *ids, int n,
+                               double *latency_ms, struct ledger_db_error *e)
+{
+    const char *params[2];
+    char *arr;
     PGresult *res;
 
-    snprintf(ids, sizeof ids, "{%lld}", id);
-    res = ledger_db_query(db, "SELECT r_latency_ms FROM idemq.outbox_sent($1, $2)", 2, params,
-                          e);
+    for (int i = 0; i < n; i++)
+        latency_ms[i] = -1;
+    if (n <= 0)
+        return IDEMQ_OK;
+    if (!(arr = id_array(ids, n))) {
+        snprintf(e->message, sizeof e->message, "out of memory");
+        return IDEMQ_ERR_NOMEM;
+    }
+    params[0] = holder;
+    params[1] = arr;
+    res = ledger_db_query(db, "SELECT r_id, r_latency_ms FROM idemq.outbox_sent($1, $2)", 2,
+                          params, e);
+    free(arr);
     if (!res)
         return ledger_db_err(e);
-    *latency_ms = PQntuples(res) == 1 ? atof(PQgetvalue(res, 0, 0)) : -1;
+    for (int r = 0; r < PQntuples(res); r++) {
+        long long id = atoll(PQgetvalue(res, r, 0));
+        for (int i = 0; i < n; i++)
+            if (ids[i] == id) {
+                latency_ms[i] = atof(PQgetvalue(res, r, 1));
+                break;
+            }
+    }
     PQclear(res);
     return IDEMQ_OK;
 }
@@ -110,19 +141,14 @@ idemq_err_t ledger_outbox_failed(PGconn *db, const char *holder, long long id, c
 idemq_err_t ledger_outbox_release(PGconn *db, const char *holder, const long long *ids, int n,
                                   const char *error, struct ledger_db_error *e)
 {
-    size_t cap = 3 + (size_t)n * 21, o = 0;
     char *arr;
     const char *params[3];
     PGresult *res;
 
     if (n <= 0)
         return IDEMQ_OK;
-    if (!(arr = malloc(cap)))
+    if (!(arr = id_array(ids, n)))
         return IDEMQ_ERR_NOMEM;
-    arr[o++] = '{';
-    for (int i = 0; i < n; i++)
-        o += (size_t)snprintf(arr + o, cap - o, "%s%lld", i ? "," : "", ids[i]);
-    snprintf(arr + o, cap - o, "}");
     params[0] = holder;
     params[1] = arr;
     params[2] = error;

@@ -6,7 +6,7 @@
  * statement in its own implicit transaction (never inside the worker's
  * batch transaction). See ledger/functions_outbox.sql.
  *
- * API: ledger_outbox_claim -> [publish a row, wait for its confirm] ->
+ * API: ledger_outbox_claim -> [publish the rows, wait for their confirms] ->
  *      ledger_outbox_sent | ledger_outbox_failed | ledger_outbox_release
  *      -> ledger_outbox_rows_free. ledger_outbox_gauges for /metrics,
  *      ledger_outbox_print_* for `jobs show` and `parked list`.
@@ -47,10 +47,11 @@ idemq_err_t ledger_outbox_claim(PGconn *db, const char *holder, int limit, int l
                                 struct outbox_rows *r, struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 void ledger_outbox_rows_free(struct outbox_rows *r);
 
-/* Confirmed: sent. *latency_ms gets the row's commit-to-confirm time (-1
- * when the row was no longer ours: its lease had passed). */
-idemq_err_t ledger_outbox_sent(PGconn *db, const char *holder, long long id, double *latency_ms,
-                               struct ledger_db_error *e) IDEMQ_MUSTCHECK;
+/* Confirmed: ids[0..n) sent, in one statement (one transaction).
+ * latency_ms[i] gets row ids[i]'s commit-to-confirm time (-1 when the row
+ * was no longer ours: its lease had passed). */
+idemq_err_t ledger_outbox_sent(PGconn *db, const char *holder, const long long *ids, int n,
+                               double *latency_ms, struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
 /* Returned (park) or nacked: *parked says whether the row is parked now. */
 idemq_err_t ledger_outbox_failed(PGconn *db, const char *holder, long long id, const char *error,

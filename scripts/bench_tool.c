@@ -9,6 +9,7 @@
  *
  *   idemq-bench publish -c CFG -n N --run ID [--dup-pct P] [--rate R]
  *                       [--soak-window S] [--transient-permille T] [--permanent-permille P]
+ *                       [--old-keys K --old-pct Q]
  *   idemq-bench drain   -c CFG -n N [--batch B]
  *   idemq-bench lean    -c CFG -n N [--batch B] [--workers W]
  *   idemq-bench count   -c CFG
@@ -54,6 +55,8 @@ struct opts {
     int transient_pm;    /* new keys failing once, transiently, per mille */
     int permanent_pm;    /* new keys failing for good (parked), per mille */
     const char *input;   /* --input NAME: the input acted on (NULL: the first) */
+    long old_keys;       /* keys scripts/ledger-fill wrote (payout:inv-0 .. K-1) */
+    int old_pct;         /* per cent of jobs that are copies of one of them */
 };
 
 static int sel_input; /* index of the input acted on (main, from --input) */
@@ -77,6 +80,7 @@ static void sleep_until(double t)
 static void usage(void)
 {
     fprintf(stderr, "usage: idemq-bench publish -c CFG -n N --run ID [--dup-pct P] [--rate R]\n"
+                    "                           [--old-keys K --old-pct Q]\n"
                     "       idemq-bench drain -c CFG -n N [--batch B]\n"
                     "       idemq-bench lean -c CFG -n N [--batch B] [--workers W]\n"
                     "       idemq-bench count -c CFG\n"
@@ -93,7 +97,9 @@ static int parse(int argc, char **argv, struct opts *o)
         {"workers", required_argument, NULL, 'w'}, {"soak-window", required_argument, NULL, 's'},
         {"transient-permille", required_argument, NULL, 't'},
         {"permanent-permille", required_argument, NULL, 'p'},
-        {"input", required_argument, NULL, 'i'}, {NULL, 0, NULL, 0}};
+        {"input", required_argument, NULL, 'i'},
+        {"old-keys", required_argument, NULL, 'K'}, {"old-pct", required_argument, NULL, 'Q'},
+        {NULL, 0, NULL, 0}};
     int c;
     char *end;
 
@@ -115,6 +121,8 @@ static int parse(int argc, char **argv, struct opts *o)
         case 't': o->transient_pm = (int)strtol(optarg, &end, 10); break;
         case 'p': o->permanent_pm = (int)strtol(optarg, &end, 10); break;
         case 'i': o->input = optarg; break;
+        case 'K': o->old_keys = strtol(optarg, &end, 10); break;
+        case 'Q': o->old_pct = (int)strtol(optarg, &end, 10); break;
         default: return -1;
         }
         if (c != 'c' && c != 'r' && c != 'i' && (errno || *end))
@@ -125,7 +133,8 @@ static int parse(int argc, char **argv, struct opts *o)
     o->cmd = argv[optind];
     if (o->dup_pct < 0 || o->dup_pct > 90 || o->batch < 1 || o->rate < 0 || o->workers < 1 ||
         o->workers > 64 || o->soak_window < 0 || (o->soak_window && o->rate <= 0) ||
-        o->transient_pm < 0 || o->permanent_pm < 0 || o->transient_pm + o->permanent_pm > 1000)
+        o->transient_pm < 0 || o->permanent_pm < 0 || o->transient_pm + o->permanent_pm > 1000 ||
+        o->old_keys < 0 || o->old_pct < 0 || o->old_pct > 100 || (o->old_pct && !o->old_keys))
         return -1;
     return 0;
 }
@@ -135,6 +144,7 @@ struct job_kind {
     long key;       /* key index */
     bool dup;       /* repeats an earlier key */
     bool old;       /* soak: repeats a key older than the soak window */
+    bool prefilled; /* a copy of a key scripts/ledger-fill wrote */
     int fail;       /* 0 none, 1 fails once (transient), 2 fails for good */
 };
 
@@ -154,7 +164,10 @@ static unsigned long long mix(unsigned long long x)
  * the last minute, or, for one repeat in a hundred, of a key older than the
  * soak window (a late replay, carrying its original timestamp); and a new
  * key fails once (transient_pm per mille) or for good (permanent_pm: no
- * account, parked) by its index.
+ * account, parked) by its index. With --old-pct Q, Q per cent of the jobs
+ * (by a hash of i) are instead copies of a key of a pre-filled ledger
+ * (scripts/ledger-fill: payout:inv-0 .. old_keys-1) with the body its
+ * digest was made from: duplicates of applied keys anywhere in the ledger.
  */
 static int body_for(const struct opts *o, long i, long *unique, char *buf, size_t len,
                     struct job_kind *kind)
@@ -165,6 +178,17 @@ static int body_for(const struct opts *o, long i, long *unique, char *buf, size_
     bool dup = false;
 
     memset(kind, 0, sizeof *kind);
+    if (o->old_pct > 0 && (long)(mix((unsigned long long)i ^ 0x5bd1e995ull) % 100) < o->old_pct) {
+        /* a copy of pre-filled key k, with the body scripts/ledger_fill.sql
+         * hashed for it (idemq_fill.body): a duplicate of an applied key */
+        k = (long)(mix((unsigned long long)i * 31 + 7) % (unsigned long long)o->old_keys);
+        kind->key = k;
+        kind->dup = kind->prefilled = true;
+        return snprintf(buf, len,
+                        "{\"job_id\":\"payout:inv-%ld\",\"account_id\":\"acct-%04ld\","
+                        "\"amount_minor\":%ld,\"currency\":\"EUR\"}",
+                        k, k % 9973, 100 + k % 100000);
+    }
     if (o->dup_pct > 0 && *unique > 0)
         dup = (i * o->dup_pct) / 100 != ((i + 1) * o->dup_pct) / 100;
     if (dup && o->soak_window > 0) {
@@ -214,7 +238,7 @@ static int cmd_publish(const struct conf *c, const struct opts *o)
     const struct conf_input *in = &c->inputs[sel_input];
     struct broker *b;
     char err[512], body[512];
-    long unique = 0, window = 0, dups = 0, late = 0, transient = 0, permanent = 0;
+    long unique = 0, window = 0, dups = 0, late = 0, transient = 0, permanent = 0, prefilled = 0;
     double t0, t1;
     time_t wall0 = time(NULL);
 
@@ -232,7 +256,9 @@ static int cmd_publish(const struct conf *c, const struct opts *o)
         int len = body_for(o, i, &unique, body, sizeof body, &kind);
         json_t *orig = NULL;
         struct broker_props props = {NULL, "application/json", NULL, true, NULL, NULL};
-        if (kind.dup) {
+        if (kind.prefilled)
+            prefilled++;
+        else if (kind.dup) {
             dups++;
             late += kind.old;
         } else {
@@ -269,8 +295,9 @@ static int cmd_publish(const struct conf *c, const struct opts *o)
         goto fail;
     t1 = now_s();
     printf("published=%ld unique=%ld seconds=%.3f rate=%.0f dups=%ld late=%ld transient=%ld "
-           "permanent=%ld\n",
-           o->n, unique, t1 - t0, (double)o->n / (t1 - t0), dups, late, transient, permanent);
+           "permanent=%ld prefilled=%ld\n",
+           o->n, unique, t1 - t0, (double)o->n / (t1 - t0), dups, late, transient, permanent,
+           prefilled);
     broker_close(b);
     return 0;
 fail:

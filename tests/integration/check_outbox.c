@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "broker.h"
@@ -298,6 +299,95 @@ START_TEST(test_unroutable_parked)
 }
 END_TEST
 
+/* One claimed batch with a returned row and a nacked row in the middle
+ * (rows of four order keys and one without, one transaction): the batch's
+ * publishes are confirmed together, the returned row is parked at once,
+ * the nacked one (a full queue with x-overflow=reject-publish) after
+ * outbox.max_attempts, every other row is sent; the row after each
+ * refused one in its order key is sent only once that one is parked, and
+ * a key's two rows arrive in commit order. */
+START_TEST(test_batch_refused_middle)
+{
+    struct itest t;
+    char q[200], full[220], sql[2048], k[4][160], bodies[8][256], ids[8][64], keys[8][128];
+    struct broker *b;
+    char err[512];
+    json_t *args;
+    int n, pos_a1 = -1, pos_a2 = -1;
+
+    setup(&t, "obbatch", "");
+    declare_out(&t, q, sizeof q);
+    snprintf(full, sizeof full, "%s.full", t.name);
+    ck_assert_msg(broker_open(t.conf, "outbox test", true, &b, err, sizeof err) == IDEMQ_OK,
+                  "%s", err);
+    args = json_pack("{s:i, s:s}", "x-max-length", 1, "x-overflow", "reject-publish");
+    ck_assert(broker_admin_declare_queue(b, full, args, false) == IDEMQ_OK);
+    json_decref(args);
+    ck_assert(broker_admin_purge(b, full) == IDEMQ_OK);
+    ck_assert(broker_publish(b, "", full, "filler", 6, NULL) == IDEMQ_OK);
+    ck_assert_msg(broker_wait_confirms(b, 5000) == IDEMQ_OK, "%s", broker_error(b));
+    broker_close(b);
+    for (int i = 0; i < 4; i++)
+        snprintf(k[i], sizeof k[i], "%s:k%d", t.name, i);
+    snprintf(sql, sizeof sql,
+             "BEGIN; "
+             "SELECT idemq.emit('', '%s', 'A1', NULL, '%s'); "        /* k0 */
+             "SELECT idemq.emit('', '%s.nowhere', 'R', NULL, '%s'); " /* k1: returned */
+             "SELECT idemq.emit('', '%s', 'N', NULL, '%s'); "         /* k2: nacked */
+             "SELECT idemq.emit('', '%s', 'B'); "                     /* no order key */
+             "SELECT idemq.emit('', '%s', 'D1', NULL, '%s'); "        /* k3 */
+             "SELECT idemq.emit('', '%s', 'R2', NULL, '%s'); "        /* k1, after R */
+             "SELECT idemq.emit('', '%s', 'N2', NULL, '%s'); "        /* k2, after N */
+             "SELECT idemq.emit('', '%s', 'A2', NULL, '%s'); "        /* k0, after A1 */
+             "COMMIT",
+             q, k[0], t.name, k[1], full, k[2], q, q, k[3], q, k[1], q, k[2], q, k[0]);
+    itest_sql(&t, sql);
+    itest_run_until_idle(&t, 3);
+
+    n = drain(&t, q, bodies, ids, keys, 8);
+    ck_assert_int_eq(n, 6);
+    for (int i = 0; i < n; i++) {
+        if (strcmp(bodies[i], "A1") == 0)
+            pos_a1 = i;
+        if (strcmp(bodies[i], "A2") == 0)
+            pos_a2 = i;
+    }
+    ck_assert_msg(pos_a1 >= 0 && pos_a2 > pos_a1, "A1 at %d, A2 at %d", pos_a1, pos_a2);
+    ck_assert_int_eq(itest_queue_ready(&t, full), 1); /* the filler only: N was refused */
+    /* the returned row: parked at once; the nacked one after max_attempts (2) */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key = $1 "
+                                    "AND state = 'parked' AND attempts = 1 AND "
+                                    "last_error LIKE '%returned as unroutable%' AND "
+                                    "convert_from(body, 'UTF8') = 'R'",
+                                k[1]),
+                     1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key = $1 "
+                                    "AND state = 'parked' AND attempts = 2 AND "
+                                    "last_error LIKE '%nacked%' AND "
+                                    "convert_from(body, 'UTF8') = 'N'",
+                                k[2]),
+                     1);
+    /* everything else sent, nothing left pending */
+    snprintf(sql, sizeof sql, "%s:%%", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox_sent WHERE routing_key = "
+                                    "$1",
+                                q),
+                     6);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE state = 'pending' "
+                                    "AND (order_key LIKE $1 OR order_key IS NULL)",
+                                sql),
+                     0);
+    /* the next row of a refused row's key went only after it was parked */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox p "
+                                    "JOIN idemq.outbox_sent s ON s.order_key = p.order_key "
+                                    "WHERE p.order_key LIKE $1 AND p.state = 'parked' AND "
+                                    "s.commit_seq > p.commit_seq AND s.sent_at > p.parked_at",
+                                sql),
+                     2);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* SIGKILL after the effect transaction committed, before the relay
  * published: the next run's recovery poll relays the row once (the
  * redelivered job is a duplicate and emits nothing). */
@@ -363,6 +453,132 @@ START_TEST(test_crash_after_confirm)
                                     "AND state = 'sent'",
                                 q),
                      1);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* Three relays (three idemq processes) relay one outbox while rows keep
+ * being emitted (ten per transaction, five order keys interleaved) and
+ * one relay after the other is SIGKILLed every ~0.4 s and started again.
+ * Every row is published; per order key the messages arrive in commit
+ * order, a re-publish (a relay killed between a publish and its sent
+ * mark) only repeating the row just before, with the same message_id, so
+ * a consumer deduplicating on message_id applies each row once. A killed
+ * relay's leases are made to pass 0.3 s after it died (outbox.lease_s is
+ * at least 15 s; the pause lets the broker take in what the dead
+ * connection still had on the wire). IDEMQ_OUTBOX_KILL_S sets the kill
+ * loop's length (12 s here; ctest's check_outbox_kill_long: 120 s). */
+enum { KILL_KEYS = 5, KILL_MAX = 40000, KILL_TX = 10 };
+static char kb[KILL_MAX][256], kid[KILL_MAX][64], kkey[KILL_MAX][128];
+
+static long long now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static int kill_secs(void)
+{
+    const char *v = getenv("IDEMQ_OUTBOX_KILL_S");
+    return v && atoi(v) > 0 ? atoi(v) : 12;
+}
+
+START_TEST(test_relays_kill_loop)
+{
+    struct itest t;
+    char q[200], sql[768], like[160];
+    static int last[KILL_KEYS], seen_id[KILL_KEYS];
+    static char first_id[KILL_KEYS][64];
+    PGconn *em;
+    pid_t pids[3];
+    long long t0, next_kill, now;
+    int rows = 0, kills = 0, victim = 0, n, dups = 0, rate;
+
+    setup(&t, "obkill", "");
+    declare_out(&t, q, sizeof q);
+    snprintf(like, sizeof like, "%s:%%", t.name);
+    em = connect_db();
+    for (int i = 0; i < 3; i++)
+        pids[i] = itest_spawn(&t, t.cfg_path, 600, NULL);
+    t0 = now_ms();
+    next_kill = t0 + 1000;
+    /* rows at up to 600/s (fewer in a long loop: at most KILL_MAX / 2 in
+     * all), KILL_TX per transaction: rows of a transaction get its commit
+     * position in id order */
+    rate = 600 < KILL_MAX / 2 / kill_secs() ? 600 : KILL_MAX / 2 / kill_secs();
+    while ((now = now_ms()) - t0 < kill_secs() * 1000LL) {
+        if (rows + KILL_TX <= KILL_MAX / 2 && rows < (now - t0) * rate / 1000) {
+            snprintf(sql, sizeof sql,
+                     "SELECT idemq.emit('', '%s', ((%d + g) %% %d) || ' ' || ((%d + g) / %d), "
+                     "NULL, '%s:' || ((%d + g) %% %d)) FROM generate_series(0, %d) g ORDER BY g",
+                     q, rows, KILL_KEYS, rows, KILL_KEYS, t.name, rows, KILL_KEYS, KILL_TX - 1);
+            exec_ok(em, sql);
+            rows += KILL_TX;
+        }
+        if (now >= next_kill) {
+            pid_t dead = pids[victim];
+            char holder[64];
+            int st;
+            kill(dead, SIGKILL);
+            st = itest_wait(dead, itest_ms(10000));
+            ck_assert_msg(st != -1 && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL,
+                          "relay %d: status 0x%x (it died before it was killed)", (int)dead,
+                          st);
+            usleep(300000);
+            snprintf(holder, sizeof holder, "%%:%d:w%%", (int)dead);
+            snprintf(sql, sizeof sql,
+                     "UPDATE idemq.outbox SET lease_until = now() - interval '1 second' "
+                     "WHERE state = 'pending' AND lease_holder LIKE '%s'",
+                     holder);
+            exec_ok(em, sql);
+            pids[victim] = itest_spawn(&t, t.cfg_path, 600, NULL);
+            victim = (victim + 1) % 3;
+            kills++;
+            next_kill = now_ms() + 400;
+        }
+        usleep(2000);
+    }
+    /* no more kills: the three drain what is left */
+    wait_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key LIKE $1", like, 0, 60000);
+    sleep(2); /* the relay started last is past its start-up (SIGTERM there is not a drain) */
+    for (int i = 0; i < 3; i++) {
+        int st;
+        kill(pids[i], SIGTERM);
+        st = itest_wait(pids[i], itest_ms(30000));
+        ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    }
+    PQfinish(em);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox_sent WHERE order_key "
+                                "LIKE $1",
+                                like),
+                     rows);
+    n = drain(&t, q, kb, kid, kkey, KILL_MAX);
+    ck_assert_msg(n >= rows && n < KILL_MAX, "%d messages for %d rows", n, rows);
+    for (int k = 0; k < KILL_KEYS; k++)
+        last[k] = -1, seen_id[k] = 0;
+    for (int i = 0; i < n; i++) {
+        int k = -1, seq = -1;
+        ck_assert_int_eq(sscanf(kb[i], "%d %d", &k, &seq), 2);
+        ck_assert_msg(k >= 0 && k < KILL_KEYS, "%s", kb[i]);
+        if (seq == last[k]) { /* a re-publish of the row just before: same message_id */
+            ck_assert_str_eq(kid[i], first_id[k]);
+            dups++;
+            continue;
+        }
+        ck_assert_msg(seq == last[k] + 1,
+                      "key %d: %d after %d (a row overtaken, skipped or repeated late)", k, seq,
+                      last[k]);
+        last[k] = seq;
+        snprintf(first_id[k], sizeof first_id[k], "%s", kid[i]);
+        seen_id[k]++;
+    }
+    for (int k = 0; k < KILL_KEYS; k++)
+        ck_assert_int_eq(last[k] + 1, rows / KILL_KEYS + (k < rows % KILL_KEYS));
+    ck_assert_int_eq(n - dups, rows); /* once each, counting a message_id once */
+    ck_assert_int_ge(kills, kill_secs() - 1);
+    fprintf(stderr, "kill loop: %d rows, %d kills, %d messages (%d re-published)\n", rows,
+            kills, n, dups);
     itest_teardown(&t);
 }
 END_TEST
@@ -620,12 +836,17 @@ int main(void)
     tcase_add_test(tc, test_application_emit);
     tcase_add_test(tc, test_commit_order);
     tcase_add_test(tc, test_unroutable_parked);
+    tcase_add_test(tc, test_batch_refused_middle);
     tcase_add_test(tc, test_crash_after_commit);
     tcase_add_test(tc, test_crash_after_confirm);
     tcase_add_test(tc, test_broker_down);
     tcase_add_test(tc, test_metrics_and_ready);
     tcase_add_test(tc, test_two_relays);
     tcase_add_test(tc, test_privileges);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("outbox_kill"); /* three relays under a kill loop */
+    tcase_set_timeout(tc, itest_ms(kill_secs() + 120));
+    tcase_add_test(tc, test_relays_kill_loop);
     suite_add_tcase(s, tc);
     tc = tcase_create("outbox_show"); /* operator output */
     tcase_set_timeout(tc, itest_ms(120));

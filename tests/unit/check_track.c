@@ -211,6 +211,39 @@ START_TEST(test_confirms_multiple_and_return)
 }
 END_TEST
 
+/* Per publish (what the outbox relay reads): a nack marks only its tag; a
+ * multiple ack right after a basic.return marks what it covers
+ * RETURN_ACKED (the caller tells the returned one by message_id), the
+ * publishes after it stay pending, and nothing outside the table is
+ * vouched for. */
+START_TEST(test_confirms_seq_state)
+{
+    struct confirms c;
+    uint64_t s;
+    confirms_init(&c);
+    confirms_reset(&c);
+    for (int i = 0; i < 6; i++)
+        ck_assert_int_eq(confirms_publish(&c, &s), IDEMQ_OK);
+    confirms_nack(&c, 2, false);
+    confirms_return(&c);
+    confirms_ack(&c, 4, true); /* 1, 3, 4 (2 stays nacked) */
+    ck_assert_int_eq(confirms_seq_state(&c, 1), CONFIRMS_SEQ_RETURN_ACKED);
+    ck_assert_int_eq(confirms_seq_state(&c, 2), CONFIRMS_SEQ_NACKED);
+    ck_assert_int_eq(confirms_seq_state(&c, 3), CONFIRMS_SEQ_RETURN_ACKED);
+    ck_assert_int_eq(confirms_seq_state(&c, 4), CONFIRMS_SEQ_RETURN_ACKED);
+    ck_assert_int_eq(confirms_seq_state(&c, 5), CONFIRMS_SEQ_PENDING);
+    ck_assert_int_eq(confirms_range(&c, 1, 1), CONFIRMS_FAILED);
+    confirms_ack(&c, 6, true); /* no return before it: plain acks */
+    ck_assert_int_eq(confirms_seq_state(&c, 5), CONFIRMS_SEQ_ACKED);
+    ck_assert_int_eq(confirms_seq_state(&c, 6), CONFIRMS_SEQ_ACKED);
+    ck_assert_int_eq(confirms_range(&c, 5, 6), CONFIRMS_ACKED);
+    ck_assert_int_eq(confirms_seq_state(&c, 7), CONFIRMS_SEQ_UNTRACKED);
+    confirms_forget_below(&c, 3);
+    ck_assert_int_eq(confirms_seq_state(&c, 2), CONFIRMS_SEQ_UNTRACKED);
+    confirms_free(&c);
+}
+END_TEST
+
 /* Random batches published and confirmed by a fake broker in random order,
  * with random multiple flags, nacks and returns: a batch is ACKED exactly
  * when every publish of it was acked, and FAILED whenever one was not; it
@@ -278,6 +311,7 @@ int main(void)
     tcase_add_test(tc, test_acks_drop);
     tcase_add_test(tc, test_confirms_out_of_order);
     tcase_add_test(tc, test_confirms_multiple_and_return);
+    tcase_add_test(tc, test_confirms_seq_state);
     tcase_add_loop_test(tc, test_confirms_random, 0, 5);
     suite_add_tcase(s, tc);
     return check_run(s);
