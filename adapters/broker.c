@@ -39,6 +39,7 @@ struct stash {
 /* One consumer on the channel: its tag and whose deliveries it brings. */
 struct consumer {
     char tag[160];
+    char queue[256]; /* for consuming again after broker_quiesce */
     int input;
     int lane; /* partition of an ordered input, or -1 */
 };
@@ -64,6 +65,7 @@ struct broker {
     struct delivery_reader rd;
     /* deliveries read while waiting for something else */
     struct stash *stash_head, *stash_tail;
+    int cancel_oks; /* basic.cancel-ok frames counted by broker_quiesce */
 };
 
 static void set_err(struct broker *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -515,6 +517,9 @@ static idemq_err_t pump_frame(struct broker *b, struct job *j, struct timeval *t
         b->healthy = false;
         return IDEMQ_ERR_BROKER;
     }
+    case AMQP_BASIC_CANCEL_OK_METHOD:
+        b->cancel_oks++;
+        return IDEMQ_ERR_TIMEOUT;
     case AMQP_CONNECTION_BLOCKED_METHOD:
         log_warn("broker blocked this connection (resource alarm): publishes will wait");
         return IDEMQ_ERR_TIMEOUT;
@@ -585,6 +590,65 @@ static idemq_err_t check_rc(struct broker *b, int rc, const char *what)
     set_err(b, "%s: %s", what, amqp_error_string2(rc));
     b->healthy = false;
     return IDEMQ_ERR_BROKER;
+}
+
+idemq_err_t broker_quiesce(struct broker *b, int timeout_ms, bool *idle)
+{
+    long long deadline = now_ms() + timeout_ms;
+    bool empty;
+
+    *idle = false;
+    if (!b->healthy || b->read_wedged)
+        return IDEMQ_ERR_BROKER;
+    b->cancel_oks = 0;
+    for (int i = 0; i < b->n_cons; i++) {
+        amqp_basic_cancel_t req;
+        req.consumer_tag = bytes(b->cons[i].tag);
+        req.nowait = 0;
+        if (check_rc(b, amqp_send_method(b->conn, CHANNEL, AMQP_BASIC_CANCEL_METHOD, &req),
+                     "basic.cancel"))
+            return IDEMQ_ERR_BROKER;
+    }
+    /* Deliveries dispatched before the cancel come before its ok: stashed. */
+    while (b->cancel_oks < b->n_cons) {
+        long long left = deadline - now_ms();
+        struct timeval tv;
+        if (left <= 0) {
+            set_err(b, "basic.cancel-ok not received within %d ms", timeout_ms);
+            b->healthy = false;
+            return IDEMQ_ERR_BROKER;
+        }
+        tv.tv_sec = left / 1000;
+        tv.tv_usec = (left % 1000) * 1000;
+        if (pump_frame(b, NULL, &tv) == IDEMQ_ERR_BROKER)
+            return IDEMQ_ERR_BROKER;
+    }
+    empty = !b->stash_head;
+    for (int i = 0; empty && i < b->n_cons; i++) {
+        amqp_queue_declare_ok_t *ok = amqp_queue_declare(
+            b->conn, CHANNEL, bytes(b->cons[i].queue), 1, 0, 0, 0, amqp_empty_table);
+        if (!reply_ok(b, amqp_get_rpc_reply(b->conn), "passive declare")) {
+            b->healthy = false;
+            return IDEMQ_ERR_BROKER;
+        }
+        if (ok->message_count)
+            empty = false;
+    }
+    if (empty) {
+        *idle = true; /* the consumers stay cancelled */
+        return IDEMQ_OK;
+    }
+    for (int i = 0; i < b->n_cons; i++) {
+        char what[300];
+        amqp_basic_consume(b->conn, CHANNEL, bytes(b->cons[i].queue), bytes(b->cons[i].tag), 0,
+                           0, 0, amqp_empty_table);
+        snprintf(what, sizeof what, "consume queue %s again", b->cons[i].queue);
+        if (!reply_ok(b, amqp_get_rpc_reply(b->conn), what)) {
+            b->healthy = false;
+            return IDEMQ_ERR_BROKER;
+        }
+    }
+    return IDEMQ_OK;
 }
 
 idemq_err_t broker_ack(struct broker *b, uint64_t tag, bool multiple)
@@ -675,6 +739,7 @@ static idemq_err_t consume(struct broker *b, int input_idx, int lane, const char
     }
     c = &b->cons[b->n_cons];
     snprintf(c->tag, sizeof c->tag, "%s", tag);
+    snprintf(c->queue, sizeof c->queue, "%s", queue);
     c->input = input_idx;
     c->lane = lane;
     amqp_basic_consume(b->conn, CHANNEL, bytes(queue), bytes(c->tag), 0, 0, 0,

@@ -89,6 +89,21 @@ idemq_err_t broker_consume_lane(struct broker *b, int input_idx, int lane, const
  */
 idemq_err_t broker_next(struct broker *b, struct job *j, int timeout_ms) IDEMQ_MUSTCHECK;
 
+/*
+ * `--until-idle`'s last look before a worker finishes: cancels every
+ * consumer and waits up to timeout_ms for each basic.cancel-ok. The broker
+ * sends a cancel-ok after the deliveries it had already dispatched to the
+ * consumer, so those arrive first and are kept for broker_next (RabbitMQ
+ * 4.0 can take seconds to hand one over: about 4 s for headers nested
+ * 17,000 deep, adapters/README.md "RabbitMQ versions"). Then each consumed
+ * queue's ready count is asked (passive declare). *idle is true when nothing
+ * arrived and every queue was empty (the consumers stay cancelled);
+ * otherwise the consumers consume again and *idle is false. IDEMQ_ERR_BROKER
+ * when the connection failed or an ok did not come in time (then not idle:
+ * the connection is marked failed).
+ */
+idemq_err_t broker_quiesce(struct broker *b, int timeout_ms, bool *idle) IDEMQ_MUSTCHECK;
+
 /* Services the connection for ms (heartbeats, confirms, closes) without
  * handing out deliveries: those that arrive are kept for broker_next.
  * IDEMQ_OK, or IDEMQ_ERR_BROKER when the connection failed. */

@@ -48,6 +48,7 @@
 #define FILL_TICK_MS 1    /* sleep step while a batch fills */
 #define PROVIDER_POLL_MS 20 /* provider answers waited for per loop, at most */
 #define PROVIDER_DRAIN_MS 30000 /* a stop waits this long for provider answers */
+#define QUIESCE_MS 30000  /* --until-idle: the broker's cancel-oks may take this long */
 
 /* What a loop step came to. */
 enum step {
@@ -838,6 +839,30 @@ static void recover(struct session *s, enum step st)
     }
 }
 
+/*
+ * --until-idle: no delivery came for until_idle_ms, but one may still be on
+ * its way (RabbitMQ 4.0 took about 4 s to hand over a message with headers
+ * nested 17,000 deep, with the deliveries behind it waiting). True when the
+ * broker confirms nothing was dispatched to this worker and its queues hold
+ * nothing ready (broker_quiesce); false, and the worker goes on, otherwise.
+ */
+static bool broker_idle(struct session *s)
+{
+    bool idle = false;
+    if (!s->b)
+        return true;
+    if (broker_quiesce(s->b, QUIESCE_MS, &idle) != IDEMQ_OK) {
+        log_warn("worker %d: cannot confirm the queues are idle (%s): not finishing yet",
+                 s->w->id, broker_error(s->b));
+        return false;
+    }
+    if (!idle)
+        log_info("worker %d: no delivery for %d ms, but the broker still had messages for it: "
+                 "going on",
+                 s->w->id, s->w->until_idle_ms);
+    return idle;
+}
+
 idemq_err_t worker_run(struct worker *w)
 {
     struct session s;
@@ -888,6 +913,8 @@ idemq_err_t worker_run(struct worker *w)
             if (s.lanes_keyed && ledger_lanes_retry_pending(s.db, s.c, &pending, &e) == IDEMQ_OK &&
                 pending) {
                 last_delivery = now_ms(); /* a deferred job retries from the ledger: not idle */
+            } else if (!broker_idle(&s)) {
+                last_delivery = now_ms(); /* deliveries were still coming: not idle */
             } else {
                 log_info("worker %d: idle for %d ms, finishing", w->id, w->until_idle_ms);
                 break;
