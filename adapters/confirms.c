@@ -69,8 +69,10 @@ static void confirm(struct confirms *c, uint64_t tag, bool multiple, uint8_t st)
     for (uint64_t s = lo; s <= hi; s++) {
         uint8_t *p = &c->state[s - c->base];
         /* A multiple confirm covers only what was still pending; a failure
-         * is never undone by a later ack. */
-        if (*p == ST_PENDING || (st == ST_FAILED && s == tag))
+         * (a nack, the ack of a returned publish) fails the publish it
+         * names even if it was acked before, and is never undone by a
+         * later ack nor turned into the other kind. */
+        if (*p == ST_PENDING || (st != ST_ACKED && s == tag && *p == ST_ACKED))
             *p = st;
     }
 }

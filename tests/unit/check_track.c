@@ -244,6 +244,34 @@ START_TEST(test_confirms_seq_state)
 }
 END_TEST
 
+/* fuzz_track's find (build-fuzz/artifacts, 2026-12-02): a return, then an
+ * ack naming a publish that was already acked. Before the relay kept
+ * "acked after a return" apart, that ack failed the publish it names (a
+ * failure is never undone, and uncertain means failed); the new state
+ * must keep that rule, not leave it ACKED. */
+START_TEST(test_confirms_return_then_repeated_ack)
+{
+    struct confirms c;
+    uint64_t s;
+    confirms_init(&c);
+    confirms_reset(&c);
+    for (int i = 0; i < 8; i++)
+        ck_assert_int_eq(confirms_publish(&c, &s), IDEMQ_OK);
+    confirms_ack(&c, 4, true); /* 1..4 acked */
+    confirms_return(&c);
+    confirms_ack(&c, 4, true); /* the returned publish's ack names 4 again */
+    ck_assert_int_eq(confirms_range(&c, 4, 4), CONFIRMS_FAILED);
+    ck_assert_int_eq(confirms_seq_state(&c, 4), CONFIRMS_SEQ_RETURN_ACKED);
+    ck_assert_int_eq(confirms_range(&c, 1, 3), CONFIRMS_ACKED);
+    /* a nack is not turned into a returned ack */
+    confirms_nack(&c, 6, false);
+    confirms_return(&c);
+    confirms_ack(&c, 6, false);
+    ck_assert_int_eq(confirms_seq_state(&c, 6), CONFIRMS_SEQ_NACKED);
+    confirms_free(&c);
+}
+END_TEST
+
 /* Random batches published and confirmed by a fake broker in random order,
  * with random multiple flags, nacks and returns: a batch is ACKED exactly
  * when every publish of it was acked, and FAILED whenever one was not; it
@@ -312,6 +340,7 @@ int main(void)
     tcase_add_test(tc, test_confirms_out_of_order);
     tcase_add_test(tc, test_confirms_multiple_and_return);
     tcase_add_test(tc, test_confirms_seq_state);
+    tcase_add_test(tc, test_confirms_return_then_repeated_ack);
     tcase_add_loop_test(tc, test_confirms_random, 0, 5);
     suite_add_tcase(s, tc);
     return check_run(s);
