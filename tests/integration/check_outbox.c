@@ -12,6 +12,7 @@
 #include "check_run.h"
 #include <libpq-fe.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -471,6 +472,25 @@ END_TEST
 enum { KILL_KEYS = 5, KILL_MAX = 40000, KILL_TX = 10 };
 static char kb[KILL_MAX][256], kid[KILL_MAX][64], kkey[KILL_MAX][128];
 
+/* True once pid has a handler for SIGTERM (SigCgt in /proc/PID/status). */
+static bool catches_sigterm(pid_t pid)
+{
+    char path[64], line[256];
+    unsigned long long mask = 0;
+    bool found = false;
+    FILE *f;
+    snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+    if (!(f = fopen(path, "r")))
+        return false;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "SigCgt: %llx", &mask) == 1) {
+            found = true;
+            break;
+        }
+    fclose(f);
+    return found && ((mask >> (SIGTERM - 1)) & 1);
+}
+
 static long long now_ms(void)
 {
     struct timespec ts;
@@ -541,9 +561,16 @@ START_TEST(test_relays_kill_loop)
     }
     /* no more kills: the three drain what is left */
     wait_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key LIKE $1", like, 0, 60000);
-    sleep(2); /* the relay started last is past its start-up (SIGTERM there is not a drain) */
     for (int i = 0; i < 3; i++) {
         int st;
+        /* a SIGTERM before idemq installed its handler kills it instead of
+         * draining: wait until it catches SIGTERM (a relay started last may
+         * still be starting) */
+        long long until = now_ms() + itest_ms(20000);
+        while (!catches_sigterm(pids[i]) && now_ms() < until)
+            usleep(20000);
+        ck_assert_msg(catches_sigterm(pids[i]), "relay %d never installed its SIGTERM handler",
+                      (int)pids[i]);
         kill(pids[i], SIGTERM);
         st = itest_wait(pids[i], itest_ms(30000));
         ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
