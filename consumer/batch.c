@@ -15,6 +15,7 @@
 #include "classify.h"
 #include "ledger_lanes.h"
 #include "log.h"
+#include "outbox.h"
 #include "topology.h"
 
 #define CALL_RETRIES 3 /* whole-call transient failures retried in place */
@@ -63,6 +64,7 @@ void batch_free(struct batch *bt)
     free(bt->res);
     free(bt->obs_jobs);
     free(bt->obs);
+    ledger_outbox_rows_free(&bt->taken);
     memset(bt, 0, sizeof *bt);
 }
 
@@ -251,17 +253,62 @@ static enum step observe_txn(struct batch *bt, struct job *jobs, struct plan *pl
     return STEP_OK;
 }
 
+/* Whether the batch holds a job of an input whose effect emits. */
+static bool batch_emits(const struct batch *bt)
+{
+    for (int i = 0; i < bt->n; i++)
+        if (bt->jobs[i].input >= 0 && bt->jobs[i].input < bt->c->n_inputs &&
+            bt->c->inputs[bt->jobs[i].input].emits)
+            return true;
+    return false;
+}
+
+/* issue 18: leases the open transaction's publishable outbox rows to the
+ * worker's relay (see struct batch). Rows beyond what bt->taken can keep
+ * are left to a claim. */
+static enum step take_outbox(struct batch *bt, struct outbox_rows *t)
+{
+    struct ledger_db_error e;
+    int emitted = 0;
+
+    if (!bt->outbox_holder || !batch_emits(bt))
+        return STEP_OK;
+    if (bt->taken.res) { /* an earlier commit of this batch took rows */
+        bt->outbox_rest = true;
+        return STEP_OK;
+    }
+    if (ledger_outbox_take(bt->db, bt->outbox_holder, OUTBOX_CLAIM_MAX, bt->outbox_lease_ms, t,
+                           &emitted, &e))
+        return call_failed(bt, &e, "outbox_take");
+    if (emitted > t->n)
+        bt->outbox_rest = true;
+    return STEP_OK;
+}
+
 static enum step commit(struct batch *bt)
 {
     struct ledger_db_error e;
+    struct outbox_rows taken = {NULL, NULL, 0};
+    enum step st;
+
+    if ((st = take_outbox(bt, &taken)) != STEP_OK) {
+        ledger_txn_rollback(bt->lt);
+        return st;
+    }
 #ifdef IDEMQ_TEST_HOOKS
     if (bt->crash == BATCH_CRASH_BEFORE_COMMIT) {
         log_warn("test hook: SIGKILL before commit");
         kill(getpid(), SIGKILL);
     }
 #endif
-    if (ledger_txn_commit(bt->lt, &e))
+    if (ledger_txn_commit(bt->lt, &e)) {
+        /* rows it may have committed stay leased to this session: a claim
+         * takes them once the lease passes or the session is gone */
+        ledger_outbox_rows_free(&taken);
         return call_failed(bt, &e, "COMMIT");
+    }
+    if (taken.res)
+        bt->taken = taken;
     if (bt->progress) { /* a transaction finished: the worker is alive */
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -623,6 +670,8 @@ enum batch_step batch_process(struct batch *bt, int *committed)
     *committed = 0;
     bt->ladder_depth = 0;
     bt->failed_tag = 0;
+    ledger_outbox_rows_free(&bt->taken);
+    bt->outbox_rest = false;
     for (int i = 0; i < bt->n; i++) {
         struct job *j = &bt->jobs[i];
         if (j->input < 0 || j->input >= bt->c->n_inputs) {

@@ -36,6 +36,7 @@
 #include "idemq_err.h"
 #include "job.h"
 #include "ledger_db.h"
+#include "ledger_outbox.h"
 #include "ledger_txn.h"
 #include "settle.h"
 
@@ -78,6 +79,15 @@ struct batch {
                               * (contention it could not outlast), 0 if none */
     struct ledger_db_error last_call; /* the last whole-call failure */
     struct ledger_db_error failure;   /* what rung 2 records as the attempt */
+    /* issue 18: the relay right after commit. With outbox_holder set and a
+     * job of an `emits` input in the batch, each transaction's last
+     * statement before COMMIT leases its publishable outbox rows to the
+     * holder (ledger_outbox_take); the first commit's rows are kept in
+     * taken, for the worker to publish before it acknowledges. */
+    const char *outbox_holder; /* NULL: relay off */
+    int outbox_lease_ms;
+    struct outbox_rows taken;  /* rows leased by a committed transaction */
+    bool outbox_rest;          /* rows emitted that are not in taken: a claim's */
 };
 
 /* Allocates room for cap jobs. false when out of memory (then batch_free). */

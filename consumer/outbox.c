@@ -271,6 +271,17 @@ idemq_err_t outbox_relay(struct outbox *o, const struct conf *c, PGconn *db, str
     return IDEMQ_OK;
 }
 
+idemq_err_t outbox_publish_taken(struct outbox *o, const struct conf *c, PGconn *db,
+                                 struct broker *b, struct outbox_rows *rows, char *why,
+                                 size_t whylen)
+{
+    idemq_err_t err = IDEMQ_OK;
+    if (rows->n > 0 && c->outbox_relay && db && b)
+        err = publish_rows(o, c, db, b, rows, why, whylen);
+    ledger_outbox_rows_free(rows);
+    return err;
+}
+
 idemq_err_t outbox_tick(struct outbox *o, const struct conf *c, PGconn *db, struct broker *b,
                         char *why, size_t whylen)
 {

@@ -11,8 +11,10 @@
  * The relay is at least once: a crash between the confirm and the mark
  * publishes the row again with the same message_id.
  *
- * Two entries: outbox_relay right after a commit of an input with
- * `emits` (the worker calls it before acknowledging the batch), and
+ * Three entries: outbox_publish_taken right after a commit of an input
+ * with `emits`, for the rows that transaction leased to the worker before
+ * its COMMIT (the worker calls it before acknowledging the batch; then
+ * outbox_relay if the transaction emitted rows it could not take), and
  * outbox_tick, the recovery poll (worker 0, every outbox.poll_ms) for rows
  * of applications and of relays that died. Both are off unless
  * outbox.relay = 1. Counters for /metrics are process-wide.
@@ -31,6 +33,7 @@
 #include "broker.h"
 #include "conf.h"
 #include "idemq_err.h"
+#include "ledger_outbox.h"
 
 #define OUTBOX_CLAIM_MAX 100 /* rows claimed per round */
 #define OUTBOX_ROUNDS 10     /* claim rounds per call at most (then the worker goes on) */
@@ -66,6 +69,15 @@ void outbox_init(struct outbox *o, int worker_id);
  */
 idemq_err_t outbox_relay(struct outbox *o, const struct conf *c, PGconn *db, struct broker *b,
                          bool *more, char *why, size_t whylen) IDEMQ_MUSTCHECK;
+
+/*
+ * Publishes the rows the batch transaction leased to o->holder before its
+ * COMMIT (ledger_outbox_take), as outbox_relay publishes a claim, and
+ * frees them. Same results as outbox_relay.
+ */
+idemq_err_t outbox_publish_taken(struct outbox *o, const struct conf *c, PGconn *db,
+                                 struct broker *b, struct outbox_rows *rows, char *why,
+                                 size_t whylen) IDEMQ_MUSTCHECK;
 
 /* The recovery poll: outbox_relay when outbox.poll_ms passed since the last
  * one (sooner while rows remain), else returns at once. */

@@ -431,22 +431,26 @@ static enum step settle_committed(struct session *s, int n)
 
     /* issue 18: rows the batch's effects emitted are published before its
      * deliveries are acknowledged (a failure leaves them to the recovery
-     * poll; they are committed) */
+     * poll; they are committed): the rows its transaction leased to this
+     * worker before COMMIT, then, only if it emitted more than those (a
+     * row behind another of its order key, a batch split into several
+     * transactions), a claim */
     if (s->c->outbox_relay) {
-        bool emitted = false, more;
+        bool emitted = false, more = false;
+        idemq_err_t oerr;
         for (int i = 0; i < n && !emitted; i++)
             emitted = jobs[i].input >= 0 && jobs[i].input < s->c->n_inputs &&
                       s->c->inputs[jobs[i].input].emits;
-        if (emitted) {
-            idemq_err_t oerr = outbox_relay(&s->outbox, s->c, s->db, s->b, &more, s->why,
-                                            sizeof s->why);
-            if (oerr == IDEMQ_ERR_BROKER)
-                return STEP_BROKER;
-            if (oerr)
-                relayed = STEP_INFRA; /* the deliveries are still acknowledged below */
-            if (more)
-                s->outbox.next_poll_ms = 0; /* the rest at the next tick */
-        }
+        oerr = outbox_publish_taken(&s->outbox, s->c, s->db, s->b, &s->bt.taken, s->why,
+                                    sizeof s->why);
+        if (!oerr && emitted && s->bt.outbox_rest)
+            oerr = outbox_relay(&s->outbox, s->c, s->db, s->b, &more, s->why, sizeof s->why);
+        if (oerr == IDEMQ_ERR_BROKER)
+            return STEP_BROKER;
+        if (oerr)
+            relayed = STEP_INFRA; /* the deliveries are still acknowledged below */
+        if (more)
+            s->outbox.next_poll_ms = 0; /* the rest at the next tick */
     }
     count(s, plans, n);
     atomic_fetch_add(&s->w->stats.batches, 1);
@@ -758,6 +762,10 @@ static bool session_alloc(struct session *s)
     s->bt.nap = serviced_nap;
     s->bt.nap_ctx = s;
     s->bt.progress = &s->w->progress_ms;
+    if (s->c->outbox_relay) { /* issue 18: batch transactions lease what they emit */
+        s->bt.outbox_holder = s->outbox.holder;
+        s->bt.outbox_lease_ms = s->c->outbox_lease_s * 1000;
+    }
     if (!(s->park_ids = calloc((size_t)m, sizeof *s->park_ids)))
         return false;
     if (!(s->lanes = lane_set_new(s->c)))

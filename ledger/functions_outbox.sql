@@ -17,6 +17,14 @@ DECLARE
     v_x xid8 := pg_current_xact_id();
     v_k text;
 BEGIN
+    /* stamped before COMMIT by idemq.outbox_take (this transaction's rows
+     * up to that id): one setting read per row instead of a query */
+    v_k := current_setting('idemq.outbox_stamped', true);
+    IF split_part(v_k, ':', 1) = v_x::text THEN
+        IF NEW.id <= split_part(v_k, ':', 2)::bigint THEN
+            RETURN NULL;
+        END IF;
+    END IF;
     IF NOT EXISTS (SELECT 1 FROM idemq.outbox o
                     WHERE o.xact_id = v_x AND o.commit_seq IS NULL AND o.id = NEW.id) THEN
         RETURN NULL; /* stamped by an earlier row's trigger */
@@ -71,6 +79,91 @@ RETURNS bigint LANGUAGE sql SECURITY DEFINER AS $fn$
                       p_order_key, p_key);
 $fn$;
 
+-- A lease is free when it ran out, or when the session that took it is
+-- gone (lease_pid, version 18: a relay that died frees its rows at once).
+CREATE OR REPLACE FUNCTION idemq.outbox_lease_free(p_until timestamptz, p_pid integer)
+RETURNS boolean LANGUAGE sql VOLATILE AS $fn$
+    SELECT p_until IS NULL OR p_until < clock_timestamp()
+           OR (p_pid IS NOT NULL AND NOT EXISTS (SELECT 1 FROM pg_stat_get_activity(p_pid)));
+$fn$;
+
+-- The last statement of a worker's batch transaction that may have
+-- emitted (relay right after commit: no claim transaction between the
+-- commit and the publish). Stamps commit_seq on the transaction's rows
+-- now, as idemq.outbox_stamp would at COMMIT, under the same order-key
+-- locks (held to the end of the transaction, so commit order per key is
+-- kept), and leases to p_holder, for p_lease_ms and this session, what a
+-- claim could take once this commits: rows without an order key, and of
+-- each order key only its head (no pending row of the key stamped before
+-- it), at most p_limit, in id order. r_emitted is how many rows the
+-- transaction stamped: the ones not returned wait for a claim
+-- (idemq.outbox_claim). When none is leased but some were stamped, one row
+-- with r_id NULL carries r_emitted.
+CREATE OR REPLACE FUNCTION idemq.outbox_take(p_holder text, p_limit integer, p_lease_ms integer)
+RETURNS TABLE (r_id bigint, r_key text, r_exchange text, r_routing_key text, r_body bytea,
+               r_headers jsonb, r_order_key text, r_message_id text, r_emitted integer)
+LANGUAGE plpgsql SECURITY DEFINER AS $fn$
+DECLARE
+    v_x     xid8 := pg_current_xact_id_if_assigned();
+    v_until timestamptz := clock_timestamp() + p_lease_ms * interval '1 millisecond';
+    v_all   integer;
+    v_last  bigint;
+    v_n     integer;
+BEGIN
+    IF v_x IS NULL THEN
+        RETURN; /* the transaction wrote nothing: it emitted nothing */
+    END IF;
+    /* the order keys' locks, in key order (as idemq.outbox_stamp) */
+    PERFORM pg_advisory_xact_lock(hashtextextended('idemq.outbox:' || k.order_key, 0))
+       FROM (SELECT DISTINCT o.order_key FROM idemq.outbox o
+              WHERE o.xact_id = v_x AND o.commit_seq IS NULL AND o.order_key IS NOT NULL
+              ORDER BY 1) k;
+    /* one UPDATE stamps every row and leases the heads: a row without an
+     * order key, or the first of its key in this transaction when no
+     * committed row of the key is pending; up to p_limit of them */
+    SELECT count(*), max(o.id) INTO v_all, v_last FROM idemq.outbox o
+     WHERE o.xact_id = v_x AND o.commit_seq IS NULL;
+    IF v_all = 0 THEN
+        RETURN;
+    END IF;
+    PERFORM set_config('idemq.outbox_stamped', v_x::text || ':' || v_last::text, true);
+    RETURN QUERY
+    WITH u AS (
+        SELECT o.id, o.order_key,
+               row_number() OVER (PARTITION BY o.order_key ORDER BY o.id) AS nth
+          FROM idemq.outbox o
+         WHERE o.xact_id = v_x AND o.commit_seq IS NULL AND o.id <= v_last),
+    h AS (
+        SELECT u.id,
+               (u.order_key IS NULL
+                OR (u.nth = 1 AND NOT EXISTS (
+                        SELECT 1 FROM idemq.outbox p
+                         WHERE p.order_key = u.order_key AND p.state = 'pending'
+                           AND p.commit_seq IS NOT NULL))) AS head
+          FROM u),
+    n AS (
+        SELECT h.id, nextval('idemq.outbox_commit_seq') AS seq,
+               h.head AND sum(h.head::integer) OVER (ORDER BY h.id) <= p_limit AS leased
+          FROM (SELECT * FROM h ORDER BY h.id) h),
+    w AS (
+        UPDATE idemq.outbox o
+           SET commit_seq = n.seq,
+               lease_holder = CASE WHEN n.leased THEN p_holder ELSE o.lease_holder END,
+               lease_until = CASE WHEN n.leased THEN v_until ELSE o.lease_until END,
+               lease_pid = CASE WHEN n.leased THEN pg_backend_pid() ELSE o.lease_pid END
+          FROM n WHERE o.id = n.id AND o.id <= v_last
+        RETURNING o.id, o.key, o.exchange, o.routing_key, o.body, o.headers, o.order_key,
+                  o.message_id, n.leased)
+    SELECT w.id, w.key, w.exchange, w.routing_key, w.body, w.headers, w.order_key,
+           w.message_id, v_all FROM w WHERE w.leased ORDER BY w.id;
+    GET DIAGNOSTICS v_n = ROW_COUNT;
+    IF v_n = 0 THEN
+        r_emitted := v_all;
+        RETURN NEXT;
+    END IF;
+END
+$fn$;
+
 -- The relay claims up to p_limit publishable rows under a lease of
 -- p_lease_ms held by p_holder: unordered pending rows, and of each order
 -- key only its head (the pending row with the lowest commit_seq), and that
@@ -83,27 +176,28 @@ RETURNS TABLE (r_id bigint, r_key text, r_exchange text, r_routing_key text, r_b
                r_created_at timestamptz)
 LANGUAGE sql SECURITY DEFINER AS $fn$
     WITH heads AS (
-        SELECT DISTINCT ON (o.order_key) o.id, o.lease_until
+        SELECT DISTINCT ON (o.order_key) o.id, o.lease_until, o.lease_pid
           FROM idemq.outbox o
          WHERE o.state = 'pending' AND o.order_key IS NOT NULL
          ORDER BY o.order_key, o.commit_seq),
     cand AS (
         SELECT h.id FROM heads h
-         WHERE h.lease_until IS NULL OR h.lease_until < clock_timestamp()
+         WHERE idemq.outbox_lease_free(h.lease_until, h.lease_pid)
         UNION ALL
         (SELECT o.id FROM idemq.outbox o
           WHERE o.state = 'pending' AND o.order_key IS NULL
-            AND (o.lease_until IS NULL OR o.lease_until < clock_timestamp())
+            AND idemq.outbox_lease_free(o.lease_until, o.lease_pid)
           ORDER BY o.id LIMIT p_limit)),
     locked AS (
         SELECT o.id FROM idemq.outbox o
          WHERE o.id IN (SELECT c.id FROM cand c) AND o.state = 'pending'
-           AND (o.lease_until IS NULL OR o.lease_until < clock_timestamp())
+           AND idemq.outbox_lease_free(o.lease_until, o.lease_pid)
          ORDER BY o.id LIMIT p_limit
          FOR UPDATE SKIP LOCKED)
     UPDATE idemq.outbox o
        SET lease_holder = p_holder,
-           lease_until = clock_timestamp() + p_lease_ms * interval '1 millisecond'
+           lease_until = clock_timestamp() + p_lease_ms * interval '1 millisecond',
+           lease_pid = pg_backend_pid()
       FROM locked l
      WHERE o.id = l.id
     RETURNING o.id, o.key, o.exchange, o.routing_key, o.body, o.headers, o.order_key,
@@ -213,7 +307,8 @@ DECLARE
 BEGIN
     FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
               WHERE p.pronamespace = 'idemq'::regnamespace
-                AND p.proname IN ('emit', 'outbox_claim', 'outbox_sent', 'outbox_failed',
+                AND p.proname IN ('emit', 'outbox_claim', 'outbox_take', 'outbox_sent',
+                                  'outbox_failed', 'outbox_lease_free',
                                   'outbox_release', 'outbox_gauges', 'outbox_stamp')
     LOOP
         EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);

@@ -24,12 +24,45 @@ void ledger_outbox_rows_free(struct outbox_rows *r)
     memset(r, 0, sizeof *r);
 }
 
+/* Fills r from r->res (columns id, key, exchange, routing key, body,
+ * headers, order key, message_id; a row with a NULL id is skipped). */
+static idemq_err_t fill_rows(struct outbox_rows *r, struct ledger_db_error *e)
+{
+    int n = PQntuples(r->res);
+    if (n == 0)
+        return IDEMQ_OK;
+    if (!(r->row = calloc((size_t)n, sizeof *r->row))) {
+        ledger_outbox_rows_free(r);
+        snprintf(e->message, sizeof e->message, "out of memory");
+        return IDEMQ_ERR_NOMEM;
+    }
+    for (int i = 0; i < n; i++) {
+        struct outbox_row *w = &r->row[r->n];
+        if (PQgetisnull(r->res, i, 0))
+            continue;
+        w->id = atoll(PQgetvalue(r->res, i, 0));
+        w->key = opt(r->res, i, 1);
+        w->exchange = PQgetvalue(r->res, i, 2);
+        w->routing_key = PQgetvalue(r->res, i, 3);
+        w->headers = opt(r->res, i, 5);
+        w->order_key = opt(r->res, i, 6);
+        w->message_id = PQgetvalue(r->res, i, 7);
+        w->body = PQunescapeBytea((const unsigned char *)PQgetvalue(r->res, i, 4), &w->body_len);
+        if (!w->body) {
+            ledger_outbox_rows_free(r);
+            snprintf(e->message, sizeof e->message, "out of memory");
+            return IDEMQ_ERR_NOMEM;
+        }
+        r->n++;
+    }
+    return IDEMQ_OK;
+}
+
 idemq_err_t ledger_outbox_claim(PGconn *db, const char *holder, int limit, int lease_ms,
                                 struct outbox_rows *r, struct ledger_db_error *e)
 {
     char lim[16], lease[16];
     const char *params[3] = {holder, lim, lease};
-    int n;
 
     memset(r, 0, sizeof *r);
     snprintf(lim, sizeof lim, "%d", limit);
@@ -41,32 +74,29 @@ idemq_err_t ledger_outbox_claim(PGconn *db, const char *holder, int limit, int l
                              3, params, e);
     if (!r->res)
         return ledger_db_err(e);
-    n = PQntuples(r->res);
-    if (n == 0)
-        return IDEMQ_OK;
-    if (!(r->row = calloc((size_t)n, sizeof *r->row))) {
-        ledger_outbox_rows_free(r);
-        snprintf(e->message, sizeof e->message, "out of memory");
-        return IDEMQ_ERR_NOMEM;
-    }
-    for (int i = 0; i < n; i++) {
-        struct outbox_row *w = &r->row[i];
-        w->id = atoll(PQgetvalue(r->res, i, 0));
-        w->key = opt(r->res, i, 1);
-        w->exchange = PQgetvalue(r->res, i, 2);
-        w->routing_key = PQgetvalue(r->res, i, 3);
-        w->headers = opt(r->res, i, 5);
-        w->order_key = opt(r->res, i, 6);
-        w->message_id = PQgetvalue(r->res, i, 7);
-        r->n = i + 1;
-        w->body = PQunescapeBytea((const unsigned char *)PQgetvalue(r->res, i, 4), &w->body_len);
-        if (!w->body) {
-            ledger_outbox_rows_free(r);
-            snprintf(e->message, sizeof e->message, "out of memory");
-            return IDEMQ_ERR_NOMEM;
-        }
-    }
-    return IDEMQ_OK;
+    return fill_rows(r, e);
+}
+
+idemq_err_t ledger_outbox_take(PGconn *db, const char *holder, int limit, int lease_ms,
+                               struct outbox_rows *r, int *emitted, struct ledger_db_error *e)
+{
+    char lim[16], lease[16];
+    const char *params[3] = {holder, lim, lease};
+
+    memset(r, 0, sizeof *r);
+    *emitted = 0;
+    snprintf(lim, sizeof lim, "%d", limit);
+    snprintf(lease, sizeof lease, "%d", lease_ms);
+    r->res = ledger_db_query(db,
+                             "SELECT r_id, r_key, r_exchange, r_routing_key, r_body, r_headers,"
+                             " r_order_key, r_message_id, r_emitted"
+                             " FROM idemq.outbox_take($1, $2, $3)",
+                             3, params, e);
+    if (!r->res)
+        return ledger_db_err(e);
+    if (PQntuples(r->res) > 0)
+        *emitted = atoi(PQgetvalue(r->res, 0, 8));
+    return fill_rows(r, e);
 }
 
 /* "{1,2,3}" of ids[0..n); NULL when out of memory (free it). */

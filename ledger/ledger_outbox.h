@@ -4,9 +4,11 @@
  * sent (after its confirm), failed (returned or nacked: parked at once or
  * after outbox.max_attempts) or released (not published). Each call is one
  * statement in its own implicit transaction (never inside the worker's
- * batch transaction). See ledger/functions_outbox.sql.
+ * batch transaction) except ledger_outbox_take, the batch transaction's
+ * last statement. See ledger/functions_outbox.sql.
  *
- * API: ledger_outbox_claim -> [publish the rows, wait for their confirms] ->
+ * API: ledger_outbox_claim (or ledger_outbox_take in the batch transaction,
+ *      then its COMMIT) -> [publish the rows, wait for their confirms] ->
  *      ledger_outbox_sent | ledger_outbox_failed | ledger_outbox_release
  *      -> ledger_outbox_rows_free. ledger_outbox_gauges for /metrics,
  *      ledger_outbox_print_* for `jobs show` and `parked list`.
@@ -45,6 +47,16 @@ struct outbox_rows {
  * with r filled (r->n may be 0), or an error with e filled. */
 idemq_err_t ledger_outbox_claim(PGconn *db, const char *holder, int limit, int lease_ms,
                                 struct outbox_rows *r, struct ledger_db_error *e) IDEMQ_MUSTCHECK;
+
+/* Inside a batch transaction that may have emitted, as its last statement
+ * before COMMIT (idemq.outbox_take): stamps the transaction's rows and
+ * leases to holder, for lease_ms and this session, up to limit of them
+ * that are publishable once it commits. *emitted gets how many rows the
+ * transaction emitted (those not in r wait for a claim). The rows are
+ * valid to publish only once the COMMIT succeeded. */
+idemq_err_t ledger_outbox_take(PGconn *db, const char *holder, int limit, int lease_ms,
+                               struct outbox_rows *r, int *emitted,
+                               struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 void ledger_outbox_rows_free(struct outbox_rows *r);
 
 /* Confirmed: ids[0..n) sent, in one statement (one transaction).

@@ -693,6 +693,123 @@ START_TEST(test_two_relays)
 }
 END_TEST
 
+/* Text of the first column of sql's only row ("" when NULL), into out. */
+static void query_text(PGconn *db, const char *sql, char *out, size_t len)
+{
+    PGresult *r = PQexec(db, sql);
+    ck_assert_msg(PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1, "%s: %s", sql,
+                  PQerrorMessage(db));
+    snprintf(out, len, "%s", PQgetvalue(r, 0, 0));
+    PQclear(r);
+}
+
+/* The lease before COMMIT (idemq.outbox_take, the batch transaction's last
+ * statement): it stamps every row of the transaction in id order and
+ * leases only what a claim could take once committed (a row without an
+ * order key; of an order key its first row, and that only when no
+ * committed row of the key is pending), to the holder and its session. */
+START_TEST(test_take_before_commit)
+{
+    struct itest t;
+    char sql[1024], k1[128], k2[128], out[512];
+    PGconn *db, *app;
+
+    setup(&t, "obtake", "");
+    db = connect_db();
+    app = connect_db();
+    snprintf(k1, sizeof k1, "%s:k1", t.name);
+    snprintf(k2, sizeof k2, "%s:k2", t.name);
+    /* a committed row of k2, pending (no relay runs) */
+    snprintf(sql, sizeof sql, "SELECT idemq.emit('', 'nowhere', 'k2 before', NULL, '%s')", k2);
+    exec_ok(app, sql);
+    exec_ok(db, "BEGIN");
+    snprintf(sql, sizeof sql,
+             "SELECT idemq.emit('', 'nowhere', 'k1 a', NULL, '%s'), "
+             "idemq.emit('', 'nowhere', 'k1 b', NULL, '%s'), "
+             "idemq.emit('', 'nowhere', 'free', NULL, NULL, '%s:free'), "
+             "idemq.emit('', 'nowhere', 'k2 after', NULL, '%s')",
+             k1, k1, t.name, k2);
+    exec_ok(db, sql);
+    query_text(db,
+               "SELECT string_agg(convert_from(r_body, 'UTF8') || '/' || r_emitted, ',' "
+               "ORDER BY r_id) FROM idemq.outbox_take('test-holder', 100, 600000)",
+               out, sizeof out);
+    ck_assert_str_eq(out, "k1 a/4,free/4");
+    exec_ok(db, "COMMIT");
+    snprintf(sql, sizeof sql,
+             "SELECT string_agg(convert_from(body, 'UTF8') || '/' || coalesce(lease_holder, '-') "
+             "|| '/' || (lease_pid IS NOT DISTINCT FROM %d)::text, ',' ORDER BY commit_seq) "
+             "FROM idemq.outbox WHERE order_key IN ('%s', '%s') OR key = '%s:free'",
+             PQbackendPID(db), k1, k2, t.name);
+    query_text(db, sql, out, sizeof out);
+    /* commit order: k2's earlier row first, then this transaction's rows in
+     * id order; only its heads leased, to its session */
+    ck_assert_str_eq(out, "k2 before/-/false,k1 a/test-holder/true,k1 b/-/false,"
+                          "free/test-holder/true,k2 after/-/false");
+    /* only the earlier k2 row pending: nothing to lease, the count says so */
+    exec_ok(db, "BEGIN");
+    snprintf(sql, sizeof sql, "SELECT idemq.emit('', 'nowhere', 'k2 third', NULL, '%s')", k2);
+    exec_ok(db, sql);
+    query_text(db,
+               "SELECT coalesce(r_id::text, 'null') || '/' || r_emitted "
+               "FROM idemq.outbox_take('test-holder', 100, 600000)",
+               out, sizeof out);
+    ck_assert_str_eq(out, "null/1");
+    exec_ok(db, "COMMIT");
+    /* a transaction that wrote nothing takes nothing */
+    exec_ok(db, "BEGIN");
+    query_text(db, "SELECT count(*) FROM idemq.outbox_take('test-holder', 100, 600000)", out,
+               sizeof out);
+    ck_assert_str_eq(out, "0");
+    exec_ok(db, "COMMIT");
+    snprintf(sql, sizeof sql,
+             "DELETE FROM idemq.outbox WHERE order_key IN ('%s', '%s') OR key = '%s:free'", k1,
+             k2, t.name);
+    exec_ok(db, sql);
+    PQfinish(app);
+    PQfinish(db);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* A lease lasts while its session does: rows leased for 10 minutes by a
+ * session that is still open are left alone by a relay, and relayed at
+ * once, in commit order, when that session is gone (a relay that died). */
+START_TEST(test_lease_ends_with_session)
+{
+    struct itest t;
+    char q[200], sql[512], ok[128], bodies[4][256], ids[4][64], keys[4][128], out[64];
+    PGconn *holder;
+
+    setup(&t, "oblease", "");
+    declare_out(&t, q, sizeof q);
+    snprintf(ok, sizeof ok, "%s:k", t.name);
+    holder = connect_db();
+    exec_ok(holder, "BEGIN");
+    snprintf(sql, sizeof sql,
+             "SELECT idemq.emit('', '%s', 'first', NULL, '%s'), "
+             "idemq.emit('', '%s', 'second', NULL, '%s')",
+             q, ok, q, ok);
+    exec_ok(holder, sql);
+    query_text(holder, "SELECT count(*) FROM idemq.outbox_take('gone-soon', 100, 600000)", out,
+               sizeof out);
+    ck_assert_str_eq(out, "1");
+    exec_ok(holder, "COMMIT");
+    itest_run_until_idle(&t, 1);
+    ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 4), 0); /* the head is leased: none */
+    PQfinish(holder);
+    /* the session is gone (its backend exits a moment later): its lease with it */
+    wait_long(&t, "SELECT count(*) FROM idemq.outbox o WHERE order_key = $1 AND "
+                  "NOT idemq.outbox_lease_free(o.lease_until, o.lease_pid)",
+              ok, 0, 5000);
+    itest_run_until_idle(&t, 1);
+    ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 4), 2);
+    ck_assert_str_eq(bodies[0], "first");
+    ck_assert_str_eq(bodies[1], "second");
+    itest_teardown(&t);
+}
+END_TEST
+
 /* Privileges: the role `idemq migrate --grant` prepares can emit (the
  * commit-time stamp runs as the owner) and claim, but not write the table;
  * a role without the grant cannot emit. */
@@ -870,6 +987,8 @@ int main(void)
     tcase_add_test(tc, test_metrics_and_ready);
     tcase_add_test(tc, test_two_relays);
     tcase_add_test(tc, test_privileges);
+    tcase_add_test(tc, test_take_before_commit);
+    tcase_add_test(tc, test_lease_ends_with_session);
     suite_add_tcase(s, tc);
     tc = tcase_create("outbox_kill"); /* three relays under a kill loop */
     tcase_set_timeout(tc, itest_ms(kill_secs() + 120));
