@@ -510,12 +510,19 @@ START_TEST(test_relays_kill_loop)
     char q[200], sql[768], like[160];
     static int last[KILL_KEYS], seen_id[KILL_KEYS];
     static char first_id[KILL_KEYS][64];
+    static char jb[KILL_TX][384];
+    const char *jbs[KILL_TX];
     PGconn *em;
+    PGresult *seqs;
     pid_t pids[3];
     long long t0, next_kill, now;
-    int rows = 0, kills = 0, victim = 0, n, dups = 0, rate;
+    long long jlast[KILL_KEYS];
+    int rows = 0, jobs = 0, kills = 0, victim = 0, n, dups = 0, jmsgs = 0, jdups = 0, rate;
 
-    setup(&t, "obkill", "");
+    /* the payouts input's effect emits too (relayed right after its
+     * commit, leased before it): jobs "<name>:j<n>" with order keys
+     * "<name>:e<n % KILL_KEYS>" */
+    setup(&t, "obkill", "emits = true;");
     declare_out(&t, q, sizeof q);
     snprintf(like, sizeof like, "%s:%%", t.name);
     em = connect_db();
@@ -536,22 +543,27 @@ START_TEST(test_relays_kill_loop)
             exec_ok(em, sql);
             rows += KILL_TX;
         }
+        if (jobs + KILL_TX <= KILL_MAX / 8 && jobs < (now - t0) * (rate / 3) / 1000) {
+            for (int g = 0; g < KILL_TX; g++) {
+                snprintf(jb[g], sizeof jb[g],
+                         "{\"job_id\":\"%s:j%d\",\"rk\":\"%s\",\"ok\":\"%s:e%d\"}", t.name,
+                         jobs + g, q, t.name, (jobs + g) % KILL_KEYS);
+                jbs[g] = jb[g];
+            }
+            itest_publish(&t, jbs, KILL_TX);
+            jobs += KILL_TX;
+        }
         if (now >= next_kill) {
             pid_t dead = pids[victim];
-            char holder[64];
             int st;
             kill(dead, SIGKILL);
             st = itest_wait(dead, itest_ms(10000));
             ck_assert_msg(st != -1 && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL,
                           "relay %d: status 0x%x (it died before it was killed)", (int)dead,
                           st);
-            usleep(300000);
-            snprintf(holder, sizeof holder, "%%:%d:w%%", (int)dead);
-            snprintf(sql, sizeof sql,
-                     "UPDATE idemq.outbox SET lease_until = now() - interval '1 second' "
-                     "WHERE state = 'pending' AND lease_holder LIKE '%s'",
-                     holder);
-            exec_ok(em, sql);
+            /* its leases end with its database sessions (lease_pid), no
+             * waiting for outbox.lease_s: the drain below would outlast
+             * its deadline otherwise */
             pids[victim] = itest_spawn(&t, t.cfg_path, 600, NULL);
             victim = (victim + 1) % 3;
             kills++;
@@ -560,6 +572,9 @@ START_TEST(test_relays_kill_loop)
         usleep(2000);
     }
     /* no more kills: the three drain what is left */
+    snprintf(sql, sizeof sql, "%s:j%%", t.name);
+    wait_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key LIKE $1 AND state = 'applied'",
+              sql, jobs, 60000);
     wait_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key LIKE $1", like, 0, 60000);
     for (int i = 0; i < 3; i++) {
         int st;
@@ -575,17 +590,48 @@ START_TEST(test_relays_kill_loop)
         st = itest_wait(pids[i], itest_ms(30000));
         ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
     }
-    PQfinish(em);
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox_sent WHERE order_key "
                                 "LIKE $1",
                                 like),
-                     rows);
+                     rows + jobs);
+    /* one row per job, whatever its deliveries */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(DISTINCT key) FROM idemq.outbox_sent WHERE "
+                                    "key LIKE $1",
+                                sql),
+                     jobs);
+    snprintf(sql, sizeof sql,
+             "SELECT message_id, substring(order_key FROM '[0-9]+$')::integer, commit_seq "
+             "FROM idemq.outbox_sent WHERE order_key LIKE '%s:e%%'",
+             t.name);
+    seqs = PQexec(em, sql);
+    ck_assert_msg(PQresultStatus(seqs) == PGRES_TUPLES_OK, "%s", PQerrorMessage(em));
+    PQfinish(em);
     n = drain(&t, q, kb, kid, kkey, KILL_MAX);
-    ck_assert_msg(n >= rows && n < KILL_MAX, "%d messages for %d rows", n, rows);
+    ck_assert_msg(n >= rows + jobs && n < KILL_MAX, "%d messages for %d rows and %d jobs", n,
+                  rows, jobs);
     for (int k = 0; k < KILL_KEYS; k++)
-        last[k] = -1, seen_id[k] = 0;
+        last[k] = -1, seen_id[k] = 0, jlast[k] = -1;
     for (int i = 0; i < n; i++) {
         int k = -1, seq = -1;
+        if (kb[i][0] == '{') { /* an effect's row: in commit order (commit_seq) per order key */
+            int r = 0;
+            long long cs;
+            while (r < PQntuples(seqs) && strcmp(PQgetvalue(seqs, r, 0), kid[i]) != 0)
+                r++;
+            ck_assert_msg(r < PQntuples(seqs), "message %s of no sent row", kid[i]);
+            k = atoi(PQgetvalue(seqs, r, 1));
+            cs = atoll(PQgetvalue(seqs, r, 2));
+            ck_assert(k >= 0 && k < KILL_KEYS);
+            jmsgs++;
+            if (cs == jlast[k]) { /* a re-publish of the row just before */
+                jdups++;
+                continue;
+            }
+            ck_assert_msg(cs > jlast[k], "order key e%d: commit_seq %lld after %lld (overtaken)",
+                          k, cs, jlast[k]);
+            jlast[k] = cs;
+            continue;
+        }
         ck_assert_int_eq(sscanf(kb[i], "%d %d", &k, &seq), 2);
         ck_assert_msg(k >= 0 && k < KILL_KEYS, "%s", kb[i]);
         if (seq == last[k]) { /* a re-publish of the row just before: same message_id */
@@ -602,10 +648,13 @@ START_TEST(test_relays_kill_loop)
     }
     for (int k = 0; k < KILL_KEYS; k++)
         ck_assert_int_eq(last[k] + 1, rows / KILL_KEYS + (k < rows % KILL_KEYS));
-    ck_assert_int_eq(n - dups, rows); /* once each, counting a message_id once */
+    ck_assert_int_eq(n - jmsgs - dups, rows); /* once each, counting a message_id once */
+    ck_assert_int_eq(jmsgs - jdups, jobs);
+    PQclear(seqs);
     ck_assert_int_ge(kills, kill_secs() - 1);
-    fprintf(stderr, "kill loop: %d rows, %d kills, %d messages (%d re-published)\n", rows,
-            kills, n, dups);
+    fprintf(stderr,
+            "kill loop: %d rows, %d jobs' rows, %d kills, %d messages (%d and %d re-published)\n",
+            rows, jobs, kills, n, dups, jdups);
     itest_teardown(&t);
 }
 END_TEST
