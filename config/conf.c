@@ -142,7 +142,7 @@ static const struct conf_key global_keys[] = {
     {"outbox.poll_ms", CT_INT, G(outbox_poll_ms), 100, 600000, NULL, 1000, 0,
      "recovery poll interval: rows of applications and of crashed relays"},
     {"outbox.lease_s", CT_INT, G(outbox_lease_s), 15, 3600, NULL, 30, 0,
-     "lease of a claimed row; past it another relay may publish it again"},
+     "lease of a claimed row; past it, or once its relay's database session is gone, another relay may publish it again"},
     {"outbox.max_attempts", CT_INT, G(outbox_max_attempts), 1, 1000, NULL, 5, 0,
      "nacked publishes of a row before it is parked (a returned, unroutable row parks at once)"},
     {"outbox.stuck_s", CT_INT, G(outbox_stuck_s), 1, 86400 * 30, NULL, 60, 0,

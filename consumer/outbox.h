@@ -1,13 +1,16 @@
 /*
  * outbox: the relay of the transactional outbox (issue 18). Rows that
  * transactions wrote with idemq.emit (ledger/functions_outbox.sql) are
- * claimed under a lease (ledger/ledger_outbox.h), published one at a time
- * on the worker's connection (mandatory, persistent, message_id
- * "outbox:<id>", headers x-idemq-key and x-idemq-outbox-id), and marked
- * sent only after the broker's confirm. A basic.return parks the row at
- * once; a nack, or a publish to an exchange that does not exist, counts an
- * attempt and parks it after outbox.max_attempts; a broker that goes away
- * gives the rows back (lease released) and holds them until it is back.
+ * leased (ledger/ledger_outbox.h: taken by the batch transaction that
+ * emitted them, before its COMMIT, or claimed afterwards; a lease lasts
+ * outbox.lease_s or until its database session is gone), published a
+ * lease at a time on the worker's connection (mandatory, persistent,
+ * message_id "outbox:<id>", headers x-idemq-key and x-idemq-outbox-id),
+ * and marked sent only after the broker's confirm. A basic.return parks
+ * the row at once; a nack, or a publish to an exchange that does not
+ * exist, counts an attempt and parks it after outbox.max_attempts; a
+ * broker that goes away gives the rows back (lease released) and holds
+ * them until it is back.
  * The relay is at least once: a crash between the confirm and the mark
  * publishes the row again with the same message_id.
  *
@@ -16,11 +19,12 @@
  * its COMMIT (the worker calls it before acknowledging the batch; then
  * outbox_relay if the transaction emitted rows it could not take), and
  * outbox_tick, the recovery poll (worker 0, every outbox.poll_ms) for rows
- * of applications and of relays that died. Both are off unless
+ * of applications and of relays that died. All are off unless
  * outbox.relay = 1. Counters for /metrics are process-wide.
  *
- * API: a struct outbox zeroed with its session -> outbox_relay / outbox_tick
- *      between batches (no transaction open, no confirm outstanding).
+ * API: a struct outbox zeroed with its session -> outbox_publish_taken /
+ *      outbox_relay / outbox_tick between batches (no transaction open, no
+ *      confirm outstanding).
  */
 #ifndef IDEMQ_OUTBOX_H
 #define IDEMQ_OUTBOX_H
@@ -64,7 +68,7 @@ void outbox_init(struct outbox *o, int worker_id);
  * (also when a statement failed: logged, tried again later), or
  * IDEMQ_ERR_DB_CONN / IDEMQ_ERR_BROKER with why set (the caller
  * reconnects; claimed rows not published were given back or stay leased
- * until lease_s passes). *more: rows may still be waiting (the rounds ran
+ * until lease_s passes or the session that leased them is gone). *more: rows may still be waiting (the rounds ran
  * out). Worker thread that owns db and b.
  */
 idemq_err_t outbox_relay(struct outbox *o, const struct conf *c, PGconn *db, struct broker *b,
