@@ -68,8 +68,9 @@ void outbox_init(struct outbox *o, int worker_id);
  * (also when a statement failed: logged, tried again later), or
  * IDEMQ_ERR_DB_CONN / IDEMQ_ERR_BROKER with why set (the caller
  * reconnects; claimed rows not published were given back or stay leased
- * until lease_s passes or the session that leased them is gone). *more: rows may still be waiting (the rounds ran
- * out). Worker thread that owns db and b.
+ * until lease_s passes or the session that leased them is gone). *more:
+ * rows may still be waiting (the rounds ran out). Worker thread that owns
+ * db and b.
  */
 idemq_err_t outbox_relay(struct outbox *o, const struct conf *c, PGconn *db, struct broker *b,
                          bool *more, char *why, size_t whylen) IDEMQ_MUSTCHECK;

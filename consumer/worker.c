@@ -436,14 +436,11 @@ static enum step settle_committed(struct session *s, int n)
      * row behind another of its order key, a batch split into several
      * transactions), a claim */
     if (s->c->outbox_relay) {
-        bool emitted = false, more = false;
-        idemq_err_t oerr;
-        for (int i = 0; i < n && !emitted; i++)
-            emitted = jobs[i].input >= 0 && jobs[i].input < s->c->n_inputs &&
-                      s->c->inputs[jobs[i].input].emits;
-        oerr = outbox_publish_taken(&s->outbox, s->c, s->db, s->b, &s->bt.taken, s->why,
-                                    sizeof s->why);
-        if (!oerr && emitted && s->bt.outbox_rest)
+        bool more = false;
+        /* outbox_rest is set only for a batch with a job of an `emits` input */
+        idemq_err_t oerr = outbox_publish_taken(&s->outbox, s->c, s->db, s->b, &s->bt.taken,
+                                                s->why, sizeof s->why);
+        if (!oerr && s->bt.outbox_rest)
             oerr = outbox_relay(&s->outbox, s->c, s->db, s->b, &more, s->why, sizeof s->why);
         if (oerr == IDEMQ_ERR_BROKER)
             return STEP_BROKER;

@@ -58,8 +58,10 @@ static idemq_err_t fill_rows(struct outbox_rows *r, struct ledger_db_error *e)
     return IDEMQ_OK;
 }
 
-idemq_err_t ledger_outbox_claim(PGconn *db, const char *holder, int limit, int lease_ms,
-                                struct outbox_rows *r, struct ledger_db_error *e)
+/* Runs sql (one of the lease functions, params holder, limit, lease_ms)
+ * into r. */
+static idemq_err_t lease_rows(PGconn *db, const char *sql, const char *holder, int limit,
+                              int lease_ms, struct outbox_rows *r, struct ledger_db_error *e)
 {
     char lim[16], lease[16];
     const char *params[3] = {holder, lim, lease};
@@ -67,36 +69,31 @@ idemq_err_t ledger_outbox_claim(PGconn *db, const char *holder, int limit, int l
     memset(r, 0, sizeof *r);
     snprintf(lim, sizeof lim, "%d", limit);
     snprintf(lease, sizeof lease, "%d", lease_ms);
-    r->res = ledger_db_query(db,
-                             "SELECT r_id, r_key, r_exchange, r_routing_key, r_body, r_headers,"
-                             " r_order_key, r_message_id FROM idemq.outbox_claim($1, $2, $3)"
-                             " ORDER BY r_id",
-                             3, params, e);
-    if (!r->res)
+    if (!(r->res = ledger_db_query(db, sql, 3, params, e)))
         return ledger_db_err(e);
     return fill_rows(r, e);
+}
+
+idemq_err_t ledger_outbox_claim(PGconn *db, const char *holder, int limit, int lease_ms,
+                                struct outbox_rows *r, struct ledger_db_error *e)
+{
+    return lease_rows(db,
+                      "SELECT r_id, r_key, r_exchange, r_routing_key, r_body, r_headers,"
+                      " r_order_key, r_message_id FROM idemq.outbox_claim($1, $2, $3)"
+                      " ORDER BY r_id",
+                      holder, limit, lease_ms, r, e);
 }
 
 idemq_err_t ledger_outbox_take(PGconn *db, const char *holder, int limit, int lease_ms,
                                struct outbox_rows *r, int *emitted, struct ledger_db_error *e)
 {
-    char lim[16], lease[16];
-    const char *params[3] = {holder, lim, lease};
-
-    memset(r, 0, sizeof *r);
-    *emitted = 0;
-    snprintf(lim, sizeof lim, "%d", limit);
-    snprintf(lease, sizeof lease, "%d", lease_ms);
-    r->res = ledger_db_query(db,
-                             "SELECT r_id, r_key, r_exchange, r_routing_key, r_body, r_headers,"
-                             " r_order_key, r_message_id, r_emitted"
-                             " FROM idemq.outbox_take($1, $2, $3)",
-                             3, params, e);
-    if (!r->res)
-        return ledger_db_err(e);
-    if (PQntuples(r->res) > 0)
-        *emitted = atoi(PQgetvalue(r->res, 0, 8));
-    return fill_rows(r, e);
+    idemq_err_t err = lease_rows(db,
+                                 "SELECT r_id, r_key, r_exchange, r_routing_key, r_body,"
+                                 " r_headers, r_order_key, r_message_id, r_emitted"
+                                 " FROM idemq.outbox_take($1, $2, $3)",
+                                 holder, limit, lease_ms, r, e);
+    *emitted = !err && PQntuples(r->res) > 0 ? atoi(PQgetvalue(r->res, 0, 8)) : 0;
+    return err;
 }
 
 /* "{1,2,3}" of ids[0..n); NULL when out of memory (free it). */
