@@ -20,11 +20,16 @@
  * each job's meta index, $6 payloads, $7 consumer id.
  *  b:      the batch's id and time (one idemq.batches row).
  *  ins:    claims every distinct key, in key order (concurrent claimers wait
- *          on keys in the same order), settled: state applied, attempt 1.
+ *          on keys in the same order), settled: state applied, attempt 1,
+ *          with the first 8 bytes of its digest (sha256_head, migration 19).
  *  notnew: the distinct keys it did not claim.
- *  old:    those claimed before this statement, as of its snapshot.
+ *  old:    those claimed before this statement, as of its snapshot, with
+ *          the head of their digest: from the isolating path's whole digest,
+ *          else the row's head, else (rows from before migration 19) the
+ *          batch row's.
  *  chk:    plain unless one of them is in another state than applied, or is
- *          applied with another body (a reused key: apply_batch records it).
+ *          applied with another body (a reused key: apply_batch records it;
+ *          the first 8 bytes decide, see migration 19).
  *  eff:    the effects of the claimed keys, in delivery order (the call is
  *          evaluated after the sort), only when plain.
  *  dup:    an attempt row per delivery of a key applied before.
@@ -42,9 +47,11 @@ static const char plain_sql[] =
     "WITH b AS MATERIALIZED ("
     "  SELECT nextval('idemq.batches_id_seq') AS id, clock_timestamp() AS t0"
     "), ins AS ("
-    "  INSERT INTO idemq.jobs AS j (key, state, attempts, first_seen_at, applied_at, batch_id)"
-    "  SELECT u.k, 'applied', 1, b.t0, b.t0, b.id"
-    "    FROM unnest($1::text[], $2::boolean[]) AS u(k, f), b"
+    "  INSERT INTO idemq.jobs AS j (key, state, attempts, first_seen_at, applied_at, batch_id,"
+    "                              sha256_head)"
+    "  SELECT u.k, 'applied', 1, b.t0, b.t0, b.id,"
+    "         substring($3::bytea FROM (u.o::integer - 1) * 32 + 1 FOR 8)"
+    "    FROM unnest($1::text[], $2::boolean[]) WITH ORDINALITY AS u(k, f, o), b"
     "   WHERE u.f ORDER BY 1"
     "  ON CONFLICT (key) DO NOTHING"
     "  RETURNING j.key"
@@ -54,18 +61,21 @@ static const char plain_sql[] =
     "), old AS MATERIALIZED (" /* a lookup by key each (OFFSET 0 keeps it a nested loop) */
     "  SELECT t.key, t.state, t.attempts, t.generation, t.sha FROM notnew n"
     "   CROSS JOIN LATERAL (SELECT j.key, j.state, j.attempts, j.generation,"
-    "                              coalesce(decode(j.payload_sha256, 'hex'),"
-    "                                (SELECT substring(h.sha256 FROM"
-    "                                   (array_position(h.keys, j.key) - 1) * 32 + 1 FOR 32)"
-    "                                   FROM idemq.batches h"
-    "                                  WHERE h.at = j.applied_at AND h.id = j.batch_id)) AS sha"
+    "                              CASE WHEN j.payload_sha256 IS NOT NULL"
+    "                                   THEN substring(decode(j.payload_sha256, 'hex') FOR 8)"
+    "                                   WHEN j.sha256_head IS NOT NULL THEN j.sha256_head"
+    "                                   ELSE (SELECT substring(h.sha256 FROM"
+    "                                           (array_position(h.keys, j.key) - 1) * 32 + 1 FOR 8)"
+    "                                           FROM idemq.batches h"
+    "                                          WHERE h.at = j.applied_at AND h.id = j.batch_id)"
+    "                              END AS sha"
     "                         FROM idemq.jobs j WHERE j.key = n.k OFFSET 0) t"
     "), chk AS MATERIALIZED (" /* a key reused with another body: the isolating path */
     "  SELECT NOT EXISTS (SELECT 1 FROM old WHERE old.state <> 'applied')"
     "     AND NOT EXISTS (SELECT 1 FROM unnest($1::text[]) WITH ORDINALITY AS x(k, o)"
     "                       JOIN old ON old.key = x.k"
     "                      WHERE old.sha <>"
-    "                            substring($3::bytea FROM (x.o::integer - 1) * 32 + 1 FOR 32))"
+    "                            substring($3::bytea FROM (x.o::integer - 1) * 32 + 1 FOR 8))"
     "       AS plain"
     "), eff AS MATERIALIZED ("
     "  SELECT x.o, x.k, x.f, c.key IS NOT NULL AS claimed,"

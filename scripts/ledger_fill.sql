@@ -7,7 +7,8 @@
 --   * key i (0-based) is `payout:inv-<i>`: a plain applied job of the
 --     set-based path, as ledger/ledger_plain.c writes it: an idemq.jobs row
 --     (state applied, attempt 1, first_seen_at = applied_at = its batch's
---     time, batch_id) and its place in one idemq.batches row per 100 keys
+--     time, batch_id, the first 8 bytes of its digest in sha256_head) and
+--     its place in one idemq.batches row per 100 keys
 --     (keys, the 32-byte SHA-256 of its body, one delivery meta, the
 --     demo effect's result, applied, no dups). Its body is
 --     idemq_fill.body(i), what `idemq-bench publish --old-keys` sends for a
@@ -106,17 +107,20 @@ BEGIN
         -- the applied keys and their batch rows
         WITH k AS MATERIALIZED (
             SELECT i, 'payout:inv-' || i AS key, s.bid0 + i / 100 AS bid,
-                   s.lo + (s.hi - s.lo) * ((i / 100 * 100)::double precision / s.nmax) AS at
+                   s.lo + (s.hi - s.lo) * ((i / 100 * 100)::double precision / s.nmax) AS at,
+                   sha256(convert_to(idemq_fill.body(i), 'UTF8')) AS sha
               FROM generate_series(v_lo, v_hi - 1) AS i
         ), j AS (
-            INSERT INTO idemq.jobs (key, state, attempts, first_seen_at, applied_at, batch_id)
-            SELECT k.key, 'applied', 1, k.at, k.at, k.bid FROM k ORDER BY k.key
+            INSERT INTO idemq.jobs (key, state, attempts, first_seen_at, applied_at, batch_id,
+                                    sha256_head)
+            SELECT k.key, 'applied', 1, k.at, k.at, k.bid, substring(k.sha FOR 8)
+              FROM k ORDER BY k.key
         )
         INSERT INTO idemq.batches (id, at, finished_at, consumer_id, keys, sha256, metas,
                                    meta_idx, results, applied, dups)
         SELECT k.bid, k.at, k.at + interval '15 milliseconds', 'bench',
                array_agg(k.key ORDER BY k.i),
-               string_agg(sha256(convert_to(idemq_fill.body(k.i), 'UTF8')), ''::bytea ORDER BY k.i),
+               string_agg(k.sha, ''::bytea ORDER BY k.i),
                ARRAY['{"queue": "idemq.bench.classic", "attempt": 1, "headers": {}, '
                      '"exchange": "idemq.bench", "generation": 0, "redelivered": false, '
                      '"routing_key": "bench.classic"}'::jsonb],

@@ -53,6 +53,8 @@ out=$("$SRC/scripts/ledger-fill" --days 5 --chunk 5000 20000 2>/dev/null)
 expect "applied pre-filled keys" "$(q "SELECT count(*) FROM idemq.jobs WHERE key LIKE 'payout:inv-%' AND state = 'applied' AND attempts = 1 AND batch_id IS NOT NULL")" 20000
 expect "keys in batch rows, each with its 32-byte digest" \
     "$(q "SELECT sum(cardinality(keys)) || '/' || bool_and(octet_length(sha256) = 32 * cardinality(keys)) || '/' || count(*) FROM idemq.batches")" "20000/true/200"
+expect "each job row's sha256_head is the first 8 bytes of its batch row's digest" \
+    "$(q "SELECT count(*) FROM idemq.jobs j JOIN idemq.batches h ON h.at = j.applied_at AND h.id = j.batch_id WHERE j.key LIKE 'payout:inv-%' AND j.sha256_head = substring(h.sha256 FROM (array_position(h.keys, j.key) - 1) * 32 + 1 FOR 8)")" 20000
 expect "every job row finds its batch row (at, id)" \
     "$(q "SELECT count(*) FROM idemq.jobs j JOIN idemq.batches b ON b.at = j.applied_at AND b.id = j.batch_id AND j.key = ANY (b.keys)")" 20000
 expect "parks (jobs, open parks, permanent_error attempts)" \

@@ -599,15 +599,31 @@ END_TEST
  * path, while a same-body copy stays a plain duplicate; with
  * on_key_reuse = "park" it is parked as key_reuse instead (the key stays
  * applied, the effect ran once). */
-static void reuse_run(struct itest *t, const char *key, bool park)
+static void reuse_run(struct itest *t, const char *key, bool park, bool legacy)
 {
-    char b1[256], b2[256], same[256], args[300], out[16384];
+    char b1[256], b2[256], same[256], args[300], out[16384], sql[512];
     const char *first[1] = {b1}, *later[2] = {same, b2};
     snprintf(b1, sizeof b1, "{\"job_id\":\"%s\",\"amount_minor\":100}", key);
     snprintf(same, sizeof same, "{\"job_id\":\"%s\",\"amount_minor\":100}", key);
     snprintf(b2, sizeof b2, "{\"job_id\":\"%s\",\"amount_minor\":999}", key);
     itest_publish(t, first, 1);
     run_ok(t, 1);
+    /* the plain path keeps the first 8 bytes of the digest in the job row
+     * (migration 19), the whole one in its batch row */
+    snprintf(sql, sizeof sql,
+             "SELECT count(*) FROM idemq.jobs j JOIN idemq.batches h"
+             " ON h.at = j.applied_at AND h.id = j.batch_id"
+             " WHERE j.key = $1 AND j.payload_sha256 IS NULL"
+             " AND j.sha256_head = substring(sha256('%s'::bytea) FOR 8)"
+             " AND substring(h.sha256 FROM (array_position(h.keys, j.key) - 1) * 32 + 1 FOR 32)"
+             " = sha256('%s'::bytea)",
+             b1, b1);
+    ck_assert_int_eq(itest_long(t, sql, key), 1);
+    if (legacy) /* a row written before migration 19: its batch row decides */
+        ck_assert_int_eq(itest_long(t, "WITH u AS (UPDATE idemq.jobs SET sha256_head = NULL"
+                                       " WHERE key = $1 RETURNING 1) SELECT count(*) FROM u",
+                                    key),
+                         1);
     itest_publish(t, later, 2);
     run_ok(t, 1);
     ck_assert_int_eq(itest_long(t, EFFECTS_FOR, key), 1);
@@ -634,7 +650,9 @@ START_TEST(test_key_reuse_recorded)
     char key[128];
     itest_setup(&t, "reuse", "idemq_test.record", "", "");
     mkkey(&t, key, sizeof key, "k");
-    reuse_run(&t, key, false);
+    reuse_run(&t, key, false, false);
+    mkkey(&t, key, sizeof key, "legacy");
+    reuse_run(&t, key, false, true);
     itest_teardown(&t);
 }
 END_TEST
@@ -645,7 +663,7 @@ START_TEST(test_key_reuse_parks)
     char key[128];
     itest_setup(&t, "reusep", "idemq_test.record", "", "on_key_reuse = \"park\";");
     mkkey(&t, key, sizeof key, "k");
-    reuse_run(&t, key, true);
+    reuse_run(&t, key, true, false);
     itest_teardown(&t);
 }
 END_TEST
