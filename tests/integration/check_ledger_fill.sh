@@ -60,6 +60,12 @@ expect "every job row finds its batch row (at, id)" \
 expect "parks (jobs, open parks, permanent_error attempts)" \
     "$(q "SELECT (SELECT count(*) FROM idemq.jobs WHERE state = 'parked') || '/' || (SELECT count(*) FROM idemq.parked) || '/' || (SELECT count(*) FROM idemq.attempts WHERE outcome = 'permanent_error')")" "2/2/2"
 expect "recorded copies of pre-filled keys" "$(q "SELECT count(*) FROM idemq.attempts WHERE outcome = 'duplicate'")" 1000
+expect "batch partitions whose per-job arrays ANALYZE skips (statistics 0; migration 20)" \
+    "$(q "SELECT count(*) FILTER (WHERE a.attstattarget = 0) || '/' || count(*) FROM idemq.history_parts h JOIN pg_attribute a ON a.attrelid = format('idemq.%I', h.relname)::regclass AND a.attname IN ('keys', 'sha256', 'metas', 'results') WHERE h.kind = 'batches' AND h.location = 'hot'")" \
+    "$(q "SELECT 4 * count(*) || '/' || 4 * count(*) FROM idemq.history_parts h WHERE h.kind = 'batches' AND h.location = 'hot'")"
+q "ANALYZE idemq.batches" >/dev/null
+expect "statistics of the batch rows after ANALYZE: at and id only, no per-job array" \
+    "$(q "SELECT count(*) FILTER (WHERE attname IN ('at', 'id')) > 0 AND count(*) FILTER (WHERE attname IN ('keys', 'sha256', 'metas', 'results', 'applied', 'dups', 'meta_idx')) = 0 FROM pg_stats WHERE schemaname = 'idemq' AND tablename LIKE 'batches%'")" t
 expect "rows in default partitions" "$(q "SELECT (SELECT count(*) FROM idemq.batches_default) + (SELECT count(*) FROM idemq.attempts_default)")" 0
 expect "pre-fill partitions registered, attached, hot" \
     "$(q "SELECT count(*) FROM idemq.history_parts WHERE kind IN ('batches', 'attempts') AND attached AND location = 'hot' AND hi <= (SELECT lo FROM idemq_fill.state) + interval '5 days'")" 10
