@@ -23,17 +23,17 @@ ALTER TABLE idemq.batches
     ALTER COLUMN applied SET STATISTICS 0,
     ALTER COLUMN dups SET STATISTICS 0;
 
+-- the partitions made but not yet attached take the parent's targets, as
+-- idemq.create_partition gives them to the ones it makes from now on
 DO $$
 DECLARE r record;
 BEGIN
-    FOR r IN SELECT h.relname FROM idemq.history_parts h
+    FOR r IN SELECT h.relname, a.attname FROM idemq.history_parts h
+               JOIN pg_attribute a ON a.attrelid = 'idemq.batches'::regclass
               WHERE h.kind = 'batches' AND NOT h.attached AND h.location = 'hot'
-                AND to_regclass(format('idemq.%I', h.relname)) IS NOT NULL LOOP
-        EXECUTE format('ALTER TABLE idemq.%I ALTER COLUMN keys SET STATISTICS 0, '
-                       'ALTER COLUMN sha256 SET STATISTICS 0, ALTER COLUMN metas SET STATISTICS 0, '
-                       'ALTER COLUMN meta_idx SET STATISTICS 0, ALTER COLUMN results SET STATISTICS 0, '
-                       'ALTER COLUMN applied SET STATISTICS 0, ALTER COLUMN dups SET STATISTICS 0',
-                       r.relname);
+                AND to_regclass(format('idemq.%I', h.relname)) IS NOT NULL
+                AND a.attnum > 0 AND NOT a.attisdropped AND a.attstattarget = 0 LOOP
+        EXECUTE format('ALTER TABLE idemq.%I ALTER COLUMN %I SET STATISTICS 0', r.relname, r.attname);
     END LOOP;
 END
 $$;
