@@ -29,6 +29,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 
 #include "broker.h"
@@ -511,9 +512,16 @@ static int cmd_lean(const struct conf *c, const struct opts *o)
     pthread_mutex_destroy(&sh.lock);
     if (atomic_load(&sh.failed) || started != o->workers || sh.last <= sh.first)
         return 1;
-    printf("lean=%ld applied=%ld seconds=%.3f rate=%.0f workers=%d batch=%d\n",
-           atomic_load(&sh.done), atomic_load(&sh.applied), sh.last - sh.first,
-           (double)atomic_load(&sh.done) / (sh.last - sh.first), o->workers, o->batch);
+    {
+        struct rusage ru; /* the whole process, as idemq's perf line counts its own */
+        double cpu = 0;
+        if (getrusage(RUSAGE_SELF, &ru) == 0)
+            cpu = (double)ru.ru_utime.tv_sec + (double)ru.ru_stime.tv_sec +
+                  ((double)ru.ru_utime.tv_usec + (double)ru.ru_stime.tv_usec) / 1e6;
+        printf("lean=%ld applied=%ld seconds=%.3f rate=%.0f workers=%d batch=%d cpu_s=%.3f\n",
+               atomic_load(&sh.done), atomic_load(&sh.applied), sh.last - sh.first,
+               (double)atomic_load(&sh.done) / (sh.last - sh.first), o->workers, o->batch, cpu);
+    }
     return 0;
 }
 
