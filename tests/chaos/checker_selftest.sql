@@ -9,6 +9,7 @@ DECLARE
     v_missed text[] := '{}';
     v_key    text;
     v_bad    text[];
+    v_rows   bigint;
 BEGIN
     -- a double application, a lost one, a gap in an attempt history, a job
     -- left retrying, a normal job parked
@@ -16,9 +17,18 @@ BEGIN
     INSERT INTO idemq_chaos.effects (key, attempt) VALUES (v_key, 99);
     DELETE FROM idemq_chaos.effects
      WHERE id = (SELECT max(e.id) FROM idemq_chaos.effects e WHERE e.key <> v_key);
+    -- the gap goes on a chaos-input key: the checker leaves the provider
+    -- input's attempt histories to check_provider, so an arbitrary applied
+    -- job (LIMIT 1 without an order once picked a provider key) hid it
     INSERT INTO idemq.attempts (key, attempt, generation, outcome, started_at, finished_at)
     SELECT j.key, j.attempts + 2, j.generation, 'transient_error', now(), now()
-      FROM idemq.jobs j WHERE j.state = 'applied' AND j.key <> v_key LIMIT 1;
+      FROM idemq.jobs j JOIN idemq_chaos.manifest m ON m.key = j.key
+     WHERE m.kind = 'normal' AND j.state = 'applied' AND j.key <> v_key
+     ORDER BY j.key LIMIT 1;
+    GET DIAGNOSTICS v_rows = ROW_COUNT;
+    IF v_rows <> 1 THEN
+        RAISE EXCEPTION 'checker self-test: no applied normal job to give an attempt gap';
+    END IF;
     UPDATE idemq.jobs SET state = 'retrying'
      WHERE key = (SELECT m.key FROM idemq_chaos.manifest m WHERE m.kind = 'poison' LIMIT 1);
     UPDATE idemq.jobs SET state = 'parked'
