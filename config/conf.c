@@ -43,8 +43,10 @@ struct conf_key {
 #define I(f) offsetof(struct conf_input, f)
 
 static const struct conf_key global_keys[] = {
-    {"broker.url", CT_STRLIST, G(urls), 1, 8, "amqp://guest:guest@127.0.0.1:5672/", 0,
-     CF_SENSITIVE, "AMQP URL, or a list tried in order on (re)connect; IDEMQ_AMQP_URL overrides"},
+    {"broker.url", CT_STRLIST, G(urls), 1, 8, "amqp://guest:guest@127.0.0.1:5672/%2F", 0,
+     CF_SENSITIVE, "AMQP URL, or a list tried in order on (re)connect (a comma-separated "
+     "string is split into one); the path is the vhost: /%2F is \"/\", while a trailing "
+     "\"/\" alone names the empty vhost; IDEMQ_AMQP_URL overrides"},
     {"broker.vhost", CT_STR, G(vhost), 0, 255, "", 0, 0,
      "virtual host; empty takes it from the URL"},
     {"broker.heartbeat", CT_INT, G(heartbeat), 0, 600, NULL, 30, 0,
@@ -338,6 +340,26 @@ static void setting_path(const config_setting_t *s, char *buf, size_t len)
     else
         snprintf(part, sizeof part, "[%d]", config_setting_index(s));
     strncat(buf, part, len - strlen(buf) - 1);
+}
+
+/* The line of global setting path in the file cfg came from, 0 if it is
+ * not there (a default). */
+static int line_of(const config_t *cfg, const char *path)
+{
+    const config_setting_t *s = cfg ? config_lookup(cfg, path) : NULL;
+    return s ? config_setting_source_line(s) : 0;
+}
+
+/* "FILE:LINE" of global setting path, or "FILE" when it is not in the file. */
+static const char *where(char *buf, size_t len, const char *file, const config_t *cfg,
+                         const char *path)
+{
+    int line = line_of(cfg, path);
+    if (line > 0)
+        snprintf(buf, len, "%s:%d", file, line);
+    else
+        snprintf(buf, len, "%s", file);
+    return buf;
 }
 
 static char **strlist_slot(void *base, size_t off) { return (char **)((char *)base + off); }
@@ -1024,6 +1046,8 @@ static idemq_err_t read_inputs(const config_t *cfg, struct conf *c, const char *
         int line = config_setting_source_line(g);
         idemq_err_t err;
 
+        in->line = line;
+        in->index = i;
         if (config_setting_type(g) != CONFIG_TYPE_GROUP) {
             errf(errbuf, errlen, "%s:%d: inputs.[%d] must be a group { ... }", file, line, i);
             return IDEMQ_ERR_CONFIG;
@@ -1061,14 +1085,65 @@ static idemq_err_t read_inputs(const config_t *cfg, struct conf *c, const char *
     return IDEMQ_OK;
 }
 
-static idemq_err_t check_url(const char *url, const char *file, char *errbuf, size_t errlen)
+/* Each URL starts with amqp:// or amqps://. The message names the item,
+ * never the URL: a value that is not a URL cannot be redacted reliably. */
+static idemq_err_t check_url(const char *url, int item, const char *where_, char *errbuf,
+                             size_t errlen)
 {
-    char red[512];
     if (strncmp(url, "amqp://", 7) && strncmp(url, "amqps://", 8)) {
-        errf(errbuf, errlen, "%s: broker.url \"%s\" must start with amqp:// or amqps://", file,
-             conf_redact(url, red, sizeof red));
+        errf(errbuf, errlen, "%s: broker.url: URL %d must start with amqp:// or amqps:// "
+             "(not shown: it may hold a password)", where_, item + 1);
         return IDEMQ_ERR_CONFIG;
     }
+    return IDEMQ_OK;
+}
+
+/* Splits every entry of l holding commas into its comma-separated URLs (the
+ * form IDEMQ_AMQP_URL takes), blanks around them dropped; an empty item is
+ * refused. */
+static idemq_err_t split_urls(struct conf_strlist *l, const char *where_, char *errbuf,
+                              size_t errlen)
+{
+    struct conf_strlist out = {0};
+    idemq_err_t err = IDEMQ_OK;
+
+    for (int i = 0; i < l->n && !err; i++) {
+        const char *p = l->v[i];
+        for (;;) {
+            const char *end = strchr(p, ',');
+            size_t n = end ? (size_t)(end - p) : strlen(p);
+            char *item;
+            while (n && isspace((unsigned char)*p))
+                p++, n--;
+            while (n && isspace((unsigned char)p[n - 1]))
+                n--;
+            if (n == 0) {
+                errf(errbuf, errlen, "%s: broker.url holds an empty URL (a comma with nothing "
+                     "between, before or after it)", where_);
+                err = IDEMQ_ERR_CONFIG;
+                break;
+            }
+            if (!(item = strndup(p, n))) {
+                err = IDEMQ_ERR_NOMEM;
+                break;
+            }
+            err = strlist_push(&out, item);
+            free(item);
+            if (err || !end)
+                break;
+            p = end + 1;
+        }
+    }
+    if (!err && out.n > 8) {
+        errf(errbuf, errlen, "%s: broker.url must have 1 to 8 URLs, not %d", where_, out.n);
+        err = IDEMQ_ERR_CONFIG;
+    }
+    if (err) {
+        strlist_clear(&out);
+        return err;
+    }
+    strlist_clear(l);
+    *l = out;
     return IDEMQ_OK;
 }
 
@@ -1078,50 +1153,51 @@ static idemq_err_t apply_env(struct conf *c, char *errbuf, size_t errlen)
     const char *dsn = getenv("IDEMQ_PG_DSN");
 
     if (url && *url) {
-        char *copy = strdup(url), *save = NULL;
-        idemq_err_t err = IDEMQ_OK;
-        if (!copy)
-            return IDEMQ_ERR_NOMEM;
-        strlist_clear(&c->urls);
-        for (char *tok = strtok_r(copy, ",", &save); tok && !err; tok = strtok_r(NULL, ",", &save)) {
-            while (*tok == ' ')
-                tok++;
-            if ((err = check_url(tok, "IDEMQ_AMQP_URL", errbuf, errlen)) == IDEMQ_OK)
-                err = strlist_push(&c->urls, tok);
-        }
-        free(copy);
-        if (!err && c->urls.n == 0) {
-            errf(errbuf, errlen, "IDEMQ_AMQP_URL holds no URL");
-            err = IDEMQ_ERR_CONFIG;
-        }
-        if (err)
+        struct conf_strlist env = {0};
+        idemq_err_t err = strlist_push(&env, url);
+        if (!err)
+            err = split_urls(&env, "IDEMQ_AMQP_URL", errbuf, errlen);
+        for (int i = 0; !err && i < env.n; i++)
+            err = check_url(env.v[i], i, "IDEMQ_AMQP_URL", errbuf, errlen);
+        if (err) {
+            strlist_clear(&env);
             return err;
+        }
+        strlist_clear(&c->urls);
+        c->urls = env;
     }
     if (dsn && *dsn && set_string(&c->dsn, dsn) != IDEMQ_OK)
         return IDEMQ_ERR_NOMEM;
     return IDEMQ_OK;
 }
 
-static idemq_err_t validate_retry(struct conf *c, const char *file, char *errbuf,
-                                  size_t errlen)
+static idemq_err_t validate_retry(struct conf *c, const config_t *cfg, const char *file,
+                                  char *errbuf, size_t errlen)
 {
     const struct conf_strlist *lists[2] = {&c->retry_sqlstates, &c->park_sqlstates};
+    char at[4200];
     if (c->base_delay_ms > c->max_delay_ms) {
         errf(errbuf, errlen, "%s: retry.base_delay_ms (%d) must not exceed retry.max_delay_ms (%d)",
-             file, c->base_delay_ms, c->max_delay_ms);
+             where(at, sizeof at, file, cfg,
+                   line_of(cfg, "retry.base_delay_ms") ? "retry.base_delay_ms"
+                                                       : "retry.max_delay_ms"),
+             c->base_delay_ms, c->max_delay_ms);
         return IDEMQ_ERR_CONFIG;
     }
     if ((c->jitter_mode = backoff_jitter_parse(c->jitter)) < 0) {
-        errf(errbuf, errlen, "%s: retry.jitter must be none, full or equal, not \"%s\"", file,
-             c->jitter);
+        errf(errbuf, errlen, "%s: retry.jitter must be none, full or equal, not \"%s\"",
+             where(at, sizeof at, file, cfg, "retry.jitter"), c->jitter);
         return IDEMQ_ERR_CONFIG;
     }
     for (int l = 0; l < 2; l++)
         for (int i = 0; i < lists[l]->n; i++)
             if (!classify_valid_code(lists[l]->v[i])) {
+                const char *name = l ? "park_sqlstates" : "retry_sqlstates";
+                char path[64];
+                snprintf(path, sizeof path, "retry.%s", name);
                 errf(errbuf, errlen,
                      "%s: retry.%s: \"%s\" is not a SQLSTATE (5 of 0-9A-Z) or class (2)",
-                     file, l ? "park_sqlstates" : "retry_sqlstates", lists[l]->v[i]);
+                     where(at, sizeof at, file, cfg, path), name, lists[l]->v[i]);
                 return IDEMQ_ERR_CONFIG;
             }
     c->rules.retry = (const char *const *)c->retry_sqlstates.v;
@@ -1194,26 +1270,38 @@ double conf_parse_interval(const char *text)
 
 /* The ledger lifecycle settings against each other (the ledger's
  * idemq.retention refuses the same combinations). */
-static idemq_err_t validate_ledger(struct conf *c, const char *file, char *errbuf,
-                                   size_t errlen)
+static idemq_err_t validate_ledger(struct conf *c, const config_t *cfg, const char *file,
+                                   char *errbuf, size_t errlen)
 {
     double iv = conf_parse_interval(c->partition_interval);
+    char at[4200];
     if (iv < 10) {
         errf(errbuf, errlen, "%s: ledger.partition_interval must read \"N seconds|minutes|hours|"
-             "days\" (at least 10 seconds), not \"%s\"", file, c->partition_interval);
+             "days\" (at least 10 seconds), not \"%s\"",
+             where(at, sizeof at, file, cfg, "ledger.partition_interval"), c->partition_interval);
         return IDEMQ_ERR_CONFIG;
     }
     c->partition_interval_s = iv;
     if (c->history_hot_days * 86400.0 < iv) {
         errf(errbuf, errlen, "%s: ledger.history_hot_days (%g) must cover at least one "
-             "ledger.partition_interval (%s)", file, c->history_hot_days, c->partition_interval);
+             "ledger.partition_interval (%s)",
+             where(at, sizeof at, file, cfg,
+                   line_of(cfg, "ledger.history_hot_days") ? "ledger.history_hot_days"
+                                                           : "ledger.partition_interval"),
+             c->history_hot_days, c->partition_interval);
         return IDEMQ_ERR_CONFIG;
     }
     if (c->history_retention_days < c->dedup_window_days ||
         c->history_retention_days < c->history_hot_days) {
         errf(errbuf, errlen, "%s: ledger.history_retention_days (%g) must be at least "
              "ledger.dedup_window_days (%g) and ledger.history_hot_days (%g): the history that "
-             "explains a key outlives its claim", file, c->history_retention_days,
+             "explains a key outlives its claim",
+             where(at, sizeof at, file, cfg,
+                   line_of(cfg, "ledger.history_retention_days")
+                       ? "ledger.history_retention_days"
+                       : line_of(cfg, "ledger.dedup_window_days") ? "ledger.dedup_window_days"
+                                                                  : "ledger.history_hot_days"),
+             c->history_retention_days,
              c->dedup_window_days, c->history_hot_days);
         return IDEMQ_ERR_CONFIG;
     }
@@ -1222,24 +1310,26 @@ static idemq_err_t validate_ledger(struct conf *c, const char *file, char *errbu
 
 /* Operations (issue 11): TLS, topology verification, log format, the
  * liveness window and quorum delivery limits, checked against each other. */
-static idemq_err_t validate_ops(struct conf *c, const char *file, char *errbuf, size_t errlen)
+static idemq_err_t validate_ops(struct conf *c, const config_t *cfg, const char *file,
+                                char *errbuf, size_t errlen)
 {
     long long stall_ms = (long long)c->live_stall_s * 1000;
+    char at[4200];
 
     if (strcmp(c->tls_verify, "full") && strcmp(c->tls_verify, "none")) {
         errf(errbuf, errlen, "%s: broker.tls.verify must be \"full\" or \"none\", not \"%s\"",
-             file, c->tls_verify);
+             where(at, sizeof at, file, cfg, "broker.tls.verify"), c->tls_verify);
         return IDEMQ_ERR_CONFIG;
     }
     c->tls_verify_off = strcmp(c->tls_verify, "none") == 0;
     if (!c->tls_cert_file[0] != !c->tls_key_file[0]) {
         errf(errbuf, errlen, "%s: broker.tls.cert_file and broker.tls.key_file go together "
-             "(a client certificate needs its key)", file);
+             "(a client certificate needs its key)", where(at, sizeof at, file, cfg, line_of(cfg, "broker.tls.cert_file") ? "broker.tls.cert_file" : "broker.tls.key_file"));
         return IDEMQ_ERR_CONFIG;
     }
     if (strcmp(c->topology_verify, "full") && strcmp(c->topology_verify, "passive")) {
         errf(errbuf, errlen, "%s: topology.verify must be \"full\" or \"passive\", not \"%s\"",
-             file, c->topology_verify);
+             where(at, sizeof at, file, cfg, "topology.verify"), c->topology_verify);
         return IDEMQ_ERR_CONFIG;
     }
     c->topology_passive = strcmp(c->topology_verify, "passive") == 0;
@@ -1249,7 +1339,7 @@ static idemq_err_t validate_ops(struct conf *c, const char *file, char *errbuf, 
         if (!conf_listen_parse(c->metrics_listen, ip, &port)) {
             errf(errbuf, errlen, "%s: metrics.listen \"%s\" must be IPv4:port with a numeric "
                  "address, e.g. 127.0.0.1:9187 (or 0.0.0.0:9187 for every address); "
-                 "empty = off", file, c->metrics_listen);
+                 "empty = off", where(at, sizeof at, file, cfg, "metrics.listen"), c->metrics_listen);
             return IDEMQ_ERR_CONFIG;
         }
     }
@@ -1258,17 +1348,17 @@ static idemq_err_t validate_ops(struct conf *c, const char *file, char *errbuf, 
         int port;
         if (!conf_listen_parse(c->console_listen, ip, &port)) {
             errf(errbuf, errlen, "%s: console.listen \"%s\" must be IPv4:port with a numeric "
-                 "address, e.g. 127.0.0.1:9188; empty = off", file, c->console_listen);
+                 "address, e.g. 127.0.0.1:9188; empty = off", where(at, sizeof at, file, cfg, "console.listen"), c->console_listen);
             return IDEMQ_ERR_CONFIG;
         }
         if (strcmp(c->console_listen, c->metrics_listen) == 0) {
-            errf(errbuf, errlen, "%s: console.listen and metrics.listen must differ (%s)", file,
+            errf(errbuf, errlen, "%s: console.listen and metrics.listen must differ (%s)", where(at, sizeof at, file, cfg, "console.listen"),
                  c->console_listen);
             return IDEMQ_ERR_CONFIG;
         }
     }
     if (strcmp(c->log_format, "text") && strcmp(c->log_format, "json")) {
-        errf(errbuf, errlen, "%s: log.format must be \"text\" or \"json\", not \"%s\"", file,
+        errf(errbuf, errlen, "%s: log.format must be \"text\" or \"json\", not \"%s\"", where(at, sizeof at, file, cfg, "log.format"),
              c->log_format);
         return IDEMQ_ERR_CONFIG;
     }
@@ -1289,7 +1379,7 @@ static idemq_err_t validate_ops(struct conf *c, const char *file, char *errbuf, 
                  "statement_timeout_ms + 5000), broker.heartbeat (%d s), "
                  "broker.connect_timeout_ms (%d ms) and every provider.timeout_ms (%lld ms): "
                  "a worker may wait that long in one call",
-                 file, c->live_stall_s, db_ms, c->heartbeat, c->connect_timeout_ms,
+                 where(at, sizeof at, file, cfg, "metrics.live_stall_s"), c->live_stall_s, db_ms, c->heartbeat, c->connect_timeout_ms,
                  provider_ms);
             return IDEMQ_ERR_CONFIG;
         }
@@ -1298,9 +1388,10 @@ static idemq_err_t validate_ops(struct conf *c, const char *file, char *errbuf, 
         const struct conf_input *in = &c->inputs[i];
         if (strcmp(in->queue_type, "quorum") == 0 &&
             (long long)in->delivery_limit < 2LL * c->max_attempts) {
-            errf(errbuf, errlen, "%s: input %s: delivery_limit (%d) must be at least twice "
+            errf(errbuf, errlen, "%s:%d: input %s: delivery_limit (%d) must be at least twice "
                  "retry.max_attempts (%d), so idemq parks a failing job before the broker "
-                 "dead-letters it", file, in->name, in->delivery_limit, c->max_attempts);
+                 "dead-letters it", file, in->line, in->name, in->delivery_limit,
+                 c->max_attempts);
             return IDEMQ_ERR_CONFIG;
         }
     }
@@ -1313,6 +1404,7 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
     struct conf *c = calloc(1, sizeof *c);
     const config_setting_t *root = config_root_setting(cfg);
     idemq_err_t err = IDEMQ_ERR_NOMEM;
+    char at[4200];
     int n;
 
     *out = NULL;
@@ -1342,18 +1434,21 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
         if (err)
             goto fail;
     }
+    where(at, sizeof at, file, cfg, "broker.url");
+    if ((err = split_urls(&c->urls, at, errbuf, errlen)) != IDEMQ_OK)
+        goto fail;
     for (int i = 0; i < c->urls.n; i++)
-        if ((err = check_url(c->urls.v[i], file, errbuf, errlen)) != IDEMQ_OK)
+        if ((err = check_url(c->urls.v[i], i, at, errbuf, errlen)) != IDEMQ_OK)
             goto fail;
     if (log_level_parse(c->log_level) < 0) {
-        errf(errbuf, errlen, "%s: log.level must be error, warn, info or debug, not \"%s\"", file,
-             c->log_level);
+        errf(errbuf, errlen, "%s: log.level must be error, warn, info or debug, not \"%s\"",
+             where(at, sizeof at, file, cfg, "log.level"), c->log_level);
         err = IDEMQ_ERR_CONFIG;
         goto fail;
     }
-    if ((err = validate_retry(c, file, errbuf, errlen)) != IDEMQ_OK)
+    if ((err = validate_retry(c, cfg, file, errbuf, errlen)) != IDEMQ_OK)
         goto fail;
-    if ((err = validate_ledger(c, file, errbuf, errlen)) != IDEMQ_OK)
+    if ((err = validate_ledger(c, cfg, file, errbuf, errlen)) != IDEMQ_OK)
         goto fail;
     if ((err = read_inputs(cfg, c, file, errbuf, errlen)) != IDEMQ_OK)
         goto fail;
@@ -1361,7 +1456,7 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
         goto fail;
     if ((err = apply_env(c, errbuf, errlen)) != IDEMQ_OK)
         goto fail;
-    if ((err = validate_ops(c, file, errbuf, errlen)) != IDEMQ_OK)
+    if ((err = validate_ops(c, cfg, file, errbuf, errlen)) != IDEMQ_OK)
         goto fail;
     if (!c->consumer_id[0]) {
         char host[128] = "host", id[200];
@@ -1379,43 +1474,57 @@ fail:
     return err;
 }
 
-idemq_err_t conf_load(const char *path, struct conf **out, char *errbuf, size_t errlen)
+/* libconfig's syntax in plain words, after its own "syntax error". */
+#define CONF_SYNTAX_HELP                                                                     \
+    " (libconfig syntax: a setting is name = value; and ends with ';', a group is "          \
+    "name: { ... };, the inputs are a list ( { ... }, { ... } ) with ',' between groups, a " \
+    "list of strings is [ \"a\", \"b\" ], strings are in double quotes, true/false and "     \
+    "numbers are not; the mistake is often on the line before: a missing ';' or ',', an "    \
+    "unclosed quote or brace)"
+
+/* Parses text (from_file: a path) into a new config_t and loads it; the
+ * conf keeps the config_t for the line numbers of conf_lint. */
+static idemq_err_t load_from(const char *text, bool from_file, struct conf **out, char *errbuf,
+                             size_t errlen)
 {
-    config_t cfg;
+    const char *file = from_file ? text : "<string>";
+    config_t *cfg = malloc(sizeof *cfg);
     idemq_err_t err;
 
     *out = NULL;
-    config_init(&cfg);
-    if (!config_read_file(&cfg, path)) {
-        if (config_error_type(&cfg) == CONFIG_ERR_FILE_IO)
-            errf(errbuf, errlen, "%s: cannot read: %s", path, strerror(errno));
+    if (!cfg) {
+        errf(errbuf, errlen, "%s: out of memory while loading", file);
+        return IDEMQ_ERR_NOMEM;
+    }
+    config_init(cfg);
+    if (!(from_file ? config_read_file(cfg, text) : config_read_string(cfg, text))) {
+        if (from_file && config_error_type(cfg) == CONFIG_ERR_FILE_IO)
+            errf(errbuf, errlen, "%s: cannot read: %s", file, strerror(errno));
         else
-            errf(errbuf, errlen, "%s:%d: syntax error: %s", path, config_error_line(&cfg),
-                 config_error_text(&cfg));
-        config_destroy(&cfg);
+            errf(errbuf, errlen, "%s:%d: syntax error: %s%s", file, config_error_line(cfg),
+                 config_error_text(cfg), CONF_SYNTAX_HELP);
+        config_destroy(cfg);
+        free(cfg);
         return IDEMQ_ERR_CONFIG;
     }
-    err = load(&cfg, path, out, errbuf, errlen);
-    config_destroy(&cfg);
+    err = load(cfg, file, out, errbuf, errlen);
+    if (err) {
+        config_destroy(cfg);
+        free(cfg);
+    } else {
+        (*out)->src = cfg;
+    }
     return err;
+}
+
+idemq_err_t conf_load(const char *path, struct conf **out, char *errbuf, size_t errlen)
+{
+    return load_from(path, true, out, errbuf, errlen);
 }
 
 idemq_err_t conf_load_string(const char *text, struct conf **out, char *errbuf, size_t errlen)
 {
-    config_t cfg;
-    idemq_err_t err;
-
-    *out = NULL;
-    config_init(&cfg);
-    if (!config_read_string(&cfg, text)) {
-        errf(errbuf, errlen, "<string>:%d: syntax error: %s", config_error_line(&cfg),
-             config_error_text(&cfg));
-        config_destroy(&cfg);
-        return IDEMQ_ERR_CONFIG;
-    }
-    err = load(&cfg, "<string>", out, errbuf, errlen);
-    config_destroy(&cfg);
-    return err;
+    return load_from(text, false, out, errbuf, errlen);
 }
 
 static void free_strings(const struct conf_key *keys, int n, void *base)
@@ -1447,6 +1556,10 @@ void conf_free(struct conf *c)
     free(c->inputs);
     free_strings(global_keys, N_GLOBAL, c);
     free(c->path);
+    if (c->src) {
+        config_destroy(c->src);
+        free(c->src);
+    }
     free(c);
 }
 
@@ -1497,6 +1610,66 @@ bool conf_listen_parse(const char *s, char ip[16], int *port)
     return true;
 }
 
+/* True if a query parameter name looks like it carries a secret
+ * (password, sslpassword, token, api_key, secret, auth, signature, ...). */
+static bool secret_param(const char *name, size_t n)
+{
+    static const char *const words[] = {"pass", "secret", "token", "key", "auth", "sig",
+                                         "cred"};
+    for (size_t w = 0; w < sizeof words / sizeof words[0]; w++) {
+        size_t wl = strlen(words[w]);
+        for (size_t i = 0; i + wl <= n; i++)
+            if (strncasecmp(name + i, words[w], wl) == 0)
+                return true;
+    }
+    return false;
+}
+
+/* Copies the URL s..end (s starts with its scheme, scheme_end is its "://")
+ * with the password of user:password@ and the values of secret-looking
+ * query parameters replaced by ***. The user information ends at the last
+ * '@' of the URL, so a password holding '@' or '/' is covered whole. */
+static void redact_url(const char *s, const char *scheme_end, const char *end, char *buf,
+                       size_t buflen, size_t *o)
+{
+    const char *auth = scheme_end + 3;
+    const char *at = NULL, *colon = NULL, *p = s, *q;
+
+    for (q = auth; q < end; q++)
+        if (*q == '@')
+            at = q;
+    for (q = auth; at && q < at; q++)
+        if (*q == ':') {
+            colon = q;
+            break;
+        }
+    if (at && colon) {
+        put(buf, buflen, o, s, (size_t)(colon + 1 - s));
+        put(buf, buflen, o, "***", 3);
+        p = at;
+    }
+    while (p < end && *p != '?')
+        put(buf, buflen, o, p++, 1);
+    while (p < end) { /* ?name=value&name=value (or ;) */
+        const char *name = ++p - 1, *eq;
+        put(buf, buflen, o, name, 1);
+        for (eq = p; eq < end && *eq != '=' && *eq != '&' && *eq != ';'; eq++)
+            ;
+        put(buf, buflen, o, p, (size_t)(eq - p));
+        if (eq < end && *eq == '=') {
+            bool hide = secret_param(p, (size_t)(eq - p));
+            put(buf, buflen, o, "=", 1);
+            for (p = eq + 1; p < end && *p != '&' && *p != ';'; p++)
+                if (!hide)
+                    put(buf, buflen, o, p, 1);
+            if (hide)
+                put(buf, buflen, o, "***", 3);
+        } else {
+            p = eq;
+        }
+    }
+}
+
 char *conf_redact(const char *s, char *buf, size_t buflen)
 {
     const char *scheme = url_scheme_end(s);
@@ -1505,37 +1678,36 @@ char *conf_redact(const char *s, char *buf, size_t buflen)
 
     if (!buflen)
         return buf;
-    if (scheme) { /* URL: drop the password of user:password@ */
-        const char *auth = scheme + 3;
-        const char *at = strchr(auth, '@');
-        const char *slash = strchr(auth, '/');
-        const char *colon = strchr(auth, ':');
-        if (at && (!slash || at < slash) && colon && colon < at) {
-            put(buf, buflen, &o, s, (size_t)(colon - s));
-            put(buf, buflen, &o, ":***", 4);
-            p = at;
-        }
-        while (*p) { /* and query parameters password= / sslpassword= */
-            size_t kw = strncmp(p, "password=", 9) == 0      ? 9
-                        : strncmp(p, "sslpassword=", 12) == 0 ? 12
-                                                               : 0;
-            if (kw && p > s && (p[-1] == '?' || p[-1] == '&')) {
-                put(buf, buflen, &o, p, kw);
-                put(buf, buflen, &o, "***", 3);
-                p += kw;
-                while (*p && *p != '&')
-                    p++;
-                continue;
-            }
-            put(buf, buflen, &o, p++, 1);
+    if (scheme) { /* a URL, or a comma-separated list of them: each item on its own */
+        while (*p) {
+            const char *end = strchr(p, ',');
+            const char *sch;
+            if (!end)
+                end = p + strlen(p);
+            if ((sch = url_scheme_end(p)) && sch < end)
+                redact_url(p, sch, end, buf, buflen, &o);
+            else
+                put(buf, buflen, &o, p, (size_t)(end - p));
+            p = end;
+            if (*p)
+                put(buf, buflen, &o, p++, 1);
         }
         buf[o] = '\0';
         return buf;
     }
+    if (!strchr(s, '=') && strchr(s, '@')) { /* neither a URL nor a DSN: "user:pass@host" */
+        const char *at = strrchr(s, '@');
+        const char *colon = memchr(s, ':', (size_t)(at - s));
+        if (colon) {
+            put(buf, buflen, &o, s, (size_t)(colon + 1 - s));
+            put(buf, buflen, &o, "***", 3);
+            p = at;
+        }
+    }
     while (*p) { /* key=value DSN: replace the value of password= (and sslpassword=) */
-        size_t kw = strncmp(p, "password", 8) == 0      ? 8
-                    : strncmp(p, "sslpassword", 11) == 0 ? 11
-                                                         : 0;
+        size_t kw = strncasecmp(p, "password", 8) == 0      ? 8
+                    : strncasecmp(p, "sslpassword", 11) == 0 ? 11
+                                                             : 0;
         if ((p == s || dsn_blank(p[-1])) && kw) {
             const char *q = p + kw;
             while (dsn_blank(*q))
@@ -1728,4 +1900,11 @@ void conf_print(const struct conf *c, FILE *out)
         fprintf(out, "  }%s\n", j + 1 < c->n_inputs ? "," : "");
     }
     fprintf(out, ");\n");
+}
+
+int conf_lint(const struct conf *c, FILE *out)
+{
+    (void)c;
+    (void)out;
+    return 0;
 }

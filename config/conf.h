@@ -127,6 +127,8 @@ struct conf_input {
     int key_arg;                      /* CONF_KEY_CELERY_ARG: the argument's index */
     struct conf_celery_route *routes; /* derived from celery_tasks */
     int n_routes;
+    int line; /* line of the input's group in the file */
+    int index; /* position in inputs */
 };
 
 /* True for an input in observe mode (issue 20). */
@@ -137,6 +139,7 @@ struct conf_input {
 
 struct conf {
     char *path; /* file it came from, or "<string>" */
+    void *src;  /* the parsed file (libconfig's config_t): line numbers for conf_lint */
     int n_routes; /* Celery task routes of all inputs (issue 19): effects
                    * n_inputs .. n_inputs + n_routes - 1 */
     /* broker */
@@ -227,6 +230,17 @@ void conf_free(struct conf *c);
 /* Writes the effective configuration in libconfig syntax, with every
  * sensitive value redacted. */
 void conf_print(const struct conf *c, FILE *out);
+
+/*
+ * `check-config`: the checks of what fails only at run time that need no
+ * server: files that do not exist or are readable by others, keys and
+ * bindings that can never match, settings that defeat each other, URLs and
+ * DSNs that cannot connect. Writes "idemq: FILE:LINE: ..." for an error and
+ * "# warning: FILE:LINE: ..." for a warning to out, each naming the line of
+ * the setting (or "(default)"), never a secret. Returns the number of
+ * errors. Any thread.
+ */
+int conf_lint(const struct conf *c, FILE *out);
 
 /* RabbitMQ's default consumer_timeout (rabbitmq.conf; 3.12+ also per queue). */
 #define CONF_BROKER_CONSUMER_TIMEOUT_MS 1800000LL

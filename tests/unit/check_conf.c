@@ -243,6 +243,79 @@ START_TEST(test_redact_blanks_and_provider_url)
 }
 END_TEST
 
+/* No input makes check-config print a secret: each form below holds the
+ * secret S3CRET in a sensitive setting; neither the load error, nor the
+ * printed configuration, nor a warning about it may show it. */
+START_TEST(test_no_secret_printed)
+{
+    static const char *const forms[] = {
+        /* broker.url: user:pass@, a comma list in one string (IDEMQ_AMQP_URL's form),
+         * a list, '/' or '@' inside the password, query parameters, no scheme */
+        "broker: { url = \"amqp://u:S3CRET@h:5672/%2F\"; };",
+        "broker: { url = \"amqp://u:S3CRET@h1/%2F,amqp://v:S3CRET@h2/%2F\"; };",
+        "broker: { url = \"amqp://u:S3CRET@h1/%2F, amqps://v:S3CRET@h2/%2F\"; };",
+        "broker: { url = [ \"amqp://a:S3CRET@h1/%2F\", \"amqp://b:S3CRET@h2/%2F\" ]; };",
+        "broker: { url = \"amqp://u:S3CRET/x@h/%2F\"; };",
+        "broker: { url = \"amqp://u:pre@S3CRET@h/%2F\"; };",
+        "broker: { url = \"amqps://h/%2F?password=S3CRET\"; };",
+        "broker: { url = \"amqp://h/%2F?heartbeat=5&token=S3CRET\"; };",
+        "broker: { url = \"amqp://u:S3CRET@h/%2F amqp://v:S3CRET@h2/%2F\"; };",
+        "broker: { url = \"u:S3CRET@h/%2F\"; };",
+        "broker: { url = \"http://u:S3CRET@h/\"; };",
+        "broker: { url = \"amqp://u:S3CRET@h/%2F,\"; };",
+        /* database.dsn: password=, quoted, upper case, URL forms, a misspelt scheme */
+        "database: { dsn = \"host=h password=S3CRET dbname=d\"; };",
+        "database: { dsn = \"host=h password='S3 CRET' dbname=d\"; };",
+        "database: { dsn = \"host=h PASSWORD=S3CRET\"; };",
+        "database: { dsn = \"postgresql://u:S3CRET@h/db\"; };",
+        "database: { dsn = \"postgres://h/db?password=S3CRET\"; };",
+        "database: { dsn = \"postgress://u:S3CRET@h/db\"; };",
+        "database: { dsn = \"postgresql:/u:S3CRET@h/db\"; };",
+    };
+    static const char *const provider_forms[] = {
+        "https://u:S3CRET@api.example.com/v1",
+        "https://api.example.com/v1?api_key=S3CRET",
+        "https://api.example.com/v1?x=1&access_token=S3CRET",
+        "http://u:S3CRET@10.0.0.1/v1",
+        "http://u:S3CRET@127.0.0.1/v1",
+    };
+    const char *input = "inputs = ( { name = \"a\"; queue = \"q\"; "
+                        "effect_function = \"public.f\"; } );\n";
+    int n = (int)(sizeof forms / sizeof forms[0]);
+    int np = (int)(sizeof provider_forms / sizeof provider_forms[0]);
+
+    unsetenv("IDEMQ_AMQP_URL");
+    unsetenv("IDEMQ_PG_DSN");
+    for (int i = 0; i < n + np; i++) {
+        char text[2048], err[2048] = "", warn[1024] = "";
+        char *out = NULL;
+        size_t len = 0;
+        struct conf *c = NULL;
+        FILE *f;
+        if (i < n)
+            snprintf(text, sizeof text, "%s\n%s", forms[i], input);
+        else
+            snprintf(text, sizeof text,
+                     "inputs = ( { name = \"a\"; queue = \"q\"; provider: { url = \"%s\"; }; } );\n",
+                     provider_forms[i - n]);
+        f = open_memstream(&out, &len);
+        if (conf_load_string(text, &c, err, sizeof err) == IDEMQ_OK) {
+            conf_print(c, f);
+            conf_lint(c, f);
+            for (int k = 0; k < c->n_inputs; k++)
+                if (conf_input_insecure(&c->inputs[k], warn, sizeof warn))
+                    fprintf(f, "%s\n", warn);
+        }
+        fprintf(f, "%s\n", err);
+        fclose(f);
+        ck_assert_msg(strstr(out, "S3CRET") == NULL && strstr(out, "S3 CRET") == NULL,
+                      "form %d (%s) printed the secret:\n%s", i, text, out);
+        free(out);
+        conf_free(c);
+    }
+}
+END_TEST
+
 /* metrics.listen: one validation for check-config and run. A numeric IPv4
  * address and a port 1..65535 are served; ":PORT", "PORT", a host name
  * ("localhost:PORT") or a bad port are refused (exit 3, naming the setting)
@@ -675,6 +748,7 @@ int main(void)
     tcase_add_test(tc, test_parse_interval);
     tcase_add_test(tc, test_redact);
     tcase_add_test(tc, test_redact_blanks_and_provider_url);
+    tcase_add_test(tc, test_no_secret_printed);
     tcase_add_test(tc, test_metrics_listen);
     tcase_add_test(tc, test_console_listen);
     tcase_add_test(tc, test_metrics_listen_run);
