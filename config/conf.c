@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "backoff.h"
@@ -347,7 +348,7 @@ static void setting_path(const config_setting_t *s, char *buf, size_t len)
 static int line_of(const config_t *cfg, const char *path)
 {
     const config_setting_t *s = cfg ? config_lookup(cfg, path) : NULL;
-    return s ? config_setting_source_line(s) : 0;
+    return s ? (int)config_setting_source_line(s) : 0;
 }
 
 /* "FILE:LINE" of global setting path, or "FILE" when it is not in the file. */
@@ -1476,11 +1477,11 @@ fail:
 
 /* libconfig's syntax in plain words, after its own "syntax error". */
 #define CONF_SYNTAX_HELP                                                                     \
-    " (libconfig syntax: a setting is name = value; and ends with ';', a group is "          \
-    "name: { ... };, the inputs are a list ( { ... }, { ... } ) with ',' between groups, a " \
-    "list of strings is [ \"a\", \"b\" ], strings are in double quotes, true/false and "     \
-    "numbers are not; the mistake is often on the line before: a missing ';' or ',', an "    \
-    "unclosed quote or brace)"
+    " (libconfig syntax: a setting is name = value; a group is name: { ... }; the inputs "    \
+    "are a list ( { ... }, { ... } ) with a ',' between groups; a list of strings is "        \
+    "[ \"a\", \"b\" ]; strings need double quotes, numbers and true/false take none; the "    \
+    "mistake is often an unquoted string, a missing ',' between inputs, or a quote or brace " \
+    "left open on this line or the one before)"
 
 /* Parses text (from_file: a path) into a new config_t and loads it; the
  * conf keeps the config_t for the line numbers of conf_lint. */
@@ -1902,9 +1903,266 @@ void conf_print(const struct conf *c, FILE *out)
     fprintf(out, ");\n");
 }
 
+/* ---- check-config's offline checks (conf_lint) ---- */
+
+/* "FILE:LINE" of global setting path for conf_lint: "FILE (default)" when
+ * the file does not hold it. */
+static const char *lint_at(const struct conf *c, const char *path, char *buf, size_t len)
+{
+    int line = line_of(c->src, path);
+    if (line > 0)
+        snprintf(buf, len, "%s:%d", c->path, line);
+    else
+        snprintf(buf, len, "%s (default of %s)", c->path, path);
+    return buf;
+}
+
+/* "FILE:LINE" of setting key of input in, else of the input's group. */
+static const char *lint_input_at(const struct conf *c, const struct conf_input *in,
+                                 const char *key, char *buf, size_t len)
+{
+    const config_setting_t *list = c->src ? config_lookup(c->src, "inputs") : NULL;
+    config_setting_t *g = list ? config_setting_get_elem(list, (unsigned)in->index) : NULL;
+    const config_setting_t *s = g ? config_setting_lookup(g, key) : NULL;
+    snprintf(buf, len, "%s:%d", c->path, s ? (int)config_setting_source_line(s) : in->line);
+    return buf;
+}
+
+static void lint_error(FILE *out, int *errors, const char *at, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void lint_error(FILE *out, int *errors, const char *at, const char *fmt, ...)
+{
+    va_list ap;
+    fprintf(out, "idemq: %s: ", at);
+    va_start(ap, fmt);
+    vfprintf(out, fmt, ap);
+    va_end(ap);
+    fputc('\n', out);
+    (*errors)++;
+}
+
+static void lint_warn(FILE *out, const char *at, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void lint_warn(FILE *out, const char *at, const char *fmt, ...)
+{
+    va_list ap;
+    fprintf(out, "# warning: %s: ", at);
+    va_start(ap, fmt);
+    vfprintf(out, fmt, ap);
+    va_end(ap);
+    fputc('\n', out);
+}
+
+/* A file setting: it must exist and be a regular file; a secret must not
+ * be readable by every user (an error) nor by the group (a warning: a
+ * service group may be meant). */
+static void lint_file(FILE *out, int *errors, const char *at, const char *setting,
+                      const char *path, bool secret)
+{
+    struct stat st;
+    if (!path[0])
+        return;
+    if (stat(path, &st) != 0) {
+        lint_error(out, errors, at, "%s: %s: %s", setting, path, strerror(errno));
+        return;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        lint_error(out, errors, at, "%s: %s is not a regular file", setting, path);
+        return;
+    }
+    if (secret && (st.st_mode & (S_IROTH | S_IWOTH)))
+        lint_error(out, errors, at, "%s: %s holds a secret and every user may read it (mode "
+                   "%04o): chmod 600, or 640 with the service's group", setting, path,
+                   (unsigned)(st.st_mode & 07777));
+    else if (secret && (st.st_mode & (S_IRGRP | S_IWGRP)))
+        lint_warn(out, at, "%s: %s holds a secret and its group (gid %u) may read it (mode "
+                  "%04o): fine if that group is the service's, else chmod 600", setting, path,
+                  (unsigned)st.st_gid, (unsigned)(st.st_mode & 07777));
+    if (access(path, R_OK) != 0)
+        lint_warn(out, at, "%s: %s is not readable by the user running check-config (%s); "
+                  "check that the service's user can read it", setting, path, strerror(errno));
+}
+
+/* A header a producer's key can never arrive in: the broker's and idemq's
+ * own (a producer's x-idemq-* is stripped or parks as forged). */
+static bool header_reserved(const char *h)
+{
+    return strncasecmp(h, "x-idemq-", 8) == 0 || strcasecmp(h, "x-death") == 0 ||
+           strcasecmp(h, "x-delivery-count") == 0 || strcasecmp(h, "x-acquired-count") == 0 ||
+           strncasecmp(h, "x-first-death-", 14) == 0 || strncasecmp(h, "x-last-death-", 13) == 0;
+}
+
+/* A key or order-key source that can never match what a producer sends. */
+static void lint_source(const struct conf *c, const struct conf_input *in, const char *key,
+                        const char *src, FILE *out, int *errors)
+{
+    char at[4200];
+    if (strncmp(src, "header:", 7) == 0 && header_reserved(src + 7))
+        lint_error(out, errors, lint_input_at(c, in, key, at, sizeof at),
+                   "input %s: %s \"%s\": the broker or idemq sets that header, a producer's "
+                   "key never arrives in it (every message would park as missing its key)",
+                   in->name, key, src);
+    else if ((strncmp(src, "json:", 5) == 0 || strncmp(src, "header:", 7) == 0 ||
+              strncmp(src, "kwarg:", 6) == 0) &&
+             strpbrk(src, " \t\r\n"))
+        lint_error(out, errors, lint_input_at(c, in, key, at, sizeof at),
+                   "input %s: %s \"%s\" holds a blank: no producer's field or header is named "
+                   "so (every message would park as missing its key)", in->name, key, src);
+    else if (strncmp(src, "json:", 5) == 0 && strpbrk(src + 5, ".[]"))
+        lint_warn(out, lint_input_at(c, in, key, at, sizeof at),
+                  "input %s: %s \"%s\" names a top-level field called literally \"%s\"; "
+                  "nested fields are not looked up", in->name, key, src, src + 5);
+}
+
+/* The binding of an input: keys that can never match a published message. */
+static void lint_binding(const struct conf *c, const struct conf_input *in, FILE *out)
+{
+    char at[4200];
+    const char *rk = in->routing_key;
+    if (!rk[0] || in->partitions > 0)
+        return;
+    lint_input_at(c, in, "routing_key", at, sizeof at);
+    if (!in->exchange[0])
+        lint_warn(out, at, "input %s: routing_key \"%s\" binds nothing: exchange is empty (the "
+                  "queue gets only what is published to it by name)", in->name, rk);
+    else if (strcmp(in->exchange_type, "fanout") == 0)
+        lint_warn(out, at, "input %s: routing_key \"%s\" is ignored by a fanout exchange (every "
+                  "message published to %s arrives)", in->name, rk, in->exchange);
+    else if (strcmp(in->exchange_type, "direct") == 0 && strpbrk(rk, "*#"))
+        lint_warn(out, at, "input %s: routing_key \"%s\" on a direct exchange matches only that "
+                  "literal key; '*' and '#' are wildcards of topic exchanges only", in->name, rk);
+    else if (strcmp(in->exchange_type, "topic") == 0 &&
+             (rk[0] == '.' || rk[strlen(rk) - 1] == '.' || strstr(rk, "..")))
+        lint_warn(out, at, "input %s: routing_key \"%s\" has an empty word (a leading, trailing "
+                  "or doubled '.'): only keys with that empty word match it", in->name, rk);
+}
+
+/* True if host is an IPv4 or IPv6 literal. */
+static bool host_is_ip(const char *host)
+{
+    struct in6_addr a6;
+    char h[64];
+    if (host[0] == '[')
+        return true;
+    snprintf(h, sizeof h, "%s", host);
+    return inet_pton(AF_INET, h, &a6) == 1 || inet_pton(AF_INET6, h, &a6) == 1;
+}
+
+/* The vhost part of an AMQP URL: NULL if the URL has no path (the default
+ * vhost "/"), else the text after the '/' that ends the authority, up to '?'. */
+static const char *url_vhost(const char *url, size_t *len)
+{
+    const char *h = strstr(url, "://"), *at, *slash;
+    h = h ? h + 3 : url;
+    at = strrchr(h, '@');
+    if (at)
+        h = at + 1;
+    slash = strchr(h, '/');
+    if (!slash)
+        return NULL;
+    *len = strcspn(slash + 1, "?#");
+    return slash + 1;
+}
+
+static void lint_broker(const struct conf *c, FILE *out, int *errors)
+{
+    char at[4200];
+    bool amqps = false;
+    lint_at(c, "broker.url", at, sizeof at);
+    for (int i = 0; i < c->urls.n; i++) {
+        const char *u = c->urls.v[i];
+        char host[256];
+        size_t vlen = 0;
+        const char *vh = url_vhost(u, &vlen);
+        url_host(u, host, sizeof host);
+        if (strncmp(u, "amqps://", 8) == 0) {
+            amqps = true;
+            if (!c->tls_verify_off && host_is_ip(host))
+                lint_error(out, errors, at, "broker.url: URL %d is amqps:// to the IP address "
+                           "%s: librabbitmq-c verifies the host name only against the "
+                           "certificate's DNS names, so every connect would fail; use the name "
+                           "in the broker's certificate", i + 1, host);
+        }
+        if (!c->vhost[0] && vh && vlen == 0)
+            lint_error(out, errors, at, "broker.url: URL %d (host %s) ends in a bare \"/\", "
+                       "which names the empty vhost; RabbitMQ refuses it (530 NOT_ALLOWED): "
+                       "write /%%2F for the vhost \"/\", or /NAME", i + 1, host);
+    }
+    if (amqps) {
+        lint_file(out, errors, lint_at(c, "broker.tls.ca_file", at, sizeof at),
+                  "broker.tls.ca_file", c->tls_ca_file, false);
+        lint_file(out, errors, lint_at(c, "broker.tls.cert_file", at, sizeof at),
+                  "broker.tls.cert_file", c->tls_cert_file, false);
+        lint_file(out, errors, lint_at(c, "broker.tls.key_file", at, sizeof at),
+                  "broker.tls.key_file", c->tls_key_file, true);
+    } else if (c->tls_cert_file[0] || c->tls_key_file[0]) {
+        lint_warn(out, lint_at(c, "broker.tls.cert_file", at, sizeof at),
+                  "broker.tls.cert_file and key_file are set but no broker.url is amqps://: "
+                  "they are not used");
+    }
+}
+
+/* The DSN: a key=value string or a postgresql:// / postgres:// URL. */
+static void lint_dsn(const struct conf *c, FILE *out, int *errors)
+{
+    char at[4200];
+    const char *d = c->dsn;
+    const char *sch = url_scheme_end(d);
+    lint_at(c, "database.dsn", at, sizeof at);
+    if (sch) {
+        const char *b = d;
+        while (dsn_blank(*b))
+            b++;
+        if (!((sch - b == 10 && strncmp(b, "postgresql", 10) == 0) ||
+              (sch - b == 8 && strncmp(b, "postgres", 8) == 0)))
+            lint_error(out, errors, at, "database.dsn: the scheme \"%.*s://\" is not one libpq "
+                       "knows: write postgresql:// or postgres://", (int)(sch - b), b);
+    } else if (d[0] && !strchr(d, '=')) {
+        lint_error(out, errors, at, "database.dsn is neither key=value pairs (host=... "
+                   "dbname=...) nor a postgresql:// URL (a scheme needs \"://\"); not shown: it "
+                   "may hold a password");
+    }
+}
+
 int conf_lint(const struct conf *c, FILE *out)
 {
-    (void)c;
-    (void)out;
-    return 0;
+    char at[4200];
+    int errors = 0;
+    char ip[16];
+    int port;
+
+    lint_broker(c, out, &errors);
+    lint_dsn(c, out, &errors);
+    if (c->console_listen[0] && conf_listen_parse(c->console_listen, ip, &port) &&
+        strncmp(ip, "127.", 4) != 0 && !c->console_token_file[0])
+        lint_warn(out, lint_at(c, "console.listen", at, sizeof at),
+                  "console.listen %s is beyond loopback but console.token_file is empty: "
+                  "the console answers only loopback clients, so nobody elsewhere can use it; "
+                  "set a token file, or listen on 127.0.0.1", c->console_listen);
+    lint_file(out, &errors, lint_at(c, "console.token_file", at, sizeof at),
+              "console.token_file", c->console_token_file, true);
+    if (c->prefetch < c->batch_max)
+        lint_warn(out, lint_at(c, "broker.prefetch", at, sizeof at),
+                  "broker.prefetch (%d) is below consumer.batch_max (%d): a consumer never has "
+                  "more than prefetch deliveries, so batches stay smaller than batch_max and "
+                  "each waits consumer.batch_wait_ms for deliveries that cannot come",
+                  c->prefetch, c->batch_max);
+    for (int i = 0; i < c->n_inputs; i++) {
+        const struct conf_input *in = &c->inputs[i];
+        lint_source(c, in, "key_source", in->key_source, out, &errors);
+        if (in->order_key_source[0])
+            lint_source(c, in, "order_key_source", in->order_key_source, out, &errors);
+        lint_binding(c, in, out);
+        if (in->emits && !c->outbox_relay)
+            lint_error(out, &errors, lint_input_at(c, in, "emits", at, sizeof at),
+                       "input %s: emits = true needs outbox.relay = 1: without a relay the "
+                       "messages its effect emits are never published", in->name);
+        if (CONF_INPUT_PROVIDER(in)) {
+            lint_file(out, &errors, lint_input_at(c, in, "provider.ca_file", at, sizeof at),
+                      "provider.ca_file", in->provider.ca_file, false);
+            lint_file(out, &errors, lint_input_at(c, in, "provider.auth_file", at, sizeof at),
+                      "provider.auth_file", in->provider.auth_file, true);
+        }
+    }
+    return errors;
 }

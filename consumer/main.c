@@ -28,6 +28,7 @@
 #include "observe.h"
 #include "ops.h"
 #include "effect_http.h"
+#include "effect_sql.h"
 #include "reconcile.h"
 #include "resolve.h"
 #include "groups.h"
@@ -63,8 +64,11 @@ static void usage(FILE *out)
             "                              then grant ROLE what `run` needs and nothing more,\n"
             "                              or only print those GRANTs (no database needed)\n"
             "  declare                     declare the exchanges, queues and bindings of the inputs\n"
-            "  check-config                validate FILE and print the effective configuration\n"
-            "                              (secrets redacted)\n"
+            "  check-config [--online]     validate FILE and print the effective configuration\n"
+            "                              (secrets redacted) and what needs the servers to\n"
+            "                              check; --online checks that too: the ledger, the\n"
+            "                              effect functions and their EXECUTE grant, the queues\n"
+            "                              and their arguments, the broker user's access\n"
             "  publish [--input NAME] [--routing-key KEY]\n"
             "                              publish stdin lines as messages (confirmed) to the\n"
             "                              input's exchange; for demos and tests\n"
@@ -130,6 +134,7 @@ struct opts {
     const char *now; /* maintain */
     const char *group; /* parked redrive|discard|archive --group ID */
     const char *actor; /* parked redrive|discard|archive --actor NAME */
+    bool online;       /* check-config --online */
 };
 
 static int parse_long(const char *opt, const char *s, long min, long max, long *out)
@@ -145,7 +150,7 @@ static int parse_long(const char *opt, const char *s, long min, long max, long *
 }
 
 /* Long options without a short form. */
-enum { OPT_DIR = 1000, OPT_ALL, OPT_NOW, OPT_GROUP, OPT_ACTOR };
+enum { OPT_DIR = 1000, OPT_ALL, OPT_NOW, OPT_GROUP, OPT_ACTOR, OPT_ONLINE };
 
 /* parked redrive, discard or archive (issue 20) */
 #define PARKED_ACTION(o)                                                                     \
@@ -171,7 +176,8 @@ static int parse_args(int argc, char **argv, struct opts *o)
         {"now", required_argument, NULL, OPT_NOW},
         /* failure groups (issue 20) */
         {"group", required_argument, NULL, OPT_GROUP},
-        {"actor", required_argument, NULL, OPT_ACTOR}, {NULL, 0, NULL, 0}};
+        {"actor", required_argument, NULL, OPT_ACTOR},
+        {"online", no_argument, NULL, OPT_ONLINE}, {NULL, 0, NULL, 0}};
     int c;
     long v;
 
@@ -203,6 +209,7 @@ static int parse_args(int argc, char **argv, struct opts *o)
         case OPT_NOW: o->now = optarg; break;
         case OPT_GROUP: o->group = optarg; break;
         case OPT_ACTOR: o->actor = optarg; break;
+        case OPT_ONLINE: o->online = true; break;
         case 'R':
             if (parse_long("--rate", optarg, 1, 100000, &v))
                 return -1;
@@ -296,6 +303,10 @@ static int parse_args(int argc, char **argv, struct opts *o)
     }
     if (!o->config) {
         fprintf(stderr, "idemq: %s needs -c FILE\n", o->cmd);
+        return -1;
+    }
+    if (o->online && strcmp(o->cmd, "check-config") != 0) {
+        fprintf(stderr, "idemq: --online goes with check-config\n");
         return -1;
     }
     if (o->until_idle_s && strcmp(o->cmd, "run") != 0) {
@@ -408,6 +419,79 @@ static int cmd_declare(const struct conf *c)
         }
     }
     broker_close(b);
+    return rc;
+}
+
+/* What check-config cannot check without the servers. */
+static void print_offline_limits(FILE *out)
+{
+    fprintf(out, "# not checked without the servers (idemq check-config --online checks "
+                 "them): the database answers and the ledger is migrated; each effect "
+                 "function exists as fn(text, jsonb, jsonb) RETURNS jsonb and this user may "
+                 "EXECUTE it; each input's queue exists with the configured arguments; this "
+                 "broker user may open the vhost and its queues\n");
+}
+
+/* check-config --online: the checks of `run`'s start-up, one line each,
+ * going on past a failure so that every problem shows. The exit code is
+ * the first failure's (4 unreachable, 5 schema, 3 effect, 6 topology). */
+static int check_online(const struct conf *c)
+{
+    char err[512];
+    struct broker *b = NULL;
+    PGconn *db = connect_db(c);
+    int rc = EXIT_OK;
+
+    if (!db) {
+        rc = EXIT_CONNECT;
+    } else if (ledger_migrate_check(db, err, sizeof err)) {
+        fprintf(stderr, "idemq: online: ledger: %s\n", err);
+        rc = PQstatus(db) == CONNECTION_OK ? EXIT_SCHEMA : EXIT_CONNECT;
+    } else {
+        printf("online: database: reachable as %s, ledger migrated\n", PQuser(db));
+        for (int i = 0; i < c->n_inputs; i++) {
+            const struct conf_input *in = &c->inputs[i];
+            struct ledger_db_error e = {0};
+            idemq_err_t ferr = effect_sql_check(db, in, err, sizeof err, &e);
+            if (ferr == IDEMQ_ERR_CONFIG) {
+                fprintf(stderr, "idemq: online: %s\n", err);
+                rc = rc ? rc : EXIT_CONFIG;
+            } else if (ferr) {
+                fprintf(stderr, "idemq: online: input %s: effect check failed: %s %s\n",
+                        in->name, e.sqlstate, e.message);
+                rc = rc ? rc : EXIT_CONNECT;
+            } else if (in->effect_signature || in->n_routes) {
+                printf("online: input %s: effect %s%s exists, returns jsonb, %s may EXECUTE "
+                       "it\n", in->name, in->effect_signature ? in->effect_signature : "",
+                       in->n_routes ? (in->effect_signature ? " and its task routes"
+                                                            : "task routes")
+                                    : "",
+                       PQuser(db));
+            }
+        }
+    }
+    if (db)
+        PQfinish(db);
+    if (broker_open(c, "idemq check-config", false, &b, err, sizeof err)) {
+        fprintf(stderr, "idemq: online: broker: %s\n", err);
+        return rc ? rc : EXIT_CONNECT;
+    }
+    printf("online: broker: this user opened the vhost\n");
+    for (int i = 0; i < c->n_inputs; i++) {
+        if (topology_verify(b, c, &c->inputs[i], err, sizeof err)) {
+            fprintf(stderr, "idemq: online: %s\n", err);
+            rc = rc ? rc : EXIT_TOPOLOGY;
+        } else {
+            printf("online: input %s: queue %s and its delay and dead-letter queues exist%s\n",
+                   c->inputs[i].name, c->inputs[i].queue,
+                   c->topology_passive ? " (topology.verify = passive: arguments not compared)"
+                                       : " with the configured arguments");
+        }
+    }
+    broker_close(b);
+    printf("# not checked online: this broker user's write permission on the delay and "
+           "dead-letter exchanges (RabbitMQ answers it only to a publish) and provider "
+           "endpoints\n");
     return rc;
 }
 
@@ -662,11 +746,15 @@ int main(int argc, char **argv)
         if (effect_http_new(c, &h, err, sizeof err) != IDEMQ_OK) {
             fprintf(stderr, "idemq: %s: %s\n", o.config, err);
             rc = EXIT_CONFIG;
+        } else if (conf_lint(c, stderr) > 0) {
+            rc = EXIT_CONFIG;
         } else {
             printf("# %s is valid; effective configuration:\n", o.config);
             conf_warn_consumer_timeout(c, stderr);
             conf_print(c, stdout);
-            rc = EXIT_OK;
+            rc = o.online ? check_online(c) : EXIT_OK;
+            if (!o.online)
+                print_offline_limits(stderr);
         }
         effect_http_free(h);
     } else if (strcmp(o.cmd, "migrate") == 0) {

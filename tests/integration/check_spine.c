@@ -300,6 +300,51 @@ START_TEST(test_cli_migrate_and_check)
 }
 END_TEST
 
+/* check-config --online: what needs the servers. The test's own input
+ * passes (ledger, effect, EXECUTE, queues); a missing effect function is
+ * exit 3, a queue nobody declared exit 6, each named; offline the output
+ * says what it did not check. */
+START_TEST(test_check_config_online)
+{
+    struct itest t;
+    char out[16384], cfg[512];
+    int rc;
+    itest_setup(&t, "online", "idemq_test.record", "", "");
+    rc = itest_idemq(&t, "check-config --online", out, sizeof out);
+    ck_assert_msg(rc == 0, "rc %d: %s", rc, out);
+    ck_assert_msg(strstr(out, "online: database: reachable") &&
+                      strstr(out, "effect idemq_test.record(text,jsonb,jsonb) exists") &&
+                      strstr(out, "exist with the configured arguments"),
+                  "%s", out);
+    rc = itest_idemq(&t, "check-config", out, sizeof out);
+    ck_assert_msg(rc == 0 && strstr(out, "# not checked without the servers"), "%s", out);
+    snprintf(cfg, sizeof cfg, "%s.nofn", t.cfg_path);
+    itest_write_config(&t, cfg, t.name, "idemq_test.no_such_effect", "", "");
+    {
+        char cmd[1200];
+        FILE *p;
+        size_t n;
+        snprintf(cmd, sizeof cmd, "%s check-config --online -c %s 2>&1", IDEMQ_BINARY, cfg);
+        p = popen(cmd, "r");
+        ck_assert_ptr_nonnull(p);
+        n = fread(out, 1, sizeof out - 1, p);
+        out[n] = '\0';
+        rc = pclose(p);
+        ck_assert_msg(WEXITSTATUS(rc) == 3 && strstr(out, "no_such_effect(text,jsonb,jsonb) "
+                                                          "does not exist"), "%s", out);
+        itest_write_config(&t, cfg, "idemq_test.online_undeclared", "idemq_test.record", "", "");
+        p = popen(cmd, "r");
+        ck_assert_ptr_nonnull(p);
+        n = fread(out, 1, sizeof out - 1, p);
+        out[n] = '\0';
+        rc = pclose(p);
+        ck_assert_msg(WEXITSTATUS(rc) == 6 && strstr(out, "idemq declare"), "%s", out);
+    }
+    unlink(cfg);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("spine");
@@ -311,6 +356,7 @@ int main(void)
     tcase_add_test(tc, test_two_consumers_same_key);
     tcase_add_test(tc, test_malformed_interleaved);
     tcase_add_test(tc, test_cli_migrate_and_check);
+    tcase_add_test(tc, test_check_config_online);
     tcase_add_test(tc, test_sigterm_drains);
     suite_add_tcase(s, tc);
     return check_run(s);

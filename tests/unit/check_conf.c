@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -311,6 +312,192 @@ START_TEST(test_no_secret_printed)
         ck_assert_msg(strstr(out, "S3CRET") == NULL && strstr(out, "S3 CRET") == NULL,
                       "form %d (%s) printed the secret:\n%s", i, text, out);
         free(out);
+        conf_free(c);
+    }
+}
+END_TEST
+
+/* check-config's offline checks: each mistake is an error (counted) or a
+ * warning, on the line of the setting that causes it. */
+START_TEST(test_lint)
+{
+    static const struct {
+        const char *text;   /* the config; inputs[0] is on line 1 unless the text says */
+        const char *expect; /* substring of the output */
+        int errors;         /* errors conf_lint counts */
+    } cases[] = {
+        {"broker: {\n url = \"amqp://u:p@h/\";\n};\n", "<string>:2: broker.url: URL 1", 1},
+        {"broker: {\n url = \"amqp://u:p@h:5672/%2F\";\n};\n", "", 0},
+        {"broker: {\n url = \"amqp://u:p@h\";\n};\n", "", 0},
+        {"broker: { vhost = \"v\";\n url = \"amqp://u:p@h/\"; };\n", "", 0},
+        {"broker: {\n url = \"amqps://u:p@10.1.2.3:5671/%2F\"; tls: { ca_file = \"/etc/hostname\"; }; };\n",
+         "<string>:2: broker.url: URL 1 is amqps:// to the IP address 10.1.2.3", 1},
+        {"broker: {\n url = \"amqps://u:p@[::1]:5671/%2F\"; tls: { ca_file = \"/etc/hostname\"; }; };\n",
+         "IP address [::1]", 1},
+        {"broker: { url = \"amqps://u:p@10.1.2.3:5671/%2F\"; tls: { verify = \"none\"; "
+         "ca_file = \"/etc/hostname\"; }; };\n", "", 0},
+        {"broker: { url = \"amqps://b.example:5671/%2F\";\n tls: {\n ca_file = \"/nonexistent/ca.pem\"; }; };\n",
+         "<string>:3: broker.tls.ca_file: /nonexistent/ca.pem: No such file", 1},
+        {"database: {\n dsn = \"postgress://u:p@h/db\";\n};\n",
+         "<string>:2: database.dsn: the scheme \"postgress://\"", 1},
+        {"database: {\n dsn = \"postgres://u:p@h/db\";\n};\n", "", 0},
+        {"database: {\n dsn = \"postgresql:/h/db\";\n};\n", "<string>:2: database.dsn is neither", 1},
+        {"console: {\n listen = \"0.0.0.0:9188\";\n};\n",
+         "# warning: <string>:2: console.listen 0.0.0.0:9188 is beyond loopback", 0},
+        {"console: {\n token_file = \"/nonexistent/token\";\n};\n",
+         "<string>:2: console.token_file: /nonexistent/token", 1},
+        {"broker: {\n prefetch = 50;\n};\n", "# warning: <string>:2: broker.prefetch (50) is below "
+         "consumer.batch_max (100)", 0},
+        {"inputs = ( {\n name = \"a\"; queue = \"q\"; effect_function = \"public.f\";\n"
+         " emits = true;\n} );\n", "<string>:3: input a: emits = true needs outbox.relay = 1", 1},
+        {"outbox: { relay = 1; };\ninputs = ( {\n name = \"a\"; queue = \"q\"; "
+         "effect_function = \"public.f\";\n emits = true;\n} );\n", "", 0},
+        {"inputs = ( {\n name = \"a\"; queue = \"q\"; effect_function = \"public.f\";\n"
+         " key_source = \"header:x-death\";\n} );\n", "<string>:3: input a: key_source \"header:x-death\"", 1},
+        {"inputs = ( {\n name = \"a\"; queue = \"q\"; effect_function = \"public.f\";\n"
+         " key_source = \"header:X-Idemq-Key\";\n} );\n", "the broker or idemq sets that header", 1},
+        {"inputs = ( {\n name = \"a\"; queue = \"q\"; effect_function = \"public.f\";\n"
+         " key_source = \"json:job id\";\n} );\n", "<string>:3: input a: key_source \"json:job id\" holds a blank", 1},
+        {"inputs = ( {\n name = \"a\"; queue = \"q\"; effect_function = \"public.f\";\n"
+         " key_source = \"json:payload.id\";\n} );\n", "# warning: <string>:3: input a: key_source \"json:payload.id\" names a top-level", 0},
+        {"inputs = ( {\n name = \"a\"; queue = \"q\"; effect_function = \"public.f\";\n"
+         " exchange = \"x\";\n routing_key = \"pay.*\";\n} );\n",
+         "# warning: <string>:4: input a: routing_key \"pay.*\" on a direct exchange", 0},
+        {"inputs = ( {\n name = \"a\"; queue = \"q\"; effect_function = \"public.f\";\n"
+         " exchange = \"x\"; exchange_type = \"fanout\";\n routing_key = \"pay\";\n} );\n",
+         "# warning: <string>:4: input a: routing_key \"pay\" is ignored by a fanout", 0},
+        {"inputs = ( {\n name = \"a\"; queue = \"q\"; effect_function = \"public.f\";\n"
+         " exchange = \"x\"; exchange_type = \"topic\";\n routing_key = \"pay..eu\";\n} );\n",
+         "# warning: <string>:4: input a: routing_key \"pay..eu\" has an empty word", 0},
+        {"inputs = ( {\n name = \"a\"; queue = \"q\"; effect_function = \"public.f\";\n"
+         " routing_key = \"pay\";\n} );\n", "# warning: <string>:3: input a: routing_key \"pay\" binds nothing", 0},
+        {"inputs = ( {\n name = \"a\"; queue = \"q\"; provider: {\n url = \"https://api.example\";\n"
+         " auth_file = \"/nonexistent/auth\"; }; } );\n", "<string>:4: provider.auth_file: /nonexistent/auth", 1},
+    };
+    const char *input = "inputs = ( { name = \"a\"; queue = \"q\"; "
+                        "effect_function = \"public.f\"; } );\n";
+
+    unsetenv("IDEMQ_AMQP_URL");
+    unsetenv("IDEMQ_PG_DSN");
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char text[2048], err[2048] = "", *out = NULL;
+        size_t len = 0;
+        struct conf *c = NULL;
+        FILE *f;
+        int errors;
+        snprintf(text, sizeof text, "%s%s", cases[i].text,
+                 strstr(cases[i].text, "inputs") ? "" : input);
+        ck_assert_msg(conf_load_string(text, &c, err, sizeof err) == IDEMQ_OK, "case %zu: %s",
+                      i, err);
+        f = open_memstream(&out, &len);
+        errors = conf_lint(c, f);
+        fclose(f);
+        ck_assert_msg(errors == cases[i].errors, "case %zu: %d errors, want %d:\n%s", i, errors,
+                      cases[i].errors, out);
+        if (cases[i].expect[0])
+            ck_assert_msg(strstr(out, cases[i].expect) != NULL, "case %zu: '%s' lacks '%s'", i,
+                          out, cases[i].expect);
+        else
+            ck_assert_msg(strstr(out, "broker.url") == NULL && strstr(out, "dsn") == NULL &&
+                              strstr(out, "emits") == NULL,
+                          "case %zu: unexpected '%s'", i, out);
+        free(out);
+        conf_free(c);
+    }
+}
+END_TEST
+
+/* A secret file readable by every user is an error, by the group a warning. */
+START_TEST(test_lint_secret_file_mode)
+{
+    char path[] = "/tmp/idemq-lint-XXXXXX", text[1024], err[1024], *out = NULL;
+    size_t len = 0;
+    struct conf *c;
+    FILE *f;
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    ck_assert_int_eq(write(fd, "Zq9secret\n", 10), 10);
+    close(fd);
+    snprintf(text, sizeof text, "console: {\n token_file = \"%s\";\n};\n"
+             "inputs = ( { name = \"a\"; queue = \"q\"; effect_function = \"public.f\"; } );\n",
+             path);
+    unsetenv("IDEMQ_AMQP_URL");
+    unsetenv("IDEMQ_PG_DSN");
+    ck_assert_msg(conf_load_string(text, &c, err, sizeof err) == IDEMQ_OK, "%s", err);
+    for (int round = 0; round < 3; round++) {
+        mode_t mode = round == 0 ? 0600 : round == 1 ? 0640 : 0644;
+        ck_assert_int_eq(chmod(path, mode), 0);
+        out = NULL;
+        f = open_memstream(&out, &len);
+        ck_assert_int_eq(conf_lint(c, f), round == 2 ? 1 : 0);
+        fclose(f);
+        if (round == 0)
+            ck_assert_msg(strstr(out, "token_file") == NULL, "%s", out);
+        else
+            ck_assert_msg(strstr(out, round == 1 ? "# warning: <string>:2: console.token_file"
+                                                 : "idemq: <string>:2: console.token_file") &&
+                              strstr(out, "holds a secret") && strstr(out, "Zq9secret") == NULL,
+                          "%s", out);
+        free(out);
+    }
+    conf_free(c);
+    unlink(path);
+}
+END_TEST
+
+/* Every load error names its line; a syntax error explains the syntax. */
+START_TEST(test_error_lines)
+{
+    static const struct {
+        const char *text, *expect;
+    } cases[] = {
+        {"retry: {\n jitter = \"half\";\n};\n", "<string>:2: retry.jitter"},
+        {"retry: {\n base_delay_ms = 5000;\n max_delay_ms = 1000;\n};\n", "<string>:2: retry.base_delay_ms"},
+        {"retry: {\n park_sqlstates = [ \"bad\" ];\n};\n", "<string>:2: retry.park_sqlstates"},
+        {"ledger: {\n partition_interval = \"1 fortnight\";\n};\n", "<string>:2: ledger.partition_interval"},
+        {"log: {\n format = \"xml\";\n};\n", "<string>:2: log.format"},
+        {"log: {\n level = \"loud\";\n};\n", "<string>:2: log.level"},
+        {"topology: {\n verify = \"some\";\n};\n", "<string>:2: topology.verify"},
+        {"broker: { tls: {\n verify = \"half\"; }; };\n", "<string>:2: broker.tls.verify"},
+        {"metrics: {\n live_stall_s = 1;\n};\n", "<string>:2: metrics.live_stall_s"},
+        {"broker: {\n url = \"amqp://h/%2F,,amqp://g/%2F\";\n};\n", "<string>:2: broker.url holds an empty URL"},
+        {"broker: {\n url = \"amqp://h/%2F, http://u:pw@g/\";\n};\n", "<string>:2: broker.url: URL 2 must start"},
+        {"broker: {\n heartbeat = ;\n};\n", "<string>:2: syntax error"},
+        {"broker: {\n url = amqp://h/;\n};\n", "<string>:2: syntax error"},
+    };
+    const char *input = "inputs = ( { name = \"a\"; queue = \"q\"; "
+                        "effect_function = \"public.f\"; } );\n";
+    unsetenv("IDEMQ_AMQP_URL");
+    unsetenv("IDEMQ_PG_DSN");
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char text[2048], err[2048] = "";
+        struct conf *c = NULL;
+        snprintf(text, sizeof text, "%s%s", cases[i].text, input);
+        ck_assert_msg(conf_load_string(text, &c, err, sizeof err) == IDEMQ_ERR_CONFIG,
+                      "case %zu loaded", i);
+        ck_assert_msg(strstr(err, cases[i].expect) != NULL, "case %zu: '%s' lacks '%s'", i, err,
+                      cases[i].expect);
+        ck_assert_msg(strstr(err, "pw") == NULL, "case %zu printed a secret: %s", i, err);
+    }
+    {
+        char err[2048] = "";
+        struct conf *c = NULL;
+        ck_assert_int_eq(conf_load_string("inputs = (\n { name = \"a\"; }\n { name = \"b\"; }\n);\n",
+                                          &c, err, sizeof err),
+                         IDEMQ_ERR_CONFIG);
+        ck_assert_msg(strstr(err, "<string>:3: syntax error") && strstr(err, "missing ','"),
+                      "%s", err);
+    }
+    {   /* a comma list in broker.url is split into its URLs */
+        char err[1024] = "";
+        struct conf *c = NULL;
+        ck_assert_msg(conf_load_string("broker: { url = \"amqp://a@h1/%2F , amqp://b@h2/v\"; };\n"
+                                       "inputs = ( { name = \"a\"; queue = \"q\"; "
+                                       "effect_function = \"public.f\"; } );\n",
+                                       &c, err, sizeof err) == IDEMQ_OK, "%s", err);
+        ck_assert_int_eq(c->urls.n, 2);
+        ck_assert_str_eq(c->urls.v[0], "amqp://a@h1/%2F");
+        ck_assert_str_eq(c->urls.v[1], "amqp://b@h2/v");
         conf_free(c);
     }
 }
@@ -749,6 +936,9 @@ int main(void)
     tcase_add_test(tc, test_redact);
     tcase_add_test(tc, test_redact_blanks_and_provider_url);
     tcase_add_test(tc, test_no_secret_printed);
+    tcase_add_test(tc, test_lint);
+    tcase_add_test(tc, test_lint_secret_file_mode);
+    tcase_add_test(tc, test_error_lines);
     tcase_add_test(tc, test_metrics_listen);
     tcase_add_test(tc, test_console_listen);
     tcase_add_test(tc, test_metrics_listen_run);
