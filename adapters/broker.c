@@ -176,7 +176,7 @@ static idemq_err_t connect_url(struct broker *b, const struct conf *c, const cha
         set_err(b, "out of memory");
         goto out;
     }
-    if (ci.ssl) { /* broker.tls settings (issue 11) */
+    if (ci.ssl) { /* broker.tls settings */
         if (!(sock = broker_tls_socket(b->conn, c, b->err, sizeof b->err)))
             goto out;
     } else if (!(sock = amqp_tcp_socket_new(b->conn))) {

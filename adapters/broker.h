@@ -158,7 +158,7 @@ idemq_err_t broker_publish(struct broker *b, const char *exchange, const char *r
                            const void *body, size_t len,
                            const struct broker_props *props) IDEMQ_MUSTCHECK;
 
-/* broker_publish without the mandatory flag (issue 19: a Celery result to a
+/* broker_publish without the mandatory flag (a Celery result to a
  * reply queue that may be gone is dropped by the broker, not returned). */
 idemq_err_t broker_publish_optional(struct broker *b, const char *exchange,
                                     const char *routing_key, const void *body, size_t len,

@@ -1,5 +1,5 @@
 /*
- * effect_http: the HTTP provider effect (issue 9) on libcurl's multi
+ * effect_http: the HTTP provider effect on libcurl's multi
  * interface. One engine per worker thread submits calls to the providers of
  * the provider inputs and is polled with a timeout, so the caller can keep
  * servicing its broker connection between polls. Every finished call comes

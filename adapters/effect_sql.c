@@ -13,7 +13,7 @@ idemq_err_t effect_sql_check(PGconn *db, const struct conf_input *in, char *errb
                              size_t errlen, struct ledger_db_error *e)
 {
     idemq_err_t err = check_one(db, in, in->effect_signature, errbuf, errlen, e);
-    for (int k = 0; !err && k < in->n_routes; k++) /* issue 19: Celery task routes */
+    for (int k = 0; !err && k < in->n_routes; k++) /* Celery task routes */
         err = check_one(db, in, in->routes[k].signature, errbuf, errlen, e);
     return err;
 }
@@ -26,7 +26,7 @@ static idemq_err_t check_one(PGconn *db, const struct conf_input *in, const char
     idemq_err_t err = IDEMQ_OK;
 
     if (!sig)
-        return IDEMQ_OK; /* a provider input without SQL effect (issue 9) */
+        return IDEMQ_OK; /* a provider input without SQL effect */
     r = ledger_db_query(
         db,
         "SELECT p.oid IS NOT NULL, "

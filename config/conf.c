@@ -92,14 +92,14 @@ static const struct conf_key global_keys[] = {
      "SQLSTATEs (or 2-character classes) an effect raises to ask for a retry"},
     {"retry.park_sqlstates", CT_STRLIST, G(park_sqlstates), 0, 64, "IP001", 0, 0,
      "SQLSTATEs (or classes) an effect raises to ask for parking at once"},
-    /* proof (issue 12): lost retry copies */
+    /* proof: lost retry copies */
     {"retry.rescue_after_s", CT_INT, G(rescue_after_s), 0, 7 * 86400, NULL, 600, 0,
      "publish a retry again from the ledger when no copy came back this long after its "
      "retry time (one replica at a time); 0 = off"},
     {"metrics.listen", CT_STR, G(metrics_listen), 0, 64, "", 0, 0,
      "numeric IPv4:port (e.g. 127.0.0.1:9187; 0.0.0.0:PORT = every address) for GET "
      "/metrics, /ready and /live of `idemq run`; empty = off"},
-    /* the web console (issue 20, consumer/console.h) */
+    /* the web console (consumer/console.h) */
     {"console.listen", CT_STR, G(console_listen), 0, 64, "", 0, 0,
      "numeric IPv4:port (e.g. 127.0.0.1:9188) of the web console of `idemq run`; empty = "
      "off. Loopback clients read without a secret; other addresses need the token"},
@@ -109,7 +109,7 @@ static const struct conf_key global_keys[] = {
     {"console.statement_timeout_ms", CT_INT, G(console_statement_timeout_ms), 100, 600000, NULL,
      5000, 0, "statement_timeout of the console's own database sessions"},
     {"log.level", CT_STR, G(log_level), 1, 10, "info", 0, 0, "error, warn, info or debug"},
-    /* operations (issue 11): TLS, least privilege, logs, liveness */
+    /* operations: TLS, least privilege, logs, liveness */
     {"broker.tls.ca_file", CT_STR, G(tls_ca_file), 0, 4096, "/etc/ssl/certs/ca-certificates.crt",
      0, 0, "amqps://: PEM file of the CAs the broker's certificate must chain to"},
     {"broker.tls.cert_file", CT_STR, G(tls_cert_file), 0, 4096, "", 0, 0,
@@ -126,7 +126,7 @@ static const struct conf_key global_keys[] = {
      "text, or json (one object per line)"},
     {"log.perf_interval_s", CT_INT, G(perf_interval_s), 0, 86400, NULL, 0, 0,
      "> 0: each worker logs a `perf interval:` latency line this often (scripts/soak)"},
-    /* ledger lifecycle (issue 10); `idemq migrate` writes these to the ledger */
+    /* ledger lifecycle; `idemq migrate` writes these to the ledger */
     {"ledger.dedup_window_days", CT_DAYS, G(dedup_window_days), 1, 36500L * 1440, NULL,
      400L * 1440, 0,
      "how long an applied key stays claimed (a replay within it is a duplicate)"},
@@ -138,7 +138,7 @@ static const struct conf_key global_keys[] = {
      NULL, 400L * 1440, 0, "archived history older than this is dropped"},
     {"ledger.maintenance", CT_INT, G(maintenance), 0, 1, NULL, 1, 0,
      "1: this process takes part in maintenance (one replica at a time runs it)"},
-    /* transactional outbox (issue 18) */
+    /* transactional outbox */
     {"outbox.relay", CT_INT, G(outbox_relay), 0, 1, NULL, 0, 0,
      "1: relay idemq.outbox rows (right after commit for inputs with emits, and a recovery "
      "poll on worker 0); 0 = off"},
@@ -189,7 +189,7 @@ static const struct conf_key input_keys[] = {
      "apply (run the effect), or observe: claim keys and record duplicates, late replays and "
      "would-be parks of a copy of live traffic, run no effect, park nothing, ack everything "
      "(see consumer/README.md)"},
-    /* Celery producers (issue 19) */
+    /* Celery producers */
     {"protocol", CT_STR, I(protocol), 1, 16, "native", 0, 0,
      "native (a JSON object body), or celery (Celery task messages, protocol 1 and 2, JSON "
      "serializer; results to reply_to like the rpc:// backend)"},
@@ -198,7 +198,7 @@ static const struct conf_key input_keys[] = {
      "celery_unknown_task"},
     {"deferred_report_after_s", CT_INT, I(deferred_report_after_s), 1, 86400 * 30, NULL, 300, 0,
      "deferred jobs (waiting for a predecessor) older than this are reported"},
-    /* provider effects (issue 9): keep these rows together */
+    /* provider effects: keep these rows together */
     {"provider.url", CT_STR, I(provider.url), 0, 1024, "", 0, CF_SENSITIVE,
      "provider base URL (http:// or https://); non-empty makes the effect a provider call"},
     {"provider.name", CT_STR, I(provider.name), 0, 64, "", 0, 0,
@@ -247,7 +247,7 @@ static const struct conf_key input_keys[] = {
      60000, 0, "a 429 asking to wait longer parks the job; at most retry.max_delay_ms"},
     {"provider.reconcile_after_s", CT_INT, I(provider.reconcile_after_s), 1, 30 * 86400, NULL,
      300, 0, "intents left pending/unknown this long are looked up by the reconciler"},
-    /* operations (issue 11) */
+    /* operations */
     {"delivery_limit", CT_INT, I(delivery_limit), 1, 1000000, NULL, 100, 0,
      "quorum inputs: x-delivery-limit of the queue, at least 2 x retry.max_attempts"},
 };
@@ -673,7 +673,7 @@ static idemq_err_t validate_lanes(const struct conf *c, struct conf_input *in, i
     return IDEMQ_OK;
 }
 
-/* A Celery input (issue 19): its key source and task routes. Effect
+/* A Celery input: its key source and task routes. Effect
  * indexes are given later (assign_effects), once every input is read. */
 static idemq_err_t validate_celery(struct conf_input *in, int line, const char *file,
                                    char *errbuf, size_t errlen)
@@ -815,7 +815,7 @@ static idemq_err_t validate_input(struct conf_input *in, int line, const char *f
     return IDEMQ_OK;
 }
 
-/* The input's mode (issue 20): apply, or observe (a copy of live traffic,
+/* The input's mode: apply, or observe (a copy of live traffic,
  * no effect). Observing ordered lanes is not supported: their holds and
  * deferrals are effects on the ledger's order, not observations. */
 static idemq_err_t validate_mode(struct conf_input *in, int line, const char *file,
@@ -838,7 +838,7 @@ static idemq_err_t validate_mode(struct conf_input *in, int line, const char *fi
     return IDEMQ_OK;
 }
 
-/* ---- provider effects (issue 9) ---- */
+/* ---- provider effects ---- */
 
 /* True if a {{...}} placeholder list of a body template is well formed:
  * {{key}}, {{payload}} or {{payload.FIELD}} (FIELD of [A-Za-z0-9_-]). */
@@ -1309,7 +1309,7 @@ static idemq_err_t validate_ledger(struct conf *c, const config_t *cfg, const ch
     return IDEMQ_OK;
 }
 
-/* Operations (issue 11): TLS, topology verification, log format, the
+/* Operations: TLS, topology verification, log format, the
  * liveness window and quorum delivery limits, checked against each other. */
 static idemq_err_t validate_ops(struct conf *c, const config_t *cfg, const char *file,
                                 char *errbuf, size_t errlen)

@@ -30,7 +30,7 @@ enum conf_key_kind {
     CONF_KEY_HEADER,     /* header:<name>: an AMQP header */
     CONF_KEY_MESSAGE_ID, /* message_id: the producer-set AMQP property */
     CONF_KEY_NONE,       /* "": not configured (order_key_source, sequence_source) */
-    /* Celery inputs (issue 19, adapters/celery.h) */
+    /* Celery inputs (adapters/celery.h) */
     CONF_KEY_CELERY_KWARG,   /* kwarg:<name>: a keyword argument of the task */
     CONF_KEY_CELERY_ARG,     /* arg:<n>: the n-th positional argument (0-based) */
     CONF_KEY_CELERY_TASK_ID, /* task_id: Celery's task id (weaker: a re-send is a new id) */
@@ -50,7 +50,7 @@ enum conf_on_park {
 };
 
 /*
- * Provider effect settings of one input (issue 9): the job's effect is an
+ * Provider effect settings of one input: the job's effect is an
  * HTTP call to a payments provider with `Idempotency-Key: <business key>`,
  * see adapters/effect_http.h and consumer/provider_flow.h. An input is a
  * provider input when url is not empty.
@@ -95,19 +95,19 @@ struct conf_input {
     char *key_source;
     int max_body_bytes;
     char *effect_function;
-    /* ordered lanes (issue 4): partitions = 0 is a standard queue */
+    /* ordered lanes: partitions = 0 is a standard queue */
     int partitions;
-    bool emits; /* outbox (issue 18): its effects call idemq.emit: relay after commit */
+    bool emits; /* outbox: its effects call idemq.emit: relay after commit */
     char *hash_header;
     char *order_key_source;
     char *sequence_source;
     char *on_park;
     char *on_key_reuse; /* "ack" or "park" */
-    char *mode;         /* "apply" or "observe" (issue 20) */
+    char *mode;         /* "apply" or "observe" */
     int deferred_report_after_s;
-    /* provider effects (issue 9) */
+    /* provider effects */
     struct conf_provider provider;
-    /* operations (issue 11): quorum inputs declare x-delivery-limit */
+    /* operations: quorum inputs declare x-delivery-limit */
     int delivery_limit;
     /* derived by validation */
     enum conf_key_kind key_kind;
@@ -120,7 +120,7 @@ struct conf_input {
     enum conf_on_park on_park_mode;
     bool key_reuse_parks; /* on_key_reuse = "park" */
     bool observe;         /* mode = "observe": claim and record, no effect, ack */
-    /* Celery producers (issue 19) */
+    /* Celery producers */
     char *protocol;                   /* "native" or "celery" */
     struct conf_strlist celery_tasks; /* "task.name=schema.fn" entries */
     bool celery;                      /* derived: protocol = "celery" */
@@ -131,7 +131,7 @@ struct conf_input {
     int index; /* position in inputs */
 };
 
-/* True for an input in observe mode (issue 20). */
+/* True for an input in observe mode. */
 #define CONF_INPUT_OBSERVE(in) ((in)->observe)
 
 /* True for a partitioned (ordered) input. */
@@ -140,7 +140,7 @@ struct conf_input {
 struct conf {
     char *path; /* file it came from, or "<string>" */
     void *src;  /* the parsed file (libconfig's config_t): line numbers for conf_lint */
-    int n_routes; /* Celery task routes of all inputs (issue 19): effects
+    int n_routes; /* Celery task routes of all inputs: effects
                    * n_inputs .. n_inputs + n_routes - 1 */
     /* broker */
     struct conf_strlist urls;
@@ -175,13 +175,13 @@ struct conf {
     struct classify_rules rules; /* derived from the two lists */
     /* metrics */
     char *metrics_listen;
-    /* the web console (issue 20) */
+    /* the web console */
     char *console_listen;            /* "" = off */
     char *console_token_file;        /* "" = read-only */
     int console_statement_timeout_ms;
     /* log */
     char *log_level;
-    /* operations (issue 11) */
+    /* operations */
     char *tls_ca_file;     /* amqps:// trust anchors (PEM) */
     char *tls_cert_file;   /* client certificate (PEM), "" = none */
     char *tls_key_file;    /* its private key (PEM), "" = none */
@@ -192,14 +192,14 @@ struct conf {
     bool tls_verify_off;   /* derived: tls_verify == "none" */
     bool topology_passive; /* derived: topology_verify == "passive" */
     int perf_interval_s; /* > 0: per-worker latency lines this often */
-    /* ledger lifecycle (issue 10) */
+    /* ledger lifecycle */
     double dedup_window_days;
     char *partition_interval;   /* "N seconds|minutes|hours|days" */
     double history_hot_days;
     double history_retention_days;
     int maintenance;            /* 1: take part in maintenance */
     double partition_interval_s; /* derived */
-    /* transactional outbox (issue 18) */
+    /* transactional outbox */
     int outbox_relay;           /* 1: this process relays idemq.outbox rows */
     int outbox_poll_ms;         /* recovery poll interval */
     int outbox_lease_s;         /* a claimed row's lease */

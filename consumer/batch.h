@@ -16,7 +16,7 @@
  * go on, and the caller then drops the broker connection so the broker
  * redelivers it, and backs off.
  *
- * Deliveries of observe-mode inputs (issue 20) share the transaction but
+ * Deliveries of observe-mode inputs share the transaction but
  * not the apply path: ledger_txn_observe records what apply mode would do,
  * no effect runs, nothing is parked, every one is SETTLE_ACK (contention
  * aside: SETTLE_RELEASE); see observe.h.
@@ -79,7 +79,7 @@ struct batch {
                               * (contention it could not outlast), 0 if none */
     struct ledger_db_error last_call; /* the last whole-call failure */
     struct ledger_db_error failure;   /* what rung 2 records as the attempt */
-    /* issue 18: the relay right after commit. With outbox_holder set and a
+    /* the relay right after commit. With outbox_holder set and a
      * job of an `emits` input in the batch, each transaction's last
      * statement before COMMIT leases its publishable outbox rows to the
      * holder (ledger_outbox_take); the first commit's rows are kept in

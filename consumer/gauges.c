@@ -36,7 +36,7 @@ struct gauges {
     bool up;                /* the last refresh succeeded */
     long long refreshed_ms; /* CLOCK_MONOTONIC of the last success, 0 = never */
     char last_error[256];
-    /* issue 18, with outbox.relay: idemq.outbox_gauges() */
+    /* with outbox.relay: idemq.outbox_gauges() */
     long ob_pending, ob_parked;
     double ob_oldest_s;
     bool ob_up;
@@ -182,7 +182,7 @@ static void refresh(struct gauges *g, PGconn **db)
     }
     pthread_mutex_unlock(&g->lock);
     free(rows);
-    if (r && c->outbox_relay) { /* issue 18: the outbox's depth and age */
+    if (r && c->outbox_relay) { /* the outbox's depth and age */
         PGresult *o = query(g, *db, "SELECT r_pending, r_parked, r_oldest_s "
                                     "FROM idemq.outbox_gauges()");
         pthread_mutex_lock(&g->lock);
@@ -287,7 +287,7 @@ void gauges_render(struct gauges *g, char *buf, size_t len, size_t *off)
         "read from the ledger (-1 never)\n# TYPE idemq_ledger_gauges_age_seconds gauge\n"
         "idemq_ledger_gauges_age_seconds %.3f\n",
         g->refreshed_ms ? (double)(mono_ms() - g->refreshed_ms) / 1000.0 : -1.0);
-    if (c->outbox_relay) { /* issue 18 */
+    if (c->outbox_relay) {
         long n = atomic_load(&outbox_stats.latency_count);
         PUT("# HELP idemq_outbox_pending outbox rows not sent yet (pending)\n"
             "# TYPE idemq_outbox_pending gauge\nidemq_outbox_pending %ld\n"

@@ -1,8 +1,8 @@
 /*
- * gauges: ledger-derived Prometheus gauges of `idemq run` (issue 11): per
+ * gauges: ledger-derived Prometheus gauges of `idemq run`: per
  * input, the jobs waiting in idemq.deferred and the age of the oldest (and,
  * with outbox.relay, the outbox's pending and parked rows and the age of the
- * oldest unsent one, issue 18). One
+ * oldest unsent one). One
  * thread refreshes them every few seconds on its own PostgreSQL session,
  * with a client-side deadline on every call, so a slow or stopped database
  * never blocks a scrape (it serves the last values and says how old they
@@ -31,7 +31,7 @@ idemq_err_t gauges_start(const struct conf *c, struct gauges **out, char *errbuf
  * in all). g may be NULL (nothing appended). Any thread. */
 void gauges_render(struct gauges *g, char *buf, size_t len, size_t *off);
 
-/* Outbox (issue 18): true, with why set, while the oldest unsent row of
+/* Outbox: true, with why set, while the oldest unsent row of
  * idemq.outbox is older than outbox.stuck_s (as last read; outbox.relay on).
  * Any thread. */
 bool gauges_outbox_stuck(struct gauges *g, char *why, size_t len);

@@ -37,7 +37,7 @@ typedef enum {
     IDEMQ_ERR_DELIVERY_LIMIT,        /* last delivery a quorum queue's delivery limit allows */
     IDEMQ_ERR_UNPROCESSABLE,         /* job failed as a whole in every mode */
     IDEMQ_ERR_ORIGIN_REFUSED,        /* redrive origin not a configured input */
-    /* provider effects (issue 9) */
+    /* provider effects */
     IDEMQ_ERR_KEY_INVALID_HEADER, /* key is not a valid Idempotency-Key header value */
     IDEMQ_ERR_PROVIDER_BUSY,      /* the input's provider calls in flight are at the cap */
     IDEMQ_ERR_PROVIDER_REJECTED,  /* provider answered 4xx (not 409/429): not applied */
@@ -52,7 +52,7 @@ typedef enum {
     IDEMQ_ERR_OUTSIDE_WINDOW,    /* message older than the dedup window, key not claimed */
     IDEMQ_ERR_FORGED_REDRIVE,    /* x-idemq-generation without a valid x-idemq-seal */
     IDEMQ_ERR_KEY_REUSE,         /* an applied key with another body (on_key_reuse = park) */
-    /* Celery inputs (issue 19) */
+    /* Celery inputs */
     IDEMQ_ERR_CELERY_PICKLE,       /* a pickle body: never decoded */
     IDEMQ_ERR_CELERY_SERIALIZER,   /* YAML, msgpack or another serializer than JSON */
     IDEMQ_ERR_CELERY_COMPRESSED,   /* a compressed body (kombu's compression header) */

@@ -371,7 +371,7 @@ idemq_err_t job_decode(struct job *j, const struct conf_input *in)
         snprintf(j->reason, sizeof j->reason, "%s", j->wire_reason);
         return j->decode_err = j->wire_err;
     }
-    if (in->celery) { /* issue 19: a Celery task message (adapters/celery.h) */
+    if (in->celery) { /* a Celery task message (adapters/celery.h) */
         struct timespec now;
         clock_gettime(CLOCK_REALTIME, &now);
         return celery_decode(j, in, (long long)now.tv_sec * 1000 + now.tv_nsec / 1000000);

@@ -60,7 +60,7 @@ struct job {
     char order_key[CONF_KEY_MAX_BYTES + 1];
     bool has_seq;
     long long seq;          /* sequence_source value, >= 1 */
-    /* Celery inputs (issue 19): set by celery_decode (adapters/celery.h) */
+    /* Celery inputs: set by celery_decode (adapters/celery.h) */
     int effect;             /* effect index of its task route, or -1: the input's own */
     char *payload;          /* the effect's payload when it is not the body (owned) */
     size_t payload_len;

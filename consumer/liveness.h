@@ -1,5 +1,5 @@
 /*
- * liveness: whether every worker is making progress (issue 11). A worker
+ * liveness: whether every worker is making progress. A worker
  * notes progress on every poll of the broker, every commit, and every
  * reconnect attempt or backoff step while paused (worker_progress); one
  * that noted none for metrics.live_stall_s is stuck, e.g. in a database

@@ -152,7 +152,7 @@ static int parse_long(const char *opt, const char *s, long min, long max, long *
 /* Long options without a short form. */
 enum { OPT_DIR = 1000, OPT_ALL, OPT_NOW, OPT_GROUP, OPT_ACTOR, OPT_ONLINE };
 
-/* parked redrive, discard or archive (issue 20) */
+/* parked redrive, discard or archive */
 #define PARKED_ACTION(o)                                                                     \
     ((o)->sub && strcmp((o)->cmd, "parked") == 0 && strcmp((o)->sub, "list") != 0 &&        \
      strcmp((o)->sub, "groups") != 0)
@@ -166,15 +166,15 @@ static int parse_args(int argc, char **argv, struct opts *o)
         {"key", required_argument, NULL, 'k'},     {"class", required_argument, NULL, 'C'},
         {"since", required_argument, NULL, 's'},   {"limit", required_argument, NULL, 'l'},
         {"dry-run", no_argument, NULL, 'd'},       {"rate", required_argument, NULL, 'R'},
-        /* provider effects (issue 9): reconcile and resolve */
+        /* provider effects: reconcile and resolve */
         {"age", required_argument, NULL, 'A'},     {"applied", required_argument, NULL, 'P'},
         {"not-applied", no_argument, NULL, 'N'},   {"discard", no_argument, NULL, 'D'},
         {"reason", required_argument, NULL, 'W'},
         {"grant", required_argument, NULL, 'G'},   {"print-grants", required_argument, NULL, 'Q'},
-        /* ledger lifecycle (issue 10): archive and maintain */
+        /* ledger lifecycle: archive and maintain */
         {"dir", required_argument, NULL, OPT_DIR}, {"all", no_argument, NULL, OPT_ALL},
         {"now", required_argument, NULL, OPT_NOW},
-        /* failure groups (issue 20) */
+        /* failure groups */
         {"group", required_argument, NULL, OPT_GROUP},
         {"actor", required_argument, NULL, OPT_ACTOR},
         {"online", no_argument, NULL, OPT_ONLINE}, {NULL, 0, NULL, 0}};
@@ -591,7 +591,7 @@ static int cmd_run(const struct conf *c, long until_idle_s)
             log_info("metrics, readiness and liveness on http://%s/metrics, /ready and /live",
                      c->metrics_listen);
     }
-    if (c->console_listen[0]) { /* issue 20: the web console */
+    if (c->console_listen[0]) { /* the web console */
         char err[256];
         if (console_start(c, ws, c->workers, gauges, &console, err, sizeof err))
             log_error("%s (running without the console)", err);
@@ -626,7 +626,7 @@ static int cmd_run(const struct conf *c, long until_idle_s)
                    "duplicates %ld, deferred %ld, retried %ld, parked %ld",
                    received, from_ledger, applied, dups, deferred, retried, parked);
     }
-    observe_log_summary(c); /* observe-mode inputs (issue 20) */
+    observe_log_summary(c); /* observe-mode inputs */
     run_report_log(ws, c->workers);
     console_stop(console);
     metrics_stop(metrics);
@@ -735,14 +735,14 @@ int main(int argc, char **argv)
     log_configure(strcmp(c->log_format, "json") == 0, c->consumer_id);
     sig_install();
     if (strcmp(o.cmd, "run") == 0 || strcmp(o.cmd, "check-config") == 0) {
-        for (int i = 0; i < c->n_inputs; i++) { /* insecure provider transport (D14) */
+        for (int i = 0; i < c->n_inputs; i++) { /* insecure provider transport */
             char warn[512];
             if (conf_input_insecure(&c->inputs[i], warn, sizeof warn))
                 log_warn("%s", warn);
         }
     }
     if (strcmp(o.cmd, "check-config") == 0) {
-        struct effect_http *h = NULL; /* provider credentials and CA files, issue 9 */
+        struct effect_http *h = NULL; /* provider credentials and CA files */
         if (effect_http_new(c, &h, err, sizeof err) != IDEMQ_OK) {
             fprintf(stderr, "idemq: %s: %s\n", o.config, err);
             rc = EXIT_CONFIG;

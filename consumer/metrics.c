@@ -93,9 +93,9 @@ size_t metrics_render(struct worker *ws, int n, char *buf, size_t len)
         "# TYPE idemq_worker_progress_age_seconds gauge\n"
         "idemq_worker_progress_age_seconds %.3f\n",
         (double)liveness_max_age_ms(ws, n) / 1000.0);
-    if (off < len && n > 0) /* observe-mode inputs (issue 20) */
+    if (off < len && n > 0) /* observe-mode inputs */
         off += observe_metrics_render(ws[0].conf, buf + off, len - off);
-    if (off < len) /* provider intents, refreshed by the reconciler's sweep (issue 9) */
+    if (off < len) /* provider intents, refreshed by the reconciler's sweep */
         off += reconcile_metrics_render(buf + off, len - off);
     return off < len ? off : len - 1;
 }
@@ -105,7 +105,7 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
                               size_t *upload_len, void **state)
 {
     struct metrics_server *m = cls;
-    char buf[32768]; /* the provider gauges add lines per input (issue 9) */
+    char buf[32768]; /* the provider gauges add lines per input */
     size_t len = 0;
     unsigned status = MHD_HTTP_OK;
     struct MHD_Response *r;
@@ -137,7 +137,7 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
                 break;
             }
         }
-        if (status == MHD_HTTP_OK) { /* issue 18: a relay that does not drain */
+        if (status == MHD_HTTP_OK) { /* a relay that does not drain */
             char why[300];
             if (gauges_outbox_stuck(m->g, why, sizeof why)) {
                 len = (size_t)snprintf(buf, sizeof buf, "not ready: %s\n", why);

@@ -144,10 +144,10 @@ int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
         goto out;
     }
     if (PQntuples(job) == 0 && PQntuples(tl) == 0) {
-        /* an application's emit may name a key idemq never consumed (issue 18) */
+        /* an application's emit may name a key idemq never consumed */
         if (ledger_outbox_print_key(db, key, out) > 0)
             goto out;
-        /* or an observe-mode input saw it without claiming it (issue 20) */
+        /* or an observe-mode input saw it without claiming it */
         if (observe_show(db, key, out) > 0)
             goto out;
         fprintf(out, "no job, attempt or park with key %s\n", ops_text(&a, key));
@@ -173,10 +173,10 @@ int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
         fprintf(out, "  %s  %s\n", ops_tval(&a, tl, i, 0), ops_tval(&a, tl, i, 1));
     if (PQntuples(job) == 1 && !PQgetisnull(job, 0, 7))
         fprintf(out, "result: %s\n", ops_tval(&a, job, 0, 7));
-    resolve_show(db, key, out); /* provider intent and resolutions (issue 9) */
-    ledger_outbox_print_key(db, key, out); /* messages its effect emitted (issue 18) */
-    groups_show(db, key, out);  /* redrive count and operator actions (issue 20) */
-    observe_show(db, key, out); /* observed only, and its observations (issue 20) */
+    resolve_show(db, key, out); /* provider intent and resolutions */
+    ledger_outbox_print_key(db, key, out); /* messages its effect emitted */
+    groups_show(db, key, out);  /* redrive count and operator actions */
+    observe_show(db, key, out); /* observed only, and its observations */
 out:
     PQclear(job);
     PQclear(tl);
@@ -215,7 +215,7 @@ struct dead_view {
     long long died_at;  /* broker-made: x-death time (epoch s), else -1 */
     long count;         /* broker-made: x-death count */
     json_t *death;      /* broker-made: the newest x-death entry, else NULL */
-    bool refused;       /* its origin header names a queue of no input (issue 8) */
+    bool refused;       /* its origin header names a queue of no input */
     bool not_redrivable; /* its park does not hold the whole message */
 };
 
@@ -455,7 +455,7 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
             if (brc)
                 rc = brc;
         }
-        /* issue 18: parked outbox rows have no input and no error class */
+        /* parked outbox rows have no input and no error class */
         int n_outbox = f->input || f->error_class
                            ? 0
                            : ledger_outbox_print_parked(db, f->key, f->since, f->limit, out);

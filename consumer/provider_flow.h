@@ -1,5 +1,5 @@
 /*
- * provider_flow: the per-job state machine of provider inputs (issue 9), the
+ * provider_flow: the per-job state machine of provider inputs, the
  * part of a worker that turns a decoded delivery into provider calls and,
  * for each job, exactly one decision for the worker. It owns the worker's
  * effect_http engine and the jobs between their first transaction and their

@@ -91,7 +91,7 @@ void provider_run_take(struct provider_run *pr, PGconn *db, struct job *jobs, in
         struct pending *p;
         if (j->input < 0 || j->input >= pr->c->n_inputs ||
             !CONF_INPUT_PROVIDER(&pr->c->inputs[j->input]) ||
-            CONF_INPUT_OBSERVE(&pr->c->inputs[j->input]) || /* no provider call (issue 20) */
+            CONF_INPUT_OBSERVE(&pr->c->inputs[j->input]) || /* no provider call */
             job_decode(j, &pr->c->inputs[j->input]) != IDEMQ_OK) {
             if (w != i) { /* keep it in the batch: compact */
                 struct job tmp = jobs[w];

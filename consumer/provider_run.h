@@ -1,5 +1,5 @@
 /*
- * provider_run: a worker's share of provider inputs (issue 9). It owns the
+ * provider_run: a worker's share of provider inputs. It owns the
  * deliveries handed to provider_flow, each kept whole (a retry or park
  * republishes it) until the flow decides it, turns decisions into settle
  * plans (settle.h) for the worker to carry out, and on worker 0 the

@@ -1,5 +1,5 @@
 /*
- * reconcile: the reconciler of provider intents (issue 9). Intents left
+ * reconcile: the reconciler of provider intents. Intents left
  * pending (no answer recorded before their lease ran out) or unknown/waiting
  * for longer than provider.reconcile_after_s past their due time are looked
  * up at the provider (by idempotency key while the provider keeps it, else

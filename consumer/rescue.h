@@ -1,5 +1,5 @@
 /*
- * rescue: the consumer side of retry copies (issue 12). A retry waits on a
+ * rescue: the consumer side of retry copies. A retry waits on a
  * broker delay bucket, and the bucket's copy can be lost (a classic bucket
  * dead-letters at most once; a bucket can be purged or deleted). The ledger
  * keeps each retrying job's message (idemq.retry_copies); between batches a

@@ -1,7 +1,7 @@
 /*
  * resolve: `idemq resolve -c FILE KEY (--applied REF | --not-applied |
  * --discard) --reason TEXT`, the operator's one command for settling a
- * parked provider key by hand (issue 9), and the provider part of `idemq
+ * parked provider key by hand, and the provider part of `idemq
  * jobs show` (the intent, its requests and its resolutions). Every
  * resolution records the OS user and the reason, durably, in
  * idemq.resolutions and in the key's attempt history.

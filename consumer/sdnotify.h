@@ -1,5 +1,5 @@
 /*
- * sdnotify: systemd integration of `idemq run` (Type=notify, issue 11),
+ * sdnotify: systemd integration of `idemq run` (Type=notify),
  * through libsystemd's sd_notify. A supervisor thread sends READY=1 once
  * every worker consumes, STATUS= lines (readiness, or why not, and the
  * counts), WATCHDOG=1 every half WatchdogSec while every worker makes

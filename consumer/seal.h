@@ -1,6 +1,6 @@
 /*
  * seal: the HMAC-SHA256 that proves a redrive is idemq's or its operator's
- * (review D9). idemq seals what it puts on a dead-letter copy (key,
+ *. idemq seals what it puts on a dead-letter copy (key,
  * generation, park id: x-idemq-seal) and what `idemq redrive` adds (who:
  * x-idemq-redrive-seal); a delivery carrying x-idemq-generation without a
  * valid x-idemq-seal is a forged redrive (parked, never applied), and

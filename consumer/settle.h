@@ -56,7 +56,7 @@ struct plan {
     int outcome;     /* enum ledger_outcome of the job's claim */
     int held_lane;   /* isolating: the lane a SETTLE_HOLD job held, else 0 */
     bool key_reuse;  /* its key is applied with another body (counted) */
-    int observed;    /* observe mode (issue 20): its enum observe_outcome, 0 = applied
+    int observed;    /* observe mode: its enum observe_outcome, 0 = applied
                       * mode; such a plan is SETTLE_ACK */
     int observe_code; /* observe mode: the would-park code (idemq_err_t), 0 = none */
 };

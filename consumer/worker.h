@@ -43,7 +43,7 @@ struct worker {
     const struct conf *conf;
     int until_idle_ms; /* > 0: return once no delivery came for this long */
     struct worker_stats stats;
-    /* throughput (issue 5): set gate after worker_init to share one rate
+    /* throughput: set gate after worker_init to share one rate
      * limit; the rest is written by the worker, read after it returned. */
     struct rate_gate *gate;         /* shared by all workers; NULL = no limit */
     struct latency_hist latency;    /* delivery -> ack of every acked delivery */
@@ -57,7 +57,7 @@ struct worker {
     atomic_int ready;   /* 1 while consuming; 0 while paused or connecting */
     pthread_mutex_t lock; /* guards status */
     char status[512];   /* why not ready */
-    /* liveness (issue 11): CLOCK_MONOTONIC ms of the worker's last progress
+    /* liveness: CLOCK_MONOTONIC ms of the worker's last progress
      * (a poll or frame read, a commit, a reconnect attempt or backoff step);
      * read by GET /live and the systemd watchdog */
     atomic_llong progress_ms;

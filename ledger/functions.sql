@@ -484,7 +484,7 @@ BEGIN
         (p_meta->>'acquired_count')::integer, p_consumer,
         CASE WHEN p_park THEN NULL ELSE p_delay_ms END);
     IF NOT p_park THEN
-        -- issue 12: the message stays in the ledger until the retry came
+        -- the message stays in the ledger until the retry came
         -- back (ledger/functions_rescue.sql)
         PERFORM idemq.keep_retry_copy(p_key, v_gen, p_attempt, p_queue, p_exchange,
                                       p_routing_key, p_body, p_headers, p_properties);

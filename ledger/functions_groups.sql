@@ -1,4 +1,4 @@
--- idemq failure groups (issue 20), part of the repeatable function text
+-- idemq failure groups, part of the repeatable function text
 -- (applied by every `idemq migrate` when the text changed).
 
 -- The reason of a park with what varies from message to message masked, so

@@ -1,4 +1,4 @@
--- idemq operator functions (issue 11), part of the repeatable function text
+-- idemq operator functions, part of the repeatable function text
 -- (applied by every `idemq migrate` when the text changed).
 
 -- A message the broker dead-lettered into <queue>.dead on its own (a quorum

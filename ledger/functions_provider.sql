@@ -1,4 +1,4 @@
--- idemq ledger functions, part 3: provider effects (issue 9). Applied with
+-- idemq ledger functions, part 3: provider effects. Applied with
 -- functions.sql and functions_batch.sql as one text by every `idemq migrate`
 -- (same rules: CREATE OR REPLACE; a result type change needs a DROP first).
 -- Every function pins search_path; an input's SQL effect, called from
@@ -1066,7 +1066,7 @@ BEGIN
     VALUES (p_key, p_action, CASE WHEN p_action = 'applied' THEN p_ref END, v_state, p_by,
             p_reason);
     -- Settled for good (applied, or discarded): the key's open parks move to
-    -- idemq.park_history and age out with the history (issue 10). A park
+    -- idemq.park_history and age out with the history. A park
     -- resolved as not_applied stays open: it waits for its redrive.
     IF p_action IN ('applied', 'discard') THEN
         PERFORM idemq.close_park(p.id, 'resolved ' || p_action || ': ' || p_reason, p_by)

@@ -1,4 +1,4 @@
--- idemq ledger functions, part 3 (issue 12): retry copies and their rescue.
+-- idemq ledger functions, part 3: retry copies and their rescue.
 -- Applied together with functions.sql and functions_batch.sql as one text
 -- by every `idemq migrate` (see ledger/embed_sql.cmake); the same rules
 -- hold. Every function pins its search_path.

@@ -1,4 +1,4 @@
--- idemq ledger functions, part 2: the ledger lifecycle (issue 10). Applied
+-- idemq ledger functions, part 2: the ledger lifecycle. Applied
 -- with functions.sql as one text by every
 -- `idemq migrate`; same rules (CREATE OR REPLACE, search_path pinned to
 -- pg_catalog, idemq, every name schema-qualified).

@@ -173,7 +173,7 @@ static void add_meta(struct ledger_doc *d, const struct job *j, const struct con
         adds(d, ",\"message_id\":");
         add_cstring(d, j->message_id);
     }
-    if (j->meta_extra) { /* issue 19: a Celery task's facts */
+    if (j->meta_extra) { /* a Celery task's facts */
         adds(d, ",\"celery\":");
         adds(d, j->meta_extra);
     }
@@ -189,7 +189,7 @@ void ledger_doc_add_job(struct ledger_doc *d, const struct job *j, const struct 
 
     adds(d, d->n++ ? ",{\"k\":" : "{\"k\":");
     add_cstring(d, j->key);
-    /* a Celery task's effect is its route's (issue 19), else the input's */
+    /* a Celery task's effect is its route's, else the input's */
     snprintf(num, sizeof num, ",\"i\":%d,\"q\":", (j->effect >= 0 ? j->effect : input_idx) + 1);
     adds(d, num);
     add_cstring(d, in->queue);

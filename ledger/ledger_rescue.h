@@ -1,5 +1,5 @@
 /*
- * ledger_rescue: the ledger side of retry copies (issue 12). A job waiting
+ * ledger_rescue: the ledger side of retry copies. A job waiting
  * for a retry on a broker delay bucket keeps its message in
  * idemq.retry_copies (written by idemq.record_failure); this module runs one
  * rescuer pass's transaction around the publishing the caller does: take the

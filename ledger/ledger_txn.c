@@ -56,7 +56,7 @@ static char *resolve_effects(PGconn *db, const struct conf *c, char *errbuf, siz
         return NULL;
     }
     strcpy(out, "{");
-    /* the inputs' own effects, then (issue 19) every Celery task route, in
+    /* the inputs' own effects, then every Celery task route, in
      * the order conf gave their indexes (struct conf_celery_route.effect) */
     for (int i = 0, n = c->n_inputs + c->n_routes, ri = 0, rk = 0; i < n; i++) {
         const char *params[1];

@@ -132,7 +132,7 @@ struct ledger_observed {
 };
 
 /*
- * Inside txn. Observe mode (issue 20): for jobs[0..n) of observe-mode
+ * Inside txn. Observe mode: for jobs[0..n) of observe-mode
  * inputs, decoded or not, decides what apply mode would do without running
  * any effect (idemq.observe_batch: claims new keys as applied by the
  * consumer running beside idemq, records each delivery in

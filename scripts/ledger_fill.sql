@@ -1,4 +1,4 @@
--- scripts/ledger_fill.sql: the pre-fill of scripts/ledger-fill (issue 21).
+-- scripts/ledger_fill.sql: the pre-fill of scripts/ledger-fill.
 -- Loaded into a migrated ledger; writes, with generated SQL and no broker,
 -- the rows idemq itself would have written for N settled keys spread over
 -- the past days, in chunks of its own transactions (a procedure that

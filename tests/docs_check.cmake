@@ -1,5 +1,5 @@
 # tests/docs_check.cmake: the committed reference pages against their one
-# source each (issue 20), run with cmake -P:
+# source each, run with cmake -P:
 #   config/SETTINGS.md, config/idemq.cfg.5  from the settings table (config/conf.c)
 #   consumer/idemq.1                        from consumer/idemq.1.in and `idemq --help`
 # -DMODE=check  (ctest docs_current): fail, with a diff, when a committed file

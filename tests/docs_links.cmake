@@ -1,5 +1,5 @@
 # tests/docs_links.cmake: the README and the folder docs hold together
-# (issue 20), run with cmake -P by the ctest docs_links:
+#, run with cmake -P by the ctest docs_links:
 #   - every relative Markdown link ([text](path) or [text](path#anchor)) in
 #     README.md and in the Markdown files of the source folders (every
 #     top-level folder but hidden ones and build trees: build*) points at a

@@ -1,4 +1,4 @@
--- Example effect for a provider input (issue 9): after the payments provider
+-- Example effect for a provider input: after the payments provider
 -- confirmed a payout, idemq calls idemq_demo.record_provider_payout(key,
 -- payload, meta) in the same transaction that marks the job applied, with
 -- the provider's answer in meta.provider. It records the payout and the

@@ -1,4 +1,4 @@
--- The Celery demo effect (issue 19, config/celery.cfg): task shop.charge
+-- The Celery demo effect (config/celery.cfg): task shop.charge
 -- with kwargs {order_id, amount_minor} records one charge per order and
 -- returns it; the Celery client reads that as the task's result. A charge
 -- without an amount is a permanent error (22023): parked, answered FAILURE.

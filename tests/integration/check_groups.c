@@ -1,5 +1,5 @@
 /*
- * Integration tests of failure groups (issue 20): `idemq parked groups`
+ * Integration tests of failure groups: `idemq parked groups`
  * (fingerprint, masking, counts) and `idemq parked redrive|discard|archive`
  * by group (dry runs, the actions end to end, their records in
  * idemq.operator_actions and in `jobs show`). Real RabbitMQ and PostgreSQL

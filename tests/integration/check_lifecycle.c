@@ -1,5 +1,5 @@
 /*
- * Integration tests of the ledger lifecycle (issue 10): the dedup window
+ * Integration tests of the ledger lifecycle: the dedup window
  * (a replay inside it is a duplicate, after it as documented), pruning that
  * never removes an unsettled key, the archive (still readable, exported with
  * checksums that verify), retention (older history gone, newer complete),
@@ -533,7 +533,7 @@ static void lose_partitions(PGconn *c)
 }
 
 /* 6. Maintenance resumes after falling behind while a writer inserts into
- * the current slot (D2): no call fails (the slot still receiving inserts is
+ * the current slot: no call fails (the slot still receiving inserts is
  * not attached), each call moves at most its batch bound of the backlog,
  * repeated calls catch up, partitions exist from the next slot boundary on,
  * and no row is lost. */
@@ -618,7 +618,7 @@ START_TEST(test_maintenance_catches_up_under_inserts)
 }
 END_TEST
 
-/* 7. One failing step does not stop the others (D2): a row that arrives in
+/* 7. One failing step does not stop the others: a row that arrives in
  * a past slot while its rows move (forced here by a trigger on the default
  * partition) makes that slot's ATTACH fail with 23514; the call still
  * archives, reports the failure, and the next call moves the late row and
@@ -695,7 +695,7 @@ START_TEST(test_maintenance_step_failure_reported)
 END_TEST
 
 /* 8. The background paths of `run` and the archive commands under the role
- * of `idemq migrate --grant` (D7): maintenance in `run` creates partitions
+ * of `idemq migrate --grant`: maintenance in `run` creates partitions
  * and moves rows (as the ledger's owner, through idemq.maintain), and
  * `archive export` reads the archive and records the export; no 42501. */
 START_TEST(test_grant_role_maintenance_and_archive)

@@ -1,4 +1,4 @@
-/* Issue 9's end-to-end tests 1-10: provider inputs through `idemq run` with
+/* The provider's end-to-end tests 1-10: provider inputs through `idemq run` with
  * a real RabbitMQ, PostgreSQL and idemq-test-provider (the worker loop
  * drives consumer/provider_flow). */
 #include <check.h>
@@ -289,7 +289,7 @@ START_TEST(test9_non_idempotent_resolve)
 }
 END_TEST
 
-/* 11. Test 6 under the role of `idemq migrate --grant` (D7): the reconciler
+/* 11. Test 6 under the role of `idemq migrate --grant`: the reconciler
  * of `run` settles the stale intent through idemq's functions, and `run`
  * logs no 42501. */
 START_TEST(test11_sweep_in_run_grant_role)
@@ -462,7 +462,7 @@ static long wait_requests(long want, int ms)
 #define APPLIED_LIKE "SELECT count(*) FROM idemq.jobs WHERE key LIKE $1 || '%' AND state = 'applied'"
 #define EFFECTS_LIKE "SELECT count(*) FROM idemq_test.effects WHERE key LIKE $1 || '%'"
 
-/* 11 (D6). A broker reconnect while calls are in flight: the calls go on,
+/* 11. A broker reconnect while calls are in flight: the calls go on,
  * their answers are recorded, the redeliveries settle with them. Each
  * charge once, one request each, no unknown outcome, no lease expired. */
 START_TEST(test11_broker_reconnect_keeps_calls)
@@ -504,7 +504,7 @@ START_TEST(test11_broker_reconnect_keeps_calls)
 }
 END_TEST
 
-/* 12 (D13). SIGTERM with provider jobs queued behind max_in_flight: only
+/* 12. SIGTERM with provider jobs queued behind max_in_flight: only
  * the calls in flight are awaited; the queued jobs go back to the broker
  * unclaimed. After a restart every job is applied once, and no intent ever
  * had its lease expire. */
@@ -550,7 +550,7 @@ START_TEST(test12_stop_drain_starts_nothing)
 }
 END_TEST
 
-/* 13 (D11). Transaction 1 waited so long (here: on another session's
+/* 13. Transaction 1 waited so long (here: on another session's
  * uncommitted claim of the key) that little of its lease is left when the
  * request would leave: it is not sent, and that is recorded at once (the
  * intent stays certain, not an unknown outcome at the lease's end); the
@@ -631,7 +631,7 @@ int main(void)
     tcase_add_test(tc, test11_sweep_in_run_grant_role);
     tcase_add_test(tc, test10_demo);
     suite_add_tcase(s, tc);
-    /* calls in flight across a reconnect and a stop (issue 16: D6, D13) */
+    /* calls in flight across a reconnect and a stop */
     tc = tcase_create("in_flight");
     tcase_set_timeout(tc, itest_ms(240));
     tcase_add_test(tc, test11_broker_reconnect_keeps_calls);

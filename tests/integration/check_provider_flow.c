@@ -1,4 +1,4 @@
-/* Provider effects (issue 9) below the worker loop: consumer/provider_flow,
+/* Provider effects below the worker loop: consumer/provider_flow,
  * the reconciler's sweep and idemq resolve against a real PostgreSQL and the
  * real idemq-test-provider, driven by a broker-less stand-in for the
  * worker: a decision RETRY or WAIT "redelivers" the job after its delay. */
@@ -1184,7 +1184,7 @@ START_TEST(test_gauges_promtool)
 }
 END_TEST
 
-/* D1: a 4xx to the resend of an uncertain request proves nothing about the
+/* a 4xx to the resend of an uncertain request proves nothing about the
  * first one: the key parks as unknown_outcome (not rejected), stays
  * uncertain, and a redrive after the provider's key window is refused
  * instead of starting a new window (a second charge). */
@@ -1224,7 +1224,7 @@ START_TEST(test_4xx_after_unknown_stays_uncertain)
 }
 END_TEST
 
-/* D8: a redrive of a parked provider key closes its open park (moved to
+/* a redrive of a parked provider key closes its open park (moved to
  * idemq.park_history, like a SQL key's), so parked list no longer shows an
  * applied key. */
 START_TEST(test_redrive_closes_park)
@@ -1252,7 +1252,7 @@ START_TEST(test_redrive_closes_park)
 }
 END_TEST
 
-/* D15: a second, different reference while the intent is confirmed (two
+/* a second, different reference while the intent is confirmed (two
  * requests answered, the local effect not committed yet) never replaces
  * the first: it is recorded as a CHECK THE PROVIDER alarm. */
 START_TEST(test_second_reference_while_confirmed)
@@ -1296,7 +1296,7 @@ START_TEST(test_second_reference_while_confirmed)
 }
 END_TEST
 
-/* D12: a 409 proves a request under the key is in progress: the intent
+/* a 409 proves a request under the key is in progress: the intent
  * becomes uncertain. */
 START_TEST(test_409_makes_uncertain)
 {
@@ -1325,7 +1325,7 @@ START_TEST(test_409_makes_uncertain)
 }
 END_TEST
 
-/* D12: a lookup 404 cannot clear uncertainty while a request of the
+/* a lookup 404 cannot clear uncertainty while a request of the
  * generation may still be in flight (younger than its lease plus the call's
  * timeout); once older, it can (and the request goes out again, same key). */
 START_TEST(test_lookup_404_young_request_stays_uncertain)
@@ -1364,7 +1364,7 @@ START_TEST(test_lookup_404_young_request_stays_uncertain)
 }
 END_TEST
 
-/* D4: values from the wire or the config that do not fit a parameter:
+/* values from the wire or the config that do not fit a parameter:
  * a Retry-After of 30 days parks provider_rate_limited (not a database
  * error); a reference longer than 255 bytes is a bad response, parked with
  * the answer kept, never cut. */
@@ -1405,7 +1405,7 @@ START_TEST(test_oversized_wire_values)
 }
 END_TEST
 
-/* D4: a deadline more than 24.8 days ahead (reconcile_after_s up to 30
+/* a deadline more than 24.8 days ahead (reconcile_after_s up to 30
  * days) does not overflow the step's delay. */
 START_TEST(test_far_deadline_delay)
 {
@@ -1441,7 +1441,7 @@ START_TEST(test_far_deadline_delay)
 }
 END_TEST
 
-/* D5: the provider's reference is durable before the local effect runs: a
+/* the provider's reference is durable before the local effect runs: a
  * statement timeout (57014) or an ASSERT (P0004) in the effect, which
  * PL/pgSQL's WHEN OTHERS does not catch, keeps the reference recorded; a
  * transient one retries only the effect (no new request), a permanent one
@@ -1539,7 +1539,7 @@ static enum ledger_outcome sql_copy(const char *key, char *code, size_t codelen)
     return out;
 }
 
-/* D10: a key held by a provider job is not a SQL input's to apply: the SQL
+/* a key held by a provider job is not a SQL input's to apply: the SQL
  * copy is a key_conflict (the provider job untouched, no effect); and the
  * reconciler never turns a job applied by another input back into a
  * provider state (parked key_conflict, nothing sent). */

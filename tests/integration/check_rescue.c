@@ -1,5 +1,5 @@
 /*
- * Integration tests of the retry path's loss windows (issue 12): the delay
+ * Integration tests of the retry path's loss windows: the delay
  * buckets of a quorum input are quorum queues that dead-letter at least
  * once, and a retry whose bucket copy is lost is published again from the
  * ledger's retry copy (consumer/rescue.c), by one replica at a time. Real
@@ -185,7 +185,7 @@ static void drop_role(struct itest *t, const char *role)
     itest_sql(t, sql);
 }
 
-/* 2b. The same under the least-privilege role of `migrate --grant` (D7):
+/* 2b. The same under the least-privilege role of `migrate --grant`:
  * the rescuer takes, publishes and records the copy through idemq's
  * functions (it may not write retry_copies or retry_rescues itself). */
 START_TEST(test_rescue_lost_copy_grant_role)
@@ -297,7 +297,7 @@ START_TEST(test_rescue_waits_for_backlog)
 }
 END_TEST
 
-/* D3: the rescuer publishes the ledger's copy to the default exchange;
+/* the rescuer publishes the ledger's copy to the default exchange;
  * a producer's CC/BCC header on it must not copy the job into the
  * unrelated queue it names (checked with basic.get). */
 START_TEST(test_rescue_ignores_cc)
@@ -344,7 +344,7 @@ int main(void)
     tcase_add_test(tc, test_rescue_one_at_a_time);
     tcase_add_test(tc, test_rescue_waits_for_backlog);
     suite_add_tcase(s, tc);
-    /* what a producer's headers must not reach (issue 16) */
+    /* what a producer's headers must not reach */
     tc = tcase_create("producers");
     tcase_set_timeout(tc, itest_ms(120));
     tcase_add_test(tc, test_rescue_ignores_cc);

@@ -342,7 +342,7 @@ START_TEST(test_shovel_redrive)
 }
 END_TEST
 
-/* D3: a producer's CC/BCC header (sender-selected distribution) never
+/* a producer's CC/BCC header (sender-selected distribution) never
  * steers a publish made with idemq's credentials: the retry copy in the
  * delay bucket and the dead-letter copy carry neither, and `idemq redrive`
  * of a dead-letter copy that does (one a producer or the broker put there)
@@ -429,7 +429,7 @@ START_TEST(test_cc_header_never_steers)
 }
 END_TEST
 
-/* D16: a producer's AMQP timestamp of 0, 2^63 or more, or far ahead is no
+/* a producer's AMQP timestamp of 0, 2^63 or more, or far ahead is no
  * timestamp: a new key carrying one is applied, not parked as outside the
  * dedup window (and the sanitizer build does not abort on the age). A
  * plausible timestamp older than the window still parks. */
@@ -473,7 +473,7 @@ START_TEST(test_implausible_timestamp_is_absent)
 }
 END_TEST
 
-/* S6: a running consumer follows a change of the ledger's dedup window
+/* a running consumer follows a change of the ledger's dedup window
  * (idemq migrate writing idemq.retention) without reconnecting, as
  * pruning does: a replay older than the new, shorter window parks as
  * outside_dedup_window. The window is restored afterwards. */
@@ -537,7 +537,7 @@ START_TEST(test_window_change_followed)
 }
 END_TEST
 
-/* D9: a producer cannot redrive a parked key: the same body with
+/* a producer cannot redrive a parked key: the same body with
  * x-idemq-generation (and a made-up x-idemq-redriven-by, or a made-up
  * x-idemq-seal) is parked as forged_redrive and not applied; the key stays
  * parked in its generation. The sealed dead-letter copy, redriven by
@@ -741,7 +741,7 @@ START_TEST(test_missing_effect_function)
     ck_assert_int_eq(itest_queue_ready(&t, t.name), 5);
     /* it says so on /ready */
     ck_assert_int_eq(itest_http_get(url, body, sizeof body), 503);
-    /* tersely (D18); why is in the log */
+    /* tersely; why is in the log */
     ck_assert_msg(strcmp(body, "not ready\n") == 0, "%s", body);
     ck_assert_msg(itest_count_lines(log, "does not exist") > 0, "log %s", log);
     snprintf(sql, sizeof sql,
@@ -926,7 +926,7 @@ int main(void)
     tcase_add_test(tc, test_quorum_queue);
     tcase_add_test(tc, test_non_utf8_routing_key);
     suite_add_tcase(s, tc);
-    /* what a producer's headers and properties must not reach (issue 16) */
+    /* what a producer's headers and properties must not reach */
     tc = tcase_create("producers");
     tcase_set_timeout(tc, itest_ms(180));
     tcase_add_test(tc, test_cc_header_never_steers);

@@ -1,5 +1,5 @@
 /*
- * Integration test of idemq's threads working at once (issue 12): four
+ * Integration test of idemq's threads working at once: four
  * worker threads sharing the rate gate, the metrics thread answering
  * /metrics and /ready all the while, duplicates, retries and parks in the
  * mix. In the plain build it checks the counters stay consistent under

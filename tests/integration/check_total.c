@@ -1,5 +1,5 @@
 /*
- * Integration tests of the total worker loop (issue 8): no message,
+ * Integration tests of the total worker loop: no message,
  * database answer or broker event stops a worker or loses a delivery. Each
  * test reproduces one finding against the real RabbitMQ and PostgreSQL and
  * the real idemq binary (see itest.h); each failed before its fix.
@@ -1167,7 +1167,7 @@ START_TEST(test_repark_unconfirmed)
 }
 END_TEST
 
-/* ---- deploys that take the effect away (issue 16) ---- */
+/* ---- deploys that take the effect away ---- */
 
 enum deploy_fault {
     DEPLOY_DROP_PLAIN,     /* DROP FUNCTION + CREATE another signature; jobs arrive meanwhile */
@@ -1396,7 +1396,7 @@ START_TEST(test_deploy_drop_table)
 }
 END_TEST
 
-/* ---- server notices go through the logger (issue 16, Operations) ---- */
+/* ---- server notices go through the logger ---- */
 
 /* Effect idemq_test.<name>_fx: RAISE NOTICE and WARNING whose text holds a
  * newline followed by what would be a forged line. */
@@ -1508,7 +1508,7 @@ START_TEST(test_notice_logged)
 }
 END_TEST
 
-/* ---- two copies of a parking key (issue 16, Operations; review S7) ---- */
+/* ---- two copies of a parking key ---- */
 
 /*
  * Two copies of one key on two workers: the first parks it while the
@@ -1547,7 +1547,7 @@ START_TEST(test_repark_race)
 }
 END_TEST
 
-/* ---- jobs show labels an adopted intent certain (issue 16, Operations) ---- */
+/* ---- jobs show labels an adopted intent certain ---- */
 
 /*
  * An intent whose outcome was unknown and whose reference the provider
@@ -1588,7 +1588,7 @@ START_TEST(test_jobs_show_adopted)
 }
 END_TEST
 
-/* ---- broker permissions (issue 16, Operations) ---- */
+/* ---- broker permissions ---- */
 
 /* Runs `scripts/services ctl ARGS` (rabbitmqctl on the test node). */
 static void ctl(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

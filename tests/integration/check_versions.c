@@ -1,5 +1,5 @@
 /*
- * check_versions: what changed in RabbitMQ 4 (issue 17), against the
+ * check_versions: what changed in RabbitMQ 4, against the
  * servers of scripts/services IDEMQ_RABBITMQ=4.0. On another broker version
  * (IDEMQ_SERVER_RABBITMQ of the env file) every case is skipped with a
  * message and the program passes, except for the cases that need no 4.x

@@ -71,7 +71,7 @@ BEGIN
 END
 $fn$;
 
--- Celery inputs (issue 19, check_celery): the effect of task shop.charge
+-- Celery inputs (check_celery): the effect of task shop.charge
 -- records the call and returns a result the Python client reads back;
 -- shop.refuse raises a permanent error (22023) and is parked.
 CREATE OR REPLACE FUNCTION idemq_test.celery_charge(p_key text, p_payload jsonb, p_meta jsonb)

@@ -94,7 +94,7 @@ START_TEST(test_defaults_and_derived)
     ck_assert_str_eq(c->inputs[0].queue_type, "classic");
     ck_assert_str_eq(c->inputs[0].effect_signature, "public.apply_payout(text,jsonb,jsonb)");
     ck_assert_ptr_nonnull(strchr(c->consumer_id, ':'));
-    /* operations (issue 11): safe defaults */
+    /* operations: safe defaults */
     ck_assert_str_eq(c->tls_ca_file, "/etc/ssl/certs/ca-certificates.crt");
     ck_assert(!c->tls_verify_off);
     ck_assert(!c->topology_passive);
@@ -192,7 +192,7 @@ START_TEST(test_redact)
 }
 END_TEST
 
-/* S8: password= after any blank libpq accepts (tab, newline, ...), a
+/* password= after any blank libpq accepts (tab, newline, ...), a
  * "://" inside a key=value value, and provider.url with user:password in
  * check-config and in its error message. */
 START_TEST(test_redact_blanks_and_provider_url)
@@ -547,7 +547,7 @@ START_TEST(test_metrics_listen)
 }
 END_TEST
 
-/* console (issue 20): off by default, the same listen rule, never the
+/* console: off by default, the same listen rule, never the
  * metrics address; the sample config has it on loopback. */
 START_TEST(test_console_listen)
 {
@@ -660,7 +660,7 @@ START_TEST(test_print_roundtrip)
 }
 END_TEST
 
-/* Provider inputs (issue 9): defaults, booleans, an optional effect_function,
+/* Provider inputs: defaults, booleans, an optional effect_function,
  * and a check-config print that is itself a valid config. */
 START_TEST(test_provider_settings)
 {
@@ -709,7 +709,7 @@ START_TEST(test_provider_settings)
 }
 END_TEST
 
-/* check-config's consumer-timeout warning (issue 17): a delivery waits for
+/* check-config's consumer-timeout warning: a delivery waits for
  * the batches (or provider calls) before it; past RabbitMQ's consumer
  * timeout (30 min by default) the broker cancels the consumer. */
 START_TEST(test_consumer_timeout_warning)
@@ -781,7 +781,7 @@ START_TEST(test_sample_documents_every_key)
 }
 END_TEST
 
-/* D14: plaintext and unverified provider transport. http:// is refused
+/* plaintext and unverified provider transport. http:// is refused
  * unless the host is loopback or provider.allow_plaintext says so; what is
  * accepted is reported by conf_input_insecure (a warning at start and in
  * check-config) without the URL's userinfo. */
@@ -850,7 +850,7 @@ START_TEST(test_provider_transport)
 }
 END_TEST
 
-/* mode (issue 20): apply by default; observe sets the derived flag */
+/* mode: apply by default; observe sets the derived flag */
 START_TEST(test_observe_mode)
 {
     struct conf *c = NULL;
@@ -867,7 +867,7 @@ START_TEST(test_observe_mode)
 }
 END_TEST
 
-/* Celery inputs (issue 19): routes get effect indexes after every input's
+/* Celery inputs: routes get effect indexes after every input's
  * own, key sources of their own, and a check-config print that loads. */
 START_TEST(test_celery_settings)
 {

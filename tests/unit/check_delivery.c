@@ -322,7 +322,7 @@ START_TEST(test_deep_headers_in_frame)
 }
 END_TEST
 
-/* D16: a wire timestamp of 2^63 or more is kept as its 64 bits (it goes
+/* a wire timestamp of 2^63 or more is kept as its 64 bits (it goes
  * back out unchanged on copies) and reads as no timestamp, without a
  * signed overflow anywhere (the sanitizer build aborts on one). */
 START_TEST(test_timestamp_out_of_range)

@@ -500,7 +500,7 @@ START_TEST(test_tls_verification)
 }
 END_TEST
 
-/* S1: "possibly sent" is decided from whether the transfer began, never
+/* "possibly sent" is decided from whether the transfer began, never
  * from the byte counters: a first write of 0 bytes (EAGAIN) leaves
  * CURLINFO_REQUEST_SIZE at 0 while the request goes out later. */
 START_TEST(test_failure_class_conservative)
@@ -528,7 +528,7 @@ START_TEST(test_failure_class_conservative)
 }
 END_TEST
 
-/* D4: a Retry-After never exceeds what the ledger takes (int4 ms), in
+/* a Retry-After never exceeds what the ledger takes (int4 ms), in
  * either form, however large; the provider's 429 end to end too. */
 START_TEST(test_retry_after_clamped)
 {
@@ -586,7 +586,7 @@ static long wait_requests(long want, int ms)
     return n;
 }
 
-/* D11: the request leaves at submit, not at the next poll (the caller may
+/* the request leaves at submit, not at the next poll (the caller may
  * be busy for seconds before it polls); and a bounded call never outlives
  * its budget, or is refused unsent when too little of it is left. */
 START_TEST(test_sent_at_submit_and_bounded)

@@ -302,7 +302,7 @@ START_TEST(test_body_buffer_reuse)
 }
 END_TEST
 
-/* D16: a producer's AMQP timestamp counts only when it is plausible: on or
+/* a producer's AMQP timestamp counts only when it is plausible: on or
  * after 2000-01-01 and at most JOB_TIMESTAMP_FUTURE_S ahead; 0, ancient,
  * far-future and wrapped (>= 2^63, read back negative) values are absent,
  * and the age never overflows. */
@@ -341,7 +341,7 @@ START_TEST(test_timestamp_plausible)
 }
 END_TEST
 
-/* D9: job_decode accepts a redrive header only with idemq's seal over key,
+/* job_decode accepts a redrive header only with idemq's seal over key,
  * generation and park id; x-idemq-redriven-by only with its own seal. */
 START_TEST(test_redrive_seal)
 {
