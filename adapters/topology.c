@@ -157,8 +157,9 @@ static void warn_legacy(const char *name, int broker_limit)
     }
     pthread_mutex_unlock(&legacy_lock);
     if (!seen)
-        log_warn("queue %s was declared without dead-lettering into its .dlx (and, for a "
-                 "quorum queue, without x-delivery-limit) by an older idemq: a delivery idemq "
+        log_warn("queue %s exists without dead-lettering into its .dlx (and, for a quorum "
+                 "queue, without x-delivery-limit), declared by an application, or by an older "
+                 "idemq; it is used as it is: a delivery idemq "
                  "rejects would be dropped, and a quorum queue gets the broker's delivery limit "
                  "(RabbitMQ 4.x: 20, then dropped or dead-lettered); set them with a policy, "
                  "see adapters/README.md \"Quorum delivery limits\"",
