@@ -1,6 +1,7 @@
 /*
  * fuzz_conf: configuration text from anywhere -> conf_load_string (libconfig
- * parse, the settings table, validation) -> conf_print -> conf_free. The
+ * parse, the settings table, validation) -> conf_print, conf_lint (which
+ * stats the files a config names, never reads them) -> conf_free. The
  * environment overrides (IDEMQ_AMQP_URL, IDEMQ_PG_DSN) are unset, so the
  * text alone decides.
  *
@@ -72,6 +73,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                        in->max_body_bytes);
         }
         conf_print(c, devnull);
+        FUZZ_CHECK(conf_lint(c, devnull) >= 0, "conf_lint counted below zero");
         fflush(devnull);
         conf_free(c);
     }
