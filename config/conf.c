@@ -1928,6 +1928,14 @@ static const char *lint_input_at(const struct conf *c, const struct conf_input *
     return buf;
 }
 
+/* True if the file sets key in input in. */
+static bool lint_input_has(const struct conf *c, const struct conf_input *in, const char *key)
+{
+    const config_setting_t *list = c->src ? config_lookup(c->src, "inputs") : NULL;
+    config_setting_t *g = list ? config_setting_get_elem(list, (unsigned)in->index) : NULL;
+    return g && config_setting_lookup(g, key) != NULL;
+}
+
 static void lint_error(FILE *out, int *errors, const char *at, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 static void lint_error(FILE *out, int *errors, const char *at, const char *fmt, ...)
@@ -2157,6 +2165,14 @@ int conf_lint(const struct conf *c, FILE *out)
             lint_error(out, &errors, lint_input_at(c, in, "emits", at, sizeof at),
                        "input %s: emits = true needs outbox.relay = 1: without a relay the "
                        "messages its effect emits are never published", in->name);
+        if (strcmp(in->queue_type, "quorum") != 0 && lint_input_has(c, in, "delivery_limit"))
+            lint_warn(out, lint_input_at(c, in, "delivery_limit", at, sizeof at),
+                      "input %s: delivery_limit applies to quorum queues only; queue_type is "
+                      "\"%s\", so it is ignored", in->name, in->queue_type);
+        if (!CONF_INPUT_PROVIDER(in) && lint_input_has(c, in, "provider"))
+            lint_warn(out, lint_input_at(c, in, "provider", at, sizeof at),
+                      "input %s: the provider group has no url, so the input is no provider "
+                      "input and its provider settings are ignored", in->name);
         if (CONF_INPUT_PROVIDER(in)) {
             lint_file(out, &errors, lint_input_at(c, in, "provider.ca_file", at, sizeof at),
                       "provider.ca_file", in->provider.ca_file, false);

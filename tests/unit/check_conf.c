@@ -371,6 +371,10 @@ START_TEST(test_lint)
          "# warning: <string>:4: input a: routing_key \"pay..eu\" has an empty word", 0},
         {"inputs = ( {\n name = \"a\"; queue = \"q\"; effect_function = \"public.f\";\n"
          " routing_key = \"pay\";\n} );\n", "# warning: <string>:3: input a: routing_key \"pay\" binds nothing", 0},
+        {"inputs = ( {\n name = \"a\"; queue = \"q\"; effect_function = \"public.f\";\n"
+         " delivery_limit = 50;\n} );\n", "# warning: <string>:3: input a: delivery_limit applies to quorum", 0},
+        {"inputs = ( {\n name = \"a\"; queue = \"q\"; effect_function = \"public.f\";\n"
+         " provider: {\n timeout_ms = 5000; }; } );\n", "# warning: <string>:3: input a: the provider group has no url", 0},
         {"inputs = ( {\n name = \"a\"; queue = \"q\"; provider: {\n url = \"https://api.example\";\n"
          " auth_file = \"/nonexistent/auth\"; }; } );\n", "<string>:4: provider.auth_file: /nonexistent/auth", 1},
     };
