@@ -876,6 +876,116 @@ START_TEST(test_consumer_cancelled)
 }
 END_TEST
 
+/* The broker's record of the connections named "idemq <id> worker N"
+ * (from its log under $IDEMQ_STATE_DIR): how many it closed, and how many
+ * of those the client dropped without a close (a connection loss, which
+ * returns every delivery the connection held as a failure). */
+static void worker_closes(const char *id, int *closed, int *lost)
+{
+    char cmd[1024], out[64] = "";
+    FILE *p;
+    snprintf(cmd, sizeof cmd,
+             "cat \"$IDEMQ_STATE_DIR\"/rabbit*/log/*.log 2>/dev/null | awk -v n='- idemq %s "
+             "worker ' '/closing AMQP connection/ && index($0, n) { c[$4] = 1; closed++ } "
+             "/client unexpectedly closed TCP connection/ && ($4 in c) { lost++ } "
+             "END { print closed + 0, lost + 0 }'",
+             id);
+    ck_assert_ptr_nonnull(p = popen(cmd, "r"));
+    ck_assert_ptr_nonnull(fgets(out, sizeof out, p));
+    pclose(p);
+    ck_assert_int_eq(sscanf(out, "%d %d", closed, lost), 2);
+}
+
+/* 4b. The broker cancels one input's consumer (its queue deleted) while
+ * another input's consumer on the same channel (a quorum queue) holds
+ * deliveries: a batch still filling (batch_wait_ms) when the cancel is
+ * read. The worker pauses as for any other reason: the other consumer's
+ * deliveries go back one by one on the open channel, which is then closed,
+ * not through a connection loss (which RabbitMQ 4.3 counts toward the
+ * quorum delivery limit, and a single basic.nack not). */
+START_TEST(test_broker_cancel_gives_back_others)
+{
+    struct itest t;
+    char extra[512], held[128], log[160], err[512], order[1024];
+    struct broker *b;
+    const int n = 5;
+    int st, closed = 0, lost = 0;
+    pid_t pid;
+
+    itest_setup(&t, "bcancel", "idemq_test.record", "", "");
+    snprintf(held, sizeof held, "%s_held", t.name);
+    snprintf(extra, sizeof extra,
+             "}, { name = \"%s\"; exchange = \"%s\"; queue = \"%s\"; routing_key = \"%s\"; "
+             "effect_function = \"idemq_test.record\"; queue_type = \"quorum\";",
+             held, held, held, held);
+    itest_write_config(&t, t.cfg_path, t.name, "idemq_test.record",
+                       "batch_max = 50; batch_wait_ms = 5000;", extra);
+    conf_free(t.conf);
+    ck_assert_msg(conf_load(t.cfg_path, &t.conf, err, sizeof err) == IDEMQ_OK, "%s", err);
+    ck_assert_int_eq(t.conf->n_inputs, 2);
+    ck_assert(broker_open(t.conf, "itest", false, &b, err, sizeof err) == IDEMQ_OK);
+    ck_assert_msg(topology_declare(b, t.conf, &t.conf->inputs[1]) == IDEMQ_OK, "%s",
+                  broker_error(b));
+    broker_close(b);
+    snprintf(log, sizeof log, "/tmp/%s.log", t.name);
+    pid = itest_spawn_log(t.cfg_path, 600, NULL, log);
+    for (int i = 0; i < itest_ms(200) && (itest_queue_consumers(&t, held) < 1 ||
+                                          itest_queue_consumers(&t, t.name) < 1);
+         i++)
+        usleep(50000);
+    ck_assert_int_eq(itest_queue_consumers(&t, held), 1);
+    /* the worker reads these into a batch that waits up to 5 s to fill ... */
+    for (int i = 0; i < n; i++) {
+        char body[256];
+        snprintf(body, sizeof body, "{\"job_id\":\"%s:%d\"}", held, i);
+        itest_publish_to(&t, held, held, body, NULL, NULL);
+    }
+    /* ... when the broker cancels the other input's consumer */
+    ck_assert(broker_open(t.conf, "itest", false, &b, err, sizeof err) == IDEMQ_OK);
+    ck_assert(broker_admin_delete_queue(b, t.name) == IDEMQ_OK);
+    for (int i = 0; i < 100 && sh("grep -q 'broker cancelled consumer' %s", log) != 0; i++)
+        usleep(50000);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE $1 || "
+                                    "':%'",
+                                held),
+                     0);
+    ck_assert_msg(topology_declare(b, t.conf, &t.conf->inputs[0]) == IDEMQ_OK, "%s",
+                  broker_error(b));
+    broker_close(b);
+    for (int i = 0; i < itest_ms(600) && itest_long(&t, "SELECT count(DISTINCT key) FROM "
+                                                        "idemq_test.effects WHERE key LIKE $1 || "
+                                                        "':%'",
+                                                    held) < n;
+         i++)
+        usleep(50000);
+    kill(pid, SIGTERM);
+    st = itest_wait(pid, itest_ms(30000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE $1 || "
+                                    "':%'",
+                                held),
+                     n);
+    itest_text(&t, "SELECT string_agg(coalesce(meta->>'delivery_count', '-') || '/' || "
+                   "(meta->>'redelivered'), ' ' ORDER BY id) FROM idemq_test.effects WHERE key "
+                   "LIKE $1 || ':%'",
+               held, order, sizeof order);
+    /* the worker held them at the pause: they came back */
+    ck_assert_msg(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE $1 || "
+                                 "':%' AND meta->>'redelivered' = 'true'",
+                             held) == n,
+                  "not all returned (delivery count/redelivered: %s)", order);
+    worker_closes(t.name, &closed, &lost);
+    ck_assert_msg(closed >= 2, "the broker logged %d closes of the worker's connections", closed);
+    ck_assert_msg(lost == 0,
+                  "%d of the worker's %d connections were lost, not closed (delivery "
+                  "count/redelivered of the held input's jobs: %s)",
+                  lost, closed, order);
+    unlink(log);
+    itest_delete_topology(&t, &t.conf->inputs[1]);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* 5. The broker's delivery limit of a quorum input, set tiny by policy. */
 START_TEST(test_quorum_delivery_limit)
 {
@@ -1062,6 +1172,12 @@ int main(void)
     tcase_add_test(tc, test_consumer_cancelled);
     tcase_add_test(tc, test_quorum_delivery_limit);
     tcase_add_test(tc, test_legacy_quorum_queue);
+    suite_add_tcase(s, tc);
+    /* a broker-sent basic.cancel (CK_RUN_CASE=cancel runs it alone) */
+    tc = tcase_create("cancel");
+    tcase_set_timeout(tc, itest_ms(120));
+    tcase_add_unchecked_fixture(tc, NULL, continue_postgres);
+    tcase_add_test(tc, test_broker_cancel_gives_back_others);
     suite_add_tcase(s, tc);
     /* what a producer's data must not reach (issue 16) */
     tc = tcase_create("producers");
