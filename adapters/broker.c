@@ -271,10 +271,13 @@ idemq_err_t broker_give_back(struct broker *b, uint64_t failed_tag)
     if (!b || !b->conn || !b->healthy)
         return IDEMQ_ERR_BROKER; /* the channel is gone: the broker has them back */
     /* without memory for the tags, no cancel: the broker may hand out more
-     * before the close (they return with it) */
+     * before the close (they return with it). A single active consumer
+     * (a lane) is never cancelled here: its deliveries go back with the
+     * close, which removes it in the same step (giveback.h). */
     if ((tags = calloc((size_t)b->n_cons + 1, sizeof *tags)))
         for (int i = 0; i < b->n_cons; i++)
-            tags[n++] = b->cons[i].tag;
+            if (b->cons[i].lane < 0)
+                tags[n++] = b->cons[i].tag;
     err = giveback_send(b->conn, CHANNEL, &b->acks, tags, n, failed_tag, &k);
     free(tags);
     if (err) {
@@ -282,8 +285,9 @@ idemq_err_t broker_give_back(struct broker *b, uint64_t failed_tag)
         b->healthy = false;
     }
     drop_stash(b); /* their tags were given back with the others */
-    log_debug("gave back %d deliveries (%d basic.nack, %d basic.reject) after %d acks",
-              k.nacked + k.rejected, k.nacked, k.rejected, k.acked);
+    log_debug("gave back %d deliveries (%d basic.nack, %d basic.reject) after %d acks; %d "
+              "return with the close",
+              k.nacked + k.rejected, k.nacked, k.rejected, k.acked, k.with_close);
     return err;
 }
 
@@ -442,6 +446,8 @@ static idemq_err_t pump_frame(struct broker *b, struct job *j, struct timeval *t
             b->healthy = false; /* dropping the channel gives it back */
             return IDEMQ_ERR_BROKER;
         }
+        if (c->lane >= 0) /* a single active consumer's: returned by the close */
+            (void)acks_mark_with_close(&b->acks, d->delivery_tag);
         if (!dst) {
             if (!(s = calloc(1, sizeof *s))) {
                 set_err(b, "out of memory");
