@@ -13,7 +13,9 @@
  *      the same user cannot run declare;
  *   4. a consumer cancelled by the broker (its queue deleted and declared
  *      again) is noticed at once, readiness says why, consumption resumes
- *      and nothing is applied twice;
+ *      and nothing is applied twice; the deliveries another input's
+ *      consumer held on the same channel go back one by one before a clean
+ *      close, not through a connection loss (4b);
  *   5. a quorum input's broker-side delivery limit (a tiny one, by policy)
  *      dead-letters into <queue>.dead; parked list shows it, redrive moves
  *      it back, it is applied once and jobs show audits it;
