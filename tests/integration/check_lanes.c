@@ -2,7 +2,8 @@
  * Integration tests of ordered lanes: consistent-hash partitions with a
  * single active consumer each, in-place retries that hold only their lane,
  * on_park = hold_key, and the ledger's sequence guard (stale, gap,
- * deferred, drain, report) across replicas, failover and ring changes.
+ * deferred, drain, report) across replicas, failover and ring changes,
+ * and a paused replica's give-back that keeps a standby from overtaking.
  * Real RabbitMQ and PostgreSQL (see itest.h). Sizes: LANES_KEYS (200).
  */
 #include <check.h>
