@@ -65,7 +65,10 @@ static void usage(FILE *out)
             "                              needs and nothing more\n"
             "  migrate --print-grants[-operator|-app] ROLE\n"
             "                              only print those statements (no database needed)\n"
-            "  declare                     declare the exchanges, queues and bindings of the inputs\n"
+            "  declare [--print-permissions]\n"
+            "                              declare the exchanges, queues and bindings of the\n"
+            "                              inputs; or print the rabbitmqctl commands that give\n"
+            "                              the run and operator users their permissions\n"
             "  check-config                validate FILE and print the effective configuration\n"
             "                              (secrets redacted)\n"
             "  publish [--input NAME] [--routing-key KEY]\n"
@@ -128,6 +131,7 @@ struct opts {
     const char *reason;      /* resolve --reason TEXT */
     const char *grant_role[3]; /* migrate --grant[-operator|-app] ROLE, by ledger_grants_kind */
     const char *print_role[3]; /* migrate --print-grants[-operator|-app] ROLE */
+    bool print_permissions; /* declare --print-permissions */
     const char *dir; /* archive export/verify */
     bool all;        /* archive export */
     const char *now; /* maintain */
@@ -157,7 +161,8 @@ enum {
     OPT_GRANT_OPERATOR,
     OPT_GRANT_APP,
     OPT_PRINT_OPERATOR,
-    OPT_PRINT_APP
+    OPT_PRINT_APP,
+    OPT_PRINT_PERMISSIONS
 };
 
 /* parked redrive, discard or archive (issue 20) */
@@ -183,6 +188,7 @@ static int parse_args(int argc, char **argv, struct opts *o)
         {"grant-app", required_argument, NULL, OPT_GRANT_APP},
         {"print-grants-operator", required_argument, NULL, OPT_PRINT_OPERATOR},
         {"print-grants-app", required_argument, NULL, OPT_PRINT_APP},
+        {"print-permissions", no_argument, NULL, OPT_PRINT_PERMISSIONS},
         /* ledger lifecycle (issue 10): archive and maintain */
         {"dir", required_argument, NULL, OPT_DIR}, {"all", no_argument, NULL, OPT_ALL},
         {"now", required_argument, NULL, OPT_NOW},
@@ -219,6 +225,7 @@ static int parse_args(int argc, char **argv, struct opts *o)
         case OPT_GRANT_APP: o->grant_role[LEDGER_GRANTS_APP] = optarg; break;
         case OPT_PRINT_OPERATOR: o->print_role[LEDGER_GRANTS_OPERATOR] = optarg; break;
         case OPT_PRINT_APP: o->print_role[LEDGER_GRANTS_APP] = optarg; break;
+        case OPT_PRINT_PERMISSIONS: o->print_permissions = true; break;
         case OPT_DIR: o->dir = optarg; break;
         case OPT_ALL: o->all = true; break;
         case OPT_NOW: o->now = optarg; break;
@@ -335,6 +342,10 @@ static int parse_args(int argc, char **argv, struct opts *o)
                 return -1;
             }
         }
+        if (o->print_permissions && strcmp(o->cmd, "declare") != 0) {
+            fprintf(stderr, "idemq: --print-permissions goes with declare\n");
+            return -1;
+        }
         if ((grants || prints) && strcmp(o->cmd, "migrate") != 0) {
             fprintf(stderr, "idemq: --grant and --print-grants go with migrate\n");
             return -1;
@@ -412,6 +423,58 @@ static int cmd_migrate(const struct conf *c, const char *const grant_role[3],
     }
     PQfinish(db);
     return EXIT_OK;
+}
+
+/* s single-quoted for a POSIX shell into buf. */
+static const char *shell_quote(const char *s, char *buf, size_t len)
+{
+    size_t o = 0;
+    buf[o++] = '\'';
+    for (; *s && o + 6 < len; s++) {
+        if (*s == '\'') {
+            memcpy(buf + o, "'\\''", 4);
+            o += 4;
+        } else {
+            buf[o++] = *s;
+        }
+    }
+    buf[o++] = '\'';
+    buf[o] = '\0';
+    return buf;
+}
+
+/* declare --print-permissions: the broker users of consumer/OPERATIONS.md
+ * "Roles and permissions" for the inputs of c. No broker needed. */
+static int cmd_print_permissions(const struct conf *c)
+{
+    static const char *const users[] = {"idemq", "idemq-operator"};
+    static const char *const what[] = {
+        "# idemq run (topology.verify = \"passive\"): no configure, no write on amq.default;\n"
+        "# add to its write permission each exchange the effects' idemq.emit names\n",
+        "# the operator: idemq declare, parked list, redrives (writes amq.default: keep it\n"
+        "# out of the daemon's environment)\n",
+    };
+    enum { PERM_MAX = 8192 };
+    char *buf = malloc(6 * PERM_MAX);
+    int rc = EXIT_OK;
+    if (!buf)
+        return EXIT_RUNTIME;
+    for (int u = 0; u < 2 && rc == EXIT_OK; u++) {
+        char *cf = buf, *wr = buf + PERM_MAX, *rd = buf + 2 * PERM_MAX;
+        char *q1 = buf + 3 * PERM_MAX, *q2 = buf + 4 * PERM_MAX, *q3 = buf + 5 * PERM_MAX;
+        if (!topology_permissions(c, u == 0 ? TOPOLOGY_USER_RUN : TOPOLOGY_USER_OPERATOR, cf,
+                                  wr, rd, PERM_MAX / 4 - 1)) {
+            log_error("declare --print-permissions: the names of the inputs do not fit");
+            rc = EXIT_RUNTIME;
+            break;
+        }
+        printf("%srabbitmqctl add_user %s '...'\n"
+               "rabbitmqctl set_permissions -p / %s %s %s %s\n",
+               what[u], users[u], users[u], shell_quote(cf, q1, PERM_MAX),
+               shell_quote(wr, q2, PERM_MAX), shell_quote(rd, q3, PERM_MAX));
+    }
+    free(buf);
+    return rc;
 }
 
 static int cmd_declare(const struct conf *c)
@@ -716,7 +779,7 @@ int main(int argc, char **argv)
     } else if (strcmp(o.cmd, "migrate") == 0) {
         rc = cmd_migrate(c, o.grant_role, o.print_role);
     } else if (strcmp(o.cmd, "declare") == 0) {
-        rc = cmd_declare(c);
+        rc = o.print_permissions ? cmd_print_permissions(c) : cmd_declare(c);
     } else if (strcmp(o.cmd, "publish") == 0) {
         rc = cmd_publish(c, o.input, o.routing_key);
     } else if (strcmp(o.cmd, "jobs") == 0) {
