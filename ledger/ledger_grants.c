@@ -42,7 +42,8 @@ static const char *ident(const char *s, char *buf, size_t len)
  * parked list/groups/redrive/discard/archive, redrive, resolve, reconcile,
  * maintain, archive export, observe report); every overload of each. */
 static const char operator_functions[] =
-    "'job_info', 'key_history', 'key_batches', 'key_attempts', 'key_outbox', "
+    "'job_info', 'key_history', 'key_batches', 'key_attempts', 'key_outbox', 'park_group', "
+    "'mask_reason', "
     "'adopt_dead_letter', 'ops_close_parks', 'close_park', "
     "'provider_answer_text', 'provider_resolve', 'provider_sweep', 'provider_result', "
     "'provider_confirmed', 'provider_effect_failed', 'provider_gauges', 'provider_latency', "

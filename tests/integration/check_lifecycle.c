@@ -1002,5 +1002,7 @@ int main(void)
     tcase_add_test(tc, test_v3_upgrade);
     tcase_add_test(tc, test_outbox_sent_ages_out);
     suite_add_tcase(s, tc);
+    /* least-privilege mode (scripts/test): these again, as the deployment's roles */
+    itest_lp_tcase(s, (const TTest *const[]){test_dedup_window, test_archive_and_retention, NULL});
     return check_run(s);
 }

@@ -324,5 +324,7 @@ int main(void)
     tcase_add_test(tc, test_observe_then_apply);
     tcase_add_test(tc, test_observe_provider_input);
     suite_add_tcase(s, tc);
+    /* least-privilege mode (scripts/test): these again, as the deployment's roles */
+    itest_lp_tcase(s, (const TTest *const[]){test_observe_then_apply, NULL});
     return check_run(s);
 }
