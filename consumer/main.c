@@ -418,8 +418,8 @@ static int cmd_migrate(const struct conf *c, const char *const grant_role[3],
             return rc;
         }
         printf("%s %s role %s %s; no INSERT, UPDATE, DELETE or DDL\n",
-               created ? "created" : "existing", ledger_grants_kind_name((enum ledger_grants_kind)k),
-               grant_role[k], granted[k]);
+               created ? "created" : "existing",
+               ledger_grants_kind_name((enum ledger_grants_kind)k), grant_role[k], granted[k]);
     }
     PQfinish(db);
     return EXIT_OK;
