@@ -254,6 +254,25 @@ void itest_lp_permit(const struct conf *c)
     }
 }
 
+void itest_lp_permit_emit(const char *exchange)
+{
+    char re[600], user[128];
+    size_t o = 0;
+    if (!itest_lp())
+        return;
+    re[o++] = '^';
+    for (const char *p = exchange; *p && o + 4 < sizeof re; p++) {
+        if (strchr(".^$*+?()[]{}|\\", *p))
+            re[o++] = '\\';
+        re[o++] = *p;
+    }
+    re[o++] = '$';
+    re[o] = '\0';
+    lp_union(lp_given[0][1], re);
+    lp_url_user(lp_url(1), user, sizeof user);
+    lp_put_permissions(user, "^$", lp_given[0][1], lp_given[0][2][0] ? lp_given[0][2] : "^$");
+}
+
 /* The roles, by the project's command (as the owner): run's grants follow
  * the config's effects, which a test may create after itest_setup, so
  * this runs before each idemq process a test starts. */

@@ -56,6 +56,11 @@ void itest_lp_tcase(Suite *s, const TTest *const *tests);
 /* In LP mode: the broker users' permissions for the inputs of c (a config a
  * test wrote itself; itest_setup does it for its own). */
 void itest_lp_permit(const struct conf *c);
+/* In LP mode: the run user may also write exchange, one an effect's or an
+ * application's idemq.emit names (the outbox relay publishes there, as
+ * consumer/OPERATIONS.md "Roles and permissions" says); call it after
+ * itest_setup, before the run starts. */
+void itest_lp_permit_emit(const char *exchange);
 /* "topology: { verify = \"passive\"; };" in LP mode, else "": for configs
  * a test writes itself. */
 const char *itest_lp_topology(void);
