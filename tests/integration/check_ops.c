@@ -1167,6 +1167,136 @@ START_TEST(test_resolve_shell_quote)
 }
 END_TEST
 
+/* dsn of IDEMQ_PG_DSN with user= replaced by role */
+static void dsn_as(const char *role, char *dsn, size_t len)
+{
+    char *u;
+    snprintf(dsn, len, "%s", getenv("IDEMQ_PG_DSN"));
+    u = strstr(dsn, "user=");
+    ck_assert_ptr_nonnull(u);
+    snprintf(u, len - (size_t)(u - dsn), "user=%s", role);
+}
+
+/* An application that emits to the outbox has USAGE on schema idemq and
+ * EXECUTE on idemq.emit. That must not let it read any key's story or
+ * result (job_info, key_history, key_batches, key_attempts, key_outbox) or
+ * run maintenance: every other function of the schema is closed to it. */
+START_TEST(test_application_role_reads_nothing)
+{
+    struct itest t;
+    char role[128], sql[512], dsn[512], out[4096];
+    static const char *const denied[] = {
+        "SELECT * FROM idemq.job_info('k')",
+        "SELECT * FROM idemq.key_history('k')",
+        "SELECT * FROM idemq.key_attempts('k')",
+        "SELECT * FROM idemq.key_batches('k', now(), 1)",
+        "SELECT * FROM idemq.key_outbox('k')",
+        "SELECT idemq.maintain('intruder', 10)",
+        "SELECT * FROM idemq.ledger_settings()",
+        "SELECT count(*) FROM idemq.jobs",
+    };
+    PGconn *db;
+    PGresult *r;
+
+    itest_setup(&t, "app", "idemq_test.record", "", "");
+    /* by hand, as an application that emits used to be given it; then by
+     * idemq migrate --grant-app, which also creates the role */
+    for (int way = 0; way < 2; way++) {
+        snprintf(role, sizeof role, "%s_app%d", t.name, way);
+        if (way == 0) {
+            snprintf(sql, sizeof sql,
+                     "CREATE ROLE %s LOGIN; GRANT USAGE ON SCHEMA idemq TO %s; "
+                     "GRANT EXECUTE ON FUNCTION idemq.emit(text, text, text, jsonb, text, text) "
+                     "TO %s; "
+                     "GRANT EXECUTE ON FUNCTION idemq.emit(text, text, bytea, jsonb, text, text) "
+                     "TO %s",
+                     role, role, role, role);
+            itest_sql(&t, sql);
+        } else {
+            snprintf(sql, sizeof sql, "migrate --grant-app %s", role);
+            ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+            ck_assert_msg(strstr(out, "created app role") != NULL, "%s", out);
+        }
+        snprintf(sql, sizeof sql,
+                 "SELECT count(*) FROM pg_proc WHERE pronamespace = 'idemq'::regnamespace "
+                 "AND proname <> 'emit' AND has_function_privilege('%s', oid, 'EXECUTE')",
+                 role);
+        ck_assert_int_eq(itest_long(&t, sql, NULL), 0);
+
+        dsn_as(role, dsn, sizeof dsn);
+        db = PQconnectdb(dsn);
+        ck_assert_msg(PQstatus(db) == CONNECTION_OK, "%s", PQerrorMessage(db));
+        for (size_t i = 0; i < sizeof denied / sizeof denied[0]; i++) {
+            r = PQexec(db, denied[i]);
+            ck_assert_msg(PQresultStatus(r) == PGRES_FATAL_ERROR, "allowed: %s", denied[i]);
+            ck_assert_str_eq(PQresultErrorField(r, PG_DIAG_SQLSTATE), "42501");
+            PQclear(r);
+        }
+        /* and it can emit, through the COMMIT (the outbox's deferred trigger) */
+        snprintf(sql, sizeof sql,
+                 "BEGIN; SELECT idemq.emit('x', 'rk', '{}'::text, NULL, '%s:app'); COMMIT",
+                 t.name);
+        r = PQexec(db, sql);
+        ck_assert_msg(PQresultStatus(r) == PGRES_COMMAND_OK, "%s", PQerrorMessage(db));
+        PQclear(r);
+        PQfinish(db);
+        snprintf(sql, sizeof sql, "DELETE FROM idemq.outbox WHERE order_key = '%s:app'", t.name);
+        itest_sql(&t, sql);
+        snprintf(sql, sizeof sql, "DROP OWNED BY %s; DROP ROLE %s", role, role);
+        itest_sql(&t, sql);
+    }
+    itest_teardown(&t);
+}
+END_TEST
+
+/* The operator role of idemq migrate --grant-operator reads a key's story,
+ * and cannot write the ledger, apply a batch or emit. */
+START_TEST(test_operator_role)
+{
+    struct itest t;
+    char role[128], sql[512], dsn[512], out[8192];
+    static const char *const denied[] = {
+        "UPDATE idemq.jobs SET state = 'applied' WHERE false",
+        "INSERT INTO idemq.operator_actions SELECT * FROM idemq.operator_actions WHERE false",
+        "SELECT idemq.emit('x', 'rk', '{}'::text)",
+        "SELECT * FROM idemq.apply_batch(NULL::text[], NULL::jsonb, NULL::text)",
+        "CREATE TABLE idemq.intruder (i int)",
+    };
+    PGconn *db;
+    PGresult *r;
+
+    itest_setup(&t, "opr", "idemq_test.record", "", "");
+    snprintf(role, sizeof role, "%s_op", t.name);
+    snprintf(sql, sizeof sql, "migrate --print-grants-operator %s", role);
+    ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "'job_info'") && !strstr(out, "GRANT INSERT") &&
+                      !strstr(out, "ALL FUNCTIONS"),
+                  "%s", out);
+    snprintf(sql, sizeof sql, "migrate --grant-operator %s", role);
+    ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "created operator role") != NULL, "%s", out);
+    /* a second time: the role exists */
+    ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "existing operator role") != NULL, "%s", out);
+    dsn_as(role, dsn, sizeof dsn);
+    db = PQconnectdb(dsn);
+    ck_assert_msg(PQstatus(db) == CONNECTION_OK, "%s", PQerrorMessage(db));
+    r = PQexec(db, "SELECT * FROM idemq.job_info('k'), idemq.key_history('k')");
+    ck_assert_msg(PQresultStatus(r) == PGRES_TUPLES_OK, "%s", PQerrorMessage(db));
+    PQclear(r);
+    for (size_t i = 0; i < sizeof denied / sizeof denied[0]; i++) {
+        r = PQexec(db, denied[i]);
+        ck_assert_msg(PQresultStatus(r) == PGRES_FATAL_ERROR, "allowed: %s", denied[i]);
+        ck_assert_str_eq(PQresultErrorField(r, PG_DIAG_SQLSTATE), "42501");
+        PQclear(r);
+    }
+    PQfinish(db);
+    snprintf(sql, sizeof sql, "DROP OWNED BY %s; DROP ROLE %s", role, role);
+    itest_sql(&t, sql);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("ops");
@@ -1192,6 +1322,12 @@ int main(void)
     tcase_set_timeout(tc, itest_ms(120));
     tcase_add_test(tc, test_operator_output_escaped);
     tcase_add_test(tc, test_resolve_shell_quote);
+    suite_add_tcase(s, tc);
+    /* the roles of a deployment */
+    tc = tcase_create("roles");
+    tcase_set_timeout(tc, itest_ms(60));
+    tcase_add_test(tc, test_application_role_reads_nothing);
+    tcase_add_test(tc, test_operator_role);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
