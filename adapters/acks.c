@@ -46,6 +46,7 @@ idemq_err_t acks_received(struct acks *a, uint64_t tag)
     }
     a->v[a->head + a->n].tag = tag;
     a->v[a->head + a->n].state = ACKS_UNSETTLED;
+    a->v[a->head + a->n].with_close = false;
     a->n++;
     a->last_tag = tag;
     return IDEMQ_OK;
@@ -77,6 +78,21 @@ static bool mark(struct acks *a, uint64_t tag, enum acks_state st)
 bool acks_settle(struct acks *a, uint64_t tag) { return mark(a, tag, ACKS_SETTLED); }
 
 bool acks_gone(struct acks *a, uint64_t tag) { return mark(a, tag, ACKS_GONE); }
+
+bool acks_mark_with_close(struct acks *a, uint64_t tag)
+{
+    long i = find(a, tag);
+    if (i < 0)
+        return false;
+    a->v[i].with_close = true;
+    return true;
+}
+
+bool acks_with_close(const struct acks *a, uint64_t tag)
+{
+    long i = find(a, tag);
+    return i >= 0 && a->v[i].with_close;
+}
 
 bool acks_state_of(const struct acks *a, uint64_t tag, enum acks_state *out)
 {

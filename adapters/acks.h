@@ -31,6 +31,7 @@ enum acks_state {
 struct acks_entry {
     uint64_t tag;
     enum acks_state state;
+    bool with_close; /* unsettled, it goes back only with the channel's close */
 };
 
 struct acks {
@@ -67,6 +68,16 @@ bool acks_gone(struct acks *a, uint64_t tag);
 /* Forgets tag (and, when multiple, every earlier outstanding tag): for
  * acks, nacks or rejects a caller sent itself. */
 void acks_drop(struct acks *a, uint64_t tag, bool multiple);
+
+/*
+ * Marks a registered delivery as one that, unsettled, goes back to its
+ * queue only with the channel's close, never with a frame of its own (a
+ * single-active-consumer queue's: see giveback.h). False if tag is not
+ * outstanding.
+ */
+bool acks_mark_with_close(struct acks *a, uint64_t tag);
+/* Whether tag is outstanding and marked so. */
+bool acks_with_close(const struct acks *a, uint64_t tag);
 
 /* State of a tag; false if it is not outstanding. */
 bool acks_state_of(const struct acks *a, uint64_t tag, enum acks_state *out);

@@ -49,6 +49,8 @@ struct broker {
     amqp_connection_state_t conn;
     bool healthy;
     bool read_wedged; /* an undecodable message: the connection can still send */
+    bool cancelled;   /* the broker cancelled a consumer: no more reads; the channel can
+                       * still give the other consumers' deliveries back and close */
     bool confirms;
     char err[512];
     struct consumer *cons;
@@ -148,6 +150,7 @@ static idemq_err_t open_channel(struct broker *b)
     acks_reset(&b->acks);
     b->n_cons = 0;
     b->healthy = true;
+    b->cancelled = false;
     return IDEMQ_OK;
 }
 
@@ -271,10 +274,13 @@ idemq_err_t broker_give_back(struct broker *b, uint64_t failed_tag)
     if (!b || !b->conn || !b->healthy)
         return IDEMQ_ERR_BROKER; /* the channel is gone: the broker has them back */
     /* without memory for the tags, no cancel: the broker may hand out more
-     * before the close (they return with it) */
+     * before the close (they return with it). A single active consumer
+     * (a lane) is never cancelled here: its deliveries go back with the
+     * close, which removes it in the same step (giveback.h). */
     if ((tags = calloc((size_t)b->n_cons + 1, sizeof *tags)))
         for (int i = 0; i < b->n_cons; i++)
-            tags[n++] = b->cons[i].tag;
+            if (b->cons[i].lane < 0)
+                tags[n++] = b->cons[i].tag;
     err = giveback_send(b->conn, CHANNEL, &b->acks, tags, n, failed_tag, &k);
     free(tags);
     if (err) {
@@ -282,8 +288,9 @@ idemq_err_t broker_give_back(struct broker *b, uint64_t failed_tag)
         b->healthy = false;
     }
     drop_stash(b); /* their tags were given back with the others */
-    log_debug("gave back %d deliveries (%d basic.nack, %d basic.reject) after %d acks",
-              k.nacked + k.rejected, k.nacked, k.rejected, k.acked);
+    log_debug("gave back %d deliveries (%d basic.nack, %d basic.reject) after %d acks; %d "
+              "return with the close",
+              k.nacked + k.rejected, k.nacked, k.rejected, k.acked, k.with_close);
     return err;
 }
 
@@ -402,7 +409,7 @@ static idemq_err_t pump_frame(struct broker *b, struct job *j, struct timeval *t
     amqp_frame_t frame;
     int rc;
 
-    if (!b->healthy || b->read_wedged)
+    if (!b->healthy || b->read_wedged || b->cancelled)
         return IDEMQ_ERR_BROKER;
     /* Frames an RPC read ahead (deliveries that came while a passive
      * declare waited for its answer) live in the channel pools: releasing
@@ -442,6 +449,8 @@ static idemq_err_t pump_frame(struct broker *b, struct job *j, struct timeval *t
             b->healthy = false; /* dropping the channel gives it back */
             return IDEMQ_ERR_BROKER;
         }
+        if (c->lane >= 0) /* a single active consumer's: returned by the close */
+            (void)acks_mark_with_close(&b->acks, d->delivery_tag);
         if (!dst) {
             if (!(s = calloc(1, sizeof *s))) {
                 set_err(b, "out of memory");
@@ -511,10 +520,21 @@ static idemq_err_t pump_frame(struct broker *b, struct job *j, struct timeval *t
         return IDEMQ_ERR_BROKER;
     }
     case AMQP_BASIC_CANCEL_METHOD: {
+        /* One consumer is gone (its queue deleted, a consumer timeout, a
+         * quorum leader moving); the channel is not. The caller pauses as
+         * for any other reason: the give-back returns the other consumers'
+         * deliveries one by one on the open channel, not with a connection
+         * loss (which RabbitMQ 4.3 counts toward a delivery limit). */
         amqp_basic_cancel_t *m = frame.payload.method.decoded;
+        const struct consumer *c = find_consumer(b, m->consumer_tag);
         set_err(b, "broker cancelled consumer %.*s (queue deleted or failed over)",
                 (int)m->consumer_tag.len, (char *)m->consumer_tag.bytes);
-        b->healthy = false;
+        if (c) { /* not cancelled again by the give-back */
+            int i = (int)(c - b->cons);
+            memmove(&b->cons[i], &b->cons[i + 1], (size_t)(b->n_cons - i - 1) * sizeof *c);
+            b->n_cons--;
+        }
+        b->cancelled = true;
         return IDEMQ_ERR_BROKER;
     }
     case AMQP_BASIC_CANCEL_OK_METHOD:

@@ -4,6 +4,7 @@
  */
 #include "giveback.h"
 
+#include <stdbool.h>
 #include <string.h>
 
 idemq_err_t giveback_send(amqp_connection_state_t conn, amqp_channel_t ch, struct acks *a,
@@ -28,13 +29,20 @@ idemq_err_t giveback_send(amqp_connection_state_t conn, amqp_channel_t ch, struc
         k.acked++;
     }
     /* What is left is unsettled (or gone, which acks_next skips): give each
-     * back on its own, lowest tag first. */
+     * back on its own, lowest tag first, except a single active consumer's,
+     * which the channel's close returns. */
     while (acks_outstanding(a)) {
         uint64_t tag = acks_first_unsettled(a);
+        bool with_close;
         int rc;
         if (!tag)
             break;
+        with_close = acks_with_close(a, tag);
         acks_drop(a, tag, false);
+        if (with_close) {
+            k.with_close++;
+            continue;
+        }
         if (tag == failed_tag) {
             rc = amqp_basic_reject(conn, ch, tag, 1);
             k.rejected++;

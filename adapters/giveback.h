@@ -12,7 +12,8 @@
  * idemq held (a prefetch worth, a lane's held jobs) with a failure each time
  * idemq pauses for contention, a database outage or a drain. So, in this
  * order, on the open channel:
- *   1. basic.cancel (nowait) of each consumer: nothing new is handed out;
+ *   1. basic.cancel (nowait) of each consumer the caller names: nothing new
+ *      is handed out to it;
  *   2. the acks of settled deliveries (the caller's tracker, acks.h);
  *   3. one frame per unsettled delivery, never `multiple`:
  *      basic.reject(requeue) for the one delivery whose own attempt failed
@@ -21,6 +22,17 @@
  *      single) for every other (returned for idemq's reasons: no count).
  * On 3.x and 4.0-4.2 both frames count, as the close did. A delivery still
  * on the wire when the cancel reached the broker returns with the close.
+ *
+ * Single-active-consumer queues (ordered lanes) are the exception: their
+ * consumers are not cancelled and their unsettled deliveries (marked with
+ * acks_mark_with_close) get no frame; they go back with the channel's
+ * close. Cancelling such a consumer activates the next waiting consumer (a
+ * standby replica) at once, which then takes the later messages while the
+ * returned earlier ones wait behind them; a return before the cancel goes
+ * straight back to the still-active consumer. Only the close returns the
+ * deliveries and removes the consumer in one step, so the standby starts
+ * with the earliest message. On 4.3 that close counts toward the limit for
+ * each held lane delivery.
  *
  * API: giveback_send (pure over a librabbitmq-c connection state: the unit
  * test runs it on a socketpair and reads the frames).
@@ -35,15 +47,17 @@
 #include "idemq_err.h"
 
 struct giveback_counts {
-    int cancelled; /* basic.cancel frames */
-    int acked;     /* basic.ack frames */
-    int nacked;    /* basic.nack(requeue, single) frames */
-    int rejected;  /* basic.reject(requeue) frames: 0 or 1 */
+    int cancelled;  /* basic.cancel frames */
+    int acked;      /* basic.ack frames */
+    int nacked;     /* basic.nack(requeue, single) frames */
+    int rejected;   /* basic.reject(requeue) frames: 0 or 1 */
+    int with_close; /* unsettled deliveries left to the channel's close */
 };
 
 /*
- * Sends steps 1-3 above on channel ch for the n_tags consumer tags and the
- * deliveries tracked in a (emptied: every tag is settled or given back).
+ * Sends steps 1-3 above on channel ch for the n_tags consumer tags (those
+ * to cancel: not a single active consumer's) and the deliveries tracked in
+ * a (emptied: every tag is settled, given back, or left to the close).
  * failed_tag 0: none failed. IDEMQ_OK, or IDEMQ_ERR_BROKER at the first
  * frame that could not be sent (the rest return with the connection).
  * *counts (may be NULL) says what was sent.

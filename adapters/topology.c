@@ -38,6 +38,97 @@ void topology_partition_queue(const struct conf_input *in, int k, char *buf, siz
     snprintf(buf, len, "%s.p%d", in->queue, k);
 }
 
+/* Appends "|" (unless first) and s, regex-escaped unless raw, to buf. */
+static bool perm_add(char *buf, size_t len, const char *s, bool raw)
+{
+    size_t o = strlen(buf);
+    if (o > 2 && o + 1 < len) /* after "^(" */
+        buf[o++] = '|';
+    for (; *s; s++) {
+        if (o + 2 >= len)
+            return false;
+        if (!raw && strchr(".^$*+?()[]{}|\\", *s))
+            buf[o++] = '\\';
+        buf[o++] = *s;
+    }
+    buf[o] = '\0';
+    return true;
+}
+
+/* Adds name + suffix (suffix is a regex) to buf. */
+static bool perm_add_suffixed(char *buf, size_t len, const char *name, const char *suffix)
+{
+    if (!perm_add(buf, len, name, false))
+        return false;
+    /* the "|" of perm_add went before name; suffix follows it directly */
+    if (strlen(buf) + strlen(suffix) + 1 > len)
+        return false;
+    strcat(buf, suffix);
+    return true;
+}
+
+static bool perm_close(char *buf, size_t len)
+{
+    if (strlen(buf) == 2) { /* nothing: match no name */
+        snprintf(buf, len, "^$");
+        return true;
+    }
+    if (strlen(buf) + 3 > len)
+        return false;
+    strcat(buf, ")$");
+    return true;
+}
+
+#define UUID_RE "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+
+bool topology_permissions(const struct conf *c, enum topology_user who, char *configure,
+                          char *write, char *read, size_t len)
+{
+    bool ok = len > 8, celery = false;
+    if (!ok)
+        return false;
+    snprintf(configure, len, "^(");
+    snprintf(write, len, "^(");
+    snprintf(read, len, "^(");
+    for (int i = 0; i < c->n_inputs && ok; i++) {
+        const struct conf_input *in = &c->inputs[i];
+        bool parts = CONF_INPUT_ORDERED(in);
+        celery = celery || in->celery;
+        if (who == TOPOLOGY_USER_RUN) {
+            if (!parts)
+                ok = ok && perm_add_suffixed(write, len, in->queue, "\\.retry");
+            ok = ok && perm_add_suffixed(write, len, in->queue, "\\.dlx");
+            ok = ok && perm_add_suffixed(read, len, in->queue, parts ? "\\.p[0-9]+" : "");
+            continue;
+        }
+        /* the operator: every object of the input */
+        for (int k = 0; k < 3 && ok; k++) {
+            char *b = k == 0 ? configure : k == 1 ? write : read;
+            ok = ok &&
+                 perm_add_suffixed(b, len, in->queue,
+                                   "(\\.p[0-9]+|\\.retry(\\.[0-9]+)?|\\.dlx|\\.dead)?");
+            if (in->exchange[0] && strcmp(in->exchange, in->queue) != 0)
+                ok = ok && perm_add(b, len, in->exchange, false);
+        }
+    }
+    if (celery && ok) {
+        if (who == TOPOLOGY_USER_RUN) {
+            ok = perm_add(write, len, TOPOLOGY_CELERY_REPLIES, false) &&
+                 perm_add(write, len, UUID_RE, true) &&
+                 perm_add(read, len, TOPOLOGY_CELERY_REPLIES, false);
+        } else {
+            for (int k = 0; k < 3 && ok; k++)
+                ok = perm_add(k == 0 ? configure : k == 1 ? write : read, len,
+                              TOPOLOGY_CELERY_REPLIES, false);
+        }
+    }
+    if (who == TOPOLOGY_USER_OPERATOR && ok)
+        ok = perm_add(write, len, "amq.default", false);
+    if (who == TOPOLOGY_USER_RUN)
+        snprintf(configure, len, "^(");
+    return ok && perm_close(configure, len) && perm_close(write, len) && perm_close(read, len);
+}
+
 long topology_clamp_delay(const struct conf *c, long delay_ms)
 {
     if (delay_ms > c->max_delay_ms)

@@ -79,6 +79,26 @@ idemq_err_t topology_declare(struct broker *b, const struct conf *c,
 idemq_err_t topology_verify(struct broker *b, const struct conf *c, const struct conf_input *in,
                             char *errbuf, size_t errlen) IDEMQ_MUSTCHECK;
 
+/*
+ * The RabbitMQ permissions (configure, write, read: anchored regular
+ * expressions, rabbitmqctl set_permissions) of a deployment's two broker
+ * users for the inputs of c:
+ * - TOPOLOGY_USER_RUN, `idemq run` with topology.verify = passive: no
+ *   configure; write on each input's <queue>.retry and <queue>.dlx (and,
+ *   with a Celery input, the replies exchange idemq.celery.replies and the
+ *   UUID-named reply queues it binds); read on its work queue(s) (and the
+ *   replies exchange). Never amq.default. Exchanges idemq.emit names are
+ *   not in the config: the caller adds them.
+ * - TOPOLOGY_USER_OPERATOR, `idemq declare`, `parked list` and the
+ *   redrives: configure, write and read on every object of the inputs, and
+ *   write on amq.default (a redrive goes to its origin queue by name).
+ * False if a regular expression does not fit len. Pure.
+ */
+enum topology_user { TOPOLOGY_USER_RUN, TOPOLOGY_USER_OPERATOR };
+#define TOPOLOGY_CELERY_REPLIES "idemq.celery.replies"
+bool topology_permissions(const struct conf *c, enum topology_user who, char *configure,
+                          char *write, char *read, size_t len);
+
 /* True if queue (may be NULL) is one of in's own queues: its queue, or one
  * of its partition queues for a partitioned input. */
 bool topology_is_input_queue(const struct conf_input *in, const char *queue);

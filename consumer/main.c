@@ -59,11 +59,17 @@ static void usage(FILE *out)
             "commands:\n"
             "  run [--until-idle SECONDS]  consume and apply jobs (until stopped, or until no\n"
             "                              delivery arrived for SECONDS)\n"
-            "  migrate [--grant ROLE | --print-grants ROLE]\n"
+            "  migrate [--grant ROLE] [--grant-operator ROLE] [--grant-app ROLE]\n"
             "                              apply the ledger schema migrations (idempotent);\n"
-            "                              then grant ROLE what `run` needs and nothing more,\n"
-            "                              or only print those GRANTs (no database needed)\n"
-            "  declare                     declare the exchanges, queues and bindings of the inputs\n"
+            "                              then create each ROLE if missing and grant it what\n"
+            "                              `run`, an operator or an application that emits\n"
+            "                              needs and nothing more\n"
+            "  migrate --print-grants[-operator|-app] ROLE\n"
+            "                              only print those statements (no database needed)\n"
+            "  declare [--print-permissions]\n"
+            "                              declare the exchanges, queues and bindings of the\n"
+            "                              inputs; or print the rabbitmqctl commands that give\n"
+            "                              the run and operator users their permissions\n"
             "  check-config [--online]     validate FILE and print the effective configuration\n"
             "                              (secrets redacted) and what needs the servers to\n"
             "                              check; --online checks that too: the ledger, the\n"
@@ -127,8 +133,9 @@ struct opts {
     const char *resolution;  /* resolve: applied, not_applied or discard */
     const char *reference;   /* resolve --applied REF */
     const char *reason;      /* resolve --reason TEXT */
-    const char *grant_role; /* migrate --grant ROLE */
-    const char *print_role; /* migrate --print-grants ROLE */
+    const char *grant_role[3]; /* migrate --grant[-operator|-app] ROLE, by ledger_grants_kind */
+    const char *print_role[3]; /* migrate --print-grants[-operator|-app] ROLE */
+    bool print_permissions; /* declare --print-permissions */
     const char *dir; /* archive export/verify */
     bool all;        /* archive export */
     const char *now; /* maintain */
@@ -150,7 +157,19 @@ static int parse_long(const char *opt, const char *s, long min, long max, long *
 }
 
 /* Long options without a short form. */
-enum { OPT_DIR = 1000, OPT_ALL, OPT_NOW, OPT_GROUP, OPT_ACTOR, OPT_ONLINE };
+enum {
+    OPT_DIR = 1000,
+    OPT_ALL,
+    OPT_NOW,
+    OPT_GROUP,
+    OPT_ACTOR,
+    OPT_GRANT_OPERATOR,
+    OPT_GRANT_APP,
+    OPT_PRINT_OPERATOR,
+    OPT_PRINT_APP,
+    OPT_PRINT_PERMISSIONS,
+    OPT_ONLINE
+};
 
 /* parked redrive, discard or archive */
 #define PARKED_ACTION(o)                                                                     \
@@ -171,6 +190,11 @@ static int parse_args(int argc, char **argv, struct opts *o)
         {"not-applied", no_argument, NULL, 'N'},   {"discard", no_argument, NULL, 'D'},
         {"reason", required_argument, NULL, 'W'},
         {"grant", required_argument, NULL, 'G'},   {"print-grants", required_argument, NULL, 'Q'},
+        {"grant-operator", required_argument, NULL, OPT_GRANT_OPERATOR},
+        {"grant-app", required_argument, NULL, OPT_GRANT_APP},
+        {"print-grants-operator", required_argument, NULL, OPT_PRINT_OPERATOR},
+        {"print-grants-app", required_argument, NULL, OPT_PRINT_APP},
+        {"print-permissions", no_argument, NULL, OPT_PRINT_PERMISSIONS},
         /* ledger lifecycle: archive and maintain */
         {"dir", required_argument, NULL, OPT_DIR}, {"all", no_argument, NULL, OPT_ALL},
         {"now", required_argument, NULL, OPT_NOW},
@@ -202,8 +226,13 @@ static int parse_args(int argc, char **argv, struct opts *o)
                 return -1;
             break;
         case 'd': o->filter.dry_run = true; break;
-        case 'G': o->grant_role = optarg; break;
-        case 'Q': o->print_role = optarg; break;
+        case 'G': o->grant_role[LEDGER_GRANTS_RUN] = optarg; break;
+        case 'Q': o->print_role[LEDGER_GRANTS_RUN] = optarg; break;
+        case OPT_GRANT_OPERATOR: o->grant_role[LEDGER_GRANTS_OPERATOR] = optarg; break;
+        case OPT_GRANT_APP: o->grant_role[LEDGER_GRANTS_APP] = optarg; break;
+        case OPT_PRINT_OPERATOR: o->print_role[LEDGER_GRANTS_OPERATOR] = optarg; break;
+        case OPT_PRINT_APP: o->print_role[LEDGER_GRANTS_APP] = optarg; break;
+        case OPT_PRINT_PERMISSIONS: o->print_permissions = true; break;
         case OPT_DIR: o->dir = optarg; break;
         case OPT_ALL: o->all = true; break;
         case OPT_NOW: o->now = optarg; break;
@@ -313,19 +342,30 @@ static int parse_args(int argc, char **argv, struct opts *o)
         fprintf(stderr, "idemq: --until-idle goes with run\n");
         return -1;
     }
-    if ((o->grant_role || o->print_role) && strcmp(o->cmd, "migrate") != 0) {
-        fprintf(stderr, "idemq: --grant and --print-grants go with migrate\n");
-        return -1;
-    }
-    if (o->grant_role && o->print_role) {
-        fprintf(stderr, "idemq: --grant or --print-grants, not both\n");
-        return -1;
-    }
-    if ((o->grant_role && !ledger_grants_role_ok(o->grant_role)) ||
-        (o->print_role && !ledger_grants_role_ok(o->print_role))) {
-        fprintf(stderr, "idemq: a role name has 1 to 63 characters, none of them control "
-                        "characters\n");
-        return -1;
+    {
+        int grants = 0, prints = 0;
+        for (int k = 0; k < 3; k++) {
+            const char *r = o->grant_role[k] ? o->grant_role[k] : o->print_role[k];
+            grants += o->grant_role[k] != NULL;
+            prints += o->print_role[k] != NULL;
+            if (r && !ledger_grants_role_ok(r)) {
+                fprintf(stderr, "idemq: a role name has 1 to 63 characters, none of them "
+                                "control characters\n");
+                return -1;
+            }
+        }
+        if (o->print_permissions && strcmp(o->cmd, "declare") != 0) {
+            fprintf(stderr, "idemq: --print-permissions goes with declare\n");
+            return -1;
+        }
+        if ((grants || prints) && strcmp(o->cmd, "migrate") != 0) {
+            fprintf(stderr, "idemq: --grant and --print-grants go with migrate\n");
+            return -1;
+        }
+        if (grants && prints) {
+            fprintf(stderr, "idemq: --grant or --print-grants, not both\n");
+            return -1;
+        }
     }
     return 0;
 }
@@ -339,16 +379,28 @@ static PGconn *connect_db(const struct conf *c)
     return db;
 }
 
-static int cmd_migrate(const struct conf *c, const char *grant_role, const char *print_role)
+static int cmd_migrate(const struct conf *c, const char *const grant_role[3],
+                       const char *const print_role[3])
 {
+    static const char *const granted[] = {
+        [LEDGER_GRANTS_RUN] = "may now run idemq: SELECT on the ledger, EXECUTE on its "
+                              "functions and on the inputs' effects",
+        [LEDGER_GRANTS_OPERATOR] = "may now run the operator commands: SELECT on the ledger "
+                                   "and the archive, EXECUTE on the operator functions",
+        [LEDGER_GRANTS_APP] = "may now emit: EXECUTE on idemq.emit and no other function",
+    };
     char err[512];
     int applied;
     PGconn *db;
+    bool printed = false;
 
-    if (print_role) { /* for review: no database needed */
-        ledger_grants_print(c, print_role, stdout);
+    for (int k = 0; k < 3; k++) /* for review: no database needed */
+        if (print_role[k]) {
+            ledger_grants_print_kind(c, (enum ledger_grants_kind)k, print_role[k], stdout);
+            printed = true;
+        }
+    if (printed)
         return EXIT_OK;
-    }
     /* Not the workers' statement_timeout: migrate sets its own timeouts
      * (no statement timeout, a lock_timeout; ledger_migrate_run). */
     if (!(db = ledger_db_connect(c->dsn, "idemq migrate", 0, err, sizeof err)))
@@ -366,19 +418,75 @@ static int cmd_migrate(const struct conf *c, const char *grant_role, const char 
         PQfinish(db);
         return EXIT_SCHEMA;
     }
-    if (grant_role) {
-        if (ledger_grants_apply(db, c, grant_role, err, sizeof err)) {
+    for (int k = 0; k < 3; k++) {
+        bool created = false;
+        if (!grant_role[k])
+            continue;
+        if (ledger_grants_apply_kind(db, c, (enum ledger_grants_kind)k, grant_role[k], &created,
+                                     err, sizeof err)) {
             int rc = PQstatus(db) == CONNECTION_OK ? EXIT_RUNTIME : EXIT_CONNECT;
             log_error("%s", err);
             PQfinish(db);
             return rc;
         }
-        printf("role %s may now run idemq: SELECT on the ledger, EXECUTE on its functions and "
-               "on the %d input effect(s); no INSERT, UPDATE, DELETE or DDL\n",
-               grant_role, c->n_inputs);
+        printf("%s %s role %s %s; no INSERT, UPDATE, DELETE or DDL\n",
+               created ? "created" : "existing",
+               ledger_grants_kind_name((enum ledger_grants_kind)k), grant_role[k], granted[k]);
     }
     PQfinish(db);
     return EXIT_OK;
+}
+
+/* s single-quoted for a POSIX shell into buf. */
+static const char *shell_quote(const char *s, char *buf, size_t len)
+{
+    size_t o = 0;
+    buf[o++] = '\'';
+    for (; *s && o + 6 < len; s++) {
+        if (*s == '\'') {
+            memcpy(buf + o, "'\\''", 4);
+            o += 4;
+        } else {
+            buf[o++] = *s;
+        }
+    }
+    buf[o++] = '\'';
+    buf[o] = '\0';
+    return buf;
+}
+
+/* declare --print-permissions: the broker users of consumer/OPERATIONS.md
+ * "Roles and permissions" for the inputs of c. No broker needed. */
+static int cmd_print_permissions(const struct conf *c)
+{
+    static const char *const users[] = {"idemq", "idemq-operator"};
+    static const char *const what[] = {
+        "# idemq run (topology.verify = \"passive\"): no configure, no write on amq.default;\n"
+        "# add to its write permission each exchange the effects' idemq.emit names\n",
+        "# the operator: idemq declare, parked list, redrives (writes amq.default: keep it\n"
+        "# out of the daemon's environment)\n",
+    };
+    enum { PERM_MAX = 8192 };
+    char *buf = malloc(6 * PERM_MAX);
+    int rc = EXIT_OK;
+    if (!buf)
+        return EXIT_RUNTIME;
+    for (int u = 0; u < 2 && rc == EXIT_OK; u++) {
+        char *cf = buf, *wr = buf + PERM_MAX, *rd = buf + 2 * PERM_MAX;
+        char *q1 = buf + 3 * PERM_MAX, *q2 = buf + 4 * PERM_MAX, *q3 = buf + 5 * PERM_MAX;
+        if (!topology_permissions(c, u == 0 ? TOPOLOGY_USER_RUN : TOPOLOGY_USER_OPERATOR, cf,
+                                  wr, rd, PERM_MAX / 4 - 1)) {
+            log_error("declare --print-permissions: the names of the inputs do not fit");
+            rc = EXIT_RUNTIME;
+            break;
+        }
+        printf("%srabbitmqctl add_user %s '...'\n"
+               "rabbitmqctl set_permissions -p / %s %s %s %s\n",
+               what[u], users[u], users[u], shell_quote(cf, q1, PERM_MAX),
+               shell_quote(wr, q2, PERM_MAX), shell_quote(rd, q3, PERM_MAX));
+    }
+    free(buf);
+    return rc;
 }
 
 static int cmd_declare(const struct conf *c)
@@ -760,7 +868,7 @@ int main(int argc, char **argv)
     } else if (strcmp(o.cmd, "migrate") == 0) {
         rc = cmd_migrate(c, o.grant_role, o.print_role);
     } else if (strcmp(o.cmd, "declare") == 0) {
-        rc = cmd_declare(c);
+        rc = o.print_permissions ? cmd_print_permissions(c) : cmd_declare(c);
     } else if (strcmp(o.cmd, "publish") == 0) {
         rc = cmd_publish(c, o.input, o.routing_key);
     } else if (strcmp(o.cmd, "jobs") == 0) {

@@ -2,9 +2,9 @@
 -- fail and release steps (consumer/outbox.c via ledger/ledger_outbox.c).
 -- Table and trigger: ledger/migrations/0010_outbox.sql. SECURITY DEFINER
 -- with the pinned search_path (functions_pin.sql); PUBLIC may not execute
--- them: `idemq migrate --grant ROLE` grants the run role, an application
--- that emits needs GRANT EXECUTE ON FUNCTION idemq.emit(...) TO its role
--- (what it emits is published with idemq's broker credentials).
+-- them: `idemq migrate --grant ROLE` grants the run role, `--grant-app
+-- ROLE` an application that emits (EXECUTE on idemq.emit only; what it
+-- emits is published with idemq's broker credentials).
 
 -- At COMMIT (deferred constraint trigger, once per row; the first one of a
 -- transaction does the work): locks the transaction's order keys in key

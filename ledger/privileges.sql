@@ -7,7 +7,15 @@
 -- of `run` then needs EXECUTE on them and SELECT on the tables, and no
 -- INSERT, UPDATE, DELETE or DDL (`idemq migrate --grant ROLE` grants that).
 -- search_path is pinned, so a caller's objects cannot stand in for the
--- ledger's, and PUBLIC may not execute them. An effect called from them
+-- ledger's.
+--
+-- PUBLIC may execute no function of schema idemq (the last statement):
+-- the readers of a key's story and result (job_info, key_history,
+-- key_batches, key_attempts, key_outbox) and idemq.maintain are SECURITY
+-- DEFINER too, and a role given USAGE on the schema for one function (an
+-- application that calls idemq.emit) must not reach them. Each role gets
+-- EXECUTE by name (`idemq migrate --grant`, `--grant-operator`,
+-- `--grant-app`; ledger/ledger_grants.c). An effect called from them
 -- runs with the owner's rights and this search_path too: effects name
 -- their tables with a schema (or set their own search_path).
 DO $privileges$
@@ -39,3 +47,5 @@ BEGIN
     END LOOP;
 END
 $privileges$;
+
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idemq FROM PUBLIC;

@@ -173,5 +173,7 @@ int main(void)
     tcase_add_test(tc, test_celery_producer);
     tcase_add_test(tc, test_kill_between_commit_and_reply);
     suite_add_tcase(s, tc);
+    /* least-privilege mode (scripts/test): these again, as the deployment's roles */
+    itest_lp_tcase(s, (const TTest *const[]){test_celery_producer, NULL});
     return check_run(s);
 }

@@ -244,5 +244,7 @@ int main(void)
     tcase_add_test(tc, test_console_browser);
     tcase_add_test(tc, test_console_remote_read);
     suite_add_tcase(s, tc);
+    /* least-privilege mode (scripts/test): these again, as the deployment's roles */
+    itest_lp_tcase(s, (const TTest *const[]){test_console_browser, NULL});
     return check_run(s);
 }

@@ -111,7 +111,7 @@ START_TEST(test_groups_end_to_end)
     ck_assert_int_eq(itest_queue_ready(&t, dlq), 5);
 
     snprintf(args, sizeof args, "parked groups --input %s", in);
-    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(itest_idemq(&t, args, out, sizeof out) == 0, "%s", out);
     ck_assert_msg(strstr(out, "3 groups, 5 open parks") != NULL, "%s", out);
     ck_assert_msg(strstr(out, "reason: order <n> of customer <str> rejected: limit <n>") != NULL,
                   "%s", out);
@@ -160,7 +160,7 @@ START_TEST(test_groups_end_to_end)
     itest_sql(&t, sql);
     snprintf(args, sizeof args, "parked redrive --group %s --actor alice --reason 'limit raised'",
              ga);
-    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(itest_idemq(&t, args, out, sizeof out) == 0, "%s", out);
     ck_assert_msg(strstr(out, "redrove 3 messages") != NULL, "%s", out);
     ck_assert_int_eq(itest_queue_ready(&t, dlq), 2);
     itest_run_until_idle(&t, 2);
@@ -240,5 +240,7 @@ int main(void)
     tcase_add_test(tc, test_mask_reason);
     tcase_add_test(tc, test_groups_end_to_end);
     suite_add_tcase(s, tc);
+    /* least-privilege mode (scripts/test): these again, as the deployment's roles */
+    itest_lp_tcase(s, (const TTest *const[]){test_groups_end_to_end, NULL});
     return check_run(s);
 }

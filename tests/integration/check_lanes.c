@@ -2,7 +2,8 @@
  * Integration tests of ordered lanes: consistent-hash partitions with a
  * single active consumer each, in-place retries that hold only their lane,
  * on_park = hold_key, and the ledger's sequence guard (stale, gap,
- * deferred, drain, report) across replicas, failover and ring changes.
+ * deferred, drain, report) across replicas, failover and ring changes,
+ * and a paused replica's give-back that keeps a standby from overtaking.
  * Real RabbitMQ and PostgreSQL (see itest.h). Sizes: LANES_KEYS (200).
  */
 #include <check.h>
@@ -436,6 +437,112 @@ START_TEST(test_ring_change_keeps_order)
 }
 END_TEST
 
+/* 6. A give-back on the active replica (its database session killed while
+ * a transient failure holds its lane's deliveries) hands the lane to the
+ * standby replica (single active consumer) with the held deliveries first:
+ * no later message of the order key is applied before the returned earlier
+ * ones. An ordering key without a sequence: only the broker keeps order.
+ * Both queue types. */
+#define GB_MSGS 20
+/* Effects of this test applied after a later seq of their order key. */
+#define GB_OUT_OF_ORDER                                                                      \
+    "SELECT count(*) FROM (SELECT (payload->>'seq')::int AS seq, lag((payload->>'seq')::int) " \
+    "OVER (ORDER BY id) AS prev FROM idemq_test.effects WHERE key LIKE $1 || ':%') x "        \
+    "WHERE prev IS NOT NULL AND seq < prev"
+#define GB_WORKERS                                                                           \
+    "FROM pg_stat_activity WHERE datname = current_database() AND application_name LIKE "    \
+    "'idemq worker %'"
+static void giveback_order_case(const char *queue_type)
+{
+    struct itest t;
+    struct pub p;
+    char extra[256], first[160], sql[512], pids[1024], order[512], q[TOPOLOGY_NAME_MAX];
+    pid_t a, b;
+    itest_retry_conf = "base_delay_ms = 300; max_delay_ms = 300; max_attempts = 40; "
+                       "jitter = \"none\";";
+    itest_broker_conf = "prefetch = 5;";
+    snprintf(extra, sizeof extra,
+             "partitions = 1; order_key_source = \"json:k\"; queue_type = \"%s\";", queue_type);
+    itest_setup(&t, "gborder", "idemq_test.record", "batch_max = 5;", extra);
+    itest_broker_conf = NULL;
+    topology_partition_queue(&t.conf->inputs[0], 0, q, sizeof q);
+    /* the first message fails (transient) until the test lets it pass:
+     * replica A holds it and the deliveries behind it in its lane */
+    snprintf(first, sizeof first, "%s:1", t.name);
+    snprintf(sql, sizeof sql, "INSERT INTO idemq_test.failing VALUES ('%s', '40001')", first);
+    itest_sql(&t, sql);
+    pub_open(&p, &t);
+    for (int i = 1; i <= GB_MSGS; i++) {
+        char body[256], rk[128];
+        snprintf(rk, sizeof rk, "%s:k", t.name);
+        snprintf(body, sizeof body, "{\"job_id\":\"%s:%d\",\"k\":\"%s\",\"seq\":%d}", t.name, i,
+                 rk, i);
+        ck_assert_msg(broker_publish(p.b, t.conf->inputs[0].exchange, rk, body, strlen(body),
+                                     NULL) == IDEMQ_OK,
+                      "%s", broker_error(p.b));
+    }
+    pub_close(&p);
+    a = itest_spawn(&t, t.cfg_path, 4, NULL);
+    for (int i = 0; i < 200 && itest_long(&t, "SELECT count(*) FROM idemq.attempts WHERE key = "
+                                              "$1 AND outcome = 'transient_error'",
+                                          first) < 2;
+         i++)
+        usleep(50000);
+    ck_assert_int_ge(itest_long(&t, "SELECT count(*) FROM idemq.attempts WHERE key = $1 AND "
+                                    "outcome = 'transient_error'",
+                                first),
+                     2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE $1 "
+                                    "|| ':%'",
+                                t.name),
+                     0);
+    /* A's database sessions, before B has any */
+    itest_text(&t, "SELECT coalesce(string_agg(pid::text, ','), '') " GB_WORKERS " AND $1 = $1",
+               t.name, pids, sizeof pids);
+    ck_assert_msg(pids[0] != '\0', "replica A has no database session");
+    b = itest_spawn(&t, t.cfg_path, 4, NULL); /* the standby */
+    for (int i = 0; i < 100 && itest_queue_consumers(&t, q) < 2; i++)
+        usleep(50000);
+    usleep(300000);
+    /* A's session dies (STEP_INFRA): A gives its lane back */
+    ck_assert_int_ge(itest_long(&t, "SELECT count(pg_terminate_backend(pid)) " GB_WORKERS
+                                    " AND pid = ANY (string_to_array($1, ',')::int[])",
+                                pids),
+                     1);
+    snprintf(sql, sizeof sql, "DELETE FROM idemq_test.failing WHERE key = '%s'", first);
+    itest_sql(&t, sql);
+    wait_ok(b, 120000);
+    wait_ok(a, 120000);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(DISTINCT key) FROM idemq_test.effects WHERE "
+                                    "key LIKE $1 || ':%'",
+                                t.name),
+                     GB_MSGS);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE $1 "
+                                    "|| ':%'",
+                                t.name),
+                     GB_MSGS);
+    itest_text(&t, "SELECT string_agg(payload->>'seq', ' ' ORDER BY id) FROM idemq_test.effects "
+                   "WHERE key LIKE $1 || ':%'",
+               t.name, order, sizeof order);
+    ck_assert_msg(itest_long(&t, GB_OUT_OF_ORDER, t.name) == 0, "%s queue: applied in the order %s",
+                  queue_type, order);
+    ck_assert_int_eq(ready_in_partitions(&t), 0);
+    itest_teardown(&t);
+    itest_retry_conf = NULL;
+}
+
+START_TEST(test_giveback_keeps_order_classic)
+{
+    giveback_order_case("classic");
+}
+END_TEST
+
+START_TEST(test_giveback_keeps_order_quorum)
+{
+    giveback_order_case("quorum");
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("lanes");
@@ -449,6 +556,11 @@ int main(void)
     tcase_add_test(tc, test_gap_reported_not_applied);
     tcase_add_test(tc, test_ring_change_keeps_order);
     tcase_add_test(tc, test_deferred_retries_from_ledger);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("giveback"); /* CK_RUN_CASE=giveback runs these alone */
+    tcase_set_timeout(tc, itest_ms(240));
+    tcase_add_test(tc, test_giveback_keeps_order_classic);
+    tcase_add_test(tc, test_giveback_keeps_order_quorum);
     suite_add_tcase(s, tc);
     return check_run(s);
 }

@@ -445,8 +445,11 @@ START_TEST(test_least_privilege_maintenance)
              "dedup_window_days = 0.01; partition_interval = \"10 seconds\"; "
              "history_hot_days = 0.005; history_retention_days = 0.02;");
     snprintf(role, sizeof role, "idemq_lc_exec_%d", (int)getpid());
-    snprintf(sql, sizeof sql, "DROP ROLE IF EXISTS %s; CREATE ROLE %s LOGIN; "
-                              "GRANT USAGE ON SCHEMA idemq TO %s", role, role, role);
+    snprintf(sql, sizeof sql,
+             "DROP ROLE IF EXISTS %s; CREATE ROLE %s LOGIN; "
+             "GRANT USAGE ON SCHEMA idemq TO %s; "
+             "GRANT EXECUTE ON FUNCTION idemq.maintain(text, integer) TO %s",
+             role, role, role, role);
     itest_sql(&t, sql);
     c = own_connect(role);
     run(c, "CREATE TABLE idemq.not_allowed (a integer)", v, sizeof v, state);
@@ -1002,5 +1005,7 @@ int main(void)
     tcase_add_test(tc, test_v3_upgrade);
     tcase_add_test(tc, test_outbox_sent_ages_out);
     suite_add_tcase(s, tc);
+    /* least-privilege mode (scripts/test): these again, as the deployment's roles */
+    itest_lp_tcase(s, (const TTest *const[]){test_one_maintainer, NULL});
     return check_run(s);
 }

@@ -78,6 +78,7 @@ START_TEST(test_observe_then_apply)
     struct itest_raw *raw;
     amqp_basic_properties_t now_p, old_p;
     int port = itest_free_port(), cport = itest_free_port(), st;
+    char lpenv[1024] = "";
     pid_t pid;
     FILE *f;
 
@@ -90,13 +91,13 @@ START_TEST(test_observe_then_apply)
     snprintf(obs_cfg, sizeof obs_cfg, "/tmp/%s.observe.cfg", t.name);
     ck_assert_ptr_nonnull(f = fopen(obs_cfg, "w"));
     fprintf(f,
-            "broker: { heartbeat = 10; };\n"
+            "broker: { heartbeat = 10; };\n%s\n"
             "metrics: { listen = \"127.0.0.1:%d\"; };\n"
             "console: { listen = \"127.0.0.1:%d\"; };\n"
             "consumer: { id = \"%s-obs\"; batch_max = 50; batch_wait_ms = 300; };\n"
             "inputs = ( { name = \"%s\"; exchange = \"%s\"; queue = \"%s\"; routing_key = \"%s\";\n"
             "  effect_function = \"idemq_test.record\"; mode = \"observe\"; } );\n",
-            port, cport, t.name, oname, t.name, obsq, t.name);
+            itest_lp_topology(), port, cport, t.name, oname, t.name, obsq, t.name);
     fclose(f);
     ck_assert_msg(conf_load(obs_cfg, &oc, err, sizeof err) == IDEMQ_OK, "%s", err);
     ck_assert_msg(sh_out(out, sizeof out, "%s declare -c %s", IDEMQ_BINARY, obs_cfg) == 0, "%s",
@@ -204,8 +205,10 @@ START_TEST(test_observe_then_apply)
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.observations WHERE input = $1 "
                                     "AND code IN ('bad_json', 'key_missing')", oname), 2);
 
-    /* the baseline */
-    ck_assert_msg(sh_out(out, sizeof out, "%s observe report -c %s --input %s", IDEMQ_BINARY,
+    /* the baseline (an operator's commands) */
+    itest_lp_env_prefix("observe", lpenv, sizeof lpenv);
+    ck_assert_msg(sh_out(out, sizeof out, "%s%s observe report -c %s --input %s", lpenv,
+                         IDEMQ_BINARY,
                          obs_cfg, oname) == 0, "%s", out);
     ck_assert_msg(strstr(out, "9 deliveries"), "%s", out);
     ck_assert_msg(strstr(out, "observed keys    4"), "%s", out);
@@ -215,15 +218,15 @@ START_TEST(test_observe_then_apply)
     ck_assert_msg(strstr(out, "would be parked  3  (late replays included: 1)"), "%s", out);
     ck_assert_msg(strstr(out, "bad_json") && strstr(out, "key_missing") &&
                   strstr(out, "outside_dedup_window"), "%s", out);
-    ck_assert_int_eq(sh_out(out, sizeof out, "%s observe report -c %s --input %s --since "
-                            "'2999-01-01'", IDEMQ_BINARY, obs_cfg, oname), 1);
+    ck_assert_int_eq(sh_out(out, sizeof out, "%s%s observe report -c %s --input %s --since "
+                            "'2999-01-01'", lpenv, IDEMQ_BINARY, obs_cfg, oname), 1);
     ck_assert_msg(strstr(out, "nothing observed"), "%s", out);
     /* jobs show: observed only */
-    ck_assert_int_eq(sh_out(out, sizeof out, "%s jobs show -c %s %s", IDEMQ_BINARY, obs_cfg,
+    ck_assert_int_eq(sh_out(out, sizeof out, "%s%s jobs show -c %s %s", lpenv, IDEMQ_BINARY, obs_cfg,
                             keys[1]), 0);
     ck_assert_msg(strstr(out, "observed only: input") && strstr(out, "idemq ran no effect") &&
                   strstr(out, "duplicate of input"), "%s", out);
-    ck_assert_int_eq(sh_out(out, sizeof out, "%s jobs show -c %s %s", IDEMQ_BINARY, obs_cfg,
+    ck_assert_int_eq(sh_out(out, sizeof out, "%s%s jobs show -c %s %s", lpenv, IDEMQ_BINARY, obs_cfg,
                             keys[4]), 0);
     ck_assert_msg(strstr(out, "late_replay of input") && !strstr(out, "observed only"), "%s",
                   out);
@@ -324,5 +327,7 @@ int main(void)
     tcase_add_test(tc, test_observe_then_apply);
     tcase_add_test(tc, test_observe_provider_input);
     suite_add_tcase(s, tc);
+    /* least-privilege mode (scripts/test): these again, as the deployment's roles */
+    itest_lp_tcase(s, (const TTest *const[]){test_observe_then_apply, NULL});
     return check_run(s);
 }

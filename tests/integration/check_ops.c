@@ -13,7 +13,9 @@
  *      the same user cannot run declare;
  *   4. a consumer cancelled by the broker (its queue deleted and declared
  *      again) is noticed at once, readiness says why, consumption resumes
- *      and nothing is applied twice;
+ *      and nothing is applied twice; the deliveries another input's
+ *      consumer held on the same channel go back one by one before a clean
+ *      close, not through a connection loss (4b);
  *   5. a quorum input's broker-side delivery limit (a tiny one, by policy)
  *      dead-letters into <queue>.dead; parked list shows it, redrive moves
  *      it back, it is applied once and jobs show audits it;
@@ -876,6 +878,122 @@ START_TEST(test_consumer_cancelled)
 }
 END_TEST
 
+/* The broker's record of the connections named "idemq <id> worker N"
+ * (from its log under $IDEMQ_STATE_DIR): how many it closed, and how many
+ * of those the client dropped without a close (a connection loss, which
+ * returns every delivery the connection held as a failure). */
+static void worker_closes(const char *id, int *closed, int *lost)
+{
+    char cmd[1024], out[64] = "";
+    FILE *p;
+    snprintf(cmd, sizeof cmd,
+             "cat \"$IDEMQ_STATE_DIR\"/rabbit*/log/*.log 2>/dev/null | awk -v n='- idemq %s "
+             "worker ' '/closing AMQP connection/ && index($0, n) { c[$4] = 1; closed++ } "
+             "/client unexpectedly closed TCP connection/ && ($4 in c) { lost++ } "
+             "END { print closed + 0, lost + 0 }'",
+             id);
+    ck_assert_ptr_nonnull(p = popen(cmd, "r"));
+    ck_assert_ptr_nonnull(fgets(out, sizeof out, p));
+    pclose(p);
+    ck_assert_int_eq(sscanf(out, "%d %d", closed, lost), 2);
+}
+
+/* 4b. The broker cancels one input's consumer (its queue deleted, with
+ * deliveries the worker read from it) while another input's consumer on
+ * the same channel (a quorum queue) holds deliveries: a batch still
+ * filling (batch_wait_ms) when the cancel is read. The worker pauses as for any other reason: the other consumer's
+ * deliveries go back one by one on the open channel, which is then closed,
+ * not through a connection loss (which RabbitMQ 4.3 counts toward the
+ * quorum delivery limit, and a single basic.nack not). */
+START_TEST(test_broker_cancel_gives_back_others)
+{
+    struct itest t;
+    char extra[512], held[128], log[160], err[512], order[1024];
+    struct broker *b;
+    const int n = 5;
+    int st, closed = 0, lost = 0;
+    pid_t pid;
+
+    itest_setup(&t, "bcancel", "idemq_test.record", "", "");
+    snprintf(held, sizeof held, "%s_held", t.name);
+    snprintf(extra, sizeof extra,
+             "}, { name = \"%s\"; exchange = \"%s\"; queue = \"%s\"; routing_key = \"%s\"; "
+             "effect_function = \"idemq_test.record\"; queue_type = \"quorum\";",
+             held, held, held, held);
+    itest_write_config(&t, t.cfg_path, t.name, "idemq_test.record",
+                       "batch_max = 50; batch_wait_ms = 5000;", extra);
+    conf_free(t.conf);
+    ck_assert_msg(conf_load(t.cfg_path, &t.conf, err, sizeof err) == IDEMQ_OK, "%s", err);
+    ck_assert_int_eq(t.conf->n_inputs, 2);
+    ck_assert(broker_open(t.conf, "itest", false, &b, err, sizeof err) == IDEMQ_OK);
+    ck_assert_msg(topology_declare(b, t.conf, &t.conf->inputs[1]) == IDEMQ_OK, "%s",
+                  broker_error(b));
+    broker_close(b);
+    snprintf(log, sizeof log, "/tmp/%s.log", t.name);
+    pid = itest_spawn_log(t.cfg_path, 600, NULL, log);
+    for (int i = 0; i < itest_ms(200) && (itest_queue_consumers(&t, held) < 1 ||
+                                          itest_queue_consumers(&t, t.name) < 1);
+         i++)
+        usleep(50000);
+    ck_assert_int_eq(itest_queue_consumers(&t, held), 1);
+    /* the worker reads these into a batch that waits up to 5 s to fill ... */
+    for (int i = 0; i < n; i++) {
+        char body[256];
+        snprintf(body, sizeof body, "{\"job_id\":\"%s:%d\"}", held, i);
+        itest_publish_to(&t, held, held, body, NULL, NULL);
+    }
+    for (int i = 0; i < 3; i++) { /* and these, lost with their queue */
+        char body[256];
+        snprintf(body, sizeof body, "{\"job_id\":\"%s:gone%d\"}", t.name, i);
+        itest_publish_to(&t, t.name, t.name, body, NULL, NULL);
+    }
+    /* ... when the broker cancels the other input's consumer */
+    ck_assert(broker_open(t.conf, "itest", false, &b, err, sizeof err) == IDEMQ_OK);
+    ck_assert(broker_admin_delete_queue(b, t.name) == IDEMQ_OK);
+    for (int i = 0; i < 100 && sh("grep -q 'broker cancelled consumer' %s", log) != 0; i++)
+        usleep(50000);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE $1 || "
+                                    "':%'",
+                                held),
+                     0);
+    ck_assert_msg(topology_declare(b, t.conf, &t.conf->inputs[0]) == IDEMQ_OK, "%s",
+                  broker_error(b));
+    broker_close(b);
+    for (int i = 0; i < itest_ms(600) && itest_long(&t, "SELECT count(DISTINCT key) FROM "
+                                                        "idemq_test.effects WHERE key LIKE $1 || "
+                                                        "':%'",
+                                                    held) < n;
+         i++)
+        usleep(50000);
+    kill(pid, SIGTERM);
+    st = itest_wait(pid, itest_ms(30000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE $1 || "
+                                    "':%'",
+                                held),
+                     n);
+    itest_text(&t, "SELECT string_agg(coalesce(meta->>'delivery_count', '-') || '/' || "
+                   "(meta->>'redelivered'), ' ' ORDER BY id) FROM idemq_test.effects WHERE key "
+                   "LIKE $1 || ':%'",
+               held, order, sizeof order);
+    /* the worker held them at the pause: they came back */
+    ck_assert_msg(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE $1 || "
+                                 "':%' AND meta->>'redelivered' = 'true'",
+                             held) == n,
+                  "not all returned (delivery count/redelivered: %s)", order);
+    for (int i = 0; i < 50 && (worker_closes(t.name, &closed, &lost), closed < 2); i++)
+        usleep(100000); /* the node writes its log a moment later */
+    ck_assert_msg(closed >= 2, "the broker logged %d closes of the worker's connections", closed);
+    ck_assert_msg(lost == 0,
+                  "%d of the worker's %d connections were lost, not closed (delivery "
+                  "count/redelivered of the held input's jobs: %s)",
+                  lost, closed, order);
+    unlink(log);
+    itest_delete_topology(&t, &t.conf->inputs[1]);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* 5. The broker's delivery limit of a quorum input, set tiny by policy. */
 START_TEST(test_quorum_delivery_limit)
 {
@@ -1049,6 +1167,136 @@ START_TEST(test_resolve_shell_quote)
 }
 END_TEST
 
+/* dsn of IDEMQ_PG_DSN with user= replaced by role */
+static void dsn_as(const char *role, char *dsn, size_t len)
+{
+    char *u;
+    snprintf(dsn, len, "%s", getenv("IDEMQ_PG_DSN"));
+    u = strstr(dsn, "user=");
+    ck_assert_ptr_nonnull(u);
+    snprintf(u, len - (size_t)(u - dsn), "user=%s", role);
+}
+
+/* An application that emits to the outbox has USAGE on schema idemq and
+ * EXECUTE on idemq.emit. That must not let it read any key's story or
+ * result (job_info, key_history, key_batches, key_attempts, key_outbox) or
+ * run maintenance: every other function of the schema is closed to it. */
+START_TEST(test_application_role_reads_nothing)
+{
+    struct itest t;
+    char role[128], sql[512], dsn[512], out[4096];
+    static const char *const denied[] = {
+        "SELECT * FROM idemq.job_info('k')",
+        "SELECT * FROM idemq.key_history('k')",
+        "SELECT * FROM idemq.key_attempts('k')",
+        "SELECT * FROM idemq.key_batches('k', now(), 1)",
+        "SELECT * FROM idemq.key_outbox('k')",
+        "SELECT idemq.maintain('intruder', 10)",
+        "SELECT * FROM idemq.ledger_settings()",
+        "SELECT count(*) FROM idemq.jobs",
+    };
+    PGconn *db;
+    PGresult *r;
+
+    itest_setup(&t, "app", "idemq_test.record", "", "");
+    /* by hand, as an application that emits used to be given it; then by
+     * idemq migrate --grant-app, which also creates the role */
+    for (int way = 0; way < 2; way++) {
+        snprintf(role, sizeof role, "%s_app%d", t.name, way);
+        if (way == 0) {
+            snprintf(sql, sizeof sql,
+                     "CREATE ROLE %s LOGIN; GRANT USAGE ON SCHEMA idemq TO %s; "
+                     "GRANT EXECUTE ON FUNCTION idemq.emit(text, text, text, jsonb, text, text) "
+                     "TO %s; "
+                     "GRANT EXECUTE ON FUNCTION idemq.emit(text, text, bytea, jsonb, text, text) "
+                     "TO %s",
+                     role, role, role, role);
+            itest_sql(&t, sql);
+        } else {
+            snprintf(sql, sizeof sql, "migrate --grant-app %s", role);
+            ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+            ck_assert_msg(strstr(out, "created app role") != NULL, "%s", out);
+        }
+        snprintf(sql, sizeof sql,
+                 "SELECT count(*) FROM pg_proc WHERE pronamespace = 'idemq'::regnamespace "
+                 "AND proname <> 'emit' AND has_function_privilege('%s', oid, 'EXECUTE')",
+                 role);
+        ck_assert_int_eq(itest_long(&t, sql, NULL), 0);
+
+        dsn_as(role, dsn, sizeof dsn);
+        db = PQconnectdb(dsn);
+        ck_assert_msg(PQstatus(db) == CONNECTION_OK, "%s", PQerrorMessage(db));
+        for (size_t i = 0; i < sizeof denied / sizeof denied[0]; i++) {
+            r = PQexec(db, denied[i]);
+            ck_assert_msg(PQresultStatus(r) == PGRES_FATAL_ERROR, "allowed: %s", denied[i]);
+            ck_assert_str_eq(PQresultErrorField(r, PG_DIAG_SQLSTATE), "42501");
+            PQclear(r);
+        }
+        /* and it can emit, through the COMMIT (the outbox's deferred trigger) */
+        snprintf(sql, sizeof sql,
+                 "BEGIN; SELECT idemq.emit('x', 'rk', '{}'::text, NULL, '%s:app'); COMMIT",
+                 t.name);
+        r = PQexec(db, sql);
+        ck_assert_msg(PQresultStatus(r) == PGRES_COMMAND_OK, "%s", PQerrorMessage(db));
+        PQclear(r);
+        PQfinish(db);
+        snprintf(sql, sizeof sql, "DELETE FROM idemq.outbox WHERE order_key = '%s:app'", t.name);
+        itest_sql(&t, sql);
+        snprintf(sql, sizeof sql, "DROP OWNED BY %s; DROP ROLE %s", role, role);
+        itest_sql(&t, sql);
+    }
+    itest_teardown(&t);
+}
+END_TEST
+
+/* The operator role of idemq migrate --grant-operator reads a key's story,
+ * and cannot write the ledger, apply a batch or emit. */
+START_TEST(test_operator_role)
+{
+    struct itest t;
+    char role[128], sql[512], dsn[512], out[8192];
+    static const char *const denied[] = {
+        "UPDATE idemq.jobs SET state = 'applied' WHERE false",
+        "INSERT INTO idemq.operator_actions SELECT * FROM idemq.operator_actions WHERE false",
+        "SELECT idemq.emit('x', 'rk', '{}'::text)",
+        "SELECT * FROM idemq.apply_batch(NULL::text[], NULL::jsonb, NULL::text)",
+        "CREATE TABLE idemq.intruder (i int)",
+    };
+    PGconn *db;
+    PGresult *r;
+
+    itest_setup(&t, "opr", "idemq_test.record", "", "");
+    snprintf(role, sizeof role, "%s_op", t.name);
+    snprintf(sql, sizeof sql, "migrate --print-grants-operator %s", role);
+    ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "'job_info'") && !strstr(out, "GRANT INSERT") &&
+                      !strstr(out, "ALL FUNCTIONS"),
+                  "%s", out);
+    snprintf(sql, sizeof sql, "migrate --grant-operator %s", role);
+    ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "created operator role") != NULL, "%s", out);
+    /* a second time: the role exists */
+    ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "existing operator role") != NULL, "%s", out);
+    dsn_as(role, dsn, sizeof dsn);
+    db = PQconnectdb(dsn);
+    ck_assert_msg(PQstatus(db) == CONNECTION_OK, "%s", PQerrorMessage(db));
+    r = PQexec(db, "SELECT * FROM idemq.job_info('k'), idemq.key_history('k')");
+    ck_assert_msg(PQresultStatus(r) == PGRES_TUPLES_OK, "%s", PQerrorMessage(db));
+    PQclear(r);
+    for (size_t i = 0; i < sizeof denied / sizeof denied[0]; i++) {
+        r = PQexec(db, denied[i]);
+        ck_assert_msg(PQresultStatus(r) == PGRES_FATAL_ERROR, "allowed: %s", denied[i]);
+        ck_assert_str_eq(PQresultErrorField(r, PG_DIAG_SQLSTATE), "42501");
+        PQclear(r);
+    }
+    PQfinish(db);
+    snprintf(sql, sizeof sql, "DROP OWNED BY %s; DROP ROLE %s", role, role);
+    itest_sql(&t, sql);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("ops");
@@ -1063,11 +1311,23 @@ int main(void)
     tcase_add_test(tc, test_quorum_delivery_limit);
     tcase_add_test(tc, test_legacy_quorum_queue);
     suite_add_tcase(s, tc);
+    /* a broker-sent basic.cancel (CK_RUN_CASE=cancel runs it alone) */
+    tc = tcase_create("cancel");
+    tcase_set_timeout(tc, itest_ms(120));
+    tcase_add_unchecked_fixture(tc, NULL, continue_postgres);
+    tcase_add_test(tc, test_broker_cancel_gives_back_others);
+    suite_add_tcase(s, tc);
     /* what a producer's data must not reach (issue 16) */
     tc = tcase_create("producers");
     tcase_set_timeout(tc, itest_ms(120));
     tcase_add_test(tc, test_operator_output_escaped);
     tcase_add_test(tc, test_resolve_shell_quote);
+    suite_add_tcase(s, tc);
+    /* the roles of a deployment */
+    tc = tcase_create("roles");
+    tcase_set_timeout(tc, itest_ms(60));
+    tcase_add_test(tc, test_application_role_reads_nothing);
+    tcase_add_test(tc, test_operator_role);
     suite_add_tcase(s, tc);
     return check_run(s);
 }

@@ -1047,5 +1047,7 @@ int main(void)
     tcase_set_timeout(tc, itest_ms(120));
     tcase_add_test(tc, test_show_escaped);
     suite_add_tcase(s, tc);
+    /* least-privilege mode (scripts/test): these again, as the deployment's roles */
+    itest_lp_tcase(s, (const TTest *const[]){test_effect_emits_once, test_application_emit, NULL});
     return check_run(s);
 }

@@ -349,5 +349,7 @@ int main(void)
     tcase_set_timeout(tc, itest_ms(120));
     tcase_add_test(tc, test_rescue_ignores_cc);
     suite_add_tcase(s, tc);
+    /* least-privilege mode (scripts/test): these again, as the deployment's roles */
+    itest_lp_tcase(s, (const TTest *const[]){test_rescue_lost_copy, NULL});
     return check_run(s);
 }

@@ -936,5 +936,9 @@ int main(void)
     tcase_add_test(tc, test_key_reuse_recorded);
     tcase_add_test(tc, test_key_reuse_parks);
     suite_add_tcase(s, tc);
+    /* least-privilege mode (scripts/test): these again, as the deployment's roles */
+    itest_lp_tcase(s, (const TTest *const[]){test_transient_then_applied,
+                                              test_permanent_parks_with_fields,
+                                              test_redrive_after_fix, test_shovel_redrive, NULL});
     return check_run(s);
 }

@@ -359,5 +359,8 @@ int main(void)
     tcase_add_test(tc, test_check_config_online);
     tcase_add_test(tc, test_sigterm_drains);
     suite_add_tcase(s, tc);
+    /* least-privilege mode (scripts/test): these again, as the deployment's roles */
+    itest_lp_tcase(s, (const TTest *const[]){test_duplicate_delivery, test_replay_after_settled,
+                                              NULL});
     return check_run(s);
 }

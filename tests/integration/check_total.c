@@ -1795,5 +1795,7 @@ int main(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, test_repark_race);
     suite_add_tcase(s, tc);
+    /* least-privilege mode (scripts/test): these again, as the deployment's roles */
+    itest_lp_tcase(s, (const TTest *const[]){test_jobs_show_order, NULL});
     return check_run(s);
 }

@@ -26,6 +26,10 @@
 #include "ledger_migrate.h"
 #include "topology.h"
 
+#define LP_RUN_ROLE "idemq_lp_run"
+#define LP_OPERATOR_ROLE "idemq_lp_operator"
+#define LP_APP_ROLE "idemq_lp_app"
+
 extern char **environ;
 
 const char *itest_retry_conf;
@@ -80,6 +84,228 @@ void itest_sql(struct itest *t, const char *sql)
     PQclear(r);
 }
 
+
+/* ---- least-privilege mode ---- */
+
+bool itest_lp(void)
+{
+    const char *v = getenv("IDEMQ_TEST_LEAST_PRIVILEGE");
+    return v && strcmp(v, "1") == 0;
+}
+
+void itest_lp_tcase(Suite *s, const TTest *const *tests)
+{
+    TCase *tc;
+    if (!itest_lp())
+        return;
+    tc = tcase_create("least_privilege");
+    tcase_set_timeout(tc, itest_ms(240));
+    for (int i = 0; tests[i]; i++) {
+        /* IDEMQ_TEST_LP_PENDING: names of tests left out (space-separated) */
+        const char *pending = getenv("IDEMQ_TEST_LP_PENDING"), *hit;
+        size_t n = strlen(tests[i]->name);
+        bool skip = false;
+        for (hit = pending; hit && (hit = strstr(hit, tests[i]->name)) != NULL; hit += n)
+            skip = skip || ((hit == pending || hit[-1] == ' ') && (hit[n] == ' ' || !hit[n]));
+        if (skip)
+            fprintf(stderr, "least-privilege mode: %s is pending (IDEMQ_TEST_LP_PENDING)\n",
+                    tests[i]->name);
+        else
+            _tcase_add_test(tc, tests[i], 0, 0, 0, 1);
+    }
+    suite_add_tcase(s, tc);
+}
+
+const char *itest_lp_topology(void)
+{
+    return itest_lp() ? "topology: { verify = \"passive\"; };" : "";
+}
+
+/* 0 owner (setup), 1 run, 2 operator */
+static int lp_kind(const char *command)
+{
+    static const char *const owner[] = {"migrate", "declare", "publish", "check-config"};
+    size_t n = strcspn(command, " ");
+    if (n == 3 && strncmp(command, "run", 3) == 0)
+        return 1;
+    for (size_t i = 0; i < sizeof owner / sizeof owner[0]; i++)
+        if (n == strlen(owner[i]) && strncmp(command, owner[i], n) == 0)
+            return 0;
+    return 2;
+}
+
+/* IDEMQ_PG_DSN with the value of user= replaced by role (the rest kept: a
+ * test may append a dbname) */
+static void lp_dsn(const char *role, char *dsn, size_t len)
+{
+    const char *base = getenv("IDEMQ_PG_DSN"), *u = base ? strstr(base, "user=") : NULL;
+    ck_assert_msg(u != NULL, "IDEMQ_PG_DSN names no user=");
+    snprintf(dsn, len, "%.*suser=%s%s", (int)(u - base), base, role, u + strcspn(u, " "));
+}
+
+static const char *lp_url(int kind)
+{
+    const char *v = getenv(kind == 1 ? "IDEMQ_TEST_LP_RUN_URL" : "IDEMQ_TEST_LP_OPERATOR_URL");
+    ck_assert_msg(v && *v, "least-privilege mode needs IDEMQ_TEST_LP_RUN_URL and "
+                           "IDEMQ_TEST_LP_OPERATOR_URL (scripts/test sets them)");
+    return v;
+}
+
+void itest_lp_child_env(const char *command)
+{
+    char dsn[512];
+    int kind;
+    if (!itest_lp() || (kind = lp_kind(command)) == 0)
+        return;
+    lp_dsn(kind == 1 ? LP_RUN_ROLE : LP_OPERATOR_ROLE, dsn, sizeof dsn);
+    setenv("IDEMQ_PG_DSN", dsn, 1);
+    setenv("IDEMQ_AMQP_URL", lp_url(kind), 1);
+}
+
+const char *itest_lp_env_prefix(const char *command, char *buf, size_t len)
+{
+    char dsn[512];
+    int kind;
+    buf[0] = '\0';
+    if (!itest_lp() || (kind = lp_kind(command)) == 0)
+        return buf;
+    lp_dsn(kind == 1 ? LP_RUN_ROLE : LP_OPERATOR_ROLE, dsn, sizeof dsn);
+    /* neither holds a single quote (scripts/test's users, the services' DSN) */
+    snprintf(buf, len, "env IDEMQ_PG_DSN='%s' IDEMQ_AMQP_URL='%s' ", dsn, lp_url(kind));
+    return buf;
+}
+
+/* The user part of an amqp:// URL ("amqp://USER:PW@...") into buf. */
+static void lp_url_user(const char *url, char *buf, size_t len)
+{
+    const char *u = strstr(url, "://"), *end;
+    ck_assert_ptr_nonnull(u);
+    u += 3;
+    end = u + strcspn(u, ":@");
+    snprintf(buf, len, "%.*s", (int)(end - u), u);
+}
+
+static void lp_put_permissions(const char *user, const char *cf, const char *wr, const char *rd)
+{
+    const char *base = getenv("IDEMQ_RABBIT_MGMT_URL");
+    json_t *body = json_pack("{s:s, s:s, s:s}", "configure", cf, "write", wr, "read", rd);
+    char *text = json_dumps(body, JSON_COMPACT), path[256], cmd[1024], out[64] = "";
+    FILE *f, *p;
+    ck_assert_msg(base != NULL, "IDEMQ_RABBIT_MGMT_URL is not set");
+    snprintf(path, sizeof path, "/tmp/itest-lp-perm-%d.json", (int)getpid());
+    f = fopen(path, "w");
+    ck_assert_ptr_nonnull(f);
+    fputs(text, f);
+    fclose(f);
+    snprintf(cmd, sizeof cmd,
+             "curl -s -o /dev/null -w '%%{http_code}' -u guest:guest -X PUT "
+             "-H 'content-type: application/json' --data-binary @%s '%s/api/permissions/%%2F/%s'",
+             path, base, user);
+    p = popen(cmd, "r");
+    ck_assert_ptr_nonnull(p);
+    if (!fgets(out, sizeof out, p))
+        out[0] = '\0';
+    pclose(p);
+    unlink(path);
+    ck_assert_msg(atoi(out) >= 200 && atoi(out) < 300, "setting %s's permissions: HTTP %s", user,
+                  out);
+    free(text);
+    json_decref(body);
+}
+
+/* The permissions given so far in this test: each config's added as one
+ * more anchored alternative, so that processes of several configs of one
+ * test keep theirs. Reset by itest_setup. */
+enum { LP_PERM_MAX = 16384 };
+static char lp_given[2][3][LP_PERM_MAX];
+
+static void lp_union(char *acc, const char *add)
+{
+    if (strcmp(add, "^$") == 0 || strstr(acc, add))
+        return;
+    if (acc[0] && strlen(acc) + 1 + strlen(add) + 1 < LP_PERM_MAX)
+        strcat(acc, "|");
+    if (strlen(acc) + strlen(add) + 1 < LP_PERM_MAX)
+        strcat(acc, add);
+}
+
+void itest_lp_permit(const struct conf *c)
+{
+    enum { LEN = 4096 };
+    static char p[3][LEN];
+    char user[128];
+    if (!itest_lp())
+        return;
+    for (int k = 0; k < 2; k++) {
+        bool changed = false;
+        ck_assert(topology_permissions(c, k == 0 ? TOPOLOGY_USER_RUN : TOPOLOGY_USER_OPERATOR,
+                                       p[0], p[1], p[2], LEN));
+        for (int i = 0; i < 3; i++) {
+            size_t before = strlen(lp_given[k][i]);
+            lp_union(lp_given[k][i], p[i]);
+            changed = changed || strlen(lp_given[k][i]) != before;
+        }
+        if (!changed)
+            continue;
+        lp_url_user(lp_url(k == 0 ? 1 : 2), user, sizeof user);
+        lp_put_permissions(user, lp_given[k][0][0] ? lp_given[k][0] : "^$",
+                           lp_given[k][1][0] ? lp_given[k][1] : "^$",
+                           lp_given[k][2][0] ? lp_given[k][2] : "^$");
+    }
+}
+
+void itest_lp_permit_emit(const char *exchange)
+{
+    char re[600], user[128];
+    size_t o = 0;
+    if (!itest_lp())
+        return;
+    re[o++] = '^';
+    for (const char *p = exchange; *p && o + 4 < sizeof re; p++) {
+        if (strchr(".^$*+?()[]{}|\\", *p))
+            re[o++] = '\\';
+        re[o++] = *p;
+    }
+    re[o++] = '$';
+    re[o] = '\0';
+    lp_union(lp_given[0][1], re);
+    lp_url_user(lp_url(1), user, sizeof user);
+    lp_put_permissions(user, "^$", lp_given[0][1], lp_given[0][2][0] ? lp_given[0][2] : "^$");
+}
+
+/* The roles, by the project's command (as the owner): run's grants follow
+ * the config's effects, which a test may create after itest_setup, so
+ * this runs before each idemq process a test starts. */
+static void lp_grant(const char *cfg_path)
+{
+    char cmd[1024], out[4096];
+    FILE *p;
+    int st;
+    size_t n;
+    snprintf(cmd, sizeof cmd, "%s migrate -c %s --grant %s --grant-operator %s --grant-app %s 2>&1",
+             IDEMQ_BINARY, cfg_path, LP_RUN_ROLE, LP_OPERATOR_ROLE, LP_APP_ROLE);
+    p = popen(cmd, "r");
+    ck_assert_ptr_nonnull(p);
+    n = fread(out, 1, sizeof out - 1, p);
+    out[n] = '\0';
+    st = pclose(p);
+    ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s\n%s", cmd, out);
+}
+
+/* Before an idemq process of a deployment's role starts with cfg_path:
+ * its roles granted and its broker users permitted. */
+static void lp_prepare(const char *command, const char *cfg_path)
+{
+    struct conf *c = NULL;
+    char err[512];
+    if (!itest_lp() || lp_kind(command) == 0)
+        return;
+    lp_grant(cfg_path);
+    ck_assert_msg(conf_load(cfg_path, &c, err, sizeof err) == IDEMQ_OK, "%s", err);
+    itest_lp_permit(c);
+    conf_free(c);
+}
+
 void itest_write_config(struct itest *t, const char *path, const char *queue,
                         const char *effect, const char *extra_consumer, const char *extra_input)
 {
@@ -87,13 +313,14 @@ void itest_write_config(struct itest *t, const char *path, const char *queue,
     ck_assert_ptr_nonnull(f);
     fprintf(f,
             "broker: { heartbeat = 10; %s };\n"
-            "retry: { %s };\n%s\n"
+            "retry: { %s };\n%s\n%s\n"
             "consumer: { id = \"%s\"; %s };\n"
             "log: { level = \"info\"; %s };\n"
             "inputs = ( { name = \"%s\"; exchange = \"%s\"; queue = \"%s\"; routing_key = \"%s\";\n"
             "  effect_function = \"%s\"; %s } );\n",
             itest_broker_conf ? itest_broker_conf : "",
             itest_retry_conf ? itest_retry_conf : "", itest_extra_conf ? itest_extra_conf : "",
+            itest_extra_conf && strstr(itest_extra_conf, "topology") ? "" : itest_lp_topology(),
             t->name,
             extra_consumer ? extra_consumer : "", itest_log_conf ? itest_log_conf : "", queue,
             t->name, queue, queue, effect,
@@ -151,6 +378,7 @@ void itest_setup(struct itest *t, const char *tag, const char *effect, const cha
         ck_assert(broker_admin_purge(b, t->conf->inputs[0].queue) == IDEMQ_OK);
     }
     broker_close(b);
+    memset(lp_given, 0, sizeof lp_given); /* a new test */
 }
 
 void itest_delete_topology(struct itest *t, const struct conf_input *in)
@@ -231,10 +459,12 @@ pid_t itest_spawn(struct itest *t, const char *cfg_path, int idle_s, const char 
     char idle[16];
     (void)t;
     snprintf(idle, sizeof idle, "%d", idle_s);
+    lp_prepare("run", cfg_path);
     fflush(NULL);
     pid = fork();
     ck_assert_int_ge(pid, 0);
     if (pid == 0) {
+        itest_lp_child_env("run");
         for (int i = 0; env && env[i]; i++)
             putenv((char *)env[i]);
         execl(IDEMQ_BINARY, IDEMQ_BINARY, "run", "-c", cfg_path, "--until-idle", idle,
@@ -371,10 +601,12 @@ static FILE *read_command(const char *cmd, char *out, size_t outlen)
 
 int itest_idemq(struct itest *t, const char *args, char *out, size_t outlen)
 {
-    char cmd[2048];
+    char cmd[3072], env[1024];
     FILE *p;
     int st;
-    snprintf(cmd, sizeof cmd, "%s %s -c %s 2>&1", IDEMQ_BINARY, args, t->cfg_path);
+    lp_prepare(args, t->cfg_path);
+    snprintf(cmd, sizeof cmd, "%s%s %s -c %s 2>&1", itest_lp_env_prefix(args, env, sizeof env),
+             IDEMQ_BINARY, args, t->cfg_path);
     p = read_command(cmd, out, outlen);
     st = pclose(p);
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
@@ -404,6 +636,7 @@ pid_t itest_spawn_log(const char *cfg_path, int idle_s, const char *const *env,
     pid_t pid;
     char idle[16];
     snprintf(idle, sizeof idle, "%d", idle_s);
+    lp_prepare("run", cfg_path);
     fflush(NULL);
     pid = fork();
     ck_assert_int_ge(pid, 0);
@@ -414,6 +647,7 @@ pid_t itest_spawn_log(const char *cfg_path, int idle_s, const char *const *env,
             dup2(fd, 2);
             close(fd);
         }
+        itest_lp_child_env("run");
         for (int i = 0; env && env[i]; i++)
             putenv((char *)env[i]);
         execl(IDEMQ_BINARY, IDEMQ_BINARY, "run", "-c", cfg_path, "--until-idle", idle,

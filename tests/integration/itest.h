@@ -7,6 +7,7 @@
 #ifndef IDEMQ_ITEST_H
 #define IDEMQ_ITEST_H
 
+#include <check.h>
 #include <libpq-fe.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -32,6 +33,44 @@ extern const char *itest_extra_conf;
 extern const char *itest_broker_conf;
 /* Extra lines inside the log group (e.g. format = "json";), or NULL. */
 extern const char *itest_log_conf;
+
+/*
+ * Least-privilege mode (IDEMQ_TEST_LEAST_PRIVILEGE=1, scripts/test): the
+ * idemq processes a test starts run as a deployment's roles and users
+ * (consumer/OPERATIONS.md "Roles and permissions"), not as the owner and
+ * the broker's administrator: `idemq run` with the run role
+ * (idemq_lp_run) and the run broker user (IDEMQ_TEST_LP_RUN_URL), the
+ * operator commands with the operator role (idemq_lp_operator) and user
+ * (IDEMQ_TEST_LP_OPERATOR_URL); migrate, declare, publish and the test's
+ * own fixtures stay with the owner. itest_setup grants the roles with
+ * `idemq migrate --grant/--grant-operator/--grant-app` (which create
+ * them) and gives the two broker users (created by scripts/test with
+ * `scripts/services ctl add_user`) the permissions `idemq declare
+ * --print-permissions` prints for the test's config (topology_permissions,
+ * through the management API); configs get topology.verify = "passive".
+ */
+bool itest_lp(void);
+/* In LP mode, a tcase "least_privilege" of tests (NULL-terminated) added
+ * to s (run with CK_RUN_CASE=least_privilege); otherwise nothing. */
+void itest_lp_tcase(Suite *s, const TTest *const *tests);
+/* In LP mode: the broker users' permissions for the inputs of c (a config a
+ * test wrote itself; itest_setup does it for its own). */
+void itest_lp_permit(const struct conf *c);
+/* In LP mode: the run user may also write exchange, one an effect's or an
+ * application's idemq.emit names (the outbox relay publishes there, as
+ * consumer/OPERATIONS.md "Roles and permissions" says); call it after
+ * itest_setup, before the run starts. */
+void itest_lp_permit_emit(const char *exchange);
+/* "topology: { verify = \"passive\"; };" in LP mode, else "": for configs
+ * a test writes itself. */
+const char *itest_lp_topology(void);
+/* In a child about to exec `idemq ARGS`: IDEMQ_PG_DSN and IDEMQ_AMQP_URL
+ * of the role of the command (run, operator, or unchanged for the owner's
+ * setup commands); nothing outside LP mode. */
+void itest_lp_child_env(const char *command);
+/* For a shell command line: "env IDEMQ_PG_DSN='..' IDEMQ_AMQP_URL='..' "
+ * for the command, or "" (buf). */
+const char *itest_lp_env_prefix(const char *command, char *buf, size_t len);
 
 /* GET url with curl; the body goes to out; returns the HTTP status or -1. */
 int itest_http_get(const char *url, char *out, size_t outlen);

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "conf.h"
+#include "topology.h"
 
 #define CASES IDEMQ_SOURCE_DIR "/tests/unit/conf"
 
@@ -929,11 +930,38 @@ START_TEST(test_celery_settings)
 }
 END_TEST
 
+/* The broker users' permissions (idemq declare --print-permissions): run
+ * has no configure and no amq.default, writes only the retry and dead-letter
+ * exchanges (and the Celery replies), reads only the work queues; names are
+ * regex-escaped. */
+START_TEST(test_broker_permissions)
+{
+    struct conf *c = NULL;
+    char err[512], cf[2048], wr[2048], rd[2048];
+    ck_assert_int_eq(conf_load(CASES "/good_permissions.cfg", &c, err, sizeof err), IDEMQ_OK);
+    ck_assert(topology_permissions(c, TOPOLOGY_USER_RUN, cf, wr, rd, sizeof cf));
+    ck_assert_str_eq(cf, "^$");
+    ck_assert_str_eq(wr, "^(q\\.pay\\|x\\.retry|q\\.pay\\|x\\.dlx|q\\.auth\\.dlx|q\\.cel\\.retry|"
+                         "q\\.cel\\.dlx|idemq\\.celery\\.replies|[0-9a-f]{8}-[0-9a-f]{4}-"
+                         "[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})$");
+    ck_assert_str_eq(rd, "^(q\\.pay\\|x|q\\.auth\\.p[0-9]+|q\\.cel|idemq\\.celery\\.replies)$");
+    ck_assert(topology_permissions(c, TOPOLOGY_USER_OPERATOR, cf, wr, rd, sizeof cf));
+    ck_assert_ptr_nonnull(strstr(wr, "|amq\\.default)$"));
+    ck_assert_ptr_nonnull(strstr(cf, "q\\.pay\\|x(\\.p[0-9]+|\\.retry(\\.[0-9]+)?|\\.dlx|\\.dead)?"));
+    ck_assert_ptr_nonnull(strstr(rd, "|x\\.auth|"));
+    ck_assert_ptr_null(strstr(cf, "amq"));
+    /* too small: refused, not cut */
+    ck_assert(!topology_permissions(c, TOPOLOGY_USER_RUN, cf, wr, rd, 40));
+    conf_free(c);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("conf");
     TCase *tc = tcase_create("conf");
     tcase_add_test(tc, test_case_files);
+    tcase_add_test(tc, test_broker_permissions);
     tcase_add_test(tc, test_defaults_and_derived);
     tcase_add_test(tc, test_env_overrides);
     tcase_add_test(tc, test_parse_interval);

@@ -167,6 +167,49 @@ START_TEST(test_no_failure_no_reject)
 }
 END_TEST
 
+/* A single active consumer's deliveries (an ordered lane's) get no frame:
+ * the channel's close returns them and removes the consumer in one step,
+ * so a standby replica cannot take later messages first. The caller names
+ * only the other consumers to cancel; a lane delivery that failed is no
+ * reject either (the close counts it). */
+START_TEST(test_single_active_left_to_close)
+{
+    struct fake f;
+    struct acks a;
+    struct giveback_counts k;
+    const char *tags[] = {"idemq/in/w"};
+    char out[2048];
+    fake_open(&f);
+    acks_init(&a);
+    for (uint64_t t = 1; t <= 5; t++)
+        ck_assert_int_eq(acks_received(&a, t), IDEMQ_OK);
+    ck_assert(acks_mark_with_close(&a, 2));
+    ck_assert(acks_mark_with_close(&a, 3));
+    ck_assert(acks_mark_with_close(&a, 5));
+    ck_assert(!acks_mark_with_close(&a, 9)); /* not outstanding */
+    ck_assert(acks_settle(&a, 1));
+    ck_assert(acks_settle(&a, 5)); /* settled: acked like any other */
+    ck_assert(acks_with_close(&a, 2));
+    ck_assert(!acks_with_close(&a, 4));
+    ck_assert_int_eq(giveback_send(f.conn, 1, &a, tags, 1, 3, &k), IDEMQ_OK);
+    sent(&f, out, sizeof out);
+    ck_assert_str_eq(out, "cancel idemq/in/w nowait=1\n"
+                          "ack 1 multiple=0\n"
+                          "ack 5 multiple=0\n"
+                          "nack 4 multiple=0 requeue=1\n");
+    ck_assert_int_eq(k.with_close, 2);
+    ck_assert_int_eq(k.nacked, 1);
+    ck_assert_int_eq(k.rejected, 0);
+    ck_assert_uint_eq(acks_outstanding(&a), 0);
+    /* a new channel: the mark goes with the reset */
+    acks_reset(&a);
+    ck_assert_int_eq(acks_received(&a, 2), IDEMQ_OK);
+    ck_assert(!acks_with_close(&a, 2));
+    acks_free(&a);
+    fake_close(&f);
+}
+END_TEST
+
 /* The peer is gone: the first frame that cannot be sent stops it. */
 START_TEST(test_connection_gone)
 {
@@ -191,6 +234,7 @@ int main(void)
     TCase *tc = tcase_create("giveback");
     tcase_add_test(tc, test_frames_one_at_a_time);
     tcase_add_test(tc, test_no_failure_no_reject);
+    tcase_add_test(tc, test_single_active_left_to_close);
     tcase_add_test(tc, test_connection_gone);
     suite_add_tcase(s, tc);
     return check_run(s);
