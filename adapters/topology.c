@@ -4,6 +4,8 @@
  */
 #include "topology.h"
 
+#include "celery.h"
+
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -277,7 +279,13 @@ static idemq_err_t walk(struct broker *b, const struct conf *c, const struct con
             return err;
     }
 
-    return dead_objects(b, in, m);
+    if ((err = dead_objects(b, in, m)))
+        return err;
+    /* Celery results go through a direct exchange that reaches only the
+     * reply queues bound to it, never through amq.default */
+    if (in->celery && (err = exchange(b, CELERY_REPLIES_EXCHANGE, "direct", NULL, m)))
+        return err;
+    return IDEMQ_OK;
 }
 
 idemq_err_t topology_declare(struct broker *b, const struct conf *c, const struct conf_input *in)

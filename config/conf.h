@@ -127,6 +127,8 @@ struct conf_input {
     int key_arg;                      /* CONF_KEY_CELERY_ARG: the argument's index */
     struct conf_celery_route *routes; /* derived from celery_tasks */
     int n_routes;
+    char *celery_duplicate_reply;     /* "result" or "status" */
+    bool celery_status_only;          /* derived: celery_duplicate_reply = "status" */
 };
 
 /* True for an input in observe mode (issue 20). */
