@@ -442,6 +442,159 @@ START_TEST(test_refused_reply_holds_nothing)
 }
 END_TEST
 
+/* Runs celery_producer.py in mode against t's input; returns its exit
+ * status after echoing its output. */
+static FILE *producer(struct itest *t, const char *mode)
+{
+    char cmd[2048];
+    FILE *p;
+    snprintf(cmd, sizeof cmd, "%s %s/tests/integration/celery_producer.py '%s' '%s' '%s' '%s' %s",
+             PYTHON, IDEMQ_SOURCE_DIR, getenv("IDEMQ_AMQP_URL"), t->name, t->name, t->name,
+             mode);
+    p = popen(cmd, "r");
+    ck_assert_ptr_nonnull(p);
+    return p;
+}
+
+static int producer_done(FILE *p)
+{
+    char out[4096];
+    int rc;
+    while (fgets(out, sizeof out, p))
+        fprintf(stderr, "producer: %s", out);
+    rc = pclose(p);
+    return WIFEXITED(rc) ? WEXITSTATUS(rc) : 128;
+}
+
+/*
+ * `expires` applies only to a task whose key is not claimed yet: a task
+ * committed, then idemq killed before its ack, comes back after its
+ * expires; it is a duplicate of the applied key, answered with the stored
+ * result (not REVOKED), and nothing is parked.
+ */
+START_TEST(test_expired_redelivery_gets_its_result)
+{
+    struct itest t;
+    char key[160];
+    const char *crash_env[] = {"IDEMQ_TEST_CRASH=after_commit", NULL};
+    FILE *p;
+    pid_t pid;
+    int rc;
+
+    itest_setup(&t, "celery_exp", "", "", CELERY_INPUT);
+    pid = itest_spawn(&t, t.cfg_path, 60, crash_env);
+    p = producer(&t, "expiring");
+    rc = itest_wait(pid, itest_ms(30000));
+    ck_assert_msg(WIFSIGNALED(rc) && WTERMSIG(rc) == SIGKILL, "idemq was not killed (%d)", rc);
+    snprintf(key, sizeof key, "%s-X", t.name);
+    ck_assert_int_eq(effects_of(&t, key), 1);
+    usleep((useconds_t)itest_ms(4000) * 1000); /* past its expires (3 s) */
+    pid = itest_spawn(&t, t.cfg_path, 60, NULL);
+    ck_assert_int_eq(producer_done(p), 0);
+    kill(pid, SIGTERM);
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "idemq exited with %d", rc);
+    ck_assert_int_eq(effects_of(&t, key), 1);
+    ck_assert_int_eq(parked_as(&t, key, "celery_expired"), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts WHERE key = $1 AND "
+                                    "outcome = 'duplicate'", key),
+                     1);
+    itest_teardown(&t);
+}
+END_TEST
+
+/*
+ * A Celery input on a quorum queue parks the last delivery its limit allows
+ * (here 2: the copy returned twice by crashes), as every quorum input does,
+ * instead of trying it once more.
+ */
+START_TEST(test_quorum_last_delivery_parked)
+{
+    struct itest t;
+    char key[160], id[96];
+    const char *crash[] = {"IDEMQ_TEST_CRASH=before_commit", NULL};
+    struct itest_raw *raw;
+    int st;
+
+    itest_retry_conf = "max_attempts = 1;";
+    itest_setup(&t, "celery_qdl", "", "",
+                CELERY_INPUT " queue_type = \"quorum\"; delivery_limit = 2;");
+    itest_retry_conf = NULL;
+    snprintf(key, sizeof key, "%s-Q", t.name);
+    snprintf(id, sizeof id, "%s-q", t.name);
+    raw = itest_raw_open();
+    raw_task(raw, &t, id, key, NULL, NULL, 0);
+    itest_raw_close(raw);
+    for (int i = 0; i < 2; i++) { /* x-delivery-count 0 and 1: a crash each */
+        st = itest_wait(itest_spawn(&t, t.cfg_path, 5, crash), itest_ms(30000));
+        ck_assert_msg(st != -1 && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL,
+                      "run %d: expected the crash hook, status 0x%x", i, st);
+    }
+    itest_run_until_idle(&t, 2); /* x-delivery-count 2: the last the limit allows */
+    ck_assert_int_eq(effects_of(&t, key), 0);
+    ck_assert_int_eq(parked_as(&t, key, "delivery_limit"), 1);
+    itest_teardown(&t);
+}
+END_TEST
+
+/*
+ * Observe mode on a Celery input has no effect on the clients: a real
+ * Celery client waiting on a claimed task and on an unroutable one gets no
+ * answer from idemq (the real worker answers); both are observed.
+ */
+START_TEST(test_observe_never_replies)
+{
+    struct itest t;
+    char key[160], log[300];
+    FILE *p;
+    pid_t pid;
+    int rc;
+
+    itest_setup(&t, "celery_obs", "", "", CELERY_INPUT " mode = \"observe\";");
+    snprintf(log, sizeof log, "/tmp/%s.log", t.name);
+    pid = itest_spawn_log(t.cfg_path, 60, NULL, log);
+    p = producer(&t, "observe");
+    ck_assert_int_eq(producer_done(p), 0);
+    kill(pid, SIGTERM);
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "idemq exited with %d", rc);
+    snprintf(key, sizeof key, "%s-O1", t.name);
+    ck_assert_int_eq(effects_of(&t, key), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.observations WHERE input = $1",
+                                t.name),
+                     2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE source_queue = $1",
+                                t.name),
+                     0);
+    ck_assert_msg(itest_count_lines(log, "not sent in observe mode 2") == 1, "log %s", log);
+    unlink(log);
+    itest_teardown(&t);
+}
+END_TEST
+
+/*
+ * celery_duplicate_reply = "status": where producers that share keys do
+ * not trust each other, a duplicate is told SUCCESS or FAILURE (with the
+ * park's code) but not the first sender's result or reason.
+ */
+START_TEST(test_duplicate_status_only)
+{
+    struct itest t;
+    FILE *p;
+    pid_t pid;
+    int rc;
+
+    itest_setup(&t, "celery_st", "", "", CELERY_INPUT " celery_duplicate_reply = \"status\";");
+    pid = itest_spawn(&t, t.cfg_path, 60, NULL);
+    p = producer(&t, "status");
+    ck_assert_int_eq(producer_done(p), 0);
+    kill(pid, SIGTERM);
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "idemq exited with %d", rc);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("celery");
@@ -451,6 +604,10 @@ int main(void)
     tcase_add_test(tc, test_kill_between_commit_and_reply);
     tcase_add_test(tc, test_reply_to_only_celery_queues);
     tcase_add_test(tc, test_refused_reply_holds_nothing);
+    tcase_add_test(tc, test_expired_redelivery_gets_its_result);
+    tcase_add_test(tc, test_quorum_last_delivery_parked);
+    tcase_add_test(tc, test_observe_never_replies);
+    tcase_add_test(tc, test_duplicate_status_only);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
