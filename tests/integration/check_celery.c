@@ -595,6 +595,68 @@ START_TEST(test_duplicate_status_only)
 }
 END_TEST
 
+/*
+ * Celery >= 5.5 with quorum queues sends a countdown/ETA task to
+ * celery_delayed_27 with the countdown's 28 bits in front of its routing key
+ * (kombu's calculate_routing_key); the chain of delay queues brings it to
+ * celery_delayed_delivery, bound by the Celery worker back to the task
+ * queue. idemq replaces that worker: `idemq declare` declares the chain and
+ * the input's bindings, so such a task reaches the input after its
+ * countdown and is applied once. The message is published as Celery 5.5
+ * does (Debian 12's Celery 5.2 has no native delayed delivery).
+ */
+START_TEST(test_native_delayed_delivery)
+{
+    struct itest t;
+    char key[160], id[96], rk[400];
+    struct itest_raw *raw;
+    amqp_basic_properties_t p;
+    amqp_table_entry_t h[2];
+    char body[512];
+    struct timespec t0, t1;
+    int countdown = 2;
+
+    itest_setup(&t, "celery_ndd", "", "",
+                CELERY_INPUT " queue_type = \"quorum\"; exchange_type = \"topic\";");
+    ck_assert(topology_celery_delayed(&t.conf->inputs[0]));
+    snprintf(key, sizeof key, "%s-D", t.name);
+    snprintf(id, sizeof id, "%s-d", t.name);
+    /* '.'.join(f'{countdown:028b}') + '.' + routing_key */
+    rk[0] = '\0';
+    for (int bit = 27; bit >= 0; bit--)
+        strcat(rk, (countdown >> bit) & 1 ? "1." : "0.");
+    strcat(rk, t.name);
+    memset(&p, 0, sizeof p);
+    h[0].key = amqp_cstring_bytes("task");
+    h[0].value.kind = AMQP_FIELD_KIND_UTF8;
+    h[0].value.value.bytes = amqp_cstring_bytes("shop.charge");
+    h[1].key = amqp_cstring_bytes("id");
+    h[1].value.kind = AMQP_FIELD_KIND_UTF8;
+    h[1].value.value.bytes = amqp_cstring_bytes(id);
+    p._flags = AMQP_BASIC_HEADERS_FLAG | AMQP_BASIC_CONTENT_TYPE_FLAG |
+               AMQP_BASIC_DELIVERY_MODE_FLAG;
+    p.headers.num_entries = 2;
+    p.headers.entries = h;
+    p.content_type = amqp_cstring_bytes("application/json");
+    p.delivery_mode = 2;
+    snprintf(body, sizeof body, "[[], {\"order_id\": \"%s\", \"amount\": 1}, null]", key);
+    raw = itest_raw_open();
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    itest_raw_publish(raw, "celery_delayed_27", rk, strlen(rk), body, strlen(body), &p);
+    itest_raw_close(raw);
+    ck_assert_int_eq(itest_queue_ready(&t, t.name), 0); /* held in the delay chain */
+    for (int ms = 0; ms < itest_ms(15000) && itest_queue_ready(&t, t.name) == 0; ms += 100)
+        usleep(100000);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    ck_assert_int_eq(itest_queue_ready(&t, t.name), 1);
+    ck_assert_msg(t1.tv_sec - t0.tv_sec >= countdown - 1, "arrived after %ld s",
+                  (long)(t1.tv_sec - t0.tv_sec));
+    itest_run_until_idle(&t, 2);
+    ck_assert_int_eq(effects_of(&t, key), 1);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("celery");
@@ -608,6 +670,7 @@ int main(void)
     tcase_add_test(tc, test_quorum_last_delivery_parked);
     tcase_add_test(tc, test_observe_never_replies);
     tcase_add_test(tc, test_duplicate_status_only);
+    tcase_add_test(tc, test_native_delayed_delivery);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
