@@ -392,15 +392,16 @@ END_TEST
 
 /*
  * A committed task's reply is best effort: a reply queue that refuses it
- * (the broker nacks: x-max-length 0, reject-publish) costs that reply only.
+ * (the broker nacks: x-max-length 0, reject-publish), or one that is gone
+ * (the bind is refused, on a channel of its own), costs that reply only.
  * The batch's deliveries are acknowledged, nothing is redelivered or
  * answered twice, the queue drains, and the failure is counted.
  */
 START_TEST(test_refused_reply_holds_nothing)
 {
     struct itest t;
-    char log[300], good[64], full[64], body[4096], corr[256], id[96], key[128], id2[96],
-        key2[128];
+    char log[300], good[64], full[64], gone[64], body[4096], corr[256], id[96], key[128],
+        id2[96], key2[128], id3[96], key3[128];
     struct itest_raw *raw;
     int st;
 
@@ -413,8 +414,12 @@ START_TEST(test_refused_reply_holds_nothing)
     snprintf(key, sizeof key, "%s-kf", t.name);
     snprintf(id2, sizeof id2, "%s-good", t.name);
     snprintf(key2, sizeof key2, "%s-kg", t.name);
+    uuid_name(gone, sizeof gone, 5); /* a client that went away: no such queue */
+    snprintf(id3, sizeof id3, "%s-gone", t.name);
+    snprintf(key3, sizeof key3, "%s-kx", t.name);
     raw = itest_raw_open();
     raw_task(raw, &t, id, key, full, NULL, 0);
+    raw_task(raw, &t, id3, key3, gone, NULL, 0);
     raw_task(raw, &t, id2, key2, good, NULL, 0);
     itest_raw_close(raw);
     snprintf(log, sizeof log, "/tmp/%s.log", t.name);
@@ -423,6 +428,7 @@ START_TEST(test_refused_reply_holds_nothing)
                   "idemq did not finish (status 0x%x, log %s)", st, log);
     ck_assert_int_eq(effects_of(&t, key), 1);
     ck_assert_int_eq(effects_of(&t, key2), 1);
+    ck_assert_int_eq(effects_of(&t, key3), 1);
     ck_assert_int_eq(itest_queue_ready(&t, t.name), 0);
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts WHERE key = $1 AND "
                                     "outcome = 'duplicate'", key),
@@ -432,9 +438,10 @@ START_TEST(test_refused_reply_holds_nothing)
     ck_assert_str_eq(corr, id2);
     ck_assert_msg(!take_one(&t, good, body, sizeof body, corr, sizeof corr),
                   "answered twice: %s", body);
-    ck_assert_msg(itest_count_lines(log, "celery replies: sent 1, refused reply_to 0, failed 1") ==
+    ck_assert_msg(itest_count_lines(log, "celery replies: sent 1, refused reply_to 0, failed 2") ==
                       1,
                   "no reply summary (log %s)", log);
+    ck_assert_int_eq(itest_count_lines(log, "404 NOT_FOUND"), 1); /* the bind, aside */
     delete_queue(&t, good);
     delete_queue(&t, full);
     unlink(log);
