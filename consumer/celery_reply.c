@@ -227,7 +227,7 @@ idemq_err_t celery_reply_batch(struct celery_replies *bound, struct broker *b, P
     }
     r = read_back(db, c, jobs, plans, n, &asked, &rerr, why, whylen);
 
-    for (int i = 0, row = 0; i < n && !err; i++) {
+    for (int i = 0, row = 0; i < n; i++) {
         const struct job *j = &jobs[i];
         const struct conf_input *in;
         char *body = NULL;
@@ -264,7 +264,9 @@ idemq_err_t celery_reply_batch(struct celery_replies *bound, struct broker *b, P
             dropped(counts, j, "building it", "out of memory");
             continue;
         }
-        if (bind_once(bound, b, j->reply_to) != IDEMQ_OK) {
+        if (err) { /* the connection failed on an earlier reply */
+            dropped(counts, j, "publishing it", "the connection failed");
+        } else if (bind_once(bound, b, j->reply_to) != IDEMQ_OK) {
             dropped(counts, j, "binding its queue", broker_error(b));
         } else if ((err = send(b, j, body)) != IDEMQ_OK) {
             dropped(counts, j, "publishing it", broker_error(b));
@@ -277,7 +279,10 @@ idemq_err_t celery_reply_batch(struct celery_replies *bound, struct broker *b, P
     }
     PQclear(r);
     r = NULL;
-    if (published) {
+    if (published && err) { /* the connection failed: no confirm will come */
+        for (int k = 0; k < published; k++)
+            dropped(counts, sent_jobs[k], "not confirmed", "the connection failed");
+    } else if (published) {
         idemq_err_t werr = broker_wait_confirms_each(b, confirm_ms, ids, out, (size_t)published);
         for (int k = 0; k < published; k++) {
             const struct job *j = sent_jobs[k];

@@ -7,7 +7,7 @@ Celery input and waits on AsyncResult.get(). Exits 0 when every client got
 what the contract promises, 1 (with the reasons on stderr) otherwise; the
 last stdout line is a JSON summary that check_celery also reads.
 
-Usage: celery_producer.py AMQP_URL EXCHANGE ROUTING_KEY PREFIX [one|expiring|observe|status]
+Usage: celery_producer.py AMQP_URL EXCHANGE ROUTING_KEY PREFIX [one|expiring|observe|status|delayed]
 Needs Debian's python3-celery (5.2) under /usr/bin/python3.
 """
 import datetime
@@ -91,6 +91,28 @@ if mode == "expiring":
         check("answered with the result after its expires", False,
               (type(exc).__name__, str(exc), res.state))
     print(json.dumps({"failures": failures}))
+    sys.exit(1 if failures else 0)
+
+if mode == "delayed":
+    # check_celery's native delayed delivery case (Celery >= 5.5): the
+    # producer knows the task queue as a quorum queue behind a topic
+    # exchange, so a countdown goes through celery_delayed_27 .. 0 and
+    # celery_delayed_delivery, whose binding back to the queue idemq
+    # declared in place of Celery's worker
+    from kombu import Exchange, Queue
+    app.conf.task_queues = [Queue(rk, Exchange(exchange, type="topic"), routing_key=rk,
+                                  queue_arguments={"x-queue-type": "quorum"})]
+    summary = {"celery": celery.__version__, "kombu": kombu.__version__}
+    t0 = time.monotonic()
+    res = app.send_task("shop.charge", kwargs={"order_id": f"{prefix}-N", "amount": 2},
+                        countdown=2, queue=rk)
+    value = res.get(timeout=40)
+    waited = time.monotonic() - t0
+    check("applied after its countdown", value.get("charged") == 2 and waited >= 1.5,
+          f"{value} after {waited:.2f} s")
+    summary["countdown_s"] = round(waited, 2)
+    summary["failures"] = failures
+    print(json.dumps(summary))
     sys.exit(1 if failures else 0)
 
 if mode == "observe":

@@ -664,6 +664,52 @@ START_TEST(test_native_delayed_delivery)
 }
 END_TEST
 
+/*
+ * The same with a real Celery >= 5.5 client (send_task with a countdown to
+ * a quorum queue behind a topic exchange), run in a root that has it
+ * (IDEMQ_CELERY55_ROOT, e.g. `debootstrap --variant=minbase
+ * --include=python3-celery trixie DIR`: Debian 13's Celery 5.5). Without
+ * that root the case says so and checks nothing.
+ */
+START_TEST(test_native_delayed_delivery_celery55)
+{
+    struct itest t;
+    const char *root = getenv("IDEMQ_CELERY55_ROOT");
+    char cmd[2048], key[160], out[4096] = "";
+    FILE *p;
+    pid_t pid;
+    int rc;
+
+    if (!root || !root[0]) {
+        fprintf(stderr, "check_celery: IDEMQ_CELERY55_ROOT is not set: the Celery 5.5 client "
+                        "case is not run\n");
+        return;
+    }
+    itest_setup(&t, "celery_c55", "", "",
+                CELERY_INPUT " queue_type = \"quorum\"; exchange_type = \"topic\";");
+    snprintf(cmd, sizeof cmd, "mkdir -p '%s/tmp/idemq' && cp %s/tests/integration/celery_producer.py "
+             "'%s/tmp/idemq/'", root, IDEMQ_SOURCE_DIR, root);
+    ck_assert_int_eq(system(cmd), 0);
+    pid = itest_spawn(&t, t.cfg_path, 60, NULL);
+    snprintf(cmd, sizeof cmd, "chroot '%s' /usr/bin/python3 /tmp/idemq/celery_producer.py "
+             "'%s' '%s' '%s' '%s' delayed 2>&1", root, getenv("IDEMQ_AMQP_URL"), t.name, t.name,
+             t.name);
+    ck_assert_ptr_nonnull(p = popen(cmd, "r"));
+    while (fgets(out, sizeof out, p))
+        fprintf(stderr, "producer: %s", out);
+    rc = pclose(p);
+    ck_assert_msg(WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "the Celery 5.5 producer failed (%d)",
+                  rc);
+    ck_assert_msg(strstr(out, "\"celery\": \"5.") && strstr(out, "\"failures\": []"), "%s", out);
+    kill(pid, SIGTERM);
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "idemq exited with %d", rc);
+    snprintf(key, sizeof key, "%s-N", t.name);
+    ck_assert_int_eq(effects_of(&t, key), 1);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("celery");
@@ -678,6 +724,7 @@ int main(void)
     tcase_add_test(tc, test_observe_never_replies);
     tcase_add_test(tc, test_duplicate_status_only);
     tcase_add_test(tc, test_native_delayed_delivery);
+    tcase_add_test(tc, test_native_delayed_delivery_celery55);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
