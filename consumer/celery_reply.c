@@ -23,7 +23,7 @@ static long long mono_ms(void)
     return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-void celery_replies_init(struct celery_replies *r) { memset(r, 0, sizeof *r); }
+void celery_reply_cache_init(struct celery_reply_cache *r) { memset(r, 0, sizeof *r); }
 
 bool celery_reply_queue_ok(const char *s)
 {
@@ -43,7 +43,7 @@ bool celery_reply_queue_ok(const char *s)
 }
 
 /* Binds queue to the replies exchange unless this worker did so lately. */
-static idemq_err_t bind_once(struct celery_replies *r, struct broker *b, const char *queue)
+static idemq_err_t bind_once(struct celery_reply_cache *r, struct broker *b, const char *queue)
 {
     long long now = mono_ms();
     int slot = 0;
@@ -208,7 +208,7 @@ out:
     return r;
 }
 
-idemq_err_t celery_reply_batch(struct celery_replies *bound, struct broker *b, PGconn *db,
+idemq_err_t celery_reply_batch(struct celery_reply_cache *bound, struct broker *b, PGconn *db,
                                const struct conf *c, const struct job *jobs,
                                const struct plan *plans, int n, int confirm_ms,
                                struct celery_reply_counts *counts, char *why, size_t whylen)

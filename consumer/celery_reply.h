@@ -14,8 +14,8 @@
  * committed, so a reply is best effort (a refused, nacked or unconfirmed
  * one is logged and counted, never retried, never holds a delivery).
  *
- * API: celery_replies_init -> celery_reply_batch (per batch) ->
- *      celery_replies_free; celery_reply_queue_ok (pure).
+ * API: celery_reply_cache_init -> celery_reply_batch (per batch);
+ *      celery_reply_queue_ok (pure).
  */
 #ifndef IDEMQ_CELERY_REPLY_H
 #define IDEMQ_CELERY_REPLY_H
@@ -44,14 +44,14 @@ struct celery_reply_counts {
 };
 
 /* The reply queues this worker bound (a bounded cache, oldest replaced). */
-struct celery_replies {
+struct celery_reply_cache {
     char name[CELERY_REPLY_BOUND_MAX][40];
     long long at_ms[CELERY_REPLY_BOUND_MAX];
     int n;
 };
 
 /* Empties r. Cannot fail. */
-void celery_replies_init(struct celery_replies *r);
+void celery_reply_cache_init(struct celery_reply_cache *r);
 
 /*
  * True if reply_to names a queue Celery's rpc:// backend consumes: its
@@ -72,7 +72,7 @@ bool celery_reply_queue_ok(const char *reply_to);
  * IDEMQ_ERR_DB_CONN when the database session is gone; why says what.
  * The worker's thread, outside any transaction.
  */
-idemq_err_t celery_reply_batch(struct celery_replies *bound, struct broker *b, PGconn *db,
+idemq_err_t celery_reply_batch(struct celery_reply_cache *bound, struct broker *b, PGconn *db,
                                const struct conf *c, const struct job *jobs,
                                const struct plan *plans, int n, int confirm_ms,
                                struct celery_reply_counts *counts, char *why,

@@ -83,7 +83,7 @@ struct session {
     struct rescue rescue;     /* issue 12: lost retry copies (consumer/rescue.h) */
     struct ledger_retention *retention; /* issue 10: worker 0 with ledger.maintenance */
     struct outbox outbox;     /* issue 18: the relay of idemq.outbox rows */
-    struct celery_replies replies; /* Celery reply queues bound to the replies exchange */
+    struct celery_reply_cache replies; /* Celery reply queues bound to the replies exchange */
     char why[512];            /* reason of the last non-OK step */
 };
 
@@ -890,7 +890,7 @@ idemq_err_t worker_run(struct worker *w)
     s.rng = (uint64_t)now_ms() * 2654435761u + (uint64_t)w->id + 1;
     s.batch_limit = batch_limit(s.c);
     outbox_init(&s.outbox, w->id);
-    celery_replies_init(&s.replies);
+    celery_reply_cache_init(&s.replies);
     ledger_db_set_call_timeout(s.c->call_timeout_ms); /* this thread's sessions */
     w->result = IDEMQ_OK;
     if (!session_alloc(&s)) {
