@@ -344,8 +344,8 @@ static enum step expired_but_claimed(struct batch *bt, struct job *jobs, int n)
     if (!keys)
         goto nomem;
     for (int i = 0; i < n; i++)
-        if (!is_observed(bt, &jobs[i]) && jobs[i].decode_err == IDEMQ_ERR_CELERY_EXPIRED &&
-            jobs[i].has_key && jobs[i].effect >= 0) {
+        if (jobs[i].decode_err == IDEMQ_ERR_CELERY_EXPIRED && jobs[i].has_key &&
+            jobs[i].effect >= 0) { /* observe mode too: it reports what apply would do */
             json_array_append_new(keys, json_string(jobs[i].key));
             asked++;
         }
