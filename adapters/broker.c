@@ -29,6 +29,10 @@
 #include "log.h"
 
 #define CHANNEL BROKER_CHANNEL
+/* A channel of its own for RPCs a broker may refuse in normal operation
+ * (broker_bind_aside): its channel.close never touches CHANNEL's
+ * consumers, deliveries or confirms. */
+#define ASIDE_CHANNEL (BROKER_CHANNEL + 9)
 #define CONTENT_TIMEOUT_MS 30000 /* a message's frames follow its method frame */
 
 struct stash {
@@ -68,6 +72,7 @@ struct broker {
     /* deliveries read while waiting for something else */
     struct stash *stash_head, *stash_tail;
     int cancel_oks; /* basic.cancel-ok frames counted by broker_quiesce */
+    bool aside_open;  /* ASIDE_CHANNEL is open on conn */
 };
 
 static void set_err(struct broker *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -175,6 +180,7 @@ static idemq_err_t connect_url(struct broker *b, const struct conf *c, const cha
         set_err(b, "cannot parse broker URL: %s", amqp_error_string2(rc));
         goto out;
     }
+    b->aside_open = false;
     if (!(b->conn = amqp_new_connection())) {
         set_err(b, "out of memory");
         goto out;
@@ -990,6 +996,44 @@ idemq_err_t broker_rpc_done(struct broker *b, const char *what, bool reopen)
 }
 
 void broker_set_error(struct broker *b, const char *text) { set_err(b, "%s", text); }
+
+idemq_err_t broker_bind_aside(struct broker *b, const char *queue, const char *exchange,
+                              const char *key)
+{
+    char what[600];
+    amqp_rpc_reply_t r;
+
+    snprintf(what, sizeof what, "bind queue %s to %s (key %s)", queue, exchange, key);
+    if (!b->conn || !b->healthy) {
+        set_err(b, "%s: the connection is down", what);
+        return IDEMQ_ERR_BROKER;
+    }
+    if (!b->aside_open) {
+        amqp_channel_open(b->conn, ASIDE_CHANNEL);
+        r = amqp_get_rpc_reply(b->conn);
+        if (r.reply_type != AMQP_RESPONSE_NORMAL) {
+            reply_ok(b, r, "channel.open (aside)");
+            return IDEMQ_ERR_BROKER;
+        }
+        b->aside_open = true;
+    }
+    amqp_queue_bind(b->conn, ASIDE_CHANNEL, bytes(queue), bytes(exchange), bytes(key),
+                    amqp_empty_table);
+    r = amqp_get_rpc_reply(b->conn);
+    if (r.reply_type == AMQP_RESPONSE_NORMAL)
+        return IDEMQ_OK;
+    if (r.reply_type == AMQP_RESPONSE_SERVER_EXCEPTION && r.reply.id == AMQP_CHANNEL_CLOSE_METHOD) {
+        amqp_channel_close_t *m = r.reply.decoded;
+        amqp_channel_close_ok_t ok = {0};
+        set_err(b, "%s: refused by the broker: %u %.*s", what, m->reply_code,
+                (int)m->reply_text.len, (char *)m->reply_text.bytes);
+        amqp_send_method(b->conn, ASIDE_CHANNEL, AMQP_CHANNEL_CLOSE_OK_METHOD, &ok);
+        b->aside_open = false;
+        return IDEMQ_ERR_BROKER;
+    }
+    reply_ok(b, r, what); /* the connection failed: b is unhealthy */
+    return IDEMQ_ERR_BROKER;
+}
 
 /* Was a publish with this message_id returned since the last wait? */
 static bool was_returned(const struct broker *b, const char *message_id, bool *matched)

@@ -207,6 +207,18 @@ idemq_err_t broker_wait_confirms_each(struct broker *b, int timeout_ms,
 idemq_err_t broker_get(struct broker *b, const char *queue, struct job *j,
                        bool ack) IDEMQ_MUSTCHECK;
 
+/*
+ * queue.bind of queue to exchange with key on a channel of its own, opened
+ * on first use: a refusal (403 without write on the queue, 404 for a queue
+ * that is gone) closes only that channel, never the one that holds the
+ * consumers, their deliveries and the publisher confirms. IDEMQ_OK, or
+ * IDEMQ_ERR_BROKER with broker_error saying why (b stays usable after a
+ * refusal; after a connection failure it is not). The broker's owner
+ * thread, outside any wait.
+ */
+idemq_err_t broker_bind_aside(struct broker *b, const char *queue, const char *exchange,
+                              const char *key) IDEMQ_MUSTCHECK;
+
 /* Text of the last failure on b (never NULL). */
 const char *broker_error(const struct broker *b);
 

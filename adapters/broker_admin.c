@@ -75,6 +75,16 @@ idemq_err_t broker_admin_bind(struct broker *b, const char *queue, const char *e
     return table_rpc(b, RPC_BIND, queue, exchange, key, false, args);
 }
 
+idemq_err_t broker_admin_bind_exchange(struct broker *b, const char *destination,
+                                       const char *source, const char *key)
+{
+    char what[600];
+    amqp_exchange_bind(broker_amqp(b), CHANNEL, bytes(destination), bytes(source), bytes(key),
+                       amqp_empty_table);
+    snprintf(what, sizeof what, "bind exchange %s to %s (key %s)", destination, source, key);
+    return broker_rpc_done(b, what, true);
+}
+
 idemq_err_t broker_admin_unbind(struct broker *b, const char *queue, const char *exchange,
                                 const char *key)
 {

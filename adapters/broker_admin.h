@@ -33,6 +33,11 @@ idemq_err_t broker_admin_declare_queue(struct broker *b, const char *name, json_
 idemq_err_t broker_admin_bind(struct broker *b, const char *queue, const char *exchange,
                               const char *key, json_t *args) IDEMQ_MUSTCHECK;
 
+/* exchange.bind (idempotent): messages routed by source with a matching
+ * key go on to destination. Reopens the channel on failure. */
+idemq_err_t broker_admin_bind_exchange(struct broker *b, const char *destination,
+                                       const char *source, const char *key) IDEMQ_MUSTCHECK;
+
 /* queue.unbind (for tests and tools: a shrinking hash ring). */
 idemq_err_t broker_admin_unbind(struct broker *b, const char *queue, const char *exchange,
                                 const char *key) IDEMQ_MUSTCHECK;

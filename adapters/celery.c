@@ -436,22 +436,25 @@ idemq_err_t celery_decode(struct job *j, const struct conf_input *in, long long 
         snprintf(j->reason, sizeof j->reason, "task %s has no route in celery_tasks of input %s",
                  t.task, in->name);
         err = j->celery_err = IDEMQ_ERR_CELERY_UNKNOWN_TASK;
-    } else if (!err && t.has_expires && t.expires_ms <= now_ms) {
-        snprintf(j->reason, sizeof j->reason, "task %s %s expired at %s, before it ran: "
-                 "revoked, not run", t.task, t.id, t.expires);
-        err = j->celery_err = IDEMQ_ERR_CELERY_EXPIRED;
     } else if (!err && !describe(j, &t)) {
         snprintf(j->reason, sizeof j->reason, "out of memory");
         err = IDEMQ_ERR_NOMEM;
     }
     if (!err) {
         j->effect = route->effect;
-        if (t.has_eta && t.eta_ms > now_ms) {
-            long long d = t.eta_ms - now_ms;
-            j->hold_ms = d > 0x7fffffffLL ? 0x7fffffffL : (long)d;
-        }
         if (j->has_key && !seal_check_headers(j->headers, j->key, j->reason, sizeof j->reason))
             err = IDEMQ_ERR_FORGED_REDRIVE;
+    }
+    if (!err && t.has_expires && t.expires_ms <= now_ms) {
+        /* a job in every other respect: the batch applies it after all when
+         * its key turns out to be claimed already (a redelivery of a task
+         * that ran), and parks it otherwise */
+        snprintf(j->reason, sizeof j->reason, "task %s %s expired at %s, before it ran: "
+                 "revoked, not run", t.task, t.id, t.expires);
+        err = j->celery_err = IDEMQ_ERR_CELERY_EXPIRED;
+    } else if (!err && t.has_eta && t.eta_ms > now_ms) {
+        long long d = t.eta_ms - now_ms;
+        j->hold_ms = d > 0x7fffffffLL ? 0x7fffffffL : (long)d;
     }
     celery_task_clear(&t);
     return j->decode_err = err;

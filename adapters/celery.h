@@ -28,6 +28,10 @@
 #define CELERY_MAX_ARGS 1024    /* positional arguments */
 #define CELERY_MAX_KWARGS 1024  /* keyword arguments */
 #define CELERY_RETRIES_MAX 1000000
+/* The direct exchange Celery results are published to (`idemq declare`
+ * creates it for Celery inputs); each reply queue is bound to it under its
+ * own name before its first reply. */
+#define CELERY_REPLIES_EXCHANGE "idemq.celery.replies"
 
 struct celery_task {
     int version; /* 1 or 2 */
@@ -83,8 +87,11 @@ bool celery_parse_time(const char *s, long long *ms);
  * j->meta_extra and the key are set, and j->hold_ms > 0 when an eta lies
  * ahead. The reply facts (j->reply, task_id, reply_to, correlation_id) are
  * set whenever the headers and properties could be read, so a parked task
- * is answered too; j->celery_err keeps a Celery-specific code. Pure but for
- * the process's seal secret.
+ * is answered too; j->celery_err keeps a Celery-specific code. An expired
+ * task returns IDEMQ_ERR_CELERY_EXPIRED with the job otherwise complete
+ * (effect, payload, key): `expires` applies only to a key not yet claimed,
+ * which the batch decides (consumer/batch.c). Pure but for the process's
+ * seal secret.
  */
 idemq_err_t celery_decode(struct job *j, const struct conf_input *in, long long now_ms);
 

@@ -4,6 +4,8 @@
  */
 #include "topology.h"
 
+#include "celery.h"
+
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -342,6 +344,103 @@ static idemq_err_t walk_partitioned(struct broker *b, const struct conf_input *i
     return err;
 }
 
+/* ---- Celery >= 5.5 native delayed delivery (kombu) ---- */
+
+void topology_celery_delayed_exchange(int level, char *buf, size_t len)
+{
+    snprintf(buf, len, "celery_delayed_%d", level);
+}
+
+void topology_celery_delayed_key(int level, bool onward, char *buf, size_t len)
+{
+    size_t off = 0;
+    buf[0] = '\0';
+    for (int i = level; i < TOPOLOGY_CELERY_DELAYED_LEVELS - 1 && off + 2 < len; i++)
+        off += (size_t)snprintf(buf + off, len - off, "*.");
+    if (off < len)
+        snprintf(buf + off, len - off, "%s", onward ? "0.#" : "1.#");
+}
+
+void topology_celery_delayed_binding(const struct conf_input *in, char *buf, size_t len)
+{
+    snprintf(buf, len, "%s%s", in->routing_key[0] == '#' ? "" : "#.", in->routing_key);
+}
+
+bool topology_celery_delayed(const struct conf_input *in)
+{
+    return in->celery && strcmp(in->queue_type, "quorum") == 0 &&
+           strcmp(in->exchange_type, "direct") != 0 && in->exchange[0];
+}
+
+/* The arguments kombu declares level's queue with (quorum). */
+static json_t *delayed_queue_args(int level)
+{
+    char next[64];
+    if (level > 0)
+        topology_celery_delayed_exchange(level - 1, next, sizeof next);
+    else
+        snprintf(next, sizeof next, "%s", TOPOLOGY_CELERY_DELAYED_DELIVERY);
+    return json_pack("{s:s, s:s, s:I, s:s, s:s}", "x-queue-type", "quorum", "x-overflow",
+                     "reject-publish", "x-message-ttl", (json_int_t)1000 << level,
+                     "x-dead-letter-exchange", next, "x-dead-letter-strategy", "at-least-once");
+}
+
+/*
+ * What a Celery >= 5.5 producer on quorum queues sends countdown/ETA tasks
+ * through (kombu.transport.native_delayed_delivery, declared by Celery's
+ * worker, which idemq replaces): the chain celery_delayed_27 .. 0 (topic
+ * exchanges and quorum queues with TTL 2^level s dead-lettering to the next
+ * level), celery_delayed_delivery, and the input's own bindings from it
+ * back to its exchange and queue (key "#.<routing_key>"). Declared in full
+ * by `idemq declare`; a verify checks the chain's ends exist and (full)
+ * re-binds the input's part.
+ */
+static idemq_err_t celery_delayed(struct broker *b, const struct conf_input *in, enum mode m)
+{
+    char name[64], other[64], key[128];
+    idemq_err_t err = IDEMQ_OK;
+
+    if (m == MODE_DECLARE) {
+        for (int level = TOPOLOGY_CELERY_DELAYED_LEVELS - 1; level >= 0 && !err; level--) {
+            json_t *args = delayed_queue_args(level);
+            topology_celery_delayed_exchange(level, name, sizeof name);
+            topology_celery_delayed_key(level, false, key, sizeof key);
+            if (!args)
+                return IDEMQ_ERR_NOMEM;
+            if (!(err = broker_admin_declare_exchange(b, name, "topic", false, NULL)) &&
+                !(err = broker_admin_declare_queue(b, name, args, false)))
+                err = broker_admin_bind(b, name, name, key, NULL);
+            json_decref(args);
+        }
+        for (int level = TOPOLOGY_CELERY_DELAYED_LEVELS - 1; level > 0 && !err; level--) {
+            topology_celery_delayed_exchange(level, name, sizeof name);
+            topology_celery_delayed_exchange(level - 1, other, sizeof other);
+            topology_celery_delayed_key(level, true, key, sizeof key);
+            err = broker_admin_bind_exchange(b, other, name, key);
+        }
+        if (!err)
+            err = broker_admin_declare_exchange(b, TOPOLOGY_CELERY_DELAYED_DELIVERY, "topic",
+                                                false, NULL);
+        if (!err) {
+            topology_celery_delayed_exchange(0, name, sizeof name);
+            topology_celery_delayed_key(0, true, key, sizeof key);
+            err = broker_admin_bind_exchange(b, TOPOLOGY_CELERY_DELAYED_DELIVERY, name, key);
+        }
+    } else {
+        topology_celery_delayed_exchange(TOPOLOGY_CELERY_DELAYED_LEVELS - 1, name, sizeof name);
+        if (!(err = broker_admin_declare_exchange(b, name, "topic", true, NULL)))
+            err = broker_admin_declare_exchange(b, TOPOLOGY_CELERY_DELAYED_DELIVERY, "topic",
+                                                true, NULL);
+    }
+    if (err || m == MODE_PASSIVE)
+        return err;
+    topology_celery_delayed_binding(in, key, sizeof key);
+    if (!(err = broker_admin_bind_exchange(b, in->exchange, TOPOLOGY_CELERY_DELAYED_DELIVERY,
+                                           key)))
+        err = broker_admin_bind(b, in->queue, in->exchange, key, NULL);
+    return err;
+}
+
 static idemq_err_t walk(struct broker *b, const struct conf *c, const struct conf_input *in,
                         enum mode m)
 {
@@ -369,7 +468,15 @@ static idemq_err_t walk(struct broker *b, const struct conf *c, const struct con
             return err;
     }
 
-    return dead_objects(b, in, m);
+    if ((err = dead_objects(b, in, m)))
+        return err;
+    /* Celery results go through a direct exchange that reaches only the
+     * reply queues bound to it, never through amq.default */
+    if (in->celery && (err = exchange(b, CELERY_REPLIES_EXCHANGE, "direct", NULL, m)))
+        return err;
+    if (topology_celery_delayed(in) && (err = celery_delayed(b, in, m)))
+        return err;
+    return IDEMQ_OK;
 }
 
 idemq_err_t topology_declare(struct broker *b, const struct conf *c, const struct conf_input *in)

@@ -17,6 +17,7 @@
 #ifndef IDEMQ_TOPOLOGY_H
 #define IDEMQ_TOPOLOGY_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #include "broker.h"
@@ -48,6 +49,26 @@ void topology_dlx(const struct conf_input *in, char *buf, size_t len);
 void topology_dlq(const struct conf_input *in, char *buf, size_t len);
 /* Partition queue k of a partitioned input: "<queue>.p<k>". */
 void topology_partition_queue(const struct conf_input *in, int k, char *buf, size_t len);
+
+/*
+ * Celery >= 5.5 native delayed delivery (kombu's native_delayed_delivery,
+ * names and keys as kombu writes them): a Celery input on a quorum queue
+ * behind a topic or fanout exchange (topology_celery_delayed) gets the
+ * chain celery_delayed_27 .. celery_delayed_0 (topic exchange + quorum
+ * queue of TTL 2^level s each, dead-lettering to the next level, the last
+ * to celery_delayed_delivery), and its exchange bound to
+ * celery_delayed_delivery with its queue bound to its exchange, both by
+ * "#.<routing_key>" (topology_celery_delayed_binding).
+ */
+#define TOPOLOGY_CELERY_DELAYED_LEVELS 28
+#define TOPOLOGY_CELERY_DELAYED_DELIVERY "celery_delayed_delivery"
+bool topology_celery_delayed(const struct conf_input *in);
+void topology_celery_delayed_exchange(int level, char *buf, size_t len);
+/* Binding key of level's queue to its exchange ("*." x (27 - level) "1.#"),
+ * or, onward, of the next level's exchange to it (... "0.#"; for level 0,
+ * of celery_delayed_delivery). */
+void topology_celery_delayed_key(int level, bool onward, char *buf, size_t len);
+void topology_celery_delayed_binding(const struct conf_input *in, char *buf, size_t len);
 
 /* Delay actually used for a wanted delay: clamped to [100 ms, max_delay_ms]. */
 long topology_clamp_delay(const struct conf *c, long delay_ms);

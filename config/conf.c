@@ -196,6 +196,11 @@ static const struct conf_key input_keys[] = {
     {"celery_tasks", CT_STRLIST, I(celery_tasks), 0, 64, "", 0, 0,
      "protocol = celery: \"task.name=schema.fn\" routes; a task named nowhere is parked as "
      "celery_unknown_task"},
+    {"celery_duplicate_reply", CT_STR, I(celery_duplicate_reply), 1, 16, "result", 0, 0,
+     "protocol = celery: a task whose key was already applied or parked is answered with the "
+     "key's stored result or park reason (result), or only with its status (status: SUCCESS "
+     "with a null result, FAILURE naming the park code alone), where producers that share "
+     "keys do not trust each other"},
     {"deferred_report_after_s", CT_INT, I(deferred_report_after_s), 1, 86400 * 30, NULL, 300, 0,
      "deferred jobs (waiting for a predecessor) older than this are reported"},
     /* provider effects: keep these rows together */
@@ -741,6 +746,12 @@ static idemq_err_t validate_celery(struct conf_input *in, int line, const char *
              "(\"task.name=schema.fn\", at least one)", file, line, in->name);
         return IDEMQ_ERR_CONFIG;
     }
+    if (strcmp(in->celery_duplicate_reply, "result") && strcmp(in->celery_duplicate_reply, "status")) {
+        errf(errbuf, errlen, "%s:%d: input %s: celery_duplicate_reply must be \"result\" or "
+             "\"status\", not \"%s\"", file, line, in->name, in->celery_duplicate_reply);
+        return IDEMQ_ERR_CONFIG;
+    }
+    in->celery_status_only = strcmp(in->celery_duplicate_reply, "status") == 0;
     return IDEMQ_OK;
 }
 
@@ -777,6 +788,11 @@ static idemq_err_t validate_input(struct conf_input *in, int line, const char *f
                  file, line, in->name);
             return IDEMQ_ERR_CONFIG;
         }
+    if (strcmp(in->celery_duplicate_reply, "result")) {
+        errf(errbuf, errlen, "%s:%d: input %s: celery_duplicate_reply needs protocol = \"celery\"",
+             file, line, in->name);
+        return IDEMQ_ERR_CONFIG;
+    }
     if (strncmp(ks, "json:", 5) == 0 && ks[5]) {
         in->key_kind = CONF_KEY_JSON;
         in->key_name = strdup(ks + 5);

@@ -129,6 +129,8 @@ struct conf_input {
     int n_routes;
     int line; /* line of the input's group in the file */
     int index; /* position in inputs */
+    char *celery_duplicate_reply;     /* "result" or "status" */
+    bool celery_status_only;          /* derived: celery_duplicate_reply = "status" */
 };
 
 /* True for an input in observe mode. */

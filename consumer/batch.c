@@ -13,6 +13,7 @@
 
 #include "backoff.h"
 #include "classify.h"
+#include "ledger_db.h"
 #include "ledger_lanes.h"
 #include "log.h"
 #include "outbox.h"
@@ -324,6 +325,65 @@ static enum step commit(struct batch *bt)
 }
 
 /*
+ * A Celery `expires` applies only to a task whose key is not claimed yet:
+ * inside the open transaction, the expired jobs of jobs[0..n) whose key the
+ * ledger holds (a redelivery of a task that ran, a retry) become jobs again
+ * and go through the claim like any copy (a duplicate is answered with the
+ * stored result, never REVOKED); the rest stay parked as celery_expired.
+ */
+static enum step expired_but_claimed(struct batch *bt, struct job *jobs, int n)
+{
+    struct ledger_db_error e;
+    json_t *keys = json_array();
+    char *text = NULL;
+    PGresult *r = NULL;
+    const char *params[1];
+    enum step st = STEP_OK;
+    int asked = 0;
+
+    if (!keys)
+        goto nomem;
+    for (int i = 0; i < n; i++)
+        if (jobs[i].decode_err == IDEMQ_ERR_CELERY_EXPIRED && jobs[i].has_key &&
+            jobs[i].effect >= 0) { /* observe mode too: it reports what apply would do */
+            json_array_append_new(keys, json_string(jobs[i].key));
+            asked++;
+        }
+    if (!asked)
+        goto out;
+    if (!(text = json_dumps(keys, JSON_COMPACT)))
+        goto nomem;
+    params[0] = text;
+    if (!(r = ledger_db_query(bt->db,
+                              "SELECT k FROM jsonb_array_elements_text($1::jsonb) AS k "
+                              " WHERE EXISTS (SELECT 1 FROM idemq.jobs t WHERE t.key = k)",
+                              1, params, &e))) {
+        st = call_failed(bt, &e, "claimed expired keys");
+        goto out;
+    }
+    for (int row = 0; row < PQntuples(r); row++)
+        for (int i = 0; i < n; i++)
+            if (jobs[i].decode_err == IDEMQ_ERR_CELERY_EXPIRED && jobs[i].has_key &&
+                strcmp(jobs[i].key, PQgetvalue(r, row, 0)) == 0) {
+                log_job(LOG_LVL_INFO, jobs[i].key, jobs[i].tag, 0,
+                        "celery task past its expires, but its key is claimed: not revoked, "
+                        "taken as a copy of the claimed task");
+                jobs[i].decode_err = IDEMQ_OK;
+                jobs[i].celery_err = IDEMQ_OK;
+                jobs[i].reason[0] = '\0';
+            }
+    goto out;
+nomem:
+    snprintf(bt->why, sizeof bt->why, "out of memory checking expired Celery tasks");
+    st = STEP_SPLIT;
+out:
+    PQclear(r);
+    free(text);
+    json_decref(keys);
+    return st;
+}
+
+/*
  * One transaction over jobs[0..n): claims and applies the decodable ones,
  * records failures, parks the rest, commits. Fills plans[0..n). On any
  * non-OK return the transaction is rolled back and nothing may be settled.
@@ -365,11 +425,14 @@ static enum step run_txn_notices(struct batch *bt, struct job *jobs, int n, stru
                     plans[i].delay_ms);
             continue;
         }
-        if (jobs[i].decode_err == IDEMQ_OK)
-            bt->good[ngood++] = &jobs[i];
     }
     if (ledger_txn_begin(bt->lt, &e))
         return call_failed(bt, &e, "BEGIN");
+    if ((st = expired_but_claimed(bt, jobs, n)) != STEP_OK)
+        goto rollback;
+    for (int i = 0; i < n; i++)
+        if (!is_observed(bt, &jobs[i]) && jobs[i].decode_err == IDEMQ_OK && jobs[i].hold_ms <= 0)
+            bt->good[ngood++] = &jobs[i];
     if (ngood && ledger_txn_apply(bt->lt, bt->good, ngood, bt->res, &e)) {
         st = call_failed(bt, &e, "apply_batch");
         goto rollback;

@@ -352,6 +352,18 @@ static int last_allowed_delivery(const struct job *j, const struct conf_input *i
     return j->delivery_count >= limit ? limit : 0;
 }
 
+/* Marks j's last allowed delivery to be parked (last_allowed_delivery). */
+static void delivery_limit_park(struct job *j, int limit)
+{
+    snprintf(j->reason, sizeof j->reason,
+             "returned %d times before (x-delivery-count %d), the queue's delivery limit %d: "
+             "its last delivery is parked, not tried (past the limit the broker "
+             "dead-letters or drops it)",
+             j->delivery_count, j->delivery_count, limit);
+    j->decode_err = IDEMQ_ERR_DELIVERY_LIMIT;
+    j->celery_err = IDEMQ_OK;
+}
+
 idemq_err_t job_decode(struct job *j, const struct conf_input *in)
 {
     json_error_t jerr;
@@ -373,8 +385,13 @@ idemq_err_t job_decode(struct job *j, const struct conf_input *in)
     }
     if (in->celery) { /* a Celery task message (adapters/celery.h) */
         struct timespec now;
+        idemq_err_t err;
         clock_gettime(CLOCK_REALTIME, &now);
-        return celery_decode(j, in, (long long)now.tv_sec * 1000 + now.tv_nsec / 1000000);
+        err = celery_decode(j, in, (long long)now.tv_sec * 1000 + now.tv_nsec / 1000000);
+        if ((err == IDEMQ_OK || err == IDEMQ_ERR_CELERY_EXPIRED) &&
+            (limit = last_allowed_delivery(j, in)) > 0) /* as for every quorum input */
+            delivery_limit_park(j, limit);
+        return j->decode_err;
     }
     if (j->body_size > (uint64_t)in->max_body_bytes) {
         body_err = IDEMQ_ERR_BODY_TOO_LARGE;
@@ -426,12 +443,7 @@ idemq_err_t job_decode(struct job *j, const struct conf_input *in)
         snprintf(j->reason, sizeof j->reason, "%s", body_reason);
         j->decode_err = body_err;
     } else if (!key_err && (limit = last_allowed_delivery(j, in)) > 0) {
-        snprintf(j->reason, sizeof j->reason,
-                 "returned %d times before (x-delivery-count %d), the queue's delivery limit %d: "
-                 "its last delivery is parked, not tried (past the limit the broker "
-                 "dead-letters or drops it)",
-                 j->delivery_count, j->delivery_count, limit);
-        j->decode_err = IDEMQ_ERR_DELIVERY_LIMIT;
+        delivery_limit_park(j, limit);
     } else {
         j->decode_err = key_err;
     }

@@ -735,6 +735,17 @@ static int cmd_run(const struct conf *c, long until_idle_s)
                    received, from_ledger, applied, dups, deferred, retried, parked);
     }
     observe_log_summary(c); /* observe-mode inputs */
+    if (c->n_routes) { /* Celery inputs: what became of the replies */
+        long rs[4] = {0, 0, 0, 0};
+        for (int i = 0; i < c->workers; i++) {
+            rs[0] += atomic_load(&ws[i].stats.celery.sent);
+            rs[1] += atomic_load(&ws[i].stats.celery.refused);
+            rs[2] += atomic_load(&ws[i].stats.celery.failed);
+            rs[3] += atomic_load(&ws[i].stats.celery.observe);
+        }
+        log_info("celery replies: sent %ld, refused reply_to %ld, failed %ld, not sent in "
+                 "observe mode %ld", rs[0], rs[1], rs[2], rs[3]);
+    }
     run_report_log(ws, c->workers);
     console_stop(console);
     metrics_stop(metrics);

@@ -74,6 +74,28 @@ size_t metrics_render(struct worker *ws, int n, char *buf, size_t len)
         ADD("idemq_attempts_total{class=\"%s\"} %ld\n", classify_name((enum classify_class)cls),
             sum);
     }
+    {
+        static const struct {
+            const char *outcome;
+            size_t off;
+        } rep[] = {
+            {"sent", offsetof(struct celery_reply_counts, sent)},
+            {"refused_reply_to", offsetof(struct celery_reply_counts, refused)},
+            {"failed", offsetof(struct celery_reply_counts, failed)},
+            {"observe_mode", offsetof(struct celery_reply_counts, observe)},
+        };
+        ADD("%s", "# HELP idemq_celery_replies_total Celery results by outcome: sent "
+                  "(confirmed), refused_reply_to (reply_to is not a Celery reply queue: not "
+                  "answered), failed (bind refused, nacked, unconfirmed or unread: dropped), "
+                  "observe_mode (never answered)\n"
+                  "# TYPE idemq_celery_replies_total counter\n");
+        for (size_t k = 0; k < sizeof rep / sizeof rep[0]; k++) {
+            long sum = 0;
+            for (int i = 0; i < n; i++)
+                sum += atomic_load((atomic_long *)((char *)&ws[i].stats.celery + rep[k].off));
+            ADD("idemq_celery_replies_total{outcome=\"%s\"} %ld\n", rep[k].outcome, sum);
+        }
+    }
     for (int i = 0; i < n; i++) {
         long a = atomic_load(&ws[i].stats.head_age_ms);
         ready += atomic_load(&ws[i].ready) ? 1 : 0;

@@ -195,8 +195,8 @@ int observe_show(PGconn *db, const char *key, FILE *out)
 
     /* a ledger before version 15 has neither: nothing to say */
     job = PQexecParams(db,
-                       "SELECT observed_by, applied_at FROM idemq.jobs "
-                       "WHERE key = $1 AND observed_by IS NOT NULL",
+                       "SELECT observed_by, first_seen_at, state, attempts, applied_at "
+                       "FROM idemq.jobs WHERE key = $1 AND observed_by IS NOT NULL",
                        1, NULL, params, NULL, NULL, 0);
     obs = PQexecParams(db,
                        "SELECT at, input, queue, outcome, coalesce(code, '-'), "
@@ -204,10 +204,23 @@ int observe_show(PGconn *db, const char *key, FILE *out)
                        "WHERE key = $1 ORDER BY id LIMIT 1000",
                        1, NULL, params, NULL, NULL, 0);
     if (PQresultStatus(job) == PGRES_TUPLES_OK && PQntuples(job) == 1) {
-        fprintf(out, "observed only: input %s (mode = \"observe\") claimed it at %s; idemq ran "
-                     "no effect for it.\n  The consumer running beside idemq applied it, so every "
-                     "later copy is a duplicate, also after the switch to mode = \"apply\".\n",
-                ops_tval(&a, job, 0, 0), ops_tval(&a, job, 0, 1));
+        const char *state = PQgetvalue(job, 0, 2);
+        if (strcmp(state, "observed") == 0)
+            fprintf(out, "observed only: input %s (mode = \"observe\") claimed it at %s; idemq "
+                         "ran no effect for it.\n  The consumer running beside idemq took it, "
+                         "with an outcome idemq cannot know: the first copy apply mode takes is "
+                         "applied once.\n",
+                    ops_tval(&a, job, 0, 0), ops_tval(&a, job, 0, 1));
+        else if (strcmp(state, "applied") == 0 && strcmp(PQgetvalue(job, 0, 3), "0") == 0)
+            fprintf(out, "observed only: input %s (mode = \"observe\") claimed it at %s as "
+                         "applied (a ledger before version 22); idemq ran no effect for it.\n  "
+                         "Every later copy is a duplicate, also after the switch to mode = "
+                         "\"apply\".\n",
+                    ops_tval(&a, job, 0, 0), ops_tval(&a, job, 0, 1));
+        else
+            fprintf(out, "observed first: input %s (mode = \"observe\") claimed it at %s; "
+                         "idemq took it over in apply mode (state %s).\n",
+                    ops_tval(&a, job, 0, 0), ops_tval(&a, job, 0, 1), state);
         lines += 2;
     }
     if (PQresultStatus(obs) == PGRES_TUPLES_OK && PQntuples(obs) > 0) {

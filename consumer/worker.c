@@ -83,6 +83,7 @@ struct session {
     struct rescue rescue;     /* issue 12: lost retry copies (consumer/rescue.h) */
     struct ledger_retention *retention; /* issue 10: worker 0 with ledger.maintenance */
     struct outbox outbox;     /* issue 18: the relay of idemq.outbox rows */
+    struct celery_reply_cache replies; /* Celery reply queues bound to the replies exchange */
     char why[512];            /* reason of the last non-OK step */
 };
 
@@ -460,14 +461,6 @@ static enum step settle_committed(struct session *s, int n)
             return STEP_BROKER;
         }
     }
-    if (s->c->n_routes) { /* issue 19: Celery results go out before the acks */
-        idemq_err_t rerr = celery_reply_batch(s->b, s->db, s->c, jobs, plans, n,
-                                              REPUBLISH_CONFIRM_MS, s->why, sizeof s->why);
-        if (rerr == IDEMQ_ERR_DB_CONN || rerr == IDEMQ_ERR_SQL)
-            return STEP_INFRA; /* nothing acknowledged: redelivered, answered again */
-        if (rerr)
-            return STEP_BROKER;
-    }
     switch (settle_batch(&io, jobs, plans, n, s->why, sizeof s->why)) {
     case SETTLE_DONE:
         break;
@@ -489,6 +482,23 @@ static enum step settle_committed(struct session *s, int n)
     if (parks && ledger_txn_mark_dead_lettered(s->lt, s->park_ids, parks, &e))
         log_warn("worker %d: dead-letter publish confirmed but not noted in the ledger (%s); "
                  "a later duplicate would publish it again", s->w->id, e.message);
+    if (s->c->n_routes) {
+        /* Celery results, after the acknowledgements: the jobs are committed,
+         * so a reply is best effort (celery_reply.h); a failure holds no
+         * delivery and is never answered again */
+        char why[512] = "";
+        idemq_err_t rerr = celery_reply_batch(&s->replies, s->b, s->db, s->c, jobs, plans, n,
+                                              REPUBLISH_CONFIRM_MS, &s->w->stats.celery, why,
+                                              sizeof why);
+        if (rerr == IDEMQ_ERR_DB_CONN) {
+            snprintf(s->why, sizeof s->why, "%s", why);
+            return STEP_INFRA;
+        }
+        if (rerr) {
+            snprintf(s->why, sizeof s->why, "%s", why);
+            return STEP_BROKER;
+        }
+    }
     return relayed;
 }
 
@@ -880,6 +890,7 @@ idemq_err_t worker_run(struct worker *w)
     s.rng = (uint64_t)now_ms() * 2654435761u + (uint64_t)w->id + 1;
     s.batch_limit = batch_limit(s.c);
     outbox_init(&s.outbox, w->id);
+    celery_reply_cache_init(&s.replies);
     ledger_db_set_call_timeout(s.c->call_timeout_ms); /* this thread's sessions */
     w->result = IDEMQ_OK;
     if (!session_alloc(&s)) {

@@ -18,6 +18,7 @@
 #include <stdatomic.h>
 #include <time.h>
 
+#include "celery_reply.h"
 #include "conf.h"
 #include "idemq_err.h"
 #include "latency.h"
@@ -36,6 +37,7 @@ struct worker_stats {
     atomic_long batches;
     atomic_long by_class[5]; /* failed attempts and pauses, by enum classify_class */
     atomic_long head_age_ms; /* age of the last delivery with a timestamp, -1 if none */
+    struct celery_reply_counts celery; /* Celery replies (consumer/celery_reply.h) */
 };
 
 struct worker {

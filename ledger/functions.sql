@@ -188,6 +188,21 @@ BEGIN
             SELECT t.attempts, t.budget_base, t.generation, t.run_after
               INTO v_att, v_base, v_gen, v_after
               FROM idemq.jobs t WHERE t.key = v_key;
+            IF v_state = 'observed' THEN
+                -- Claimed by observe mode: the consumer that ran beside
+                -- idemq took the message, but whether it applied it or is
+                -- retrying it (its own delay queue, Celery's retry) or
+                -- parked it, idemq cannot know. The first copy apply mode
+                -- takes is applied, once; the effect is told (meta.observed)
+                -- so it can skip what the old consumer's own effect shows.
+                UPDATE idemq.jobs t SET state = 'pending' WHERE t.key = v_key
+                RETURNING jsonb_build_object('observed', jsonb_build_object(
+                              'by', t.observed_by, 'at', t.first_seen_at))
+                     INTO v_hgen;
+                v_meta := v_meta || v_hgen;
+                v_hgen := NULL;
+                v_state := 'pending';
+            END IF;
             IF v_state = 'parked' THEN
                 v_hgen := v_meta->'headers'->'x-idemq-generation';
                 IF jsonb_typeof(v_hgen) = 'number' AND v_hgen::text::integer = v_gen THEN
@@ -518,6 +533,8 @@ BEGIN
     INSERT INTO idemq.jobs (key, state, source_queue, payload_sha256)
     VALUES (p_key, 'pending', p_queue, p_sha)
     ON CONFLICT (key) DO NOTHING;
+    -- an observed key is claimable: its first apply-mode copy is applied
+    UPDATE idemq.jobs t SET state = 'pending' WHERE t.key = p_key AND t.state = 'observed';
     RETURN QUERY SELECT t.state, t.attempts + 1, t.budget_base
                    FROM idemq.jobs t WHERE t.key = p_key FOR UPDATE;
 END

@@ -12,9 +12,10 @@
 --   * a key not claimed whose message is older than the dedup window (w):
 --     late_replay, code outside_dedup_window, not claimed (apply would park
 --     it so: never applied blindly).
---   * otherwise: claimed as settled ('applied', attempts 0, observed_by =
---     the input): the running consumer applies it; a later copy, now or
---     after the switch to apply mode, is a duplicate.
+--   * otherwise: claimed as 'observed' (attempts 0, observed_by = the
+--     input): the running consumer took it, with an outcome idemq cannot
+--     know; a later copy in observe mode is a duplicate, and the first copy
+--     apply mode takes is applied once (idemq.apply_batch).
 -- Each delivery leaves one idemq.observations row. Returns per job its
 -- 1-based index, the outcome and the code.
 -- p_jobs: [{"n": input, "q": queue, "k": key or null, "h": body SHA-256,
@@ -50,8 +51,8 @@ BEGIN
             IF NOT coalesce((j->>'w')::boolean, false) THEN
                 INSERT INTO idemq.jobs AS t (key, state, source_queue, payload_sha256, attempts,
                                              first_seen_at, applied_at, observed_by)
-                VALUES (v_key, 'applied', j->>'q', v_sha, 0, clock_timestamp(),
-                        clock_timestamp(), j->>'n')
+                VALUES (v_key, 'observed', j->>'q', v_sha, 0, clock_timestamp(),
+                        NULL, j->>'n')
                 ON CONFLICT (key) DO NOTHING
                 RETURNING true INTO v_ins;
             END IF;
@@ -68,7 +69,7 @@ BEGIN
                 ELSE
                     r_outcome := 'duplicate';
                     v_why := 'the key is ' || v_state;
-                    IF v_state = 'applied' THEN
+                    IF v_state IN ('applied', 'observed') THEN
                         SELECT x.payload_sha256 INTO v_prior FROM idemq.job_info(v_key) x;
                         IF v_prior IS NOT NULL AND v_prior <> v_sha THEN
                             r_code := 'key_reuse';

@@ -7,7 +7,7 @@ Celery input and waits on AsyncResult.get(). Exits 0 when every client got
 what the contract promises, 1 (with the reasons on stderr) otherwise; the
 last stdout line is a JSON summary that check_celery also reads.
 
-Usage: celery_producer.py AMQP_URL EXCHANGE ROUTING_KEY PREFIX [one]
+Usage: celery_producer.py AMQP_URL EXCHANGE ROUTING_KEY PREFIX [one|expiring|observe|status|delayed]
 Needs Debian's python3-celery (5.2) under /usr/bin/python3.
 """
 import datetime
@@ -66,7 +66,90 @@ def failure_of(res):
     return None, repr(value), res.state
 
 
-if len(sys.argv) > 5 and sys.argv[5] == "one":
+mode = sys.argv[5] if len(sys.argv) > 5 else ""
+
+if mode == "expiring":
+    # check_celery's expires case: a task with a short expires, committed
+    # and then idemq killed before its ack; its redelivery comes after the
+    # expiry and must be answered with the stored result, not REVOKED
+    # built as send_task does, without the AMQP expiration it would add (the
+    # broker would drop the requeued copy: the redelivery is the point here)
+    tid = str(uuid.uuid4())
+    soon = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=3)
+    msg = app.amqp.create_task_message(tid, "shop.charge", [], {"order_id": f"{prefix}-X",
+                                                                "amount": 6}, expires=soon)
+    with app.producer_or_acquire() as producer:
+        app.backend.on_task_call(producer, tid)
+        app.amqp.send_task_message(producer, "shop.charge", msg, exchange=exchange,
+                                   routing_key=rk, declare=[], reply_to=app.backend.oid,
+                                   serializer="json")
+    res = app.AsyncResult(tid)
+    try:
+        value = res.get(timeout=60)
+        check("answered with the result after its expires", value.get("charged") == 6, value)
+    except Exception as exc:
+        check("answered with the result after its expires", False,
+              (type(exc).__name__, str(exc), res.state))
+    print(json.dumps({"failures": failures}))
+    sys.exit(1 if failures else 0)
+
+if mode == "delayed":
+    # check_celery's native delayed delivery case (Celery >= 5.5): the
+    # producer knows the task queue as a quorum queue behind a topic
+    # exchange, so a countdown goes through celery_delayed_27 .. 0 and
+    # celery_delayed_delivery, whose binding back to the queue idemq
+    # declared in place of Celery's worker
+    from kombu import Exchange, Queue
+    app.conf.task_queues = [Queue(rk, Exchange(exchange, type="topic"), routing_key=rk,
+                                  queue_arguments={"x-queue-type": "quorum"})]
+    summary = {"celery": celery.__version__, "kombu": kombu.__version__}
+    t0 = time.monotonic()
+    res = app.send_task("shop.charge", kwargs={"order_id": f"{prefix}-N", "amount": 2},
+                        countdown=2, queue=rk)
+    value = res.get(timeout=40)
+    waited = time.monotonic() - t0
+    check("applied after its countdown", value.get("charged") == 2 and waited >= 1.5,
+          f"{value} after {waited:.2f} s")
+    summary["countdown_s"] = round(waited, 2)
+    summary["failures"] = failures
+    print(json.dumps(summary))
+    sys.exit(1 if failures else 0)
+
+if mode == "observe":
+    # check_celery's observe case: an observe-mode input never answers, a
+    # claimed task or an unroutable one alike (the real worker does)
+    from celery.exceptions import TimeoutError as CeleryTimeout
+    for name, key in (("shop.charge", f"{prefix}-O1"), ("shop.unknown", f"{prefix}-O2")):
+        res = send(name, kwargs={"order_id": key, "amount": 1})
+        try:
+            value = res.get(timeout=4)
+            check(f"{name} not answered in observe mode", False, repr(value))
+        except CeleryTimeout:
+            pass
+        except Exception as exc:
+            check(f"{name} not answered in observe mode", False, (type(exc).__name__, str(exc)))
+    print(json.dumps({"failures": failures}))
+    sys.exit(1 if failures else 0)
+
+if mode == "status":
+    # check_celery's celery_duplicate_reply = "status" case: the first
+    # sender gets the result or the park's reason; a duplicate (a new task
+    # id for the same key) gets only the status
+    r1 = send("shop.charge", kwargs={"order_id": f"{prefix}-S", "amount": 8}).get(timeout=TIMEOUT)
+    check("first gets the result", r1.get("charged") == 8, r1)
+    r2 = send("shop.charge", kwargs={"order_id": f"{prefix}-S", "amount": 8}).get(timeout=TIMEOUT)
+    check("a duplicate gets no result", r2 is None, r2)
+    name, text, state = failure_of(send("shop.refuse", kwargs={"order_id": f"{prefix}-SR",
+                                                               "amount": 1}))
+    check("first refusal names its reason", "card declined" in text, (name, text))
+    name, text, state = failure_of(send("shop.refuse", kwargs={"order_id": f"{prefix}-SR",
+                                                               "amount": 1}))
+    check("a duplicate refusal names only its code", name == "IdemqParked" and
+          text == "idemq parked the task: effect_error", (name, text, state))
+    print(json.dumps({"failures": failures}))
+    sys.exit(1 if failures else 0)
+
+if mode == "one":
     # check_celery's kill case: one task, answered after idemq was killed
     # between its commit and its reply, and started again
     res = send("shop.charge", kwargs={"order_id": f"{prefix}-K", "amount": 9}).get(timeout=40)
@@ -111,7 +194,8 @@ check("unknown task answered FAILURE", name == "IdemqParked" and "celery_unknown
 # 5. the effect refuses (a permanent error): parked, FAILURE with the reason
 ref = send("shop.refuse", kwargs={"order_id": f"{prefix}-R", "amount": 1})
 name, text, state = failure_of(ref)
-check("refused answered FAILURE", name == "IdemqParked" and "card declined" in text,
+check("refused answered FAILURE with the park's code and reason", name == "IdemqParked"
+      and text == f"idemq parked the task: effect_error: card declined for {prefix}-R",
       (name, text, state))
 
 # 6. an expired task: revoked, not run. send_task turns a past `expires`

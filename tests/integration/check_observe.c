@@ -8,9 +8,11 @@
  * keys and records duplicates, a key reuse, a late replay and two messages
  * apply mode would park, runs no effect, parks nothing and acknowledges
  * everything; the report, /metrics (promtool) and jobs show tell it. Then
- * the same queue's copies are consumed in apply mode: the keys observe mode
- * claimed are duplicates (never applied: the old consumer did), a new key is
- * applied, and the poison messages and the late replay are parked.
+ * the same queue's copies are consumed in apply mode: each key observe mode
+ * claimed is applied once (observed is not applied: the old consumer never
+ * took these copies), a new key is applied, and the poison messages and the
+ * late replay are parked. An old consumer that retries a job through its
+ * own TTL queue during the switch gets that job applied by idemq, once.
  */
 #include <check.h>
 
@@ -25,6 +27,7 @@
 #include <unistd.h>
 
 #include "itest.h"
+#include "job.h"
 #include "tprov.h"
 
 #define EFFECTS_FOR "SELECT count(*) FROM idemq_test.effects WHERE key = $1"
@@ -192,9 +195,10 @@ START_TEST(test_observe_then_apply)
     ck_assert_int_eq(itest_queue_ready(&t, obsq), 0);
     snprintf(path, sizeof path, "%s.dead", obsq);
     ck_assert_int_eq(itest_queue_ready(&t, path), 0);
-    /* claimed as applied by the old consumer, observed by this input */
+    /* claimed as observed (not applied: whether the old consumer applied
+     * them idemq cannot know), by this input */
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE observed_by = $1 "
-                                    "AND state = 'applied' AND attempts = 0", oname), 4);
+                                    "AND state = 'observed' AND attempts = 0", oname), 4);
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1", keys[4]), 0);
     ck_assert_int_eq(itest_long(&t, OBSERVED("observed"), oname), 4);
     ck_assert_int_eq(itest_long(&t, OBSERVED("duplicate"), oname), 2);
@@ -239,13 +243,22 @@ START_TEST(test_observe_then_apply)
         itest_publish(&t, nb, 1);
     }
     itest_run_until_idle(&t, 2);
-    for (int i = 0; i < 4; i++) { /* observed: never applied by idemq */
-        ck_assert_msg(itest_long(&t, EFFECTS_FOR, keys[i]) == 0, "%s applied", keys[i]);
+    for (int i = 0; i < 4; i++) {
+        /* observed: the old consumer never took these copies (they are
+         * still in its queue), so the first copy apply mode takes is
+         * applied, once, and the effect is told it was observed */
+        ck_assert_msg(itest_long(&t, EFFECTS_FOR, keys[i]) == 1, "%s applied %ld times",
+                      keys[i], itest_long(&t, EFFECTS_FOR, keys[i]));
+        ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = $1 "
+                                        "AND meta->'observed'->>'by' IS NOT NULL", keys[i]),
+                         1);
         ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.key_history($1) "
                                         "WHERE outcome = 'duplicate'", keys[i]),
-                         i == 1 || i == 3 ? 2 : 1);
+                         i == 1 || i == 3 ? 1 : 0);
         ck_assert_str_eq(itest_text(&t, "SELECT observed_by FROM idemq.jobs WHERE key = $1",
                                     keys[i], v, sizeof v), oname);
+        ck_assert_str_eq(itest_text(&t, "SELECT state FROM idemq.jobs WHERE key = $1", keys[i],
+                                    v, sizeof v), "applied");
     }
     ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, keys[5]), 1); /* new: applied */
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND "
@@ -268,11 +281,11 @@ START_TEST(test_observe_then_apply)
         snprintf(nb3[2], sizeof nb3[2], "{\"job_id\":\"%s\",\"amount_minor\":100}", k6);
         itest_publish(&t, nb, 3);
         itest_run_until_idle(&t, 2);
-        ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, keys[0]), 0);
-        ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, keys[2]), 0);
+        ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, keys[0]), 1);
+        ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, keys[2]), 1);
         ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, k6), 1);
         ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.key_history($1) "
-                                        "WHERE outcome = 'duplicate'", keys[0]), 2);
+                                        "WHERE outcome = 'duplicate'", keys[0]), 1);
         ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.key_history($1) "
                                         "WHERE outcome = 'duplicate' AND what LIKE '%key_reuse%'",
                                     keys[2]), 1);
@@ -319,6 +332,89 @@ START_TEST(test_observe_provider_input)
 }
 END_TEST
 
+/*
+ * The switch while the old consumer retries a job by republishing it (a
+ * dead-letter + TTL queue back to its work queue, as Spring AMQP,
+ * MassTransit or Celery's self.retry() do): idemq observed the job, the old
+ * consumer failed it and moved it to its delay queue (so its work queue is
+ * drained), the switch procedure runs, and the retry comes back into the
+ * queue idemq now consumes in apply mode. It is applied, once, not
+ * acknowledged as a duplicate of the observation.
+ */
+START_TEST(test_switch_during_old_consumer_retry)
+{
+    struct itest t;
+    char obs_cfg[256], obsq[160], oname[160], retryq[160], key[128], body[256], out[4096],
+        err[1024], v[64];
+    const char *bodies[1] = {body};
+    struct conf *oc = NULL;
+    struct broker *b;
+    struct job j;
+    struct broker_props props = {NULL, "application/json", NULL, true, NULL, NULL};
+    json_t *args;
+    FILE *f;
+
+    itest_setup(&t, "obsretry", "idemq_test.record", "", "");
+    snprintf(obsq, sizeof obsq, "%s.observe", t.name);
+    snprintf(oname, sizeof oname, "%s_obs", t.name);
+    snprintf(retryq, sizeof retryq, "%s.oldretry", t.name);
+    snprintf(obs_cfg, sizeof obs_cfg, "/tmp/%s.observe.cfg", t.name);
+    ck_assert_ptr_nonnull(f = fopen(obs_cfg, "w"));
+    fprintf(f,
+            "consumer: { id = \"%s-obs\"; };\n"
+            "inputs = ( { name = \"%s\"; exchange = \"%s\"; queue = \"%s\"; routing_key = \"%s\";\n"
+            "  effect_function = \"idemq_test.record\"; mode = \"observe\"; } );\n",
+            t.name, oname, t.name, obsq, t.name);
+    fclose(f);
+    ck_assert_msg(conf_load(obs_cfg, &oc, err, sizeof err) == IDEMQ_OK, "%s", err);
+    ck_assert_msg(sh_out(out, sizeof out, "%s declare -c %s", IDEMQ_BINARY, obs_cfg) == 0, "%s",
+                  out);
+    /* the old consumer's delay queue: 1.5 s, then back to its work queue */
+    ck_assert_int_eq(broker_open(t.conf, "old consumer", true, &b, err, sizeof err), IDEMQ_OK);
+    args = json_pack("{s:i, s:s, s:s}", "x-message-ttl", 1500, "x-dead-letter-exchange", "",
+                     "x-dead-letter-routing-key", t.name);
+    ck_assert_int_eq(broker_admin_declare_queue(b, retryq, args, false), IDEMQ_OK);
+    json_decref(args);
+
+    snprintf(key, sizeof key, "%s:retried", t.name);
+    snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"amount_minor\":100}", key);
+    itest_publish(&t, bodies, 1); /* to both queues */
+    /* idemq observes it */
+    ck_assert_int_eq(sh_out(out, sizeof out, "%s run -c %s --until-idle 1", IDEMQ_BINARY,
+                            obs_cfg), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND "
+                                    "state = 'observed'", key), 1);
+    /* the old consumer takes it, fails, and republishes it to its delay queue */
+    job_init(&j);
+    ck_assert_int_eq(broker_get(b, t.name, &j, true), IDEMQ_OK);
+    ck_assert_int_eq(broker_publish(b, "", retryq, j.body, j.body_len, &props), IDEMQ_OK);
+    ck_assert_int_eq(broker_wait_confirms(b, 5000), IDEMQ_OK);
+    job_destroy(&j);
+    broker_close(b);
+    /* the switch: observing stopped, the old queue drained, the old
+     * consumer stopped; idemq in apply mode on the old queue, long enough
+     * for the retry to come back */
+    ck_assert_int_eq(itest_queue_ready(&t, t.name), 0);
+    itest_run_until_idle(&t, 4);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    ck_assert_str_eq(itest_text(&t, "SELECT meta->'observed'->>'by' FROM idemq_test.effects "
+                                    "WHERE key = $1", key, v, sizeof v), oname);
+    ck_assert_str_eq(itest_text(&t, "SELECT state FROM idemq.jobs WHERE key = $1", key, v,
+                                sizeof v), "applied");
+    ck_assert_int_eq(sh_out(out, sizeof out, "%s jobs show -c %s '%s'", IDEMQ_BINARY,
+                            t.cfg_path, key), 0);
+    ck_assert_msg(strstr(out, "observed first: input") && strstr(out, "applied"), "%s", out);
+
+    ck_assert_int_eq(broker_open(t.conf, "cleanup", false, &b, err, sizeof err), IDEMQ_OK);
+    ck_assert_int_eq(broker_admin_delete_queue(b, retryq), IDEMQ_OK);
+    broker_close(b);
+    itest_delete_topology(&t, &oc->inputs[0]);
+    conf_free(oc);
+    unlink(obs_cfg);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("observe");
@@ -326,6 +422,7 @@ int main(void)
     tcase_set_timeout(tc, itest_ms(120));
     tcase_add_test(tc, test_observe_then_apply);
     tcase_add_test(tc, test_observe_provider_input);
+    tcase_add_test(tc, test_switch_during_old_consumer_retry);
     suite_add_tcase(s, tc);
     /* least-privilege mode (scripts/test): these again, as the deployment's roles */
     itest_lp_tcase(s, (const TTest *const[]){test_observe_then_apply, NULL});

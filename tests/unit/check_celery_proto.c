@@ -9,8 +9,10 @@
 #include <string.h>
 
 #include "celery.h"
+#include "celery_reply.h"
 #include "conf.h"
 #include "job.h"
+#include "topology.h"
 
 #define V2_HEADERS                                                                           \
     "{\"lang\":\"py\",\"task\":\"shop.charge\",\"id\":\"tid-1\",\"shadow\":null,"            \
@@ -434,6 +436,69 @@ START_TEST(test_reply_bodies)
 }
 END_TEST
 
+/* The reply queues idemq answers: Celery's rpc:// backend names its queue
+ * after its app's thread oid, str(uuid3(...)): 8-4-4-4-12 lowercase hex. */
+START_TEST(test_reply_queue_shape)
+{
+    ck_assert(celery_reply_queue_ok("0f6b5b3c-6a2d-3c39-9d4f-1c2b7e0e9a51"));
+    ck_assert(celery_reply_queue_ok("00000000-0000-0000-0000-000000000000"));
+    ck_assert(!celery_reply_queue_ok("0F6B5B3C-6A2D-3C39-9D4F-1C2B7E0E9A51")); /* str() is lower */
+    ck_assert(!celery_reply_queue_ok("0f6b5b3c6a2d3c399d4f1c2b7e0e9a51"));
+    ck_assert(!celery_reply_queue_ok("0f6b5b3c-6a2d-3c39-9d4f-1c2b7e0e9a5"));
+    ck_assert(!celery_reply_queue_ok("0f6b5b3c-6a2d-3c39-9d4f-1c2b7e0e9a511"));
+    ck_assert(!celery_reply_queue_ok("0f6b5b3c-6a2d-3c39-9d4f_1c2b7e0e9a51"));
+    ck_assert(!celery_reply_queue_ok("0f6b5b3c-6a2d-3c39-9d4f-1c2b7e0e9a5g"));
+    ck_assert(!celery_reply_queue_ok("victim"));
+    ck_assert(!celery_reply_queue_ok("amq.rabbitmq.reply-to"));
+    ck_assert(!celery_reply_queue_ok(""));
+    ck_assert(!celery_reply_queue_ok(NULL));
+}
+END_TEST
+
+/* The delay chain as kombu.transport.native_delayed_delivery (Celery 5.5)
+ * declares it: names celery_delayed_<level>, queue keys "*." x (27 - level)
+ * "1.#", onward keys "... 0.#", celery_delayed_delivery bound to level 0 by
+ * "*." x 27 "0.#", an input's exchange and queue by "#.<routing_key>". */
+START_TEST(test_celery_delayed_names)
+{
+    char buf[256], want[256] = "";
+    struct conf_input in;
+
+    topology_celery_delayed_exchange(27, buf, sizeof buf);
+    ck_assert_str_eq(buf, "celery_delayed_27");
+    topology_celery_delayed_exchange(0, buf, sizeof buf);
+    ck_assert_str_eq(buf, "celery_delayed_0");
+    topology_celery_delayed_key(27, false, buf, sizeof buf);
+    ck_assert_str_eq(buf, "1.#");
+    topology_celery_delayed_key(27, true, buf, sizeof buf);
+    ck_assert_str_eq(buf, "0.#");
+    topology_celery_delayed_key(26, false, buf, sizeof buf);
+    ck_assert_str_eq(buf, "*.1.#");
+    for (int i = 0; i < 27; i++)
+        strcat(want, "*.");
+    strcat(want, "0.#");
+    topology_celery_delayed_key(0, true, buf, sizeof buf);
+    ck_assert_str_eq(buf, want);
+    memset(&in, 0, sizeof in);
+    in.celery = true;
+    in.queue_type = "quorum";
+    in.exchange_type = "topic";
+    in.exchange = "tasks";
+    in.routing_key = "shop";
+    ck_assert(topology_celery_delayed(&in));
+    topology_celery_delayed_binding(&in, buf, sizeof buf);
+    ck_assert_str_eq(buf, "#.shop");
+    in.routing_key = "#";
+    topology_celery_delayed_binding(&in, buf, sizeof buf);
+    ck_assert_str_eq(buf, "#");
+    in.exchange_type = "direct"; /* Celery sends no delayed task through one */
+    ck_assert(!topology_celery_delayed(&in));
+    in.exchange_type = "topic";
+    in.queue_type = "classic"; /* nor without quorum queues */
+    ck_assert(!topology_celery_delayed(&in));
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("celery_proto");
@@ -446,6 +511,8 @@ int main(void)
     tcase_add_test(tc, test_times);
     tcase_add_test(tc, test_decode_job);
     tcase_add_test(tc, test_reply_bodies);
+    tcase_add_test(tc, test_reply_queue_shape);
+    tcase_add_test(tc, test_celery_delayed_names);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
