@@ -105,6 +105,14 @@ static const struct conf_key global_keys[] = {
      "address) needs; empty = a read-only console, loopback only"},
     {"console.statement_timeout_ms", CT_INT, G(console_statement_timeout_ms), 100, 600000, NULL,
      5000, 0, "statement_timeout of the console's own database sessions"},
+    {"console.hosts", CT_STRLIST, G(console_hosts), 0, 16, "", 0, 0,
+     "Host header values (name:port, compared without case) the console answers besides its "
+     "listen address and localhost, 127.0.0.1 and [::1] with its port, e.g. the name a "
+     "reverse proxy sends; any other Host gets 421 (DNS rebinding reaches nothing)"},
+    {"console.reads_need_token", CT_BOOL, G(console_reads_need_token), 0, 1, NULL, 0, 0,
+     "every request, loopback ones too, needs a token of token_file (HTTP Basic: the token's "
+     "name and the token); set it when a reverse proxy or tunnel on the same host makes every "
+     "client loopback"},
     {"log.level", CT_STR, G(log_level), 1, 10, "info", 0, 0, "error, warn, info or debug"},
     /* operations (issue 11): TLS, least privilege, logs, liveness */
     {"broker.tls.ca_file", CT_STR, G(tls_ca_file), 0, 4096, "/etc/ssl/certs/ca-certificates.crt",

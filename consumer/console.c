@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -51,6 +52,7 @@ struct console {
     int n;
     struct gauges *g;
     PGconn *db; /* the server thread's own session; NULL until first used */
+    int port;   /* of console.listen */
     char token[256];
     bool has_token;
     struct csrf csrf[CSRF_SLOTS];
@@ -62,6 +64,7 @@ struct req {
     char body[BODY_MAX];
     size_t len;
     bool too_big;
+    bool refused; /* a response is queued already (a foreign Host) */
 };
 
 static long long now_ms(void)
@@ -919,6 +922,30 @@ static enum MHD_Result refuse(struct MHD_Connection *conn, unsigned status, cons
     return send_html(conn, status, &b);
 }
 
+/* True if the request's Host names this console: its listen address,
+ * localhost, 127.0.0.1 or [::1] with its port (the bare name too on port
+ * 80), or one of console.hosts; compared without case. A page of another
+ * site whose name was rebound to 127.0.0.1 sends its own name: refused. */
+static bool host_ok(struct console *k, struct MHD_Connection *conn)
+{
+    const char *h = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Host");
+    static const char *const names[] = {"localhost", "127.0.0.1", "[::1]"};
+    char want[300];
+    if (!h || !*h || strlen(h) > 255)
+        return false;
+    if (strcasecmp(h, k->c->console_listen) == 0)
+        return true;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        snprintf(want, sizeof want, "%s:%d", names[i], k->port);
+        if (strcasecmp(h, want) == 0 || (k->port == 80 && strcasecmp(h, names[i]) == 0))
+            return true;
+    }
+    for (int i = 0; i < k->c->console_hosts.n; i++)
+        if (strcasecmp(h, k->c->console_hosts.v[i]) == 0)
+            return true;
+    return false;
+}
+
 /* Reading from another address than loopback: HTTP Basic with the token as
  * the password (any user name). */
 static bool remote_allowed(struct console *k, struct MHD_Connection *conn)
@@ -951,6 +978,21 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
         if (!(q = calloc(1, sizeof *q)))
             return MHD_NO;
         *state = q;
+        if (!host_ok(k, conn)) {
+            static const char msg[] = "this console answers only requests whose Host names it "
+                                      "(its listen address, localhost, console.hosts)\n";
+            q->refused = true;
+            log_warn("console: %s %s refused: Host %.100s is not this console", method, url,
+                     MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Host")
+                         ? MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Host")
+                         : "(none)");
+            return send_page(conn, 421, "text/plain; charset=utf-8", msg, sizeof msg - 1,
+                             false);
+        }
+        return MHD_YES;
+    }
+    if (q->refused) { /* the body of a refused request: dropped */
+        *upload_len = 0;
         return MHD_YES;
     }
     if (*upload_len) { /* a piece of the body */
@@ -961,9 +1003,10 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
         *upload_len = 0;
         return MHD_YES;
     }
-    if (!client_loopback(conn) && !remote_allowed(k, conn)) {
-        static const char msg[] = "the console answers other addresses than loopback only "
-                                  "with the token of console.token_file (HTTP Basic)\n";
+    if ((k->c->console_reads_need_token || !client_loopback(conn)) &&
+        !remote_allowed(k, conn)) {
+        static const char msg[] = "this console answers only with a token of "
+                                  "console.token_file (HTTP Basic: its name and the token)\n";
         return send_page(conn, MHD_HTTP_UNAUTHORIZED, "text/plain; charset=utf-8", msg,
                          sizeof msg - 1, k->has_token);
     }
@@ -1074,6 +1117,7 @@ idemq_err_t console_start(const struct conf *c, struct worker *ws, int n, struct
         return IDEMQ_ERR_NOMEM;
     }
     k->c = c;
+    k->port = port;
     k->cc = *c;
     k->cc.statement_timeout_ms = c->console_statement_timeout_ms;
     k->ws = ws;

@@ -23,6 +23,8 @@
 
 #define EFFECTS_FOR "SELECT count(*) FROM idemq_test.effects WHERE key = $1"
 #define TOKEN "console-test-token-4f1c"
+#define TOKEN_ALICE "alice-5b0e9c1d7a2f4e6b8c3d1a0f9e8d7c6b"
+#define TOKEN_BOB "bob-1d2c3b4a5f6e7d8c9b0a1f2e3d4c5b6a7"
 
 static const char *effect_sql =
     "CREATE TABLE IF NOT EXISTS idemq_test.console_broken (test text PRIMARY KEY);"
@@ -170,7 +172,6 @@ START_TEST(test_console_browser)
 }
 END_TEST
 
-#ifdef IDEMQ_TEST_HOOKS
 /* curl's HTTP status for url with extra curl arguments (auth), -1 if none. */
 static int curl_status(const char *url, const char *args)
 {
@@ -184,7 +185,111 @@ static int curl_status(const char *url, const char *args)
     pclose(p);
     return atoi(out) > 0 ? atoi(out) : -1; /* "000": no answer */
 }
-#endif
+
+/* Writes a token file at path with the lines given; returns path. */
+static const char *token_file(char *path, size_t len, const char *tag, const char *lines)
+{
+    FILE *f;
+    snprintf(path, len, "/tmp/idemq-console-%s-%d", tag, (int)getpid());
+    ck_assert_ptr_nonnull(f = fopen(path, "w"));
+    fputs(lines, f);
+    fclose(f);
+    return path;
+}
+
+/* Waits until the console at url answers anything. */
+static void wait_console(const char *url)
+{
+    long long deadline = mono_ms() + itest_ms(15000);
+    while (curl_status(url, "") == -1 && mono_ms() < deadline)
+        usleep(100 * 1000);
+}
+
+/* DNS rebinding: a page of evil.example whose name now resolves to
+ * 127.0.0.1 reaches the console from loopback with its own name in Host.
+ * Only the listen address, localhost, 127.0.0.1 and [::1] with the port
+ * (and console.hosts) are answered; the rest get 421 and nothing is read.
+ */
+START_TEST(test_console_foreign_host)
+{
+    struct itest t;
+    char extra[1024], url[160], hdr[200], tokline[200];
+    int port = itest_free_port(), rc;
+    pid_t pid;
+
+    snprintf(extra, sizeof extra,
+             "console: { listen = \"127.0.0.1:%d\"; };", port);
+    itest_extra_conf = extra;
+    itest_setup(&t, "console_host", "idemq_test.record", "", "");
+    pid = itest_spawn(&t, t.cfg_path, 60, NULL);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/key?k=%s:k", port, t.name);
+    wait_console(url);
+    snprintf(hdr, sizeof hdr, "-H 'Host: evil.example:%d'", port);
+    ck_assert_int_eq(curl_status(url, hdr), 421);
+    ck_assert_int_eq(curl_status(url, "-H 'Host: evil.example'"), 421);
+    snprintf(hdr, sizeof hdr, "-H 'Host: 127.0.0.1:%d.evil.example'", port);
+    ck_assert_int_eq(curl_status(url, hdr), 421);
+    snprintf(hdr, sizeof hdr, "-H 'Host: 127.0.0.1:%d'", port + 1);
+    ck_assert_int_eq(curl_status(url, hdr), 421);
+    ck_assert_int_eq(curl_status(url, "-H 'Host:'"), 421); /* none at all */
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/", port);
+    snprintf(hdr, sizeof hdr, "-H 'Host: evil.example:%d' -H 'Origin: http://evil.example:%d'"
+                              " -X POST --data 'action=redrive'", port, port);
+    snprintf(tokline, sizeof tokline, "http://127.0.0.1:%d/confirm", port);
+    ck_assert_int_eq(curl_status(tokline, hdr), 421);
+    /* the names that do name the console */
+    ck_assert_int_eq(curl_status(url, ""), 200);
+    snprintf(hdr, sizeof hdr, "-H 'Host: localhost:%d'", port);
+    ck_assert_int_eq(curl_status(url, hdr), 200);
+    snprintf(hdr, sizeof hdr, "-H 'Host: LocalHost:%d'", port);
+    ck_assert_int_eq(curl_status(url, hdr), 200);
+    snprintf(hdr, sizeof hdr, "-H 'Host: [::1]:%d'", port);
+    ck_assert_int_eq(curl_status(url, hdr), 200);
+    kill(pid, SIGTERM);
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);
+    itest_extra_conf = NULL;
+    itest_teardown(&t);
+}
+END_TEST
+
+/* console.reads_need_token: loopback reads need the token as well (a
+ * proxy or tunnel on the same host makes every client loopback); and
+ * console.hosts adds the names a proxy sends. */
+START_TEST(test_console_reads_need_token)
+{
+    struct itest t;
+    char extra[1024], url[160], hdr[200], tokfile[256];
+    int port = itest_free_port(), rc;
+    pid_t pid;
+
+    token_file(tokfile, sizeof tokfile, "rtok", TOKEN_ALICE "\n");
+    snprintf(extra, sizeof extra,
+             "console: { listen = \"127.0.0.1:%d\"; token_file = \"%s\"; "
+             "reads_need_token = true; hosts = [\"console.example:%d\"]; };",
+             port, tokfile, port);
+    itest_extra_conf = extra;
+    itest_setup(&t, "console_host", "idemq_test.record", "", "");
+    pid = itest_spawn(&t, t.cfg_path, 60, NULL);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/", port);
+    wait_console(url);
+    ck_assert_int_eq(curl_status(url, ""), 401);
+    ck_assert_int_eq(curl_status(url, "-u alice:" TOKEN_BOB), 401);
+    ck_assert_int_eq(curl_status(url, "-u alice:" TOKEN_ALICE), 200);
+    snprintf(hdr, sizeof hdr, "-u alice:" TOKEN_ALICE " -H 'Host: console.example:%d'", port);
+    ck_assert_int_eq(curl_status(url, hdr), 200);
+    snprintf(hdr, sizeof hdr, "-u alice:" TOKEN_ALICE " -H 'Host: evil.example:%d'", port);
+    ck_assert_int_eq(curl_status(url, hdr), 421);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/console.css", port);
+    ck_assert_int_eq(curl_status(url, ""), 401);
+    kill(pid, SIGTERM);
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);
+    itest_extra_conf = NULL;
+    itest_teardown(&t);
+    unlink(tokfile);
+}
+END_TEST
 
 /* A client that is not on loopback (the test hook makes every client one:
  * the tests must not listen beyond loopback) reads only with the token as
@@ -243,6 +348,11 @@ int main(void)
     tcase_set_timeout(tc, 180);
     tcase_add_test(tc, test_console_browser);
     tcase_add_test(tc, test_console_remote_read);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("host");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, test_console_foreign_host);
+    tcase_add_test(tc, test_console_reads_need_token);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
