@@ -101,8 +101,9 @@ static const struct conf_key global_keys[] = {
      "numeric IPv4:port (e.g. 127.0.0.1:9188) of the web console of `idemq run`; empty = "
      "off. Loopback clients read without a secret; other addresses need the token"},
     {"console.token_file", CT_STR, G(console_token_file), 0, 4096, "", 0, 0,
-     "file holding the secret that every console action (and reading from a non-loopback "
-     "address) needs; empty = a read-only console, loopback only"},
+     "file (mode 0600) of named tokens, one \"NAME TOKEN\" per line (TOKEN: 32 to 255 "
+     "bytes); every console action, and reading from a non-loopback address, needs one, and "
+     "is recorded as done by console:NAME; empty = a read-only console, loopback only"},
     {"console.statement_timeout_ms", CT_INT, G(console_statement_timeout_ms), 100, 600000, NULL,
      5000, 0, "statement_timeout of the console's own database sessions"},
     {"console.hosts", CT_STRLIST, G(console_hosts), 0, 16, "", 0, 0,

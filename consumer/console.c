@@ -21,6 +21,7 @@
 
 #include "broker.h"
 #include "broker_admin.h"
+#include "console_auth.h"
 #include "groups.h"
 #include "html.h"
 #include "liveness.h"
@@ -38,10 +39,24 @@
 #define CSRF_SLOTS 128      /* form tokens outstanding at once (oldest reused) */
 #define CSRF_TTL_MS (30 * 60 * 1000)
 #define REASON_SHOWN 400    /* bytes of a reason shown in a table */
+#define CONFIRM_SLOTS 16    /* dry runs awaiting their action at once (oldest reused) */
+#define CONFIRM_TTL_MS (10 * 60 * 1000)
+#define CONFIRM_MAX_PARKS 100000 /* parks one console action covers (the oldest) */
 
 struct csrf {
     char v[33];       /* 32 hex digits, "" = free */
     long long exp_ms; /* CLOCK_MONOTONIC */
+};
+
+/* A dry run shown, awaiting its action: the action acts on these parks and
+ * no others (kept here, never taken from the form). */
+struct confirm {
+    char v[33];       /* its form token, "" = free */
+    long long exp_ms; /* CLOCK_MONOTONIC */
+    char action[16];
+    char group[16];
+    long long *ids; /* the parks the dry run selected, ascending */
+    size_t n;
 };
 
 struct console {
@@ -53,10 +68,11 @@ struct console {
     struct gauges *g;
     PGconn *db; /* the server thread's own session; NULL until first used */
     int port;   /* of console.listen */
-    char token[256];
-    bool has_token;
+    struct console_auth auth; /* auth.n == 0: no token file */
     struct csrf csrf[CSRF_SLOTS];
     int csrf_next;
+    struct confirm confirm[CONFIRM_SLOTS];
+    int confirm_next;
 };
 
 /* One request: its form body, read in pieces. */
@@ -114,6 +130,53 @@ static bool csrf_take(struct console *k, const char *t)
         }
     }
     return false;
+}
+
+static void confirm_free(struct confirm *s)
+{
+    free(s->ids);
+    memset(s, 0, sizeof *s);
+}
+
+/* Keeps a dry run's parks (ids, n: taken over, freed here on failure) under
+ * a fresh form token into out[33] ("" if none could be made). */
+static void confirm_issue(struct console *k, const char *action, const char *group,
+                          long long *ids, size_t n, char *out)
+{
+    struct confirm *s = &k->confirm[k->confirm_next];
+    confirm_free(s);
+    csrf_issue(k, out); /* for its 128 random bits; the page token is not kept */
+    if (!out[0] || !csrf_take(k, out)) {
+        free(ids);
+        out[0] = '\0';
+        return;
+    }
+    snprintf(s->v, sizeof s->v, "%s", out);
+    snprintf(s->action, sizeof s->action, "%s", action);
+    snprintf(s->group, sizeof s->group, "%s", group);
+    s->ids = ids;
+    s->n = n;
+    s->exp_ms = now_ms() + CONFIRM_TTL_MS;
+    k->confirm_next = (k->confirm_next + 1) % CONFIRM_SLOTS;
+}
+
+/* The outstanding dry run of form token t, NULL if none (expired ones
+ * are freed). The caller frees it with confirm_free once used. */
+static struct confirm *confirm_find(struct console *k, const char *t)
+{
+    long long now = now_ms();
+    if (strlen(t) != 32)
+        return NULL;
+    for (int i = 0; i < CONFIRM_SLOTS; i++) {
+        struct confirm *s = &k->confirm[i];
+        if (s->v[0] && same_secret(s->v, t)) {
+            if (s->exp_ms > now)
+                return s;
+            confirm_free(s);
+            return NULL;
+        }
+    }
+    return NULL;
 }
 
 /* The console's session, (re)connected when needed; NULL if unreachable. */
@@ -413,7 +476,7 @@ static void page_groups(struct console *k, struct MHD_Connection *conn, struct h
                 "class, code, SQLSTATE and the reason with keys, numbers and ids masked "
                 "(<code>idemq parked groups</code>). An action asks for confirmation after a dry "
                 "run.</p>");
-    if (!k->has_token)
+    if (k->auth.n == 0)
         html_raw(b, "<p class=\"note\">Read only: console.token_file is not set, so no action "
                     "can be confirmed.</p>");
     if (in && !(q = queue_of(k->c, in))) {
@@ -679,18 +742,11 @@ static unsigned page_observe(struct console *k, struct MHD_Connection *conn, str
 
 /* ---- actions ---- */
 
-/* The first count after "selects " in a groups_act output, -1 if none. */
-static long selected_of(const char *out)
-{
-    const char *p = out ? strstr(out, " selects ") : NULL;
-    return p ? atol(p + 9) : -1;
-}
-
 /* Runs groups_act with its output captured; malloc'd text (NULL: no
  * memory), *rc its code. */
 static char *run_action(struct console *k, const char *action, const char *group,
-                        const char *reason, const char *actor, bool dry, long at_most, int *rc,
-                        size_t *len)
+                        const char *reason, const char *actor, const struct confirm *only,
+                        long long **ids_out, size_t *n_ids_out, int *rc, size_t *len)
 {
     char *text = NULL;
     struct ops_filter f;
@@ -698,8 +754,14 @@ static char *run_action(struct console *k, const char *action, const char *group
     if (!out)
         return NULL;
     memset(&f, 0, sizeof f);
-    f.dry_run = dry;
-    f.limit = at_most; /* 0 = all */
+    f.dry_run = only == NULL;
+    f.limit = CONFIRM_MAX_PARKS;
+    if (only) {
+        f.park_ids = only->ids;
+        f.n_park_ids = only->n;
+    }
+    f.ids_out = ids_out;
+    f.n_ids_out = n_ids_out;
     *rc = groups_act(&k->cc, action, &f, group, reason, actor, out);
     fclose(out);
     return text;
@@ -715,50 +777,50 @@ static unsigned page_confirm(struct console *k, const char *action, const char *
                              struct html *b)
 {
     char t[33], *text;
-    size_t len = 0;
+    size_t len = 0, n = 0;
+    long long *ids = NULL;
     int rc = 0;
-    long n;
     html_page_start(b, "confirm", "groups");
     html_raw(b, "<h1>Confirm: ");
     html_text(b, action);
     html_raw(b, " group <code>");
     html_text(b, group);
     html_raw(b, "</code></h1>");
-    text = run_action(k, action, group, "(the reason given below)", "console", true, 0, &rc,
-                      &len);
+    text = run_action(k, action, group, "(the reason given below)", "console", NULL, &ids, &n,
+                      &rc, &len);
     if (!text) {
+        free(ids);
         html_page_end(b);
         return MHD_HTTP_INTERNAL_SERVER_ERROR;
     }
-    n = selected_of(text);
     html_printf(b, "<p class=\"note\" id=\"dry-count\">Dry run: this %s would act on "
-                   "<b>%ld</b> open park%s. Nothing has changed yet.</p>",
-                action, n < 0 ? 0 : n, n == 1 ? "" : "s");
+                   "<b>%zu</b> open park%s. Nothing has changed yet; the action will act on "
+                   "these parks only (parks that join the group meanwhile wait for the next "
+                   "dry run).</p>",
+                action, n, n == 1 ? "" : "s");
     html_raw(b, "<pre id=\"dry-run\">");
     html_text_n(b, text, len);
     html_raw(b, "</pre>");
     free(text);
     if (rc) {
+        free(ids);
         html_printf(b, "<p class=\"bad\">the dry run failed (code %d; see the log)</p>", rc);
     } else if (n > 0) {
-        csrf_issue(k, t);
+        confirm_issue(k, action, group, ids, n, t);
         html_printf(b, "<h2>Confirm</h2><form method=\"post\" action=\"/act\" class=\"filters\">"
                        "<input type=\"hidden\" name=\"csrf\" value=\"%s\">"
                        "<input type=\"hidden\" name=\"action\" value=\"%s\">"
                        "<input type=\"hidden\" name=\"group\" value=\"",
                     t, action);
         html_text(b, group);
-        html_printf(b, "\"><input type=\"hidden\" name=\"expect\" value=\"%ld\">"
-                       "<label>your name<input name=\"actor\" required maxlength=\"100\" "
-                       "autocomplete=\"username\"></label>"
-                       "<label>reason<input name=\"reason\" %s maxlength=\"500\"></label>"
-                       "<label>console token<input type=\"password\" name=\"token\" required "
-                       "autocomplete=\"current-password\"></label>"
-                       "<button class=\"danger\" name=\"go\" value=\"1\">%s %ld park%s</button>"
-                       " <a href=\"/groups\">cancel</a></form>",
-                    n, strcmp(action, "redrive") ? "required" : "", action, n,
-                    n == 1 ? "" : "s");
-        if (!k->has_token)
+        html_printf(b, "\"><label>reason<input name=\"reason\" %s maxlength=\"500\"></label>"
+                       "<label>your console token<input type=\"password\" name=\"token\" "
+                       "required autocomplete=\"current-password\"></label>"
+                       "<button class=\"danger\" name=\"go\" value=\"1\">%s %zu park%s</button>"
+                       " <a href=\"/groups\">cancel</a></form><p class=\"mut\">The action is "
+                       "recorded as done by the name of the token given.</p>",
+                    strcmp(action, "redrive") ? "required" : "", action, n, n == 1 ? "" : "s");
+        if (k->auth.n == 0)
             html_raw(b, "<p class=\"note\">console.token_file is not set: the action will be "
                         "refused.</p>");
     }
@@ -766,68 +828,81 @@ static unsigned page_confirm(struct console *k, const char *action, const char *
     return MHD_HTTP_OK;
 }
 
-/* POST /act: the action itself, recorded as the CLI's is. */
-static unsigned page_act(struct console *k, const char *body, size_t blen, struct html *b)
+static unsigned refused_page(struct html *b, unsigned status, const char *why)
 {
-    char action[16], group[16], actor[FIELD_MAX], reason[FIELD_MAX], token[FIELD_MAX], who[160];
-    char expect[24], *text;
+    html_page_start(b, "refused", "groups");
+    html_raw(b, "<h1>Refused</h1><p id=\"refused\">");
+    html_text(b, why);
+    html_raw(b, "</p>");
+    html_page_end(b);
+    return status;
+}
+
+/* POST /act: the action on the parks of the dry run cf (used up here),
+ * recorded as the CLI's is, by the name of the token given. */
+static unsigned page_act(struct console *k, struct confirm *cf, const char *body, size_t blen,
+                         struct html *b)
+{
+    char action[16], group[16], reason[FIELD_MAX], token[FIELD_MAX], who[160], *text;
+    const char *name = NULL;
     size_t len = 0;
-    long at_most = 0;
     int rc = 0;
-    if (!html_form_get(body, blen, "action", action, sizeof action) || !action_ok(action) ||
-        !html_form_get(body, blen, "group", group, sizeof group) || !is_group_id(group) ||
-        !html_form_get(body, blen, "actor", actor, 101) || !actor[0] ||
-        !html_form_get(body, blen, "token", token, sizeof token)) {
-        html_page_start(b, "refused", "groups");
-        html_raw(b, "<h1>Refused</h1><p>the form lacks an action, a group, your name or the "
-                    "token</p>");
-        html_page_end(b);
-        return MHD_HTTP_BAD_REQUEST;
+    unsigned status;
+    enum console_auth_result ar;
+    snprintf(action, sizeof action, "%s", cf->action);
+    snprintf(group, sizeof group, "%s", cf->group);
+    if (!html_form_get(body, blen, "token", token, sizeof token) || !token[0]) {
+        status = refused_page(b, MHD_HTTP_BAD_REQUEST, "the form lacks your console token");
+        goto out;
     }
-    if (!k->has_token || !same_secret(token, k->token)) {
-        log_warn("console: %s of group %s refused: wrong console token", action, group);
-        html_page_start(b, "refused", "groups");
-        html_raw(b, "<h1>Refused</h1><p>wrong console token (console.token_file)</p>");
-        html_page_end(b);
-        return MHD_HTTP_FORBIDDEN;
+    ar = k->auth.n ? console_auth_check(&k->auth, NULL, token, &name) : CONSOLE_AUTH_WRONG;
+    memset(token, 0, sizeof token);
+    if (ar != CONSOLE_AUTH_OK) {
+        log_warn("console: %s of group %s refused: %s", action, group,
+                 ar == CONSOLE_AUTH_THROTTLED ? "too many wrong tokens lately"
+                                              : "wrong console token");
+        status = ar == CONSOLE_AUTH_THROTTLED
+                     ? refused_page(b, MHD_HTTP_TOO_MANY_REQUESTS,
+                                    "too many wrong tokens lately: try again in a minute")
+                     : refused_page(b, MHD_HTTP_FORBIDDEN,
+                                    "wrong console token (console.token_file)");
+        goto out;
     }
     if (!html_form_get(body, blen, "reason", reason, 501))
         reason[0] = '\0';
     if (!reason[0] && strcmp(action, "redrive") != 0) {
-        html_page_start(b, "refused", "groups");
-        html_raw(b, "<h1>Refused</h1><p>a discard or an archive needs a reason</p>");
-        html_page_end(b);
-        return MHD_HTTP_BAD_REQUEST;
+        status = refused_page(b, MHD_HTTP_BAD_REQUEST, "a discard or an archive needs a reason");
+        goto out;
     }
-    /* At most what the dry run showed: parks that joined the group since
-     * wait for another confirmation. */
-    if (!html_form_get(body, blen, "expect", expect, sizeof expect) ||
-        (at_most = atol(expect)) <= 0 || at_most > 1000000000L) {
-        html_page_start(b, "refused", "groups");
-        html_raw(b, "<h1>Refused</h1><p>the form lacks the count it confirmed</p>");
-        html_page_end(b);
-        return MHD_HTTP_BAD_REQUEST;
-    }
-    snprintf(who, sizeof who, "console:%s", actor);
+    snprintf(who, sizeof who, "console:%s", name);
     html_page_start(b, "done", "groups");
     html_raw(b, "<h1>");
     html_text(b, action);
     html_raw(b, " group <code>");
     html_text(b, group);
     html_raw(b, "</code></h1>");
-    text = run_action(k, action, group, reason[0] ? reason : NULL, who, false, at_most, &rc,
+    /* exactly the parks the dry run showed: ones that joined the group
+     * since wait for the next dry run, ones closed since are skipped */
+    text = run_action(k, action, group, reason[0] ? reason : NULL, who, cf, NULL, NULL, &rc,
                       &len);
-    log_info("console: %s of group %s by %s: code %d", action, group, who, rc);
+    log_info("console: %s of group %s (%zu parks of a dry run) by %s: code %d", action, group,
+             cf->n, who, rc);
     html_printf(b, "<p class=\"%s\" id=\"act-result\">%s</p>", rc ? "bad" : "ok",
                 rc == 0 ? "done" : rc == 2 ? "refused (see below)" : "failed part-way or did "
                                                                      "not run (see the log)");
-    html_raw(b, "<pre id=\"act-output\">");
+    html_raw(b, "<p id=\"act-actor\">by <b>");
+    html_text(b, who);
+    html_raw(b, "</b></p><pre id=\"act-output\">");
     if (text)
         html_text_n(b, text, len);
     html_raw(b, "</pre><p><a href=\"/groups\">back to the groups</a></p>");
     free(text);
     html_page_end(b);
-    return rc == 0 ? MHD_HTTP_OK : rc == 2 ? MHD_HTTP_BAD_REQUEST : MHD_HTTP_SERVICE_UNAVAILABLE;
+    status = rc == 0 ? MHD_HTTP_OK : rc == 2 ? MHD_HTTP_BAD_REQUEST
+                                              : MHD_HTTP_SERVICE_UNAVAILABLE;
+out:
+    confirm_free(cf); /* one action per dry run */
+    return status;
 }
 
 /* ---- the server ---- */
@@ -946,21 +1021,24 @@ static bool host_ok(struct console *k, struct MHD_Connection *conn)
     return false;
 }
 
-/* Reading from another address than loopback: HTTP Basic with the token as
- * the password (any user name). */
-static bool remote_allowed(struct console *k, struct MHD_Connection *conn)
+/* HTTP Basic with a token's name as the user name and the token as the
+ * password: 1 when given and right, 0 when not, -1 when guesses are
+ * throttled. */
+static int basic_allowed(struct console *k, struct MHD_Connection *conn)
 {
     char *pass = NULL, *user;
-    bool ok;
-    if (!k->has_token)
-        return false;
+    const char *name = NULL;
+    enum console_auth_result ar = CONSOLE_AUTH_WRONG;
+    if (k->auth.n == 0)
+        return 0;
     user = MHD_basic_auth_get_username_password(conn, &pass);
-    ok = pass && same_secret(pass, k->token);
+    if (user && pass)
+        ar = console_auth_check(&k->auth, user, pass, &name);
     if (user)
         MHD_free(user);
     if (pass)
         MHD_free(pass);
-    return ok;
+    return ar == CONSOLE_AUTH_OK ? 1 : ar == CONSOLE_AUTH_THROTTLED ? -1 : 0;
 }
 
 static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char *url,
@@ -1003,12 +1081,17 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
         *upload_len = 0;
         return MHD_YES;
     }
-    if ((k->c->console_reads_need_token || !client_loopback(conn)) &&
-        !remote_allowed(k, conn)) {
+    if (k->c->console_reads_need_token || !client_loopback(conn)) {
+        int ok = basic_allowed(k, conn);
         static const char msg[] = "this console answers only with a token of "
                                   "console.token_file (HTTP Basic: its name and the token)\n";
-        return send_page(conn, MHD_HTTP_UNAUTHORIZED, "text/plain; charset=utf-8", msg,
-                         sizeof msg - 1, k->has_token);
+        static const char slow[] = "too many wrong tokens lately: try again in a minute\n";
+        if (ok < 0)
+            return send_page(conn, MHD_HTTP_TOO_MANY_REQUESTS, "text/plain; charset=utf-8",
+                             slow, sizeof slow - 1, false);
+        if (ok == 0)
+            return send_page(conn, MHD_HTTP_UNAUTHORIZED, "text/plain; charset=utf-8", msg,
+                             sizeof msg - 1, k->auth.n > 0);
     }
     if (strcmp(method, "GET") != 0 && !post)
         return refuse(conn, MHD_HTTP_METHOD_NOT_ALLOWED, "GET or POST only");
@@ -1025,13 +1108,22 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
         }
         if (q->too_big)
             return refuse(conn, 413, "form too large");
-        if (!html_form_get(q->body, q->len, "csrf", csrf, sizeof csrf) || !csrf_take(k, csrf)) {
+        if (!html_form_get(q->body, q->len, "csrf", csrf, sizeof csrf))
+            csrf[0] = '\0';
+        if (strcmp(url, "/act") == 0) {
+            /* only the form of a dry run: it names the parks to act on */
+            struct confirm *cf = confirm_find(k, csrf);
+            if (!cf) {
+                log_warn("console: POST /act refused: not the form of an outstanding dry run");
+                return refuse(conn, MHD_HTTP_FORBIDDEN,
+                              "no dry run of this form is outstanding (used, expired or "
+                              "never shown): confirm the action again");
+            }
+            status = page_act(k, cf, q->body, q->len, &b);
+        } else if (!csrf_take(k, csrf)) {
             log_warn("console: POST %s refused: no valid form token", url);
             return refuse(conn, MHD_HTTP_FORBIDDEN,
                           "the form token is missing, used or expired: reload the page");
-        }
-        if (strcmp(url, "/act") == 0) {
-            status = page_act(k, q->body, q->len, &b);
         } else if (!html_form_get(q->body, q->len, "action", action, sizeof action) ||
                    !action_ok(action) ||
                    !html_form_get(q->body, q->len, "group", group, sizeof group) ||
@@ -1065,36 +1157,6 @@ static void completed(void *cls, struct MHD_Connection *conn, void **state,
     *state = NULL;
 }
 
-/* The token of path into buf (trailing whitespace cut). */
-static idemq_err_t read_token(const char *path, char *buf, size_t len, char *errbuf,
-                              size_t errlen)
-{
-    struct stat st;
-    ssize_t got;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        snprintf(errbuf, errlen, "console.token_file %s cannot be read", path);
-        return IDEMQ_ERR_CONFIG;
-    }
-    if (fstat(fd, &st) == 0 && (st.st_mode & 077))
-        log_warn("console.token_file %s can be read by others than its owner (chmod 600)",
-                 path);
-    got = read(fd, buf, len - 1);
-    close(fd);
-    if (got < 0)
-        got = 0;
-    buf[got] = '\0';
-    while (got > 0 && (buf[got - 1] == '\n' || buf[got - 1] == '\r' || buf[got - 1] == ' ' ||
-                       buf[got - 1] == '\t'))
-        buf[--got] = '\0';
-    if (got < 8 || strlen(buf) != (size_t)got) {
-        snprintf(errbuf, errlen, "console.token_file %s must hold a secret of 8 to %zu bytes "
-                 "(no NUL)", path, len - 1);
-        return IDEMQ_ERR_CONFIG;
-    }
-    return IDEMQ_OK;
-}
-
 idemq_err_t console_start(const struct conf *c, struct worker *ws, int n, struct gauges *g,
                           struct console **out, char *errbuf, size_t errlen)
 {
@@ -1124,13 +1186,15 @@ idemq_err_t console_start(const struct conf *c, struct worker *ws, int n, struct
     k->n = n;
     k->g = g;
     if (c->console_token_file[0]) {
-        idemq_err_t e = read_token(c->console_token_file, k->token, sizeof k->token, errbuf,
-                                   errlen);
+        idemq_err_t e = console_auth_load(&k->auth, c->console_token_file, errbuf, errlen);
         if (e) {
             free(k);
             return e;
         }
-        k->has_token = true;
+    } else if (c->console_reads_need_token) {
+        snprintf(errbuf, errlen, "console.reads_need_token needs console.token_file");
+        free(k);
+        return IDEMQ_ERR_CONFIG;
     }
     /* One thread: requests are served one at a time, so the console's
      * session and form tokens need no lock, and a slow action delays only
@@ -1158,6 +1222,8 @@ void console_stop(struct console *k)
     MHD_stop_daemon(k->d);
     if (k->db)
         PQfinish(k->db);
-    memset(k->token, 0, sizeof k->token);
+    console_auth_clear(&k->auth);
+    for (int i = 0; i < CONFIRM_SLOTS; i++)
+        confirm_free(&k->confirm[i]);
     free(k);
 }

@@ -175,6 +175,17 @@ static void record_moved(void *arg, const char *key, long long park_id)
     PQclear(r);
 }
 
+/* ids[0..n) as a PostgreSQL array literal into out (n * 21 + 3 bytes). */
+static void ids_literal(const long long *ids, size_t n, char *out)
+{
+    char *p = out;
+    *p++ = '{';
+    for (size_t j = 0; j < n; j++)
+        p += sprintf(p, "%s%lld", j ? "," : "", ids[j]);
+    *p++ = '}';
+    *p = '\0';
+}
+
 /* Sleeps until `done` parks at `rate` per second have had their time since t0. */
 static void pace(const struct timespec *t0, long done, double rate)
 {
@@ -193,7 +204,8 @@ int groups_act(const struct conf *c, const char *action, const struct ops_filter
                const char *group, const char *reason, const char *actor, FILE *out)
 {
     char queue[300], limit[24], who[256], sel[1024], b1[512], b2[512], action_id[24] = "";
-    const char *params[6];
+    char *only = NULL; /* f->park_ids as an array literal */
+    const char *params[7];
     long long *ids = NULL;
     PGconn *db;
     PGresult *r = NULL;
@@ -235,8 +247,21 @@ int groups_act(const struct conf *c, const char *action, const struct ops_filter
     params[3] = queue[0] ? queue : NULL;
     params[4] = group;
     params[5] = limit;
-    r = PQexecParams(db, "SELECT id, key, redrivable" GROUPS_FROM " ORDER BY id LIMIT $6::bigint",
-                     6, NULL, params, NULL, NULL, 0);
+    if (f->park_ids) {
+        if (!(only = malloc(f->n_park_ids * 21 + 3))) {
+            log_error("out of memory");
+            rc = 1;
+            goto out;
+        }
+        ids_literal(f->park_ids, f->n_park_ids, only);
+        snprintf(sel + strlen(sel), sizeof sel - strlen(sel), "; the %zu parks of a dry run",
+                 f->n_park_ids);
+    }
+    params[6] = only;
+    r = PQexecParams(db, "SELECT id, key, redrivable" GROUPS_FROM
+                         " AND ($7::bigint[] IS NULL OR id = ANY ($7::bigint[]))"
+                         " ORDER BY id LIMIT $6::bigint",
+                     7, NULL, params, NULL, NULL, 0);
     if (PQresultStatus(r) != PGRES_TUPLES_OK) {
         log_error("cannot select parked messages: %s", PQerrorMessage(db));
         rc = PQstatus(db) == CONNECTION_OK ? 2 : 4;
@@ -250,6 +275,15 @@ int groups_act(const struct conf *c, const char *action, const struct ops_filter
     }
     for (long i = 0; i < n; i++)
         ids[i] = atoll(PQgetvalue(r, (int)i, 0)); /* ascending: ORDER BY id */
+    if (f->ids_out && n > 0) {
+        if (!(*f->ids_out = malloc((size_t)n * sizeof **f->ids_out))) {
+            log_error("out of memory");
+            rc = 1;
+            goto out;
+        }
+        memcpy(*f->ids_out, ids, (size_t)n * sizeof *ids);
+        *f->n_ids_out = (size_t)n;
+    }
     fprintf(out, "%s selects %ld open park%s (%s)\n", group ? "the group" : "the filter", n,
             n == 1 ? "" : "s", sel);
     if (n == 0)
@@ -308,7 +342,7 @@ int groups_act(const struct conf *c, const char *action, const struct ops_filter
         clock_gettime(CLOCK_MONOTONIC, &t0);
         for (long i = 0; i < n; i += GROUPS_STEP) {
             long k = n - i < GROUPS_STEP ? n - i : GROUPS_STEP;
-            char *arr = malloc((size_t)k * 21 + 3), *p;
+            char *arr = malloc((size_t)k * 21 + 3);
             const char *sp[5] = {action_id, NULL, action, who, reason};
             PGresult *s;
             if (!arr) {
@@ -316,12 +350,7 @@ int groups_act(const struct conf *c, const char *action, const struct ops_filter
                 rc = 1;
                 break;
             }
-            p = arr;
-            *p++ = '{';
-            for (long j = 0; j < k; j++)
-                p += sprintf(p, "%s%lld", j ? "," : "", ids[i + j]);
-            *p++ = '}';
-            *p = '\0';
+            ids_literal(ids + i, (size_t)k, arr);
             sp[1] = arr;
             s = PQexecParams(db,
                              "SELECT idemq.ops_close_parks($1::bigint, $2::bigint[], $3, $4, $5)",
@@ -353,6 +382,7 @@ int groups_act(const struct conf *c, const char *action, const struct ops_filter
                 action, done, n);
     }
 out:
+    free(only);
     free(ids);
     PQclear(r);
     PQfinish(db);

@@ -30,6 +30,11 @@ struct ops_filter {
     size_t n_park_ids;
     void (*on_moved)(void *moved_arg, const char *key, long long park_id);
     void *moved_arg;
+    /* groups_act: when set, the selected park ids (ascending, malloc'd; the
+     * caller frees them, NULL when none) into *ids_out and their count into
+     * *n_ids_out; a set park_ids also restricts its selection to them. */
+    long long **ids_out;
+    size_t *n_ids_out;
 };
 
 /* A session for an operator command: application name app, statement

@@ -10,9 +10,12 @@
 // CONSOLE_GROUP (the group to redrive, of CONSOLE_EXPECT parks),
 // CONSOLE_KEY (a key of that group), CONSOLE_SCRIPT_KEY (the hostile key),
 // CONSOLE_OBSERVE_INPUT (an input with 47 observations in the ledger),
+// CONSOLE_LATE_PARK_SQL (parks one more message of CONSOLE_GROUP; run with
+// psql on IDEMQ_PG_DSN between a dry run and its action),
 // SHOTS_DIR (optional: where the PNGs go).
 import { chromium } from 'playwright-core';
 import { mkdirSync } from 'node:fs';
+import { execFileSync } from 'node:child_process';
 
 const env = (k) => {
   if (!process.env[k]) { console.error(`console.test: ${k} is not set`); process.exit(2); }
@@ -23,6 +26,7 @@ const KEY = env('CONSOLE_KEY'), SCRIPT_KEY = env('CONSOLE_SCRIPT_KEY');
 const EXPECT = Number(process.env.CONSOLE_EXPECT || '3');
 const OBS_INPUT = env('CONSOLE_OBSERVE_INPUT');
 const SHOTS = process.env.SHOTS_DIR || '';
+const LATE_PARK_SQL = env('CONSOLE_LATE_PARK_SQL'), DSN = env('IDEMQ_PG_DSN');
 let passed = 0, failed = 0;
 const check = (ok, what) => {
   if (ok) { passed++; console.log(`ok   ${what}`); } else { failed++; console.log(`FAIL ${what}`); }
@@ -130,18 +134,30 @@ try {
   }
   const csrf2 = await page.inputValue('form[action="/act"] input[name=csrf]');
   r = await req.post(URL + '/act', {
-    headers: { Origin: URL }, form: { csrf: csrf2, action: 'redrive', group: GROUP, actor: 'x' },
+    headers: { Origin: URL }, form: { csrf: csrf2, action: 'redrive', group: GROUP },
   });
   check(r.status() === 400, `an action without the token is refused (${r.status()})`);
+  r = await req.post(URL + '/act', {
+    headers: { Origin: URL }, form: { csrf: csrf2, token: TOKEN, action: 'redrive', group: GROUP },
+  });
+  check(r.status() === 403, `a dry run's form acts once at most (${r.status()})`);
+  // /act with a page's form token (no dry run behind it): refused
+  await page.goto(URL + '/groups');
+  const pageCsrf = await page.inputValue('#groups input[name=csrf]');
+  r = await req.post(URL + '/act', {
+    headers: { Origin: URL },
+    form: { csrf: pageCsrf, token: TOKEN, action: 'discard', group: GROUP, reason: 'skip' },
+  });
+  check(r.status() === 403, `an action without a dry run is refused (${r.status()})`);
   await openConfirm();
-  await page.fill('input[name=actor]', 'browser-test');
   await page.fill('input[name=token]', 'not-the-token');
   await page.click('form[action="/act"] button');
   check((await page.textContent('h1')) === 'Refused', 'an action with a wrong token is refused');
 
-  // The group redrive, end to end.
+  // The group redrive, end to end, on the parks of its dry run only: one
+  // more park of the group appears between the dry run and the action.
   await openConfirm();
-  await page.fill('input[name=actor]', 'browser-test');
+  execFileSync('psql', ['-X', '-q', '-v', 'ON_ERROR_STOP=1', DSN, '-c', LATE_PARK_SQL]);
   await page.fill('input[name=reason]', 'fixed the limit');
   await page.fill('input[name=token]', TOKEN);
   await page.click('form[action="/act"] button');
@@ -151,6 +167,11 @@ try {
         `it redrove ${EXPECT} messages`);
   check((await page.textContent('#act-output')).includes('recorded as operator action'),
         'it is recorded as an operator action');
+  check((await page.textContent('#act-actor')).includes('console:browser-test'),
+        'the actor is the name of the token given');
+  await page.goto(URL + '/parked?group=' + GROUP);
+  check((await page.textContent('#parked-total')) === '1 open park match',
+        'the park that appeared after the dry run is left for the next one');
 
   // A discard of the hostile key's group: needs a reason, then recorded.
   await page.goto(URL + '/groups');
@@ -160,7 +181,6 @@ try {
   check((await page.textContent('#dry-count')).includes('1 open park'), 'the discard dry run counts 1 park');
   check((await page.evaluate(() => document.querySelectorAll('script').length)) === 0,
         'the dry run shows the hostile key as text');
-  await page.fill('input[name=actor]', 'browser-test');
   await page.fill('input[name=reason]', 'hostile key');
   await page.fill('input[name=token]', TOKEN);
   await page.click('form[action="/act"] button');

@@ -22,7 +22,7 @@
 #include "itest.h"
 
 #define EFFECTS_FOR "SELECT count(*) FROM idemq_test.effects WHERE key = $1"
-#define TOKEN "console-test-token-4f1c"
+#define TOKEN "console-test-token-4f1c-9a8b7c6d5e4f3a2b"
 #define TOKEN_ALICE "alice-5b0e9c1d7a2f4e6b8c3d1a0f9e8d7c6b"
 #define TOKEN_BOB "bob-1d2c3b4a5f6e7d8c9b0a1f2e3d4c5b6a7"
 
@@ -46,7 +46,7 @@ START_TEST(test_console_browser)
 {
     struct itest t;
     char extra[1024], tokfile[256], url[128], body[512], sql[512], a[3][160], hostile[200];
-    char group[16], cmd[4096], page[65536], obs[200];
+    char group[16], cmd[4096], page[65536], obs[200], late[1024];
     const char *bodies[1] = {body};
     const char *shots = getenv("IDEMQ_CONSOLE_SHOTS");
     int port = itest_free_port(), rc;
@@ -60,7 +60,7 @@ START_TEST(test_console_browser)
                   "scripts/setup");
     snprintf(tokfile, sizeof tokfile, "/tmp/idemq-console-token-%d", (int)getpid());
     ck_assert_ptr_nonnull(f = fopen(tokfile, "w"));
-    fprintf(f, "%s\n", TOKEN);
+    fprintf(f, "# name token\nbrowser-test %s\nother %s\n", TOKEN, TOKEN_BOB);
     fclose(f);
     snprintf(extra, sizeof extra,
              "console: { listen = \"127.0.0.1:%d\"; token_file = \"%s\"; "
@@ -128,6 +128,16 @@ START_TEST(test_console_browser)
     setenv("CONSOLE_SCRIPT_KEY", hostile, 1);
     setenv("CONSOLE_EXPECT", "3", 1);
     setenv("CONSOLE_OBSERVE_INPUT", obs, 1);
+    /* a park of the same group that appears between the dry run and the
+     * action: the action must leave it for the next dry run */
+    snprintf(late, sizeof late,
+             "INSERT INTO idemq.parked (key, source_queue, exchange, routing_key, body, headers,"
+             " properties, payload_sha256, error_class, error_code, sqlstate, reason, attempts)"
+             " SELECT '%s:late', source_queue, exchange, routing_key, body, headers, properties,"
+             " payload_sha256, error_class, error_code, sqlstate, reason, attempts"
+             " FROM idemq.parked WHERE key = '%s'",
+             t.name, a[0]);
+    setenv("CONSOLE_LATE_PARK_SQL", late, 1);
     setenv("SHOTS_DIR", shots ? shots : "", 1);
     snprintf(cmd, sizeof cmd, "cd '%s/tests/browser' && timeout 90 node console.test.mjs",
              IDEMQ_SOURCE_DIR);
@@ -149,6 +159,12 @@ START_TEST(test_console_browser)
         usleep(100 * 1000);
     for (int i = 0; i < 3; i++)
         ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, a[i]), 1);
+    /* the park that appeared after the dry run is still open, untouched */
+    snprintf(sql, sizeof sql, "%s:late", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", sql), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.operator_action_keys WHERE"
+                                    " key = $1", sql),
+                     0);
     /* the hostile key's group discarded through the console */
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", hostile),
                      0);
@@ -263,7 +279,8 @@ START_TEST(test_console_reads_need_token)
     int port = itest_free_port(), rc;
     pid_t pid;
 
-    token_file(tokfile, sizeof tokfile, "rtok", TOKEN_ALICE "\n");
+    token_file(tokfile, sizeof tokfile, "rtok",
+               "# name token\nalice " TOKEN_ALICE "\n\nbob " TOKEN_BOB "\n");
     snprintf(extra, sizeof extra,
              "console: { listen = \"127.0.0.1:%d\"; token_file = \"%s\"; "
              "reads_need_token = true; hosts = [\"console.example:%d\"]; };",
@@ -280,14 +297,51 @@ START_TEST(test_console_reads_need_token)
     ck_assert_int_eq(curl_status(url, hdr), 200);
     snprintf(hdr, sizeof hdr, "-u alice:" TOKEN_ALICE " -H 'Host: evil.example:%d'", port);
     ck_assert_int_eq(curl_status(url, hdr), 421);
+    ck_assert_int_eq(curl_status(url, "-u bob:" TOKEN_BOB), 200);
+    ck_assert_int_eq(curl_status(url, "-u bob:" TOKEN_ALICE), 401); /* not bob's */
     snprintf(url, sizeof url, "http://127.0.0.1:%d/console.css", port);
     ck_assert_int_eq(curl_status(url, ""), 401);
+    /* guesses are throttled: after a burst of wrong tokens even the right
+     * one is not compared for a while */
+    for (int i = 0; i < 12; i++)
+        curl_status(url, "-u alice:guess-guess-guess-guess-guess-guess");
+    ck_assert_int_eq(curl_status(url, "-u alice:" TOKEN_ALICE), 429);
     kill(pid, SIGTERM);
     rc = itest_wait(pid, itest_ms(15000));
     ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);
     itest_extra_conf = NULL;
     itest_teardown(&t);
     unlink(tokfile);
+}
+END_TEST
+
+/* A token file of an older version (one token, no name), a short token
+ * and a repeated token are refused at start, with what to write (idemq
+ * runs on without its console). */
+START_TEST(test_console_token_file_refused)
+{
+    struct itest t;
+    char extra[1024], tokfile[256], out[4096];
+    static const char *const files[] = {
+        TOKEN_ALICE "\n",
+        "alice short-token\n",
+        "alice " TOKEN_ALICE "\nbob " TOKEN_ALICE "\n",
+    };
+    static const char *const says[] = {"one field", "32 to 255", "earlier line"};
+    for (int i = 0; i < 3; i++) {
+        int port = itest_free_port();
+        token_file(tokfile, sizeof tokfile, "badtok", files[i]);
+        snprintf(extra, sizeof extra, "console: { listen = \"127.0.0.1:%d\"; token_file = \"%s\"; };",
+                 port, tokfile);
+        itest_extra_conf = extra;
+        itest_setup(&t, "console_badtok", "idemq_test.record", "", "");
+        itest_idemq(&t, "run --until-idle 1", out, sizeof out);
+        ck_assert_msg(strstr(out, says[i]) != NULL && strstr(out, "without the console"),
+                      "file %d: %s", i, out);
+        itest_extra_conf = NULL;
+        itest_teardown(&t);
+        unlink(tokfile);
+    }
 }
 END_TEST
 
@@ -310,7 +364,7 @@ START_TEST(test_console_remote_read)
 
     snprintf(tokfile, sizeof tokfile, "/tmp/idemq-console-rtoken-%d", (int)getpid());
     ck_assert_ptr_nonnull(f = fopen(tokfile, "w"));
-    fprintf(f, "%s\n", TOKEN);
+    fprintf(f, "ops %s\n", TOKEN);
     fclose(f);
     for (int with_token = 1; with_token >= 0; with_token--) {
         snprintf(extra, sizeof extra, "console: { listen = \"127.0.0.1:%d\"; token_file = \"%s\"; };",
@@ -327,7 +381,9 @@ START_TEST(test_console_remote_read)
         ck_assert_int_eq(curl_status(url, "-u ops:not-the-token"), 401);
         ck_assert_int_eq(curl_status(url, "-u ops:" TOKEN), with_token ? 200 : 401);
         snprintf(url, sizeof url, "http://127.0.0.1:%d/observe", port);
-        ck_assert_int_eq(curl_status(url, "-u anyone:" TOKEN), with_token ? 200 : 401);
+        ck_assert_int_eq(curl_status(url, "-u ops:" TOKEN), with_token ? 200 : 401);
+        /* the token under another name than its own */
+        ck_assert_int_eq(curl_status(url, "-u anyone:" TOKEN), 401);
         snprintf(url, sizeof url, "http://127.0.0.1:%d/console.css", port);
         ck_assert_int_eq(curl_status(url, ""), 401);
         kill(pid, SIGTERM);
@@ -353,6 +409,7 @@ int main(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, test_console_foreign_host);
     tcase_add_test(tc, test_console_reads_need_token);
+    tcase_add_test(tc, test_console_token_file_refused);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
