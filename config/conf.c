@@ -110,6 +110,11 @@ static const struct conf_key global_keys[] = {
      "Host header values (name:port, compared without case) the console answers besides its "
      "listen address and localhost, 127.0.0.1 and [::1] with its port, e.g. the name a "
      "reverse proxy sends; any other Host gets 421 (DNS rebinding reaches nothing)"},
+    {"console.operator_broker_url", CT_STR, G(console_operator_broker_url), 0, 1024, "", 0,
+     CF_SENSITIVE,
+     "AMQP URL of the operator's broker user the console's redrives publish with (write on "
+     "amq.default and read on the dead-letter queues; see consumer/OPERATIONS.md \"Roles and "
+     "permissions\"), instead of the daemon's broker.url; empty = broker.url"},
     {"console.reads_need_token", CT_BOOL, G(console_reads_need_token), 0, 1, NULL, 0, 0,
      "every request, loopback ones too, needs a token of token_file (HTTP Basic: the token's "
      "name and the token); set it when a reverse proxy or tunnel on the same host makes every "
@@ -1354,6 +1359,9 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
     for (int i = 0; i < c->urls.n; i++)
         if ((err = check_url(c->urls.v[i], file, errbuf, errlen)) != IDEMQ_OK)
             goto fail;
+    if (c->console_operator_broker_url[0] &&
+        (err = check_url(c->console_operator_broker_url, file, errbuf, errlen)) != IDEMQ_OK)
+        goto fail;
     if (log_level_parse(c->log_level) < 0) {
         errf(errbuf, errlen, "%s: log.level must be error, warn, info or debug, not \"%s\"", file,
              c->log_level);

@@ -68,6 +68,7 @@ struct console {
     struct gauges *g;
     PGconn *db; /* the server thread's own session; NULL until first used */
     int port;   /* of console.listen */
+    char *op_url[1]; /* cc.urls when console.operator_broker_url is set */
     struct console_auth auth; /* auth.n == 0: no token file */
     struct csrf csrf[CSRF_SLOTS];
     int csrf_next;
@@ -1182,6 +1183,11 @@ idemq_err_t console_start(const struct conf *c, struct worker *ws, int n, struct
     k->port = port;
     k->cc = *c;
     k->cc.statement_timeout_ms = c->console_statement_timeout_ms;
+    if (c->console_operator_broker_url[0]) { /* actions publish as the operator */
+        k->op_url[0] = c->console_operator_broker_url;
+        k->cc.urls.v = k->op_url;
+        k->cc.urls.n = 1;
+    }
     k->ws = ws;
     k->n = n;
     k->g = g;

@@ -160,14 +160,9 @@ static void record_moved(void *arg, const char *key, long long park_id)
     const char *params[3] = {m->action_id, id, key};
     PGresult *r;
     snprintf(id, sizeof id, "%lld", park_id);
-    r = PQexecParams(m->db,
-                     "WITH k AS (INSERT INTO idemq.operator_action_keys (action_id, park_id, key,"
-                     " outcome) VALUES ($1::bigint, $2::bigint, $3, 'redriven')"
-                     " ON CONFLICT DO NOTHING RETURNING 1)"
-                     " UPDATE idemq.operator_actions SET done = done + (SELECT count(*) FROM k)"
-                     " WHERE id = $1::bigint",
-                     3, NULL, params, NULL, NULL, 0);
-    if (PQresultStatus(r) != PGRES_COMMAND_OK)
+    r = PQexecParams(m->db, "SELECT idemq.ops_action_moved($1::bigint, $2::bigint, $3)", 3,
+                     NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(r) != PGRES_TUPLES_OK)
         log_warn("redriven park #%s not recorded in operator action #%s: %s", id, m->action_id,
                  PQerrorMessage(m->db));
     else
@@ -308,10 +303,8 @@ int groups_act(const struct conf *c, const char *action, const struct ops_filter
         const char *ap[5] = {action, who, reason, sel, selected};
         PGresult *a;
         snprintf(selected, sizeof selected, "%ld", n);
-        a = PQexecParams(db,
-                         "INSERT INTO idemq.operator_actions (action, actor, reason, selection,"
-                         " selected) VALUES ($1, $2, $3, $4, $5::integer) RETURNING id",
-                         5, NULL, ap, NULL, NULL, 0);
+        a = PQexecParams(db, "SELECT idemq.ops_action_begin($1, $2, $3, $4, $5::integer)", 5,
+                         NULL, ap, NULL, NULL, 0);
         if (PQresultStatus(a) != PGRES_TUPLES_OK) {
             log_error("cannot record the action (nothing done): %s", PQerrorMessage(db));
             PQclear(a);
@@ -374,10 +367,12 @@ int groups_act(const struct conf *c, const char *action, const struct ops_filter
     }
     if (action_id[0]) {
         const char *fp[1] = {action_id};
-        PQclear(PQexecParams(db,
-                             "UPDATE idemq.operator_actions SET finished_at = clock_timestamp()"
-                             " WHERE id = $1::bigint",
-                             1, NULL, fp, NULL, NULL, 0));
+        PGresult *e = PQexecParams(db, "SELECT idemq.ops_action_finish($1::bigint)", 1, NULL,
+                                   fp, NULL, NULL, 0);
+        if (PQresultStatus(e) != PGRES_TUPLES_OK)
+            log_warn("operator action #%s: its end not recorded: %s", action_id,
+                     PQerrorMessage(db));
+        PQclear(e);
         fprintf(out, "recorded as operator action #%s (%s, %ld of %ld parks)\n", action_id,
                 action, done, n);
     }

@@ -397,6 +397,88 @@ START_TEST(test_console_remote_read)
 }
 END_TEST
 
+/* The body of url (POST data when not NULL, with the console's Origin)
+ * into out; returns the HTTP status, -1 if none. */
+static int curl_page(const char *url, const char *origin, const char *data, char *out,
+                     size_t len)
+{
+    char cmd[2048];
+    size_t got;
+    FILE *p;
+    char *nl;
+    if (data)
+        snprintf(cmd, sizeof cmd, "curl -s -m 20 -w '\n%%{http_code}' -H 'Origin: %s' --data '%s' '%s'",
+                 origin, data, url);
+    else
+        snprintf(cmd, sizeof cmd, "curl -s -m 20 -w '\n%%{http_code}' '%s'", url);
+    if (!(p = popen(cmd, "r")))
+        return -1;
+    got = fread(out, 1, len - 1, p);
+    out[got] = '\0';
+    pclose(p);
+    if (!(nl = strrchr(out, '\n')))
+        return -1;
+    *nl = '\0';
+    return atoi(nl + 1) > 0 ? atoi(nl + 1) : -1;
+}
+
+/* The value of the first hidden csrf field of page into out[33]. */
+static void csrf_of(const char *page, char *out)
+{
+    const char *p = strstr(page, "name=\"csrf\" value=\"");
+    out[0] = '\0';
+    if (p)
+        snprintf(out, 33, "%s", p + strlen("name=\"csrf\" value=\""));
+}
+
+/* console.operator_broker_url: the console's redrives (their dry runs
+ * too) connect as that user, not with the daemon's broker.url. A user the
+ * broker refuses makes the dry run fail while the daemon consumes on. */
+START_TEST(test_console_operator_broker_url)
+{
+    struct itest t;
+    char extra[1024], tokfile[256], url[160], origin[64], page[65536], data[256], csrf[33];
+    char group[16], body[256], key[128];
+    const char *bodies[1] = {body};
+    const char *amqp = getenv("IDEMQ_AMQP_URL");
+    int port = itest_free_port(), rc;
+    pid_t pid;
+
+    token_file(tokfile, sizeof tokfile, "optok", "ops " TOKEN_ALICE "\n");
+    snprintf(extra, sizeof extra,
+             "console: { listen = \"127.0.0.1:%d\"; token_file = \"%s\";"
+             " operator_broker_url = \"amqp://nobody:wrong@127.0.0.1%s\"; };",
+             port, tokfile, strrchr(amqp, ':'));
+    itest_extra_conf = extra;
+    itest_setup(&t, "console_op", "idemq_test.record", "", "");
+    snprintf(key, sizeof key, "%s:p", t.name);
+    snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"raise\":\"22023\"}", key);
+    itest_publish(&t, bodies, 1);
+    itest_run_until_idle(&t, 2);
+    itest_text(&t,
+               "SELECT idemq.park_group(source_queue, error_class, error_code, sqlstate, reason,"
+               " key) FROM idemq.parked WHERE key = $1",
+               key, group, sizeof group);
+    pid = itest_spawn(&t, t.cfg_path, 60, NULL);
+    snprintf(origin, sizeof origin, "http://127.0.0.1:%d", port);
+    snprintf(url, sizeof url, "%s/groups", origin);
+    wait_console(url);
+    ck_assert_int_eq(curl_page(url, NULL, NULL, page, sizeof page), 200);
+    csrf_of(page, csrf);
+    ck_assert_int_eq((int)strlen(csrf), 32);
+    snprintf(url, sizeof url, "%s/confirm", origin);
+    snprintf(data, sizeof data, "csrf=%s&action=redrive&group=%s", csrf, group);
+    ck_assert_int_eq(curl_page(url, origin, data, page, sizeof page), 200);
+    ck_assert_msg(strstr(page, "the dry run failed") != NULL, "%s", page);
+    kill(pid, SIGTERM);
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);
+    itest_extra_conf = NULL;
+    itest_teardown(&t);
+    unlink(tokfile);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("console");
@@ -410,6 +492,7 @@ int main(void)
     tcase_add_test(tc, test_console_foreign_host);
     tcase_add_test(tc, test_console_reads_need_token);
     tcase_add_test(tc, test_console_token_file_refused);
+    tcase_add_test(tc, test_console_operator_broker_url);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
