@@ -4,7 +4,10 @@
 #include "console.h"
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <math.h>
 #include <microhttpd.h>
 #include <netinet/in.h>
@@ -13,6 +16,8 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/random.h>
+#include <sys/select.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -31,6 +36,8 @@
 #include "topology.h"
 
 #define CONN_TIMEOUT_S 10   /* an idle connection is closed after this */
+#define ARRIVE_MS 5000      /* a request's headers and body arrive within this, in all */
+#define LOOP_MS 250         /* the server thread looks at the clock at least this often */
 #define CONN_MAX 32         /* connections at a time */
 #define CONN_PER_IP 16      /* of them from one address */
 #define BODY_MAX 8192       /* the largest form body read */
@@ -46,6 +53,13 @@
 struct csrf {
     char v[33];       /* 32 hex digits, "" = free */
     long long exp_ms; /* CLOCK_MONOTONIC */
+};
+
+/* A connection and since when its current request has been arriving. */
+struct conn_watch {
+    bool used;
+    int fd;
+    long long since_ms; /* 0: no request arriving (being answered) */
 };
 
 /* A dry run shown, awaiting its action: the action acts on these parks and
@@ -74,6 +88,9 @@ struct console {
     int csrf_next;
     struct confirm confirm[CONFIRM_SLOTS];
     int confirm_next;
+    struct conn_watch watch[CONN_MAX + 1];
+    pthread_t thread;
+    atomic_bool stop;
 };
 
 /* One request: its form body, read in pieces. */
@@ -908,6 +925,14 @@ out:
 
 /* ---- the server ---- */
 
+/* The watch of conn, NULL if it has none. */
+static struct conn_watch *watch_of(struct MHD_Connection *conn)
+{
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(conn, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    return ci ? ci->socket_context : NULL;
+}
+
 /* 127.0.0.0/8, ::1 and ::ffff:127.0.0.0/104 (a v4 client on a v6 socket). */
 static bool client_loopback(struct MHD_Connection *conn)
 {
@@ -1074,6 +1099,11 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
         *upload_len = 0;
         return MHD_YES;
     }
+    if (!*upload_len) { /* the request has arrived whole: it is answered now */
+        struct conn_watch *w = watch_of(conn);
+        if (w)
+            w->since_ms = 0;
+    }
     if (*upload_len) { /* a piece of the body */
         if (q->len + *upload_len > BODY_MAX)
             q->too_big = true;
@@ -1153,9 +1183,94 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
 static void completed(void *cls, struct MHD_Connection *conn, void **state,
                       enum MHD_RequestTerminationCode why)
 {
-    (void)cls, (void)conn, (void)why;
+    struct conn_watch *w = watch_of(conn);
+    (void)cls, (void)why;
+    if (w && w->used) /* the next request on this connection starts arriving */
+        w->since_ms = now_ms();
     free(*state);
     *state = NULL;
+}
+
+/* Connections start and end: their watches (the server thread). */
+static void notify_conn(void *cls, struct MHD_Connection *conn, void **ctx,
+                        enum MHD_ConnectionNotificationCode toe)
+{
+    struct console *k = cls;
+    struct conn_watch *w = *ctx;
+    if (toe == MHD_CONNECTION_NOTIFY_CLOSED) {
+        if (w)
+            memset(w, 0, sizeof *w);
+        *ctx = NULL;
+        return;
+    }
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+    *ctx = NULL;
+    for (int i = 0; ci && i < CONN_MAX + 1; i++)
+        if (!k->watch[i].used) {
+            k->watch[i].used = true;
+            k->watch[i].fd = ci->connect_fd;
+            k->watch[i].since_ms = now_ms();
+            *ctx = &k->watch[i];
+            return;
+        }
+    if (ci) /* more connections than MHD lets in: cannot happen, and is refused */
+        shutdown(ci->connect_fd, SHUT_RDWR);
+}
+
+/* Closes the connections whose request has been arriving for longer than
+ * ARRIVE_MS: an idle timeout alone lets a client that sends a byte now and
+ * then hold a connection slot for ever. busy_ms: how long the thread was
+ * answering (not reading anyone's bytes), added to every clock. */
+static void sweep(struct console *k, long long busy_ms)
+{
+    long long now = now_ms();
+    for (int i = 0; i < CONN_MAX + 1; i++) {
+        struct conn_watch *w = &k->watch[i];
+        if (!w->used || !w->since_ms)
+            continue;
+        if (busy_ms > LOOP_MS)
+            w->since_ms += busy_ms;
+        if (now - w->since_ms > ARRIVE_MS) {
+            shutdown(w->fd, SHUT_RDWR); /* MHD sees the end and closes it */
+            w->since_ms = 0;
+        }
+    }
+}
+
+/* The console's thread: MHD's select loop, and the sweep. Connections are
+ * opened, answered, swept and closed here only, so a watched fd is open
+ * whenever the sweep sees it. */
+static void *serve(void *arg)
+{
+    struct console *k = arg;
+    while (!atomic_load(&k->stop)) {
+        fd_set rs, ws, es;
+        MHD_socket max = 0;
+        MHD_UNSIGNED_LONG_LONG to = 0;
+        struct timeval tv = {0, LOOP_MS * 1000};
+        long long t0;
+        FD_ZERO(&rs);
+        FD_ZERO(&ws);
+        FD_ZERO(&es);
+        if (MHD_get_fdset(k->d, &rs, &ws, &es, &max) != MHD_YES) {
+            log_error("console: cannot poll its sockets; the console stops");
+            break;
+        }
+        if (MHD_get_timeout(k->d, &to) == MHD_YES && to < LOOP_MS)
+            tv.tv_usec = (suseconds_t)to * 1000;
+        if (select(max + 1, &rs, &ws, &es, &tv) < 0) {
+            if (errno != EINTR) {
+                log_error("console: select: %s; the console stops", strerror(errno));
+                break;
+            }
+            continue;
+        }
+        t0 = now_ms();
+        MHD_run_from_select(k->d, &rs, &ws, &es);
+        sweep(k, now_ms() - t0);
+    }
+    return NULL;
 }
 
 idemq_err_t console_start(const struct conf *c, struct worker *ws, int n, struct gauges *g,
@@ -1202,12 +1317,13 @@ idemq_err_t console_start(const struct conf *c, struct worker *ws, int n, struct
         free(k);
         return IDEMQ_ERR_CONFIG;
     }
-    /* One thread: requests are served one at a time, so the console's
-     * session and form tokens need no lock, and a slow action delays only
-     * other console pages (never /metrics, never a worker). */
-    k->d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD, 0, NULL, NULL, answer, k,
+    /* One thread (serve): requests are served one at a time, so the
+     * console's session and form tokens need no lock, and a slow action
+     * delays only other console pages (never /metrics, never a worker). */
+    k->d = MHD_start_daemon(0, 0, NULL, NULL, answer, k,
                             MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
                             MHD_OPTION_NOTIFY_COMPLETED, completed, k,
+                            MHD_OPTION_NOTIFY_CONNECTION, notify_conn, k,
                             MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)CONN_TIMEOUT_S,
                             MHD_OPTION_CONNECTION_LIMIT, (unsigned int)CONN_MAX,
                             MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned int)CONN_PER_IP,
@@ -1217,6 +1333,12 @@ idemq_err_t console_start(const struct conf *c, struct worker *ws, int n, struct
         free(k);
         return IDEMQ_ERR_CONFIG;
     }
+    if (pthread_create(&k->thread, NULL, serve, k) != 0) {
+        snprintf(errbuf, errlen, "cannot start the console's thread");
+        MHD_stop_daemon(k->d);
+        free(k);
+        return IDEMQ_ERR_NOMEM;
+    }
     *out = k;
     return IDEMQ_OK;
 }
@@ -1225,6 +1347,8 @@ void console_stop(struct console *k)
 {
     if (!k)
         return;
+    atomic_store(&k->stop, true);
+    pthread_join(k->thread, NULL); /* within LOOP_MS, or the request in progress */
     MHD_stop_daemon(k->d);
     if (k->db)
         PQfinish(k->db);

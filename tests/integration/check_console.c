@@ -11,7 +11,11 @@
 #include <check.h>
 
 #include "check_run.h"
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <stdint.h>
+#include <sys/socket.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -479,6 +483,52 @@ START_TEST(test_console_operator_broker_url)
 }
 END_TEST
 
+/* Slow clients: 16 connections (the per-address limit) that send one byte
+ * a second never finish their headers, so an idle timeout never closes
+ * them. Each request must arrive whole within a total time, so they are
+ * closed and another client of the same address is answered. */
+START_TEST(test_console_slow_clients)
+{
+    struct itest t;
+    char extra[256], url[160];
+    int port = itest_free_port(), rc, got = -1, socks[16];
+    static const char trickle[] = "GET /aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    pid_t pid;
+
+    snprintf(extra, sizeof extra, "console: { listen = \"127.0.0.1:%d\"; };", port);
+    itest_extra_conf = extra;
+    itest_setup(&t, "console_slow", "idemq_test.record", "", "");
+    pid = itest_spawn(&t, t.cfg_path, 60, NULL);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/console.css", port);
+    wait_console(url);
+    ck_assert_int_eq(curl_status(url, "-m 3"), 200);
+    for (int i = 0; i < 16; i++) {
+        struct sockaddr_in sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sin_family = AF_INET;
+        sa.sin_port = htons((uint16_t)port);
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        ck_assert_int_ge(socks[i] = socket(AF_INET, SOCK_STREAM, 0), 0);
+        ck_assert_int_eq(connect(socks[i], (struct sockaddr *)&sa, sizeof sa), 0);
+    }
+    for (int tick = 0; tick < 16 && got != 200; tick++) {
+        for (int i = 0; i < 16; i++)
+            (void)!send(socks[i], trickle + tick, 1, MSG_NOSIGNAL);
+        usleep(1000 * 1000);
+        if (tick >= 8) /* past the total time a request may take to arrive */
+            got = curl_status(url, "-m 3");
+    }
+    ck_assert_msg(got == 200, "locked out by slow clients (%d)", got);
+    for (int i = 0; i < 16; i++)
+        close(socks[i]);
+    kill(pid, SIGTERM);
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);
+    itest_extra_conf = NULL;
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("console");
@@ -493,6 +543,7 @@ int main(void)
     tcase_add_test(tc, test_console_reads_need_token);
     tcase_add_test(tc, test_console_token_file_refused);
     tcase_add_test(tc, test_console_operator_broker_url);
+    tcase_add_test(tc, test_console_slow_clients);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
