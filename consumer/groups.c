@@ -12,24 +12,14 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "textesc.h"
 
-/* Copies s into buf with what could steer a terminal escaped: C0 and C1
- * control characters and DEL as \xHH, a backslash as \\ (keys and reasons
- * come from producers). Truncates to len. */
+/* s in its terminal form (textesc_term: controls, C1 controls, invisible
+ * characters and bytes that are not UTF-8 as \xHH of each byte; keys and
+ * reasons come from producers) into buf. */
 static const char *esc(const char *s, char *buf, size_t len)
 {
-    size_t o = 0;
-    const unsigned char *p = (const unsigned char *)(s ? s : "-");
-    for (; *p && o + 5 < len; p++) {
-        if (*p < 0x20 || *p == 0x7f || (*p == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f))
-            o += (size_t)snprintf(buf + o, len - o, "\\x%02x", *p);
-        else if (*p == '\\')
-            o += (size_t)snprintf(buf + o, len - o, "\\\\");
-        else
-            buf[o++] = (char)*p;
-    }
-    buf[o] = '\0';
-    return buf;
+    return textesc_term(s, buf, len);
 }
 
 /* The input name of a source queue (the queue itself if no input has it). */

@@ -3,6 +3,7 @@
  * console (see html.h).
  */
 #include "html.h"
+#include "textesc.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -87,46 +88,15 @@ void html_printf(struct html *b, const char *fmt, ...)
     b->n += (size_t)k;
 }
 
-/* The length of the valid UTF-8 sequence at s (of at most left bytes) and
- * its code point, or 0 when it is not one (overlong, surrogate, past
- * U+10FFFF, truncated). */
-static size_t utf8_seq(const unsigned char *s, size_t left, uint32_t *cp)
-{
-    size_t len;
-    uint32_t c, min;
-    if (s[0] < 0x80) {
-        *cp = s[0];
-        return 1;
-    } else if ((s[0] & 0xe0) == 0xc0) {
-        len = 2, c = s[0] & 0x1f, min = 0x80;
-    } else if ((s[0] & 0xf0) == 0xe0) {
-        len = 3, c = s[0] & 0x0f, min = 0x800;
-    } else if ((s[0] & 0xf8) == 0xf0) {
-        len = 4, c = s[0] & 0x07, min = 0x10000;
-    } else {
-        return 0;
-    }
-    if (len > left)
-        return 0;
-    for (size_t i = 1; i < len; i++) {
-        if ((s[i] & 0xc0) != 0x80)
-            return 0;
-        c = (c << 6) | (s[i] & 0x3f);
-    }
-    if (c < min || c > 0x10ffff || (c >= 0xd800 && c <= 0xdfff))
-        return 0;
-    *cp = c;
-    return len;
-}
-
 void html_text_n(struct html *b, const char *s, size_t len)
 {
     const unsigned char *p = (const unsigned char *)s;
     size_t i = 0, run = 0; /* bytes at p[i - run .. i) to copy as they are */
     while (i < len) {
         uint32_t cp = 0;
-        size_t k = utf8_seq(p + i, len - i, &cp);
+        size_t k = textesc_utf8(p + i, len - i, &cp);
         const char *rep = NULL;
+        char inv[16];
         if (k == 0) {
             rep = REPLACEMENT;
             k = 1;
@@ -140,9 +110,11 @@ void html_text_n(struct html *b, const char *s, size_t len)
             rep = "&quot;";
         } else if (cp == '\'') {
             rep = "&#39;";
-        } else if ((cp < 0x20 && cp != '\t' && cp != '\n') || (cp >= 0x7f && cp <= 0x9f) ||
-                   cp == 0x2028 || cp == 0x2029) {
+        } else if ((cp < 0x20 && cp != '\t' && cp != '\n') || (cp >= 0x7f && cp <= 0x9f)) {
             rep = REPLACEMENT;
+        } else if (textesc_invisible(cp)) { /* shown, as \u and its hex digits */
+            snprintf(inv, sizeof inv, "\\u%04x", (unsigned)cp);
+            rep = inv;
         }
         if (rep) {
             put(b, (const char *)p + i - run, run);

@@ -9,6 +9,7 @@
 // Environment: CONSOLE_URL (http://127.0.0.1:PORT), CONSOLE_TOKEN,
 // CONSOLE_GROUP (the group to redrive, of CONSOLE_EXPECT parks),
 // CONSOLE_KEY (a key of that group), CONSOLE_SCRIPT_KEY (the hostile key),
+// CONSOLE_BIDI_KEY (a parked key holding U+202E, a right-to-left override),
 // CONSOLE_OBSERVE_INPUT (an input with 47 observations in the ledger),
 // CONSOLE_LATE_PARK_SQL (parks one more message of CONSOLE_GROUP; run with
 // psql on IDEMQ_PG_DSN between a dry run and its action),
@@ -23,6 +24,7 @@ const env = (k) => {
 };
 const URL = env('CONSOLE_URL'), TOKEN = env('CONSOLE_TOKEN'), GROUP = env('CONSOLE_GROUP');
 const KEY = env('CONSOLE_KEY'), SCRIPT_KEY = env('CONSOLE_SCRIPT_KEY');
+const BIDI_KEY = env('CONSOLE_BIDI_KEY');
 const EXPECT = Number(process.env.CONSOLE_EXPECT || '3');
 const OBS_INPUT = env('CONSOLE_OBSERVE_INPUT');
 const SHOTS = process.env.SHOTS_DIR || '';
@@ -97,6 +99,16 @@ try {
   }
   await page.waitForTimeout(200);
   check(dialogs.length === 0, `no script ran (dialogs: ${dialogs.length})`);
+
+  // The bidi key: its override shown as \u202e, never applied.
+  const shown = BIDI_KEY.replace('\u202e', '\\u202e');
+  for (const path of ['/parked?key=' + encodeURIComponent(BIDI_KEY), '/groups',
+                      '/key?k=' + encodeURIComponent(BIDI_KEY)]) {
+    await page.goto(URL + path);
+    const text = await page.textContent('main');
+    check(!text.includes('\u202e') && text.includes(shown),
+          `${path.slice(0, 7)}: the bidi key shown escaped`);
+  }
 
   // Cross-site and token-less POSTs are refused.
   const req = ctx.request;

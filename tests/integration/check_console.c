@@ -50,7 +50,7 @@ START_TEST(test_console_browser)
 {
     struct itest t;
     char extra[1024], tokfile[256], url[128], body[512], sql[512], a[3][160], hostile[200];
-    char group[16], cmd[4096], page[65536], obs[200], late[1024];
+    char group[16], cmd[4096], page[65536], obs[200], late[1024], bidi[200];
     const char *bodies[1] = {body};
     const char *shots = getenv("IDEMQ_CONSOLE_SHOTS");
     int port = itest_free_port(), rc;
@@ -87,10 +87,14 @@ START_TEST(test_console_browser)
     snprintf(body, sizeof body,
              "{\"job_id\":\"%s:<script>alert(1)</script>\\\"'&\",\"raise\":\"22023\"}", t.name);
     itest_publish(&t, bodies, 1);
+    /* a key with a right-to-left override: it would show "...exe.txt" */
+    snprintf(bidi, sizeof bidi, "%s:inv\xe2\x80\xaetxt.exe", t.name);
+    snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"raise\":\"23514\"}", bidi);
+    itest_publish(&t, bodies, 1);
     itest_run_until_idle(&t, 2);
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE source_queue = $1",
                                 t.name),
-                     4);
+                     5);
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", hostile),
                      1);
     itest_text(&t,
@@ -130,6 +134,7 @@ START_TEST(test_console_browser)
     setenv("CONSOLE_GROUP", group, 1);
     setenv("CONSOLE_KEY", a[0], 1);
     setenv("CONSOLE_SCRIPT_KEY", hostile, 1);
+    setenv("CONSOLE_BIDI_KEY", bidi, 1);
     setenv("CONSOLE_EXPECT", "3", 1);
     setenv("CONSOLE_OBSERVE_INPUT", obs, 1);
     /* a park of the same group that appears between the dry run and the
