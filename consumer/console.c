@@ -27,6 +27,7 @@
 #include "broker.h"
 #include "broker_admin.h"
 #include "console_auth.h"
+#include "console_pages.h"
 #include "groups.h"
 #include "html.h"
 #include "liveness.h"
@@ -45,7 +46,8 @@
 #define PAGE_ROWS 50        /* parked rows per page */
 #define CSRF_SLOTS 128      /* form tokens outstanding at once (oldest reused) */
 #define CSRF_TTL_MS (30 * 60 * 1000)
-#define REASON_SHOWN 400    /* bytes of a reason shown in a table */
+#define REASON_SHOWN 300    /* bytes of a reason shown in a table */
+#define KEY_SHOWN 120       /* bytes of a key shown in a table */
 #define CONFIRM_SLOTS 16    /* dry runs awaiting their action at once (oldest reused) */
 #define CONFIRM_TTL_MS (10 * 60 * 1000)
 #define CONFIRM_MAX_PARKS 100000 /* parks one console action covers (the oldest) */
@@ -68,7 +70,8 @@ struct confirm {
     char v[33];       /* its form token, "" = free */
     long long exp_ms; /* CLOCK_MONOTONIC */
     char action[16];
-    char group[16];
+    char field[8];  /* what was selected: "group", "park" or "key" */
+    char *value;    /* which one (malloc'd) */
     long long *ids; /* the parks the dry run selected, ascending */
     size_t n;
 };
@@ -153,25 +156,26 @@ static bool csrf_take(struct console *k, const char *t)
 static void confirm_free(struct confirm *s)
 {
     free(s->ids);
+    free(s->value);
     memset(s, 0, sizeof *s);
 }
 
 /* Keeps a dry run's parks (ids, n: taken over, freed here on failure) under
  * a fresh form token into out[33] ("" if none could be made). */
-static void confirm_issue(struct console *k, const char *action, const char *group,
-                          long long *ids, size_t n, char *out)
+static void confirm_issue(struct console *k, const char *action, const char *field,
+                          const char *value, long long *ids, size_t n, char *out)
 {
     struct confirm *s = &k->confirm[k->confirm_next];
     confirm_free(s);
     csrf_issue(k, out); /* for its 128 random bits; the page token is not kept */
-    if (!out[0] || !csrf_take(k, out)) {
+    if (!out[0] || !csrf_take(k, out) || !(s->value = strdup(value))) {
         free(ids);
         out[0] = '\0';
         return;
     }
     snprintf(s->v, sizeof s->v, "%s", out);
     snprintf(s->action, sizeof s->action, "%s", action);
-    snprintf(s->group, sizeof s->group, "%s", group);
+    snprintf(s->field, sizeof s->field, "%s", field);
     s->ids = ids;
     s->n = n;
     s->exp_ms = now_ms() + CONFIRM_TTL_MS;
@@ -404,7 +408,7 @@ static void group_table(struct console *k, struct html *b, PGresult *r, bool wit
     for (int i = 0; i < PQntuples(r); i++) {
         long n = atol(PQgetvalue(r, i, 1)), red = atol(PQgetvalue(r, i, 7));
         const char *g = PQgetvalue(r, i, 0);
-        html_raw(b, "<tr><td class=\"k\"><a href=\"/parked?group=");
+        html_raw(b, "<tr><td class=\"gid\"><a href=\"/parked?group=");
         html_url(b, g);
         html_raw(b, "\">");
         html_text(b, g);
@@ -417,19 +421,19 @@ static void group_table(struct console *k, struct html *b, PGresult *r, bool wit
         html_raw(b, " SQLSTATE ");
         html_text(b, PQgetvalue(r, i, 11));
         html_raw(b, "<br><span class=\"mut\">");
-        html_text(b, PQgetvalue(r, i, 12));
+        html_text_capped(b, PQgetvalue(r, i, 12), REASON_SHOWN);
         html_raw(b, "</span></td><td class=\"hide-s\">");
         html_text(b, PQgetvalue(r, i, 2));
         html_raw(b, "<br>");
         html_text(b, PQgetvalue(r, i, 3));
-        html_raw(b, "</td><td class=\"k\">");
+        html_raw(b, "</td><td class=\"k keys\">");
         for (int c = 4; c <= 6; c++) {
             if (PQgetisnull(r, i, c))
                 continue;
             html_raw(b, c > 4 ? "<br><a href=\"/key?k=" : "<a href=\"/key?k=");
             html_url(b, PQgetvalue(r, i, c));
             html_raw(b, "\">");
-            html_text(b, PQgetvalue(r, i, c));
+            html_text_capped(b, PQgetvalue(r, i, c), KEY_SHOWN);
             html_raw(b, "</a>");
         }
         if (atol(PQgetvalue(r, i, 13)) > 3)
@@ -437,19 +441,8 @@ static void group_table(struct console *k, struct html *b, PGresult *r, bool wit
         html_printf(b, "</td><td>%s</td>",
                     red == n ? "yes" : red == 0 ? "no" : "some");
         if (with_actions) {
-            static const char *const acts[] = {"redrive", "discard", "archive"};
-            html_raw(b, "<td>");
-            for (int a = 0; a < 3; a++) {
-                html_printf(b, "<form class=\"inline\" method=\"post\" action=\"/confirm\">"
-                               "<input type=\"hidden\" name=\"csrf\" value=\"%s\">"
-                               "<input type=\"hidden\" name=\"action\" value=\"%s\">"
-                               "<input type=\"hidden\" name=\"group\" value=\"",
-                            t, acts[a]);
-                html_text(b, g);
-                html_printf(b, "\"><button class=\"%s\" name=\"go\" value=\"1\">%s</button>"
-                               "</form> ",
-                            a == 0 ? "" : "sec", acts[a]);
-            }
+            html_raw(b, "<td class=\"act\">");
+            console_pages_actions(b, t, "group", g);
             html_raw(b, "</td>");
         }
         html_raw(b, "</tr>");
@@ -527,11 +520,18 @@ static void filter_field(struct html *b, const char *name, const char *label, co
     html_raw(b, "\"></label>");
 }
 
+/* The parked list's searches after GROUPS_FROM: $6 a key prefix, $7 text
+ * the reason holds (any case; no pattern characters), each NULL = any. */
+#define PARKED_SEARCH                                                                        \
+    " AND ($6::text IS NULL OR starts_with(key, $6))"                                       \
+    " AND ($7::text IS NULL OR strpos(lower(reason), lower($7)) > 0)"
+
 static void page_parked(struct console *k, struct MHD_Connection *conn, struct html *b)
 {
     const char *in = arg(conn, "input"), *key = arg(conn, "key"), *cls = arg(conn, "class"),
-               *since = arg(conn, "since"), *group = arg(conn, "group"), *pg = arg(conn, "page");
-    const char *q = NULL, *params[7];
+               *since = arg(conn, "since"), *group = arg(conn, "group"), *pg = arg(conn, "page"),
+               *prefix = arg(conn, "prefix"), *why = arg(conn, "reason");
+    const char *q = NULL, *params[9];
     long page = pg ? atol(pg) : 0;
     char off[24], lim[24];
     PGresult *r, *cnt;
@@ -544,25 +544,28 @@ static void page_parked(struct console *k, struct MHD_Connection *conn, struct h
     filter_field(b, "input", "input", in, "any");
     filter_field(b, "class", "class", cls, "permanent, ...");
     filter_field(b, "key", "key", key, "exact key");
+    filter_field(b, "prefix", "key prefix", prefix, "order-17");
+    filter_field(b, "reason", "reason has", why, "limit");
     filter_field(b, "since", "since", since, "2026-01-31 12:00");
     filter_field(b, "group", "group", group, "12 hex digits");
     html_raw(b, "<button>filter</button> <a href=\"/parked\">clear</a></form>");
-    if ((in && !(q = queue_of(k->c, in))) || (group && !is_group_id(group))) {
-        html_raw(b, "<p class=\"bad\">no such input, or a group id that is not 12 hex "
-                    "digits</p>");
+    if ((in && !(q = queue_of(k->c, in))) || (group && !is_group_id(group)) ||
+        (prefix && strlen(prefix) > 256) || (why && strlen(why) > 200)) {
+        html_raw(b, "<p class=\"bad\">no such input, a group id that is not 12 hex "
+                    "digits, or a search too long</p>");
         html_page_end(b);
         return;
     }
     snprintf(off, sizeof off, "%ld", page * PAGE_ROWS);
     snprintf(lim, sizeof lim, "%d", PAGE_ROWS + 1);
     params[0] = key, params[1] = cls, params[2] = since, params[3] = q, params[4] = group;
-    params[5] = lim, params[6] = off;
-    cnt = query(k, "SELECT count(*)" GROUPS_FROM, 5, params);
+    params[5] = prefix, params[6] = why, params[7] = lim, params[8] = off;
+    cnt = query(k, "SELECT count(*)" GROUPS_FROM PARKED_SEARCH, 7, params);
     r = query(k,
               "SELECT id, parked_at, key, source_queue, error_class, error_code,"
               " coalesce(sqlstate, '-'), left(reason, " "400" "), attempts, g, redrivable"
-              GROUPS_FROM " ORDER BY id DESC LIMIT $6::bigint OFFSET $7::bigint",
-              7, params);
+              GROUPS_FROM PARKED_SEARCH " ORDER BY id DESC LIMIT $8::bigint OFFSET $9::bigint",
+              9, params);
     if (!r || !cnt) {
         PQclear(r);
         PQclear(cnt);
@@ -578,18 +581,20 @@ static void page_parked(struct console *k, struct MHD_Connection *conn, struct h
                 "parked at</th><th>key</th><th class=\"hide-s\">input</th><th>failure</th>"
                 "<th class=\"hide-s\">attempts</th><th class=\"hide-s\">group</th></tr>");
     for (int i = 0; i < PQntuples(r) && i < PAGE_ROWS; i++) {
-        html_raw(b, "<tr><td>");
+        html_raw(b, "<tr><td><a href=\"/park?id=");
         html_text(b, PQgetvalue(r, i, 0));
-        html_raw(b, "</td><td class=\"hide-s\">");
+        html_raw(b, "\">");
+        html_text(b, PQgetvalue(r, i, 0));
+        html_raw(b, "</a></td><td class=\"hide-s\">");
         html_text(b, PQgetvalue(r, i, 1));
-        html_raw(b, "</td><td class=\"k\">");
+        html_raw(b, "</td><td class=\"k keys\">");
         if (PQgetisnull(r, i, 2)) {
             html_raw(b, "<span class=\"mut\">(no key)</span>");
         } else {
             html_raw(b, "<a href=\"/key?k=");
             html_url(b, PQgetvalue(r, i, 2));
             html_raw(b, "\">");
-            html_text(b, PQgetvalue(r, i, 2));
+            html_text_capped(b, PQgetvalue(r, i, 2), KEY_SHOWN);
             html_raw(b, "</a>");
         }
         html_raw(b, "</td><td class=\"hide-s\">");
@@ -601,10 +606,10 @@ static void page_parked(struct console *k, struct MHD_Connection *conn, struct h
         html_raw(b, " ");
         html_text(b, PQgetvalue(r, i, 6));
         html_raw(b, "<br><span class=\"mut\">");
-        html_text(b, PQgetvalue(r, i, 7));
+        html_text_capped(b, PQgetvalue(r, i, 7), REASON_SHOWN);
         html_raw(b, "</span></td><td class=\"hide-s\">");
         html_text(b, PQgetvalue(r, i, 8));
-        html_raw(b, "</td><td class=\"k hide-s\"><a href=\"/parked?group=");
+        html_raw(b, "</td><td class=\"gid hide-s\"><a href=\"/parked?group=");
         html_url(b, PQgetvalue(r, i, 9));
         html_raw(b, "\">");
         html_text(b, PQgetvalue(r, i, 9));
@@ -617,9 +622,10 @@ static void page_parked(struct console *k, struct MHD_Connection *conn, struct h
             continue;
         html_printf(b, "<a rel=\"%s\" href=\"/parked?page=%ld", dir < 0 ? "prev" : "next", to);
         {
-            const char *names[] = {"input", "class", "key", "since", "group"};
-            const char *vals[] = {in, cls, key, since, group};
-            for (int f = 0; f < 5; f++) {
+            const char *names[] = {"input", "class", "key", "since", "group", "prefix",
+                                   "reason"};
+            const char *vals[] = {in, cls, key, since, group, prefix, why};
+            for (int f = 0; f < 7; f++) {
                 if (!vals[f])
                     continue;
                 html_printf(b, "&amp;%s=", names[f]);
@@ -631,61 +637,6 @@ static void page_parked(struct console *k, struct MHD_Connection *conn, struct h
     html_printf(b, "<span class=\"mut\">page %ld</span></div>", page + 1);
     PQclear(r);
     html_page_end(b);
-}
-
-/* ---- a key's story ---- */
-
-/* Runs fn's output into a string (malloc'd, caller frees; NULL if no
- * memory); *rc = its return code. */
-static char *capture_show(struct console *k, const char *key, int *rc, size_t *len)
-{
-    char *text = NULL;
-    FILE *f = open_memstream(&text, len);
-    if (!f)
-        return NULL;
-    *rc = ops_jobs_show(&k->cc, key, f);
-    fclose(f);
-    return text;
-}
-
-static unsigned page_key(struct console *k, struct MHD_Connection *conn, struct html *b)
-{
-    const char *key = arg(conn, "k");
-    char *text;
-    size_t len = 0;
-    int rc = 0;
-    unsigned status = MHD_HTTP_OK;
-    html_page_start(b, key ? key : "key", "");
-    html_raw(b, "<h1>Key <code id=\"key\">");
-    html_text(b, key ? key : "");
-    html_raw(b, "</code></h1>");
-    if (!key) {
-        html_raw(b, "<p>Give a key (the box at the top).</p>");
-        html_page_end(b);
-        return MHD_HTTP_BAD_REQUEST;
-    }
-    html_raw(b, "<p class=\"mut\">The same story as <code>idemq jobs show</code>, oldest first. "
-                "<a href=\"/parked?key=");
-    html_url(b, key);
-    html_raw(b, "\">its open parks</a></p>");
-    text = capture_show(k, key, &rc, &len);
-    if (!text) {
-        html_raw(b, "<p class=\"bad\">out of memory</p>");
-        status = MHD_HTTP_INTERNAL_SERVER_ERROR;
-    } else {
-        if (rc == 1)
-            status = MHD_HTTP_NOT_FOUND;
-        else if (rc)
-            status = MHD_HTTP_SERVICE_UNAVAILABLE;
-        html_raw(b, "<pre id=\"story\">");
-        html_text_n(b, text, len);
-        html_raw(b, rc == 1 ? "the ledger knows nothing of this key\n" : "");
-        html_raw(b, rc > 1 ? "the ledger did not answer (see the log)\n" : "");
-        html_raw(b, "</pre>");
-        free(text);
-    }
-    html_page_end(b);
-    return status;
 }
 
 /* ---- the observe baseline ---- */
@@ -762,18 +713,30 @@ static unsigned page_observe(struct console *k, struct MHD_Connection *conn, str
 
 /* Runs groups_act with its output captured; malloc'd text (NULL: no
  * memory), *rc its code. */
-static char *run_action(struct console *k, const char *action, const char *group,
-                        const char *reason, const char *actor, const struct confirm *only,
-                        long long **ids_out, size_t *n_ids_out, int *rc, size_t *len)
+static char *run_action(struct console *k, const char *action, const char *field,
+                        const char *value, const char *reason, const char *actor,
+                        const struct confirm *only, long long **ids_out, size_t *n_ids_out,
+                        int *rc, size_t *len)
 {
     char *text = NULL;
+    const char *group = NULL;
     struct ops_filter f;
+    long long park = 0;
     FILE *out = open_memstream(&text, len);
     if (!out)
         return NULL;
     memset(&f, 0, sizeof f);
     f.dry_run = only == NULL;
     f.limit = CONFIRM_MAX_PARKS;
+    if (strcmp(field, "group") == 0) {
+        group = value;
+    } else if (strcmp(field, "key") == 0) {
+        f.key = value;
+    } else { /* one park */
+        park = atoll(value);
+        f.park_ids = &park;
+        f.n_park_ids = 1;
+    }
     if (only) {
         f.park_ids = only->ids;
         f.n_park_ids = only->n;
@@ -791,8 +754,8 @@ static bool action_ok(const char *a)
 }
 
 /* POST /confirm: the dry run and the form that confirms it. */
-static unsigned page_confirm(struct console *k, const char *action, const char *group,
-                             struct html *b)
+static unsigned page_confirm(struct console *k, const char *action, const char *field,
+                             const char *value, struct html *b)
 {
     char t[33], *text;
     size_t len = 0, n = 0;
@@ -801,11 +764,11 @@ static unsigned page_confirm(struct console *k, const char *action, const char *
     html_page_start(b, "confirm", "groups");
     html_raw(b, "<h1>Confirm: ");
     html_text(b, action);
-    html_raw(b, " group <code>");
-    html_text(b, group);
+    html_printf(b, " %s <code id=\"confirm-of\">", field);
+    html_text(b, value);
     html_raw(b, "</code></h1>");
-    text = run_action(k, action, group, "(the reason given below)", "console", NULL, &ids, &n,
-                      &rc, &len);
+    text = run_action(k, action, field, value, "(the reason given below)", "console", NULL, &ids,
+                      &n, &rc, &len);
     if (!text) {
         free(ids);
         html_page_end(b);
@@ -824,14 +787,12 @@ static unsigned page_confirm(struct console *k, const char *action, const char *
         free(ids);
         html_printf(b, "<p class=\"bad\">the dry run failed (code %d; see the log)</p>", rc);
     } else if (n > 0) {
-        confirm_issue(k, action, group, ids, n, t);
+        confirm_issue(k, action, field, value, ids, n, t);
         html_printf(b, "<h2>Confirm</h2><form method=\"post\" action=\"/act\" class=\"filters\">"
                        "<input type=\"hidden\" name=\"csrf\" value=\"%s\">"
-                       "<input type=\"hidden\" name=\"action\" value=\"%s\">"
-                       "<input type=\"hidden\" name=\"group\" value=\"",
+                       "<input type=\"hidden\" name=\"action\" value=\"%s\">",
                     t, action);
-        html_text(b, group);
-        html_printf(b, "\"><label>reason<input name=\"reason\" %s maxlength=\"500\"></label>"
+        html_printf(b, "<label>reason<input name=\"reason\" %s maxlength=\"500\"></label>"
                        "<label>your console token<input type=\"password\" name=\"token\" "
                        "required autocomplete=\"current-password\"></label>"
                        "<button class=\"danger\" name=\"go\" value=\"1\">%s %zu park%s</button>"
@@ -861,14 +822,14 @@ static unsigned refused_page(struct html *b, unsigned status, const char *why)
 static unsigned page_act(struct console *k, struct confirm *cf, const char *body, size_t blen,
                          struct html *b)
 {
-    char action[16], group[16], reason[FIELD_MAX], token[FIELD_MAX], who[160], *text;
+    char action[16], reason[FIELD_MAX], token[FIELD_MAX], who[160], *text;
+    const char *field = cf->field, *what = cf->value;
     const char *name = NULL;
     size_t len = 0;
     int rc = 0;
     unsigned status;
     enum console_auth_result ar;
     snprintf(action, sizeof action, "%s", cf->action);
-    snprintf(group, sizeof group, "%s", cf->group);
     if (!html_form_get(body, blen, "token", token, sizeof token) || !token[0]) {
         status = refused_page(b, MHD_HTTP_BAD_REQUEST, "the form lacks your console token");
         goto out;
@@ -876,7 +837,7 @@ static unsigned page_act(struct console *k, struct confirm *cf, const char *body
     ar = k->auth.n ? console_auth_check(&k->auth, NULL, token, &name) : CONSOLE_AUTH_WRONG;
     memset(token, 0, sizeof token);
     if (ar != CONSOLE_AUTH_OK) {
-        log_warn("console: %s of group %s refused: %s", action, group,
+        log_warn("console: %s of %s %.100s refused: %s", action, field, what,
                  ar == CONSOLE_AUTH_THROTTLED ? "too many wrong tokens lately"
                                               : "wrong console token");
         status = ar == CONSOLE_AUTH_THROTTLED
@@ -896,15 +857,15 @@ static unsigned page_act(struct console *k, struct confirm *cf, const char *body
     html_page_start(b, "done", "groups");
     html_raw(b, "<h1>");
     html_text(b, action);
-    html_raw(b, " group <code>");
-    html_text(b, group);
+    html_printf(b, " %s <code>", field);
+    html_text(b, what);
     html_raw(b, "</code></h1>");
     /* exactly the parks the dry run showed: ones that joined the group
      * since wait for the next dry run, ones closed since are skipped */
-    text = run_action(k, action, group, reason[0] ? reason : NULL, who, cf, NULL, NULL, &rc,
-                      &len);
-    log_info("console: %s of group %s (%zu parks of a dry run) by %s: code %d", action, group,
-             cf->n, who, rc);
+    text = run_action(k, action, field, what, reason[0] ? reason : NULL, who, cf, NULL, NULL,
+                      &rc, &len);
+    log_info("console: %s of %s %.100s (%zu parks of a dry run) by %s: code %d", action, field,
+             what, cf->n, who, rc);
     html_printf(b, "<p class=\"%s\" id=\"act-result\">%s</p>", rc ? "bad" : "ok",
                 rc == 0 ? "done" : rc == 2 ? "refused (see below)" : "failed part-way or did "
                                                                      "not run (see the log)");
@@ -1130,7 +1091,7 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
         return send_page(conn, MHD_HTTP_OK, "text/css", html_css, strlen(html_css), false);
     html_init(&b);
     if (post) {
-        char why[200], csrf[40], action[16], group[16];
+        char why[200], csrf[40], action[16], group[16], park[20], key[260], keyhex[520];
         if (strcmp(url, "/confirm") != 0 && strcmp(url, "/act") != 0)
             return refuse(conn, MHD_HTTP_NOT_FOUND, "no such action");
         if (!same_origin(conn, why, sizeof why)) {
@@ -1156,12 +1117,31 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
             return refuse(conn, MHD_HTTP_FORBIDDEN,
                           "the form token is missing, used or expired: reload the page");
         } else if (!html_form_get(q->body, q->len, "action", action, sizeof action) ||
-                   !action_ok(action) ||
-                   !html_form_get(q->body, q->len, "group", group, sizeof group) ||
-                   !is_group_id(group)) {
-            return refuse(conn, MHD_HTTP_BAD_REQUEST, "an action and a group id are needed");
+                   !action_ok(action)) {
+            return refuse(conn, MHD_HTTP_BAD_REQUEST, "an action is needed");
+        } else if (html_form_get(q->body, q->len, "group", group, sizeof group)) {
+            if (!is_group_id(group))
+                return refuse(conn, MHD_HTTP_BAD_REQUEST, "a group id is 12 hex digits");
+            status = page_confirm(k, action, "group", group, &b);
+        } else if (html_form_get(q->body, q->len, "park", park, sizeof park)) {
+            if (!park[0] || strspn(park, "0123456789") != strlen(park))
+                return refuse(conn, MHD_HTTP_BAD_REQUEST, "a park is its number");
+            status = page_confirm(k, action, "park", park, &b);
+        } else if (html_form_get(q->body, q->len, "keyhex", keyhex, sizeof keyhex)) {
+            size_t n = strlen(keyhex);
+            if (n == 0 || n % 2 || strspn(keyhex, "0123456789abcdef") != n)
+                return refuse(conn, MHD_HTTP_BAD_REQUEST, "keyhex: the key's bytes in hex");
+            for (size_t i = 0; i < n / 2; i++) {
+                unsigned v = 0;
+                sscanf(keyhex + 2 * i, "%2x", &v);
+                key[i] = (char)v;
+            }
+            key[n / 2] = '\0';
+            if (strlen(key) != n / 2)
+                return refuse(conn, MHD_HTTP_BAD_REQUEST, "a key holds no NUL");
+            status = page_confirm(k, action, "key", key, &b);
         } else {
-            status = page_confirm(k, action, group, &b);
+            return refuse(conn, MHD_HTTP_BAD_REQUEST, "a group, a park or a key is needed");
         }
     } else if (strcmp(url, "/") == 0) {
         page_overview(k, &b);
@@ -1170,7 +1150,15 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
     } else if (strcmp(url, "/parked") == 0) {
         page_parked(k, conn, &b);
     } else if (strcmp(url, "/key") == 0) {
-        status = page_key(k, conn, &b);
+        char t[33];
+        csrf_issue(k, t);
+        status = console_pages_key(db_of(k), k->c, arg(conn, "k"), t, &b);
+    } else if (strcmp(url, "/park") == 0) {
+        char t[33];
+        csrf_issue(k, t);
+        status = console_pages_park(db_of(k), k->c, arg(conn, "id"), t, &b);
+    } else if (strcmp(url, "/retrying") == 0) {
+        status = console_pages_retrying(db_of(k), k->c, &b);
     } else if (strcmp(url, "/observe") == 0) {
         status = page_observe(k, conn, &b);
     } else {

@@ -207,7 +207,7 @@ int groups_act(const struct conf *c, const char *action, const struct ops_filter
         fprintf(stderr, "idemq: parked %s needs --reason TEXT\n", action);
         return 2;
     }
-    if (!group && !f->input && !f->key && !f->error_class && !f->since) {
+    if (!group && !f->input && !f->key && !f->error_class && !f->since && !f->park_ids) {
         fprintf(stderr, "idemq: parked %s needs --group ID or a filter (--input, --key, "
                         "--class, --since)\n", action);
         return 2;

@@ -135,6 +135,19 @@ void html_text(struct html *b, const char *s)
     html_text_n(b, s, strlen(s));
 }
 
+void html_text_capped(struct html *b, const char *s, size_t max)
+{
+    size_t n = s ? strlen(s) : 0;
+    if (n <= max) {
+        html_text(b, s);
+        return;
+    }
+    while (max > 0 && ((unsigned char)s[max] & 0xc0) == 0x80)
+        max--;
+    html_text_n(b, s, max);
+    html_raw(b, "&hellip;");
+}
+
 void html_url(struct html *b, const char *s)
 {
     static const char hex[] = "0123456789ABCDEF";
@@ -178,6 +191,15 @@ const char html_css[] =
     "border-radius:6px;padding:.8rem;margin:0}"
     ".ok{color:var(--ok);font-weight:600}.bad{color:var(--bad);font-weight:600}"
     ".mut{color:var(--mut)}"
+    "td{overflow-wrap:break-word}td.k,td.txt,td .txt,td .mut{overflow-wrap:anywhere}"
+    "td.k{max-width:22rem}td.keys{min-width:10rem}td.txt{min-width:14rem}"
+    "td.gid{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:.85rem;white-space:nowrap}"
+    "td.act{white-space:nowrap;width:1%}"
+    ".actions{display:flex;flex-wrap:wrap;gap:.3rem;margin:.6rem 0}"
+    "table.kv th{width:11rem;white-space:nowrap}"
+    "pre.body{max-height:32rem;overflow:auto}"
+    ".tag{display:inline-block;padding:0 .4rem;border-radius:4px;background:#e8ecf2;"
+    "font-size:.8rem;white-space:nowrap}.tag.ok{background:#e2f3e7}.tag.bad{background:#f7e1e1}"
     "form.inline{display:inline}"
     "form.filters{display:flex;flex-wrap:wrap;gap:.5rem;align-items:end;margin-bottom:1rem}"
     "label{display:flex;flex-direction:column;font-size:.85rem;color:var(--mut)}"
@@ -202,7 +224,8 @@ const char html_css[] =
 void html_page_start(struct html *b, const char *title, const char *nav)
 {
     static const char *const items[][2] = {
-        {"overview", "/"}, {"groups", "/groups"}, {"parked", "/parked"}, {"observe", "/observe"}};
+        {"overview", "/"},       {"groups", "/groups"},   {"parked", "/parked"},
+        {"retrying", "/retrying"}, {"observe", "/observe"}};
     html_raw(b, "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
                 "<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\">"
                 "<title>");

@@ -10,6 +10,10 @@
 // CONSOLE_GROUP (the group to redrive, of CONSOLE_EXPECT parks),
 // CONSOLE_KEY (a key of that group), CONSOLE_SCRIPT_KEY (the hostile key),
 // CONSOLE_BIDI_KEY (a parked key holding U+202E, a right-to-left override),
+// CONSOLE_LONG_KEY (a parked key of 240 bytes with a long reason),
+// CONSOLE_NOKEY_PARK (the id of a park of a message without a key),
+// CONSOLE_TOKEN_OTHER (a second token, named "other"),
+// CONSOLE_RETRYING_KEY (a job retrying now, after a transient failure),
 // CONSOLE_OBSERVE_INPUT (an input with 47 observations in the ledger),
 // CONSOLE_LATE_PARK_SQL (parks one more message of CONSOLE_GROUP; run with
 // psql on IDEMQ_PG_DSN between a dry run and its action),
@@ -24,7 +28,9 @@ const env = (k) => {
 };
 const URL = env('CONSOLE_URL'), TOKEN = env('CONSOLE_TOKEN'), GROUP = env('CONSOLE_GROUP');
 const KEY = env('CONSOLE_KEY'), SCRIPT_KEY = env('CONSOLE_SCRIPT_KEY');
-const BIDI_KEY = env('CONSOLE_BIDI_KEY');
+const BIDI_KEY = env('CONSOLE_BIDI_KEY'), LONG_KEY = env('CONSOLE_LONG_KEY');
+const NOKEY_PARK = env('CONSOLE_NOKEY_PARK'), TOKEN_OTHER = env('CONSOLE_TOKEN_OTHER');
+const RETRYING_KEY = env('CONSOLE_RETRYING_KEY');
 const EXPECT = Number(process.env.CONSOLE_EXPECT || '3');
 const OBS_INPUT = env('CONSOLE_OBSERVE_INPUT');
 const SHOTS = process.env.SHOTS_DIR || '';
@@ -50,6 +56,8 @@ try {
     ['groups', '/groups', 'Failure groups'],
     ['parked', '/parked', 'Parked messages'],
     ['observe', '/observe', 'Observe baseline'],
+    ['retrying', '/retrying', 'Retrying now'],
+    ['park', '/park?id=' + NOKEY_PARK, 'Park'],
     ['key', '/key?k=' + encodeURIComponent(KEY), 'Key'], // last: the checks below read it
   ];
   for (const [name, path, h1] of pages) {
@@ -68,7 +76,24 @@ try {
     }
     await phone.close();
   }
-  check((await page.textContent('#story')).includes(KEY), 'the key page tells the key\'s story');
+  check((await page.textContent('#key-state')).includes('parked'), 'the key page shows its state');
+  check((await page.$$('#timeline tr')).length >= 2 &&
+        (await page.textContent('#timeline')).includes('parked #'),
+        'the key page shows its story as a timeline, the park included');
+  await page.click('#timeline a[href^="/park?id="]');
+  check((await page.textContent('#body')).includes('"order": 1001'),
+        'a park page shows its body as pretty JSON');
+  check((await page.textContent('#headers')).includes('x-idemq') ||
+        (await page.textContent('#headers')).length > 0, 'a park page shows its headers');
+  check((await page.$$('#attempts tr')).length >= 2, 'a park page lists the key\'s attempts');
+  await page.goto(URL + '/retrying');
+  check((await page.textContent('#retrying')).includes(RETRYING_KEY) &&
+        (await page.textContent('#retrying')).includes('40001'),
+        'the retrying view lists a job retrying now, with its error');
+  await page.goto(URL + '/park?id=' + NOKEY_PARK);
+  check((await page.textContent('#park')).includes('(no key)') &&
+        (await page.textContent('#body')).includes('nope'),
+        'a park without a key has its page and its body');
   await page.goto(URL + '/observe?input=' + encodeURIComponent(OBS_INPUT));
   const baseline = await page.textContent('#baseline');
   check(baseline.includes(`input ${OBS_INPUT}: 47 deliveries`), 'the observe page shows the baseline');
@@ -83,6 +108,20 @@ try {
   check((await page.textContent('#parked-total')) === `${EXPECT} open parks match`,
         'the parked list filters by group');
   check((await page.$$('#parked tr')).length === EXPECT + 1, 'one row per park');
+  await page.goto(URL + '/parked?prefix=' + encodeURIComponent(KEY.slice(0, -1)) + '&reason=REJECTED');
+  check((await page.textContent('#parked-total')) === `${EXPECT} open parks match`,
+        'the parked list searches by key prefix and reason');
+  // long keys and reasons are capped: nothing overflows at 1280 px
+  for (const path of ['/groups', '/parked', '/']) {
+    await page.goto(URL + path);
+    const w = await page.evaluate(() => document.documentElement.scrollWidth);
+    check(w <= 1280, `${path}: no horizontal overflow at 1280 px (${w})`);
+  }
+  await page.goto(URL + '/groups');
+  const right = await page.evaluate(() => Math.max(...[...document.querySelectorAll(
+    '#groups button')].map((e) => e.getBoundingClientRect().right)));
+  check(right <= 1280, `the action buttons stay on screen (${right})`);
+  check((await page.textContent('#groups')).includes('\u2026'), 'a long reason is cut with an ellipsis');
   await page.goto(URL + '/parked?group=' + GROUP + '&page=1');
   check((await page.$$('#parked tr')).length === 1 && (await page.$('a[rel=prev]')) !== null,
         'page 2 is empty and links back');
@@ -199,6 +238,28 @@ try {
   await page.waitForSelector('#act-result');
   check((await page.textContent('#act-result')) === 'done', 'the discard is done');
   check((await page.textContent('#act-output')).includes('discarded 1 of 1 park'), 'it discarded the park');
+
+  // One message from its page: archive the park without a key.
+  await page.goto(URL + '/park?id=' + NOKEY_PARK);
+  await page.locator('.actions button', { hasText: 'archive' }).click();
+  await page.waitForSelector('#dry-count');
+  check((await page.textContent('#dry-count')).includes('1 open park'), 'a park\'s dry run counts 1');
+  await page.fill('input[name=reason]', 'no key');
+  await page.fill('input[name=token]', TOKEN);
+  await page.click('form[action="/act"] button');
+  await page.waitForSelector('#act-result');
+  check((await page.textContent('#act-result')) === 'done', 'the park is archived');
+
+  // One key from its page, by another token holder: recorded under that name.
+  await page.goto(URL + '/key?k=' + encodeURIComponent(BIDI_KEY));
+  await page.locator('.actions button', { hasText: 'discard' }).click();
+  await page.waitForSelector('#dry-count');
+  check((await page.textContent('#dry-count')).includes('1 open park'), 'a key\'s dry run counts 1');
+  await page.fill('input[name=reason]', 'bidi key');
+  await page.fill('input[name=token]', TOKEN_OTHER);
+  await page.click('form[action="/act"] button');
+  await page.waitForSelector('#act-result');
+  check((await page.textContent('#act-actor')).includes('console:other'), 'the key is discarded by "other"');
 
 } catch (e) {
   failed++;

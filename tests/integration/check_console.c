@@ -49,8 +49,9 @@ static long long mono_ms(void)
 START_TEST(test_console_browser)
 {
     struct itest t;
-    char extra[1024], tokfile[256], url[128], body[512], sql[512], a[3][160], hostile[200];
-    char group[16], cmd[4096], page[65536], obs[200], late[1024], bidi[200];
+    char extra[1024], tokfile[256], url[128], body[1024], sql[512], a[3][160], hostile[200];
+    char group[16], cmd[4096], page[65536], obs[200], late[1024], bidi[200], longkey[300];
+    char nokey_park[24], retrying[200];
     const char *bodies[1] = {body};
     const char *shots = getenv("IDEMQ_CONSOLE_SHOTS");
     int port = itest_free_port(), rc;
@@ -91,10 +92,23 @@ START_TEST(test_console_browser)
     snprintf(bidi, sizeof bidi, "%s:inv\xe2\x80\xaetxt.exe", t.name);
     snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"raise\":\"23514\"}", bidi);
     itest_publish(&t, bodies, 1);
+    /* a message without a key (a body that is not JSON) */
+    snprintf(body, sizeof body, "{\"job_id\": nope %s", t.name);
+    itest_publish(&t, bodies, 1);
+    /* a long key with a long reason, in a group of its own */
+    snprintf(longkey, sizeof longkey, "%s:long-", t.name);
+    while (strlen(longkey) < 240)
+        strcat(longkey, "k");
+    snprintf(body, sizeof body,
+             "{\"job_id\":\"%s\",\"test\":\"%s\",\"order\":\"%0300d\",\"limit\":1}",
+             longkey, t.name, 0);
+    for (char *c = strstr(body, "\"order\":\"") + 9; *c == '0'; c++)
+        *c = 'x';
+    itest_publish(&t, bodies, 1);
     itest_run_until_idle(&t, 2);
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE source_queue = $1",
                                 t.name),
-                     5);
+                     7);
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", hostile),
                      1);
     itest_text(&t,
@@ -113,6 +127,18 @@ START_TEST(test_console_browser)
                " o.outcome, o.code, NULL, NULL, false, 'check_console' FROM o,"
                " generate_series(1, o.n) g RETURNING 1) SELECT count(*) FROM ins",
                obs);
+    /* a job retrying now: its row and its last attempt, as a transient
+     * failure leaves them (no copy is needed: the page reads the ledger) */
+    snprintf(retrying, sizeof retrying, "%s:retrying", t.name);
+    itest_long(&t,
+               "WITH j AS (INSERT INTO idemq.jobs (key, state, source_queue, payload_sha256,"
+               " attempts) VALUES ($1, 'retrying', split_part($1, ':', 1), 'x', 2) RETURNING 1),"
+               " a AS (INSERT INTO idemq.attempts (key, attempt, outcome, started_at, finished_at,"
+               " error_class, sqlstate, message, delay_ms) VALUES ($1, 2, 'transient_error',"
+               " now(), now(), 'transient', '40001', 'could not serialize access', 4000)"
+               " RETURNING 1) SELECT (SELECT count(*) FROM j) + (SELECT count(*) FROM a)",
+               retrying);
+    setenv("CONSOLE_RETRYING_KEY", retrying, 1);
     /* the cause fixed; the daemon runs with its console */
     snprintf(sql, sizeof sql, "DELETE FROM idemq_test.console_broken WHERE test = '%s'", t.name);
     itest_sql(&t, sql);
@@ -131,10 +157,17 @@ START_TEST(test_console_browser)
 
     setenv("CONSOLE_URL", url, 1);
     setenv("CONSOLE_TOKEN", TOKEN, 1);
+    setenv("CONSOLE_TOKEN_OTHER", TOKEN_BOB, 1);
     setenv("CONSOLE_GROUP", group, 1);
     setenv("CONSOLE_KEY", a[0], 1);
     setenv("CONSOLE_SCRIPT_KEY", hostile, 1);
     setenv("CONSOLE_BIDI_KEY", bidi, 1);
+    setenv("CONSOLE_LONG_KEY", longkey, 1);
+    snprintf(nokey_park, sizeof nokey_park, "%ld",
+             itest_long(&t, "SELECT max(id) FROM idemq.parked WHERE source_queue = $1 AND"
+                            " key IS NULL",
+                        t.name));
+    setenv("CONSOLE_NOKEY_PARK", nokey_park, 1);
     setenv("CONSOLE_EXPECT", "3", 1);
     setenv("CONSOLE_OBSERVE_INPUT", obs, 1);
     /* a park of the same group that appears between the dry run and the
@@ -187,6 +220,17 @@ START_TEST(test_console_browser)
                                     " k.key = $1 AND a.action = 'discard' AND k.outcome ="
                                     " 'discarded'",
                                 hostile),
+                     1);
+    /* one message archived from its page, one key discarded from its page */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.park_history WHERE id ="
+                                    " $1::bigint AND resolution = 'archived: no key' AND"
+                                    " resolved_by = 'console:browser-test'",
+                                nokey_park),
+                     1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.park_history WHERE key = $1 AND"
+                                    " resolution = 'discarded: bidi key' AND resolved_by ="
+                                    " 'console:other'",
+                                bidi),
                      1);
     kill(pid, SIGTERM); /* drains and exits 0 (under ASan: no leak either) */
     rc = itest_wait(pid, itest_ms(15000));
@@ -446,8 +490,9 @@ static void csrf_of(const char *page, char *out)
 START_TEST(test_console_operator_broker_url)
 {
     struct itest t;
-    char extra[1024], tokfile[256], url[160], origin[64], page[65536], data[256], csrf[33];
+    char extra[1024], tokfile[256], url[160], origin[64], data[256], csrf[33];
     char group[16], body[256], key[128];
+    static char page[1 << 21]; /* the whole of /groups, however many groups the ledger has */
     const char *bodies[1] = {body};
     const char *amqp = getenv("IDEMQ_AMQP_URL");
     int port = itest_free_port(), rc;
