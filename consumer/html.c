@@ -197,7 +197,7 @@ const char html_css[] =
     "td.act{white-space:nowrap;width:1%}"
     ".actions{display:flex;flex-wrap:wrap;gap:.3rem;margin:.6rem 0}"
     "table.kv th{width:11rem;white-space:nowrap}"
-    "pre.body{max-height:32rem;overflow:auto}"
+    "pre.body{max-height:32rem;overflow:auto;margin-bottom:1rem}"
     ".tag{display:inline-block;padding:0 .4rem;border-radius:4px;background:#e8ecf2;"
     "font-size:.8rem;white-space:nowrap}.tag.ok{background:#e2f3e7}.tag.bad{background:#f7e1e1}"
     "form.inline{display:inline}"
