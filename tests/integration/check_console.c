@@ -579,6 +579,83 @@ START_TEST(test_console_slow_clients)
 }
 END_TEST
 
+/* The console acts under the role `idemq migrate --grant` prepares
+ * (SELECT and EXECUTE only): a discard confirmed and done through its
+ * pages is recorded as the token's holder, the parks closed. */
+START_TEST(test_console_least_privilege)
+{
+    struct itest t;
+    char extra[1024], tokfile[256], url[160], origin[64], data[512], csrf[33], role[64];
+    char group[16], body[256], keys[2][128], sql[512], dsn[512], envdsn[600];
+    static char page[1 << 21];
+    const char *bodies[1] = {body};
+    const char *env[2] = {envdsn, NULL};
+    int port = itest_free_port(), rc;
+    char *u;
+    pid_t pid;
+
+    token_file(tokfile, sizeof tokfile, "lptok", "ops " TOKEN_ALICE "\n");
+    snprintf(extra, sizeof extra,
+             "console: { listen = \"127.0.0.1:%d\"; token_file = \"%s\"; };", port, tokfile);
+    itest_extra_conf = extra;
+    itest_setup(&t, "console_lp", "idemq_test.record", "", "");
+    for (int i = 0; i < 2; i++) {
+        snprintf(keys[i], sizeof keys[i], "%s:k%d", t.name, i);
+        snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"raise\":\"22023\"}", keys[i]);
+        itest_publish(&t, bodies, 1);
+    }
+    itest_run_until_idle(&t, 2);
+    itest_text(&t,
+               "SELECT idemq.park_group(source_queue, error_class, error_code, sqlstate, reason,"
+               " key) FROM idemq.parked WHERE key = $1",
+               keys[0], group, sizeof group);
+    snprintf(role, sizeof role, "%s_run", t.name);
+    snprintf(sql, sizeof sql, "DROP ROLE IF EXISTS %s; CREATE ROLE %s LOGIN", role, role);
+    itest_sql(&t, sql);
+    snprintf(sql, sizeof sql, "migrate --grant %s", role);
+    ck_assert_int_eq(itest_idemq(&t, sql, page, sizeof page), 0);
+    snprintf(dsn, sizeof dsn, "%s", getenv("IDEMQ_PG_DSN"));
+    ck_assert_ptr_nonnull(u = strstr(dsn, "user="));
+    snprintf(u, sizeof dsn - (size_t)(u - dsn), "user=%s", role);
+    snprintf(envdsn, sizeof envdsn, "IDEMQ_PG_DSN=%s", dsn);
+    pid = itest_spawn(&t, t.cfg_path, 60, env);
+    snprintf(origin, sizeof origin, "http://127.0.0.1:%d", port);
+    snprintf(url, sizeof url, "%s/groups", origin);
+    wait_console(url);
+    ck_assert_int_eq(curl_page(url, NULL, NULL, page, sizeof page), 200);
+    csrf_of(page, csrf);
+    snprintf(url, sizeof url, "%s/confirm", origin);
+    snprintf(data, sizeof data, "csrf=%s&action=discard&group=%s", csrf, group);
+    ck_assert_int_eq(curl_page(url, origin, data, page, sizeof page), 200);
+    ck_assert_msg(strstr(page, "<b>2</b> open parks") != NULL, "%s", page);
+    csrf_of(page, csrf);
+    snprintf(url, sizeof url, "%s/act", origin);
+    snprintf(data, sizeof data, "csrf=%s&token=%s&reason=least+privilege", csrf, TOKEN_ALICE);
+    ck_assert_int_eq(curl_page(url, origin, data, page, sizeof page), 200);
+    ck_assert_msg(strstr(page, "id=\"act-result\">done<") != NULL, "%s", page);
+    snprintf(url, sizeof url, "%s/key?k=%s:k0", origin, t.name);
+    ck_assert_int_eq(curl_page(url, NULL, NULL, page, sizeof page), 200);
+    kill(pid, SIGTERM);
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.park_history WHERE key LIKE"
+                                    " $1 || ':k%' AND resolution = 'discarded: least privilege'"
+                                    " AND resolved_by = 'console:ops'",
+                                t.name),
+                     2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.operator_actions WHERE actor ="
+                                    " 'console:ops' AND done = 2 AND finished_at IS NOT NULL"
+                                    " AND selection LIKE '%' || $1 || '%'",
+                                group),
+                     1);
+    snprintf(sql, sizeof sql, "DROP OWNED BY %s; DROP ROLE %s", role, role);
+    itest_sql(&t, sql);
+    itest_extra_conf = NULL;
+    itest_teardown(&t);
+    unlink(tokfile);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("console");
@@ -594,6 +671,7 @@ int main(void)
     tcase_add_test(tc, test_console_token_file_refused);
     tcase_add_test(tc, test_console_operator_broker_url);
     tcase_add_test(tc, test_console_slow_clients);
+    tcase_add_test(tc, test_console_least_privilege);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
