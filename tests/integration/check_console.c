@@ -455,20 +455,27 @@ END_TEST
 static int curl_page(const char *url, const char *origin, const char *data, char *out,
                      size_t len)
 {
-    char cmd[2048];
+    char cmd[2048], form[128];
     size_t got;
     FILE *p;
     char *nl;
-    if (data)
-        snprintf(cmd, sizeof cmd, "curl -s -m 20 -w '\n%%{http_code}' -H 'Origin: %s' --data '%s' '%s'",
-                 origin, data, url);
-    else
+    if (data) { /* through a file: a form may be larger than a command line */
+        snprintf(form, sizeof form, "/tmp/idemq-console-form-%d", (int)getpid());
+        ck_assert_ptr_nonnull(p = fopen(form, "w"));
+        fputs(data, p);
+        fclose(p);
+        snprintf(cmd, sizeof cmd,
+                 "curl -s -m 20 -w '\n%%{http_code}' -H 'Origin: %s' --data-binary @%s '%s'",
+                 origin, form, url);
+    } else
         snprintf(cmd, sizeof cmd, "curl -s -m 20 -w '\n%%{http_code}' '%s'", url);
     if (!(p = popen(cmd, "r")))
         return -1;
     got = fread(out, 1, len - 1, p);
     out[got] = '\0';
     pclose(p);
+    if (data)
+        unlink(form);
     if (!(nl = strrchr(out, '\n')))
         return -1;
     *nl = '\0';
@@ -622,6 +629,31 @@ START_TEST(test_console_least_privilege)
     snprintf(origin, sizeof origin, "http://127.0.0.1:%d", port);
     snprintf(url, sizeof url, "%s/groups", origin);
     wait_console(url);
+    /* what a client may send wrong: 400, 404, 413 */
+    {
+        static const char *const bad[] = {"action=nuke&group=", "action=discard&group=xyz",
+                                          "action=discard&park=12a", "action=discard&keyhex=zz",
+                                          "action=discard"};
+        static char big[9000];
+        char form[200], more[300];
+        for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+            snprintf(url, sizeof url, "%s/groups", origin);
+            ck_assert_int_eq(curl_page(url, NULL, NULL, page, sizeof page), 200);
+            csrf_of(page, csrf);
+            snprintf(form, sizeof form, "%s%s", bad[i], i == 0 ? group : "");
+            snprintf(more, sizeof more, "csrf=%s&%s", csrf, form);
+            snprintf(url, sizeof url, "%s/confirm", origin);
+            ck_assert_msg(curl_page(url, origin, more, page, sizeof page) == 400, "%s", form);
+        }
+        memset(big, 'a', sizeof big - 1);
+        memcpy(big, "csrf=", 5);
+        ck_assert_int_eq(curl_page(url, origin, big, page, sizeof page), 413);
+        snprintf(url, sizeof url, "%s/park?id=999999999999", origin);
+        ck_assert_int_eq(curl_page(url, NULL, NULL, page, sizeof page), 404);
+        snprintf(url, sizeof url, "%s/park?id=1;drop", origin);
+        ck_assert_int_eq(curl_page(url, NULL, NULL, page, sizeof page), 400);
+    }
+    snprintf(url, sizeof url, "%s/groups", origin);
     ck_assert_int_eq(curl_page(url, NULL, NULL, page, sizeof page), 200);
     csrf_of(page, csrf);
     snprintf(url, sizeof url, "%s/confirm", origin);
