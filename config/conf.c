@@ -104,10 +104,24 @@ static const struct conf_key global_keys[] = {
      "numeric IPv4:port (e.g. 127.0.0.1:9188) of the web console of `idemq run`; empty = "
      "off. Loopback clients read without a secret; other addresses need the token"},
     {"console.token_file", CT_STR, G(console_token_file), 0, 4096, "", 0, 0,
-     "file holding the secret that every console action (and reading from a non-loopback "
-     "address) needs; empty = a read-only console, loopback only"},
+     "file (mode 0600) of named tokens, one \"NAME TOKEN\" per line (TOKEN: 32 to 255 "
+     "bytes); every console action, and reading from a non-loopback address, needs one, and "
+     "is recorded as done by console:NAME; empty = a read-only console, loopback only"},
     {"console.statement_timeout_ms", CT_INT, G(console_statement_timeout_ms), 100, 600000, NULL,
      5000, 0, "statement_timeout of the console's own database sessions"},
+    {"console.hosts", CT_STRLIST, G(console_hosts), 0, 16, "", 0, 0,
+     "Host header values (name:port, compared without case) the console answers besides its "
+     "listen address and localhost, 127.0.0.1 and [::1] with its port, e.g. the name a "
+     "reverse proxy sends; any other Host gets 421 (DNS rebinding reaches nothing)"},
+    {"console.operator_broker_url", CT_STR, G(console_operator_broker_url), 0, 1024, "", 0,
+     CF_SENSITIVE,
+     "AMQP URL of the operator's broker user the console's redrives publish with (write on "
+     "amq.default and read on the dead-letter queues; see consumer/OPERATIONS.md \"Roles and "
+     "permissions\"), instead of the daemon's broker.url; empty = broker.url"},
+    {"console.reads_need_token", CT_BOOL, G(console_reads_need_token), 0, 1, NULL, 0, 0,
+     "every request, loopback ones too, needs a token of token_file (HTTP Basic: the token's "
+     "name and the token); set it when a reverse proxy or tunnel on the same host makes every "
+     "client loopback"},
     {"log.level", CT_STR, G(log_level), 1, 10, "info", 0, 0, "error, warn, info or debug"},
     /* operations: TLS, least privilege, logs, liveness */
     {"broker.tls.ca_file", CT_STR, G(tls_ca_file), 0, 4096, "/etc/ssl/certs/ca-certificates.crt",
@@ -1107,6 +1121,11 @@ static idemq_err_t read_inputs(const config_t *cfg, struct conf *c, const char *
 static idemq_err_t check_url(const char *url, int item, const char *where_, char *errbuf,
                              size_t errlen)
 {
+    if ((strncmp(url, "amqp://", 7) && strncmp(url, "amqps://", 8)) && item < 0) {
+        errf(errbuf, errlen, "%s: the URL must start with amqp:// or amqps:// "
+             "(not shown: it may hold a password)", where_);
+        return IDEMQ_ERR_CONFIG;
+    }
     if (strncmp(url, "amqp://", 7) && strncmp(url, "amqps://", 8)) {
         errf(errbuf, errlen, "%s: broker.url: URL %d must start with amqp:// or amqps:// "
              "(not shown: it may hold a password)", where_, item + 1);
@@ -1457,6 +1476,11 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
     for (int i = 0; i < c->urls.n; i++)
         if ((err = check_url(c->urls.v[i], i, at, errbuf, errlen)) != IDEMQ_OK)
             goto fail;
+    if (c->console_operator_broker_url[0] &&
+        (err = check_url(c->console_operator_broker_url, -1,
+                         where(at, sizeof at, file, cfg, "console.operator_broker_url"), errbuf,
+                         errlen)) != IDEMQ_OK)
+        goto fail;
     if (log_level_parse(c->log_level) < 0) {
         errf(errbuf, errlen, "%s: log.level must be error, warn, info or debug, not \"%s\"",
              where(at, sizeof at, file, cfg, "log.level"), c->log_level);

@@ -181,6 +181,9 @@ struct conf {
     char *console_listen;            /* "" = off */
     char *console_token_file;        /* "" = read-only */
     int console_statement_timeout_ms;
+    struct conf_strlist console_hosts; /* extra Host values answered */
+    bool console_reads_need_token;     /* loopback reads need a token too */
+    char *console_operator_broker_url; /* redrives of the console, "" = urls */
     /* log */
     char *log_level;
     /* operations */

@@ -4,14 +4,20 @@
 #include "console.h"
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <math.h>
 #include <microhttpd.h>
 #include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/random.h>
+#include <sys/select.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -20,6 +26,8 @@
 
 #include "broker.h"
 #include "broker_admin.h"
+#include "console_auth.h"
+#include "console_pages.h"
 #include "groups.h"
 #include "html.h"
 #include "liveness.h"
@@ -29,6 +37,8 @@
 #include "topology.h"
 
 #define CONN_TIMEOUT_S 10   /* an idle connection is closed after this */
+#define ARRIVE_MS 5000      /* a request's headers and body arrive within this, in all */
+#define LOOP_MS 250         /* the server thread looks at the clock at least this often */
 #define CONN_MAX 32         /* connections at a time */
 #define CONN_PER_IP 16      /* of them from one address */
 #define BODY_MAX 8192       /* the largest form body read */
@@ -36,11 +46,34 @@
 #define PAGE_ROWS 50        /* parked rows per page */
 #define CSRF_SLOTS 128      /* form tokens outstanding at once (oldest reused) */
 #define CSRF_TTL_MS (30 * 60 * 1000)
-#define REASON_SHOWN 400    /* bytes of a reason shown in a table */
+#define REASON_SHOWN 300    /* bytes of a reason shown in a table */
+#define KEY_SHOWN 120       /* bytes of a key shown in a table */
+#define CONFIRM_SLOTS 16    /* dry runs awaiting their action at once (oldest reused) */
+#define CONFIRM_TTL_MS (10 * 60 * 1000)
+#define CONFIRM_MAX_PARKS 100000 /* parks one console action covers (the oldest) */
 
 struct csrf {
     char v[33];       /* 32 hex digits, "" = free */
     long long exp_ms; /* CLOCK_MONOTONIC */
+};
+
+/* A connection and since when its current request has been arriving. */
+struct conn_watch {
+    bool used;
+    int fd;
+    long long since_ms; /* 0: no request arriving (being answered) */
+};
+
+/* A dry run shown, awaiting its action: the action acts on these parks and
+ * no others (kept here, never taken from the form). */
+struct confirm {
+    char v[33];       /* its form token, "" = free */
+    long long exp_ms; /* CLOCK_MONOTONIC */
+    char action[16];
+    char field[8];  /* what was selected: "group", "park" or "key" */
+    char *value;    /* which one (malloc'd) */
+    long long *ids; /* the parks the dry run selected, ascending */
+    size_t n;
 };
 
 struct console {
@@ -51,10 +84,16 @@ struct console {
     int n;
     struct gauges *g;
     PGconn *db; /* the server thread's own session; NULL until first used */
-    char token[256];
-    bool has_token;
+    int port;   /* of console.listen */
+    char *op_url[1]; /* cc.urls when console.operator_broker_url is set */
+    struct console_auth auth; /* auth.n == 0: no token file */
     struct csrf csrf[CSRF_SLOTS];
     int csrf_next;
+    struct confirm confirm[CONFIRM_SLOTS];
+    int confirm_next;
+    struct conn_watch watch[CONN_MAX + 1];
+    pthread_t thread;
+    atomic_bool stop;
 };
 
 /* One request: its form body, read in pieces. */
@@ -62,6 +101,7 @@ struct req {
     char body[BODY_MAX];
     size_t len;
     bool too_big;
+    bool refused; /* a response is queued already (a foreign Host) */
 };
 
 static long long now_ms(void)
@@ -111,6 +151,54 @@ static bool csrf_take(struct console *k, const char *t)
         }
     }
     return false;
+}
+
+static void confirm_free(struct confirm *s)
+{
+    free(s->ids);
+    free(s->value);
+    memset(s, 0, sizeof *s);
+}
+
+/* Keeps a dry run's parks (ids, n: taken over, freed here on failure) under
+ * a fresh form token into out[33] ("" if none could be made). */
+static void confirm_issue(struct console *k, const char *action, const char *field,
+                          const char *value, long long *ids, size_t n, char *out)
+{
+    struct confirm *s = &k->confirm[k->confirm_next];
+    confirm_free(s);
+    csrf_issue(k, out); /* for its 128 random bits; the page token is not kept */
+    if (!out[0] || !csrf_take(k, out) || !(s->value = strdup(value))) {
+        free(ids);
+        out[0] = '\0';
+        return;
+    }
+    snprintf(s->v, sizeof s->v, "%s", out);
+    snprintf(s->action, sizeof s->action, "%s", action);
+    snprintf(s->field, sizeof s->field, "%s", field);
+    s->ids = ids;
+    s->n = n;
+    s->exp_ms = now_ms() + CONFIRM_TTL_MS;
+    k->confirm_next = (k->confirm_next + 1) % CONFIRM_SLOTS;
+}
+
+/* The outstanding dry run of form token t, NULL if none (expired ones
+ * are freed). The caller frees it with confirm_free once used. */
+static struct confirm *confirm_find(struct console *k, const char *t)
+{
+    long long now = now_ms();
+    if (strlen(t) != 32)
+        return NULL;
+    for (int i = 0; i < CONFIRM_SLOTS; i++) {
+        struct confirm *s = &k->confirm[i];
+        if (s->v[0] && same_secret(s->v, t)) {
+            if (s->exp_ms > now)
+                return s;
+            confirm_free(s);
+            return NULL;
+        }
+    }
+    return NULL;
 }
 
 /* The console's session, (re)connected when needed; NULL if unreachable. */
@@ -320,7 +408,7 @@ static void group_table(struct console *k, struct html *b, PGresult *r, bool wit
     for (int i = 0; i < PQntuples(r); i++) {
         long n = atol(PQgetvalue(r, i, 1)), red = atol(PQgetvalue(r, i, 7));
         const char *g = PQgetvalue(r, i, 0);
-        html_raw(b, "<tr><td class=\"k\"><a href=\"/parked?group=");
+        html_raw(b, "<tr><td class=\"gid\"><a href=\"/parked?group=");
         html_url(b, g);
         html_raw(b, "\">");
         html_text(b, g);
@@ -333,19 +421,19 @@ static void group_table(struct console *k, struct html *b, PGresult *r, bool wit
         html_raw(b, " SQLSTATE ");
         html_text(b, PQgetvalue(r, i, 11));
         html_raw(b, "<br><span class=\"mut\">");
-        html_text(b, PQgetvalue(r, i, 12));
+        html_text_capped(b, PQgetvalue(r, i, 12), REASON_SHOWN);
         html_raw(b, "</span></td><td class=\"hide-s\">");
         html_text(b, PQgetvalue(r, i, 2));
         html_raw(b, "<br>");
         html_text(b, PQgetvalue(r, i, 3));
-        html_raw(b, "</td><td class=\"k\">");
+        html_raw(b, "</td><td class=\"k keys\">");
         for (int c = 4; c <= 6; c++) {
             if (PQgetisnull(r, i, c))
                 continue;
             html_raw(b, c > 4 ? "<br><a href=\"/key?k=" : "<a href=\"/key?k=");
             html_url(b, PQgetvalue(r, i, c));
             html_raw(b, "\">");
-            html_text(b, PQgetvalue(r, i, c));
+            html_text_capped(b, PQgetvalue(r, i, c), KEY_SHOWN);
             html_raw(b, "</a>");
         }
         if (atol(PQgetvalue(r, i, 13)) > 3)
@@ -353,19 +441,8 @@ static void group_table(struct console *k, struct html *b, PGresult *r, bool wit
         html_printf(b, "</td><td>%s</td>",
                     red == n ? "yes" : red == 0 ? "no" : "some");
         if (with_actions) {
-            static const char *const acts[] = {"redrive", "discard", "archive"};
-            html_raw(b, "<td>");
-            for (int a = 0; a < 3; a++) {
-                html_printf(b, "<form class=\"inline\" method=\"post\" action=\"/confirm\">"
-                               "<input type=\"hidden\" name=\"csrf\" value=\"%s\">"
-                               "<input type=\"hidden\" name=\"action\" value=\"%s\">"
-                               "<input type=\"hidden\" name=\"group\" value=\"",
-                            t, acts[a]);
-                html_text(b, g);
-                html_printf(b, "\"><button class=\"%s\" name=\"go\" value=\"1\">%s</button>"
-                               "</form> ",
-                            a == 0 ? "" : "sec", acts[a]);
-            }
+            html_raw(b, "<td class=\"act\">");
+            console_pages_actions(b, t, "group", g);
             html_raw(b, "</td>");
         }
         html_raw(b, "</tr>");
@@ -410,7 +487,7 @@ static void page_groups(struct console *k, struct MHD_Connection *conn, struct h
                 "class, code, SQLSTATE and the reason with keys, numbers and ids masked "
                 "(<code>idemq parked groups</code>). An action asks for confirmation after a dry "
                 "run.</p>");
-    if (!k->has_token)
+    if (k->auth.n == 0)
         html_raw(b, "<p class=\"note\">Read only: console.token_file is not set, so no action "
                     "can be confirmed.</p>");
     if (in && !(q = queue_of(k->c, in))) {
@@ -443,11 +520,18 @@ static void filter_field(struct html *b, const char *name, const char *label, co
     html_raw(b, "\"></label>");
 }
 
+/* The parked list's searches after GROUPS_FROM: $6 a key prefix, $7 text
+ * the reason holds (any case; no pattern characters), each NULL = any. */
+#define PARKED_SEARCH                                                                        \
+    " AND ($6::text IS NULL OR starts_with(key, $6))"                                       \
+    " AND ($7::text IS NULL OR strpos(lower(reason), lower($7)) > 0)"
+
 static void page_parked(struct console *k, struct MHD_Connection *conn, struct html *b)
 {
     const char *in = arg(conn, "input"), *key = arg(conn, "key"), *cls = arg(conn, "class"),
-               *since = arg(conn, "since"), *group = arg(conn, "group"), *pg = arg(conn, "page");
-    const char *q = NULL, *params[7];
+               *since = arg(conn, "since"), *group = arg(conn, "group"), *pg = arg(conn, "page"),
+               *prefix = arg(conn, "prefix"), *why = arg(conn, "reason");
+    const char *q = NULL, *params[9];
     long page = pg ? atol(pg) : 0;
     char off[24], lim[24];
     PGresult *r, *cnt;
@@ -460,25 +544,28 @@ static void page_parked(struct console *k, struct MHD_Connection *conn, struct h
     filter_field(b, "input", "input", in, "any");
     filter_field(b, "class", "class", cls, "permanent, ...");
     filter_field(b, "key", "key", key, "exact key");
+    filter_field(b, "prefix", "key prefix", prefix, "order-17");
+    filter_field(b, "reason", "reason has", why, "limit");
     filter_field(b, "since", "since", since, "2026-01-31 12:00");
     filter_field(b, "group", "group", group, "12 hex digits");
     html_raw(b, "<button>filter</button> <a href=\"/parked\">clear</a></form>");
-    if ((in && !(q = queue_of(k->c, in))) || (group && !is_group_id(group))) {
-        html_raw(b, "<p class=\"bad\">no such input, or a group id that is not 12 hex "
-                    "digits</p>");
+    if ((in && !(q = queue_of(k->c, in))) || (group && !is_group_id(group)) ||
+        (prefix && strlen(prefix) > 256) || (why && strlen(why) > 200)) {
+        html_raw(b, "<p class=\"bad\">no such input, a group id that is not 12 hex "
+                    "digits, or a search too long</p>");
         html_page_end(b);
         return;
     }
     snprintf(off, sizeof off, "%ld", page * PAGE_ROWS);
     snprintf(lim, sizeof lim, "%d", PAGE_ROWS + 1);
     params[0] = key, params[1] = cls, params[2] = since, params[3] = q, params[4] = group;
-    params[5] = lim, params[6] = off;
-    cnt = query(k, "SELECT count(*)" GROUPS_FROM, 5, params);
+    params[5] = prefix, params[6] = why, params[7] = lim, params[8] = off;
+    cnt = query(k, "SELECT count(*)" GROUPS_FROM PARKED_SEARCH, 7, params);
     r = query(k,
               "SELECT id, parked_at, key, source_queue, error_class, error_code,"
               " coalesce(sqlstate, '-'), left(reason, " "400" "), attempts, g, redrivable"
-              GROUPS_FROM " ORDER BY id DESC LIMIT $6::bigint OFFSET $7::bigint",
-              7, params);
+              GROUPS_FROM PARKED_SEARCH " ORDER BY id DESC LIMIT $8::bigint OFFSET $9::bigint",
+              9, params);
     if (!r || !cnt) {
         PQclear(r);
         PQclear(cnt);
@@ -494,18 +581,20 @@ static void page_parked(struct console *k, struct MHD_Connection *conn, struct h
                 "parked at</th><th>key</th><th class=\"hide-s\">input</th><th>failure</th>"
                 "<th class=\"hide-s\">attempts</th><th class=\"hide-s\">group</th></tr>");
     for (int i = 0; i < PQntuples(r) && i < PAGE_ROWS; i++) {
-        html_raw(b, "<tr><td>");
+        html_raw(b, "<tr><td><a href=\"/park?id=");
         html_text(b, PQgetvalue(r, i, 0));
-        html_raw(b, "</td><td class=\"hide-s\">");
+        html_raw(b, "\">");
+        html_text(b, PQgetvalue(r, i, 0));
+        html_raw(b, "</a></td><td class=\"hide-s\">");
         html_text(b, PQgetvalue(r, i, 1));
-        html_raw(b, "</td><td class=\"k\">");
+        html_raw(b, "</td><td class=\"k keys\">");
         if (PQgetisnull(r, i, 2)) {
             html_raw(b, "<span class=\"mut\">(no key)</span>");
         } else {
             html_raw(b, "<a href=\"/key?k=");
             html_url(b, PQgetvalue(r, i, 2));
             html_raw(b, "\">");
-            html_text(b, PQgetvalue(r, i, 2));
+            html_text_capped(b, PQgetvalue(r, i, 2), KEY_SHOWN);
             html_raw(b, "</a>");
         }
         html_raw(b, "</td><td class=\"hide-s\">");
@@ -517,10 +606,10 @@ static void page_parked(struct console *k, struct MHD_Connection *conn, struct h
         html_raw(b, " ");
         html_text(b, PQgetvalue(r, i, 6));
         html_raw(b, "<br><span class=\"mut\">");
-        html_text(b, PQgetvalue(r, i, 7));
+        html_text_capped(b, PQgetvalue(r, i, 7), REASON_SHOWN);
         html_raw(b, "</span></td><td class=\"hide-s\">");
         html_text(b, PQgetvalue(r, i, 8));
-        html_raw(b, "</td><td class=\"k hide-s\"><a href=\"/parked?group=");
+        html_raw(b, "</td><td class=\"gid hide-s\"><a href=\"/parked?group=");
         html_url(b, PQgetvalue(r, i, 9));
         html_raw(b, "\">");
         html_text(b, PQgetvalue(r, i, 9));
@@ -533,9 +622,10 @@ static void page_parked(struct console *k, struct MHD_Connection *conn, struct h
             continue;
         html_printf(b, "<a rel=\"%s\" href=\"/parked?page=%ld", dir < 0 ? "prev" : "next", to);
         {
-            const char *names[] = {"input", "class", "key", "since", "group"};
-            const char *vals[] = {in, cls, key, since, group};
-            for (int f = 0; f < 5; f++) {
+            const char *names[] = {"input", "class", "key", "since", "group", "prefix",
+                                   "reason"};
+            const char *vals[] = {in, cls, key, since, group, prefix, why};
+            for (int f = 0; f < 7; f++) {
                 if (!vals[f])
                     continue;
                 html_printf(b, "&amp;%s=", names[f]);
@@ -547,61 +637,6 @@ static void page_parked(struct console *k, struct MHD_Connection *conn, struct h
     html_printf(b, "<span class=\"mut\">page %ld</span></div>", page + 1);
     PQclear(r);
     html_page_end(b);
-}
-
-/* ---- a key's story ---- */
-
-/* Runs fn's output into a string (malloc'd, caller frees; NULL if no
- * memory); *rc = its return code. */
-static char *capture_show(struct console *k, const char *key, int *rc, size_t *len)
-{
-    char *text = NULL;
-    FILE *f = open_memstream(&text, len);
-    if (!f)
-        return NULL;
-    *rc = ops_jobs_show(&k->cc, key, f);
-    fclose(f);
-    return text;
-}
-
-static unsigned page_key(struct console *k, struct MHD_Connection *conn, struct html *b)
-{
-    const char *key = arg(conn, "k");
-    char *text;
-    size_t len = 0;
-    int rc = 0;
-    unsigned status = MHD_HTTP_OK;
-    html_page_start(b, key ? key : "key", "");
-    html_raw(b, "<h1>Key <code id=\"key\">");
-    html_text(b, key ? key : "");
-    html_raw(b, "</code></h1>");
-    if (!key) {
-        html_raw(b, "<p>Give a key (the box at the top).</p>");
-        html_page_end(b);
-        return MHD_HTTP_BAD_REQUEST;
-    }
-    html_raw(b, "<p class=\"mut\">The same story as <code>idemq jobs show</code>, oldest first. "
-                "<a href=\"/parked?key=");
-    html_url(b, key);
-    html_raw(b, "\">its open parks</a></p>");
-    text = capture_show(k, key, &rc, &len);
-    if (!text) {
-        html_raw(b, "<p class=\"bad\">out of memory</p>");
-        status = MHD_HTTP_INTERNAL_SERVER_ERROR;
-    } else {
-        if (rc == 1)
-            status = MHD_HTTP_NOT_FOUND;
-        else if (rc)
-            status = MHD_HTTP_SERVICE_UNAVAILABLE;
-        html_raw(b, "<pre id=\"story\">");
-        html_text_n(b, text, len);
-        html_raw(b, rc == 1 ? "the ledger knows nothing of this key\n" : "");
-        html_raw(b, rc > 1 ? "the ledger did not answer (see the log)\n" : "");
-        html_raw(b, "</pre>");
-        free(text);
-    }
-    html_page_end(b);
-    return status;
 }
 
 /* ---- the observe baseline ---- */
@@ -676,27 +711,38 @@ static unsigned page_observe(struct console *k, struct MHD_Connection *conn, str
 
 /* ---- actions ---- */
 
-/* The first count after "selects " in a groups_act output, -1 if none. */
-static long selected_of(const char *out)
-{
-    const char *p = out ? strstr(out, " selects ") : NULL;
-    return p ? atol(p + 9) : -1;
-}
-
 /* Runs groups_act with its output captured; malloc'd text (NULL: no
  * memory), *rc its code. */
-static char *run_action(struct console *k, const char *action, const char *group,
-                        const char *reason, const char *actor, bool dry, long at_most, int *rc,
-                        size_t *len)
+static char *run_action(struct console *k, const char *action, const char *field,
+                        const char *value, const char *reason, const char *actor,
+                        const struct confirm *only, long long **ids_out, size_t *n_ids_out,
+                        int *rc, size_t *len)
 {
     char *text = NULL;
+    const char *group = NULL;
     struct ops_filter f;
+    long long park = 0;
     FILE *out = open_memstream(&text, len);
     if (!out)
         return NULL;
     memset(&f, 0, sizeof f);
-    f.dry_run = dry;
-    f.limit = at_most; /* 0 = all */
+    f.dry_run = only == NULL;
+    f.limit = CONFIRM_MAX_PARKS;
+    if (strcmp(field, "group") == 0) {
+        group = value;
+    } else if (strcmp(field, "key") == 0) {
+        f.key = value;
+    } else { /* one park */
+        park = atoll(value);
+        f.park_ids = &park;
+        f.n_park_ids = 1;
+    }
+    if (only) {
+        f.park_ids = only->ids;
+        f.n_park_ids = only->n;
+    }
+    f.ids_out = ids_out;
+    f.n_ids_out = n_ids_out;
     *rc = groups_act(&k->cc, action, &f, group, reason, actor, out);
     fclose(out);
     return text;
@@ -708,54 +754,52 @@ static bool action_ok(const char *a)
 }
 
 /* POST /confirm: the dry run and the form that confirms it. */
-static unsigned page_confirm(struct console *k, const char *action, const char *group,
-                             struct html *b)
+static unsigned page_confirm(struct console *k, const char *action, const char *field,
+                             const char *value, struct html *b)
 {
     char t[33], *text;
-    size_t len = 0;
+    size_t len = 0, n = 0;
+    long long *ids = NULL;
     int rc = 0;
-    long n;
     html_page_start(b, "confirm", "groups");
     html_raw(b, "<h1>Confirm: ");
     html_text(b, action);
-    html_raw(b, " group <code>");
-    html_text(b, group);
+    html_printf(b, " %s <code id=\"confirm-of\">", field);
+    html_text(b, value);
     html_raw(b, "</code></h1>");
-    text = run_action(k, action, group, "(the reason given below)", "console", true, 0, &rc,
-                      &len);
+    text = run_action(k, action, field, value, "(the reason given below)", "console", NULL, &ids,
+                      &n, &rc, &len);
     if (!text) {
+        free(ids);
         html_page_end(b);
         return MHD_HTTP_INTERNAL_SERVER_ERROR;
     }
-    n = selected_of(text);
     html_printf(b, "<p class=\"note\" id=\"dry-count\">Dry run: this %s would act on "
-                   "<b>%ld</b> open park%s. Nothing has changed yet.</p>",
-                action, n < 0 ? 0 : n, n == 1 ? "" : "s");
+                   "<b>%zu</b> open park%s. Nothing has changed yet; the action will act on "
+                   "these parks only (parks that join the group meanwhile wait for the next "
+                   "dry run).</p>",
+                action, n, n == 1 ? "" : "s");
     html_raw(b, "<pre id=\"dry-run\">");
     html_text_n(b, text, len);
     html_raw(b, "</pre>");
     free(text);
     if (rc) {
+        free(ids);
         html_printf(b, "<p class=\"bad\">the dry run failed (code %d; see the log)</p>", rc);
     } else if (n > 0) {
-        csrf_issue(k, t);
+        confirm_issue(k, action, field, value, ids, n, t);
         html_printf(b, "<h2>Confirm</h2><form method=\"post\" action=\"/act\" class=\"filters\">"
                        "<input type=\"hidden\" name=\"csrf\" value=\"%s\">"
-                       "<input type=\"hidden\" name=\"action\" value=\"%s\">"
-                       "<input type=\"hidden\" name=\"group\" value=\"",
+                       "<input type=\"hidden\" name=\"action\" value=\"%s\">",
                     t, action);
-        html_text(b, group);
-        html_printf(b, "\"><input type=\"hidden\" name=\"expect\" value=\"%ld\">"
-                       "<label>your name<input name=\"actor\" required maxlength=\"100\" "
-                       "autocomplete=\"username\"></label>"
-                       "<label>reason<input name=\"reason\" %s maxlength=\"500\"></label>"
-                       "<label>console token<input type=\"password\" name=\"token\" required "
-                       "autocomplete=\"current-password\"></label>"
-                       "<button class=\"danger\" name=\"go\" value=\"1\">%s %ld park%s</button>"
-                       " <a href=\"/groups\">cancel</a></form>",
-                    n, strcmp(action, "redrive") ? "required" : "", action, n,
-                    n == 1 ? "" : "s");
-        if (!k->has_token)
+        html_printf(b, "<label>reason<input name=\"reason\" %s maxlength=\"500\"></label>"
+                       "<label>your console token<input type=\"password\" name=\"token\" "
+                       "required autocomplete=\"current-password\"></label>"
+                       "<button class=\"danger\" name=\"go\" value=\"1\">%s %zu park%s</button>"
+                       " <a href=\"/groups\">cancel</a></form><p class=\"mut\">The action is "
+                       "recorded as done by the name of the token given.</p>",
+                    strcmp(action, "redrive") ? "required" : "", action, n, n == 1 ? "" : "s");
+        if (k->auth.n == 0)
             html_raw(b, "<p class=\"note\">console.token_file is not set: the action will be "
                         "refused.</p>");
     }
@@ -763,71 +807,92 @@ static unsigned page_confirm(struct console *k, const char *action, const char *
     return MHD_HTTP_OK;
 }
 
-/* POST /act: the action itself, recorded as the CLI's is. */
-static unsigned page_act(struct console *k, const char *body, size_t blen, struct html *b)
+static unsigned refused_page(struct html *b, unsigned status, const char *why)
 {
-    char action[16], group[16], actor[FIELD_MAX], reason[FIELD_MAX], token[FIELD_MAX], who[160];
-    char expect[24], *text;
+    html_page_start(b, "refused", "groups");
+    html_raw(b, "<h1>Refused</h1><p id=\"refused\">");
+    html_text(b, why);
+    html_raw(b, "</p>");
+    html_page_end(b);
+    return status;
+}
+
+/* POST /act: the action on the parks of the dry run cf (used up here),
+ * recorded as the CLI's is, by the name of the token given. */
+static unsigned page_act(struct console *k, struct confirm *cf, const char *body, size_t blen,
+                         struct html *b)
+{
+    char action[16], reason[FIELD_MAX], token[FIELD_MAX], who[160], *text;
+    const char *field = cf->field, *what = cf->value;
+    const char *name = NULL;
     size_t len = 0;
-    long at_most = 0;
     int rc = 0;
-    if (!html_form_get(body, blen, "action", action, sizeof action) || !action_ok(action) ||
-        !html_form_get(body, blen, "group", group, sizeof group) || !is_group_id(group) ||
-        !html_form_get(body, blen, "actor", actor, 101) || !actor[0] ||
-        !html_form_get(body, blen, "token", token, sizeof token)) {
-        html_page_start(b, "refused", "groups");
-        html_raw(b, "<h1>Refused</h1><p>the form lacks an action, a group, your name or the "
-                    "token</p>");
-        html_page_end(b);
-        return MHD_HTTP_BAD_REQUEST;
+    unsigned status;
+    enum console_auth_result ar;
+    snprintf(action, sizeof action, "%s", cf->action);
+    if (!html_form_get(body, blen, "token", token, sizeof token) || !token[0]) {
+        status = refused_page(b, MHD_HTTP_BAD_REQUEST, "the form lacks your console token");
+        goto out;
     }
-    if (!k->has_token || !same_secret(token, k->token)) {
-        log_warn("console: %s of group %s refused: wrong console token", action, group);
-        html_page_start(b, "refused", "groups");
-        html_raw(b, "<h1>Refused</h1><p>wrong console token (console.token_file)</p>");
-        html_page_end(b);
-        return MHD_HTTP_FORBIDDEN;
+    ar = k->auth.n ? console_auth_check(&k->auth, NULL, token, &name) : CONSOLE_AUTH_WRONG;
+    memset(token, 0, sizeof token);
+    if (ar != CONSOLE_AUTH_OK) {
+        log_warn("console: %s of %s %.100s refused: %s", action, field, what,
+                 ar == CONSOLE_AUTH_THROTTLED ? "too many wrong tokens lately"
+                                              : "wrong console token");
+        status = ar == CONSOLE_AUTH_THROTTLED
+                     ? refused_page(b, MHD_HTTP_TOO_MANY_REQUESTS,
+                                    "too many wrong tokens lately: try again in a minute")
+                     : refused_page(b, MHD_HTTP_FORBIDDEN,
+                                    "wrong console token (console.token_file)");
+        goto out;
     }
     if (!html_form_get(body, blen, "reason", reason, 501))
         reason[0] = '\0';
     if (!reason[0] && strcmp(action, "redrive") != 0) {
-        html_page_start(b, "refused", "groups");
-        html_raw(b, "<h1>Refused</h1><p>a discard or an archive needs a reason</p>");
-        html_page_end(b);
-        return MHD_HTTP_BAD_REQUEST;
+        status = refused_page(b, MHD_HTTP_BAD_REQUEST, "a discard or an archive needs a reason");
+        goto out;
     }
-    /* At most what the dry run showed: parks that joined the group since
-     * wait for another confirmation. */
-    if (!html_form_get(body, blen, "expect", expect, sizeof expect) ||
-        (at_most = atol(expect)) <= 0 || at_most > 1000000000L) {
-        html_page_start(b, "refused", "groups");
-        html_raw(b, "<h1>Refused</h1><p>the form lacks the count it confirmed</p>");
-        html_page_end(b);
-        return MHD_HTTP_BAD_REQUEST;
-    }
-    snprintf(who, sizeof who, "console:%s", actor);
+    snprintf(who, sizeof who, "console:%s", name);
     html_page_start(b, "done", "groups");
     html_raw(b, "<h1>");
     html_text(b, action);
-    html_raw(b, " group <code>");
-    html_text(b, group);
+    html_printf(b, " %s <code>", field);
+    html_text(b, what);
     html_raw(b, "</code></h1>");
-    text = run_action(k, action, group, reason[0] ? reason : NULL, who, false, at_most, &rc,
-                      &len);
-    log_info("console: %s of group %s by %s: code %d", action, group, who, rc);
+    /* exactly the parks the dry run showed: ones that joined the group
+     * since wait for the next dry run, ones closed since are skipped */
+    text = run_action(k, action, field, what, reason[0] ? reason : NULL, who, cf, NULL, NULL,
+                      &rc, &len);
+    log_info("console: %s of %s %.100s (%zu parks of a dry run) by %s: code %d", action, field,
+             what, cf->n, who, rc);
     html_printf(b, "<p class=\"%s\" id=\"act-result\">%s</p>", rc ? "bad" : "ok",
                 rc == 0 ? "done" : rc == 2 ? "refused (see below)" : "failed part-way or did "
                                                                      "not run (see the log)");
-    html_raw(b, "<pre id=\"act-output\">");
+    html_raw(b, "<p id=\"act-actor\">by <b>");
+    html_text(b, who);
+    html_raw(b, "</b></p><pre id=\"act-output\">");
     if (text)
         html_text_n(b, text, len);
     html_raw(b, "</pre><p><a href=\"/groups\">back to the groups</a></p>");
     free(text);
     html_page_end(b);
-    return rc == 0 ? MHD_HTTP_OK : rc == 2 ? MHD_HTTP_BAD_REQUEST : MHD_HTTP_SERVICE_UNAVAILABLE;
+    status = rc == 0 ? MHD_HTTP_OK : rc == 2 ? MHD_HTTP_BAD_REQUEST
+                                              : MHD_HTTP_SERVICE_UNAVAILABLE;
+out:
+    confirm_free(cf); /* one action per dry run */
+    return status;
 }
 
 /* ---- the server ---- */
+
+/* The watch of conn, NULL if it has none. */
+static struct conn_watch *watch_of(struct MHD_Connection *conn)
+{
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(conn, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    return ci ? ci->socket_context : NULL;
+}
 
 /* 127.0.0.0/8, ::1 and ::ffff:127.0.0.0/104 (a v4 client on a v6 socket). */
 static bool client_loopback(struct MHD_Connection *conn)
@@ -919,21 +984,48 @@ static enum MHD_Result refuse(struct MHD_Connection *conn, unsigned status, cons
     return send_html(conn, status, &b);
 }
 
-/* Reading from another address than loopback: HTTP Basic with the token as
- * the password (any user name). */
-static bool remote_allowed(struct console *k, struct MHD_Connection *conn)
+/* True if the request's Host names this console: its listen address,
+ * localhost, 127.0.0.1 or [::1] with its port (the bare name too on port
+ * 80), or one of console.hosts; compared without case. A page of another
+ * site whose name was rebound to 127.0.0.1 sends its own name: refused. */
+static bool host_ok(struct console *k, struct MHD_Connection *conn)
+{
+    const char *h = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Host");
+    static const char *const names[] = {"localhost", "127.0.0.1", "[::1]"};
+    char want[300];
+    if (!h || !*h || strlen(h) > 255)
+        return false;
+    if (strcasecmp(h, k->c->console_listen) == 0)
+        return true;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        snprintf(want, sizeof want, "%s:%d", names[i], k->port);
+        if (strcasecmp(h, want) == 0 || (k->port == 80 && strcasecmp(h, names[i]) == 0))
+            return true;
+    }
+    for (int i = 0; i < k->c->console_hosts.n; i++)
+        if (strcasecmp(h, k->c->console_hosts.v[i]) == 0)
+            return true;
+    return false;
+}
+
+/* HTTP Basic with a token's name as the user name and the token as the
+ * password: 1 when given and right, 0 when not, -1 when guesses are
+ * throttled. */
+static int basic_allowed(struct console *k, struct MHD_Connection *conn)
 {
     char *pass = NULL, *user;
-    bool ok;
-    if (!k->has_token)
-        return false;
+    const char *name = NULL;
+    enum console_auth_result ar = CONSOLE_AUTH_WRONG;
+    if (k->auth.n == 0)
+        return 0;
     user = MHD_basic_auth_get_username_password(conn, &pass);
-    ok = pass && same_secret(pass, k->token);
+    if (user && pass)
+        ar = console_auth_check(&k->auth, user, pass, &name);
     if (user)
         MHD_free(user);
     if (pass)
         MHD_free(pass);
-    return ok;
+    return ar == CONSOLE_AUTH_OK ? 1 : ar == CONSOLE_AUTH_THROTTLED ? -1 : 0;
 }
 
 static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char *url,
@@ -951,7 +1043,27 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
         if (!(q = calloc(1, sizeof *q)))
             return MHD_NO;
         *state = q;
+        if (!host_ok(k, conn)) {
+            static const char msg[] = "this console answers only requests whose Host names it "
+                                      "(its listen address, localhost, console.hosts)\n";
+            q->refused = true;
+            log_warn("console: %s %s refused: Host %.100s is not this console", method, url,
+                     MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Host")
+                         ? MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Host")
+                         : "(none)");
+            return send_page(conn, 421, "text/plain; charset=utf-8", msg, sizeof msg - 1,
+                             false);
+        }
         return MHD_YES;
+    }
+    if (q->refused) { /* the body of a refused request: dropped */
+        *upload_len = 0;
+        return MHD_YES;
+    }
+    if (!*upload_len) { /* the request has arrived whole: it is answered now */
+        struct conn_watch *w = watch_of(conn);
+        if (w)
+            w->since_ms = 0;
     }
     if (*upload_len) { /* a piece of the body */
         if (q->len + *upload_len > BODY_MAX)
@@ -961,11 +1073,17 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
         *upload_len = 0;
         return MHD_YES;
     }
-    if (!client_loopback(conn) && !remote_allowed(k, conn)) {
-        static const char msg[] = "the console answers other addresses than loopback only "
-                                  "with the token of console.token_file (HTTP Basic)\n";
-        return send_page(conn, MHD_HTTP_UNAUTHORIZED, "text/plain; charset=utf-8", msg,
-                         sizeof msg - 1, k->has_token);
+    if (k->c->console_reads_need_token || !client_loopback(conn)) {
+        int ok = basic_allowed(k, conn);
+        static const char msg[] = "this console answers only with a token of "
+                                  "console.token_file (HTTP Basic: its name and the token)\n";
+        static const char slow[] = "too many wrong tokens lately: try again in a minute\n";
+        if (ok < 0)
+            return send_page(conn, MHD_HTTP_TOO_MANY_REQUESTS, "text/plain; charset=utf-8",
+                             slow, sizeof slow - 1, false);
+        if (ok == 0)
+            return send_page(conn, MHD_HTTP_UNAUTHORIZED, "text/plain; charset=utf-8", msg,
+                             sizeof msg - 1, k->auth.n > 0);
     }
     if (strcmp(method, "GET") != 0 && !post)
         return refuse(conn, MHD_HTTP_METHOD_NOT_ALLOWED, "GET or POST only");
@@ -973,7 +1091,7 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
         return send_page(conn, MHD_HTTP_OK, "text/css", html_css, strlen(html_css), false);
     html_init(&b);
     if (post) {
-        char why[200], csrf[40], action[16], group[16];
+        char why[200], csrf[40], action[16], group[16], park[20], key[260], keyhex[520];
         if (strcmp(url, "/confirm") != 0 && strcmp(url, "/act") != 0)
             return refuse(conn, MHD_HTTP_NOT_FOUND, "no such action");
         if (!same_origin(conn, why, sizeof why)) {
@@ -982,20 +1100,48 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
         }
         if (q->too_big)
             return refuse(conn, 413, "form too large");
-        if (!html_form_get(q->body, q->len, "csrf", csrf, sizeof csrf) || !csrf_take(k, csrf)) {
+        if (!html_form_get(q->body, q->len, "csrf", csrf, sizeof csrf))
+            csrf[0] = '\0';
+        if (strcmp(url, "/act") == 0) {
+            /* only the form of a dry run: it names the parks to act on */
+            struct confirm *cf = confirm_find(k, csrf);
+            if (!cf) {
+                log_warn("console: POST /act refused: not the form of an outstanding dry run");
+                return refuse(conn, MHD_HTTP_FORBIDDEN,
+                              "no dry run of this form is outstanding (used, expired or "
+                              "never shown): confirm the action again");
+            }
+            status = page_act(k, cf, q->body, q->len, &b);
+        } else if (!csrf_take(k, csrf)) {
             log_warn("console: POST %s refused: no valid form token", url);
             return refuse(conn, MHD_HTTP_FORBIDDEN,
                           "the form token is missing, used or expired: reload the page");
-        }
-        if (strcmp(url, "/act") == 0) {
-            status = page_act(k, q->body, q->len, &b);
         } else if (!html_form_get(q->body, q->len, "action", action, sizeof action) ||
-                   !action_ok(action) ||
-                   !html_form_get(q->body, q->len, "group", group, sizeof group) ||
-                   !is_group_id(group)) {
-            return refuse(conn, MHD_HTTP_BAD_REQUEST, "an action and a group id are needed");
+                   !action_ok(action)) {
+            return refuse(conn, MHD_HTTP_BAD_REQUEST, "an action is needed");
+        } else if (html_form_get(q->body, q->len, "group", group, sizeof group)) {
+            if (!is_group_id(group))
+                return refuse(conn, MHD_HTTP_BAD_REQUEST, "a group id is 12 hex digits");
+            status = page_confirm(k, action, "group", group, &b);
+        } else if (html_form_get(q->body, q->len, "park", park, sizeof park)) {
+            if (!park[0] || strspn(park, "0123456789") != strlen(park))
+                return refuse(conn, MHD_HTTP_BAD_REQUEST, "a park is its number");
+            status = page_confirm(k, action, "park", park, &b);
+        } else if (html_form_get(q->body, q->len, "keyhex", keyhex, sizeof keyhex)) {
+            size_t n = strlen(keyhex);
+            if (n == 0 || n % 2 || strspn(keyhex, "0123456789abcdef") != n)
+                return refuse(conn, MHD_HTTP_BAD_REQUEST, "keyhex: the key's bytes in hex");
+            for (size_t i = 0; i < n / 2; i++) {
+                unsigned v = 0;
+                sscanf(keyhex + 2 * i, "%2x", &v);
+                key[i] = (char)v;
+            }
+            key[n / 2] = '\0';
+            if (strlen(key) != n / 2)
+                return refuse(conn, MHD_HTTP_BAD_REQUEST, "a key holds no NUL");
+            status = page_confirm(k, action, "key", key, &b);
         } else {
-            status = page_confirm(k, action, group, &b);
+            return refuse(conn, MHD_HTTP_BAD_REQUEST, "a group, a park or a key is needed");
         }
     } else if (strcmp(url, "/") == 0) {
         page_overview(k, &b);
@@ -1004,7 +1150,15 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
     } else if (strcmp(url, "/parked") == 0) {
         page_parked(k, conn, &b);
     } else if (strcmp(url, "/key") == 0) {
-        status = page_key(k, conn, &b);
+        char t[33];
+        csrf_issue(k, t);
+        status = console_pages_key(db_of(k), k->c, arg(conn, "k"), t, &b);
+    } else if (strcmp(url, "/park") == 0) {
+        char t[33];
+        csrf_issue(k, t);
+        status = console_pages_park(db_of(k), k->c, arg(conn, "id"), t, &b);
+    } else if (strcmp(url, "/retrying") == 0) {
+        status = console_pages_retrying(db_of(k), k->c, &b);
     } else if (strcmp(url, "/observe") == 0) {
         status = page_observe(k, conn, &b);
     } else {
@@ -1017,39 +1171,94 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
 static void completed(void *cls, struct MHD_Connection *conn, void **state,
                       enum MHD_RequestTerminationCode why)
 {
-    (void)cls, (void)conn, (void)why;
+    struct conn_watch *w = watch_of(conn);
+    (void)cls, (void)why;
+    if (w && w->used) /* the next request on this connection starts arriving */
+        w->since_ms = now_ms();
     free(*state);
     *state = NULL;
 }
 
-/* The token of path into buf (trailing whitespace cut). */
-static idemq_err_t read_token(const char *path, char *buf, size_t len, char *errbuf,
-                              size_t errlen)
+/* Connections start and end: their watches (the server thread). */
+static void notify_conn(void *cls, struct MHD_Connection *conn, void **ctx,
+                        enum MHD_ConnectionNotificationCode toe)
 {
-    struct stat st;
-    ssize_t got;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        snprintf(errbuf, errlen, "console.token_file %s cannot be read", path);
-        return IDEMQ_ERR_CONFIG;
+    struct console *k = cls;
+    struct conn_watch *w = *ctx;
+    if (toe == MHD_CONNECTION_NOTIFY_CLOSED) {
+        if (w)
+            memset(w, 0, sizeof *w);
+        *ctx = NULL;
+        return;
     }
-    if (fstat(fd, &st) == 0 && (st.st_mode & 077))
-        log_warn("console.token_file %s can be read by others than its owner (chmod 600)",
-                 path);
-    got = read(fd, buf, len - 1);
-    close(fd);
-    if (got < 0)
-        got = 0;
-    buf[got] = '\0';
-    while (got > 0 && (buf[got - 1] == '\n' || buf[got - 1] == '\r' || buf[got - 1] == ' ' ||
-                       buf[got - 1] == '\t'))
-        buf[--got] = '\0';
-    if (got < 8 || strlen(buf) != (size_t)got) {
-        snprintf(errbuf, errlen, "console.token_file %s must hold a secret of 8 to %zu bytes "
-                 "(no NUL)", path, len - 1);
-        return IDEMQ_ERR_CONFIG;
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+    *ctx = NULL;
+    for (int i = 0; ci && i < CONN_MAX + 1; i++)
+        if (!k->watch[i].used) {
+            k->watch[i].used = true;
+            k->watch[i].fd = ci->connect_fd;
+            k->watch[i].since_ms = now_ms();
+            *ctx = &k->watch[i];
+            return;
+        }
+    if (ci) /* more connections than MHD lets in: cannot happen, and is refused */
+        shutdown(ci->connect_fd, SHUT_RDWR);
+}
+
+/* Closes the connections whose request has been arriving for longer than
+ * ARRIVE_MS: an idle timeout alone lets a client that sends a byte now and
+ * then hold a connection slot for ever. busy_ms: how long the thread was
+ * answering (not reading anyone's bytes), added to every clock. */
+static void sweep(struct console *k, long long busy_ms)
+{
+    long long now = now_ms();
+    for (int i = 0; i < CONN_MAX + 1; i++) {
+        struct conn_watch *w = &k->watch[i];
+        if (!w->used || !w->since_ms)
+            continue;
+        if (busy_ms > LOOP_MS)
+            w->since_ms += busy_ms;
+        if (now - w->since_ms > ARRIVE_MS) {
+            shutdown(w->fd, SHUT_RDWR); /* MHD sees the end and closes it */
+            w->since_ms = 0;
+        }
     }
-    return IDEMQ_OK;
+}
+
+/* The console's thread: MHD's select loop, and the sweep. Connections are
+ * opened, answered, swept and closed here only, so a watched fd is open
+ * whenever the sweep sees it. */
+static void *serve(void *arg)
+{
+    struct console *k = arg;
+    while (!atomic_load(&k->stop)) {
+        fd_set rs, ws, es;
+        MHD_socket max = 0;
+        MHD_UNSIGNED_LONG_LONG to = 0;
+        struct timeval tv = {0, LOOP_MS * 1000};
+        long long t0;
+        FD_ZERO(&rs);
+        FD_ZERO(&ws);
+        FD_ZERO(&es);
+        if (MHD_get_fdset(k->d, &rs, &ws, &es, &max) != MHD_YES) {
+            log_error("console: cannot poll its sockets; the console stops");
+            break;
+        }
+        if (MHD_get_timeout(k->d, &to) == MHD_YES && to < LOOP_MS)
+            tv.tv_usec = (suseconds_t)to * 1000;
+        if (select(max + 1, &rs, &ws, &es, &tv) < 0) {
+            if (errno != EINTR) {
+                log_error("console: select: %s; the console stops", strerror(errno));
+                break;
+            }
+            continue;
+        }
+        t0 = now_ms();
+        MHD_run_from_select(k->d, &rs, &ws, &es);
+        sweep(k, now_ms() - t0);
+    }
+    return NULL;
 }
 
 idemq_err_t console_start(const struct conf *c, struct worker *ws, int n, struct gauges *g,
@@ -1074,26 +1283,35 @@ idemq_err_t console_start(const struct conf *c, struct worker *ws, int n, struct
         return IDEMQ_ERR_NOMEM;
     }
     k->c = c;
+    k->port = port;
     k->cc = *c;
     k->cc.statement_timeout_ms = c->console_statement_timeout_ms;
+    if (c->console_operator_broker_url[0]) { /* actions publish as the operator */
+        k->op_url[0] = c->console_operator_broker_url;
+        k->cc.urls.v = k->op_url;
+        k->cc.urls.n = 1;
+    }
     k->ws = ws;
     k->n = n;
     k->g = g;
     if (c->console_token_file[0]) {
-        idemq_err_t e = read_token(c->console_token_file, k->token, sizeof k->token, errbuf,
-                                   errlen);
+        idemq_err_t e = console_auth_load(&k->auth, c->console_token_file, errbuf, errlen);
         if (e) {
             free(k);
             return e;
         }
-        k->has_token = true;
+    } else if (c->console_reads_need_token) {
+        snprintf(errbuf, errlen, "console.reads_need_token needs console.token_file");
+        free(k);
+        return IDEMQ_ERR_CONFIG;
     }
-    /* One thread: requests are served one at a time, so the console's
-     * session and form tokens need no lock, and a slow action delays only
-     * other console pages (never /metrics, never a worker). */
-    k->d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD, 0, NULL, NULL, answer, k,
+    /* One thread (serve): requests are served one at a time, so the
+     * console's session and form tokens need no lock, and a slow action
+     * delays only other console pages (never /metrics, never a worker). */
+    k->d = MHD_start_daemon(0, 0, NULL, NULL, answer, k,
                             MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
                             MHD_OPTION_NOTIFY_COMPLETED, completed, k,
+                            MHD_OPTION_NOTIFY_CONNECTION, notify_conn, k,
                             MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)CONN_TIMEOUT_S,
                             MHD_OPTION_CONNECTION_LIMIT, (unsigned int)CONN_MAX,
                             MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned int)CONN_PER_IP,
@@ -1103,6 +1321,12 @@ idemq_err_t console_start(const struct conf *c, struct worker *ws, int n, struct
         free(k);
         return IDEMQ_ERR_CONFIG;
     }
+    if (pthread_create(&k->thread, NULL, serve, k) != 0) {
+        snprintf(errbuf, errlen, "cannot start the console's thread");
+        MHD_stop_daemon(k->d);
+        free(k);
+        return IDEMQ_ERR_NOMEM;
+    }
     *out = k;
     return IDEMQ_OK;
 }
@@ -1111,9 +1335,13 @@ void console_stop(struct console *k)
 {
     if (!k)
         return;
+    atomic_store(&k->stop, true);
+    pthread_join(k->thread, NULL); /* within LOOP_MS, or the request in progress */
     MHD_stop_daemon(k->d);
     if (k->db)
         PQfinish(k->db);
-    memset(k->token, 0, sizeof k->token);
+    console_auth_clear(&k->auth);
+    for (int i = 0; i < CONFIRM_SLOTS; i++)
+        confirm_free(&k->confirm[i]);
     free(k);
 }

@@ -12,24 +12,14 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "textesc.h"
 
-/* Copies s into buf with what could steer a terminal escaped: C0 and C1
- * control characters and DEL as \xHH, a backslash as \\ (keys and reasons
- * come from producers). Truncates to len. */
+/* s in its terminal form (textesc_term: controls, C1 controls, invisible
+ * characters and bytes that are not UTF-8 as \xHH of each byte; keys and
+ * reasons come from producers) into buf. */
 static const char *esc(const char *s, char *buf, size_t len)
 {
-    size_t o = 0;
-    const unsigned char *p = (const unsigned char *)(s ? s : "-");
-    for (; *p && o + 5 < len; p++) {
-        if (*p < 0x20 || *p == 0x7f || (*p == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f))
-            o += (size_t)snprintf(buf + o, len - o, "\\x%02x", *p);
-        else if (*p == '\\')
-            o += (size_t)snprintf(buf + o, len - o, "\\\\");
-        else
-            buf[o++] = (char)*p;
-    }
-    buf[o] = '\0';
-    return buf;
+    return textesc_term(s, buf, len);
 }
 
 /* The input name of a source queue (the queue itself if no input has it). */
@@ -160,19 +150,25 @@ static void record_moved(void *arg, const char *key, long long park_id)
     const char *params[3] = {m->action_id, id, key};
     PGresult *r;
     snprintf(id, sizeof id, "%lld", park_id);
-    r = PQexecParams(m->db,
-                     "WITH k AS (INSERT INTO idemq.operator_action_keys (action_id, park_id, key,"
-                     " outcome) VALUES ($1::bigint, $2::bigint, $3, 'redriven')"
-                     " ON CONFLICT DO NOTHING RETURNING 1)"
-                     " UPDATE idemq.operator_actions SET done = done + (SELECT count(*) FROM k)"
-                     " WHERE id = $1::bigint",
-                     3, NULL, params, NULL, NULL, 0);
-    if (PQresultStatus(r) != PGRES_COMMAND_OK)
+    r = PQexecParams(m->db, "SELECT idemq.ops_action_moved($1::bigint, $2::bigint, $3)", 3,
+                     NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(r) != PGRES_TUPLES_OK)
         log_warn("redriven park #%s not recorded in operator action #%s: %s", id, m->action_id,
                  PQerrorMessage(m->db));
     else
         m->recorded++;
     PQclear(r);
+}
+
+/* ids[0..n) as a PostgreSQL array literal into out (n * 21 + 3 bytes). */
+static void ids_literal(const long long *ids, size_t n, char *out)
+{
+    char *p = out;
+    *p++ = '{';
+    for (size_t j = 0; j < n; j++)
+        p += sprintf(p, "%s%lld", j ? "," : "", ids[j]);
+    *p++ = '}';
+    *p = '\0';
 }
 
 /* Sleeps until `done` parks at `rate` per second have had their time since t0. */
@@ -193,7 +189,8 @@ int groups_act(const struct conf *c, const char *action, const struct ops_filter
                const char *group, const char *reason, const char *actor, FILE *out)
 {
     char queue[300], limit[24], who[256], sel[1024], b1[512], b2[512], action_id[24] = "";
-    const char *params[6];
+    char *only = NULL; /* f->park_ids as an array literal */
+    const char *params[7];
     long long *ids = NULL;
     PGconn *db;
     PGresult *r = NULL;
@@ -210,7 +207,7 @@ int groups_act(const struct conf *c, const char *action, const struct ops_filter
         fprintf(stderr, "idemq: parked %s needs --reason TEXT\n", action);
         return 2;
     }
-    if (!group && !f->input && !f->key && !f->error_class && !f->since) {
+    if (!group && !f->input && !f->key && !f->error_class && !f->since && !f->park_ids) {
         fprintf(stderr, "idemq: parked %s needs --group ID or a filter (--input, --key, "
                         "--class, --since)\n", action);
         return 2;
@@ -235,8 +232,21 @@ int groups_act(const struct conf *c, const char *action, const struct ops_filter
     params[3] = queue[0] ? queue : NULL;
     params[4] = group;
     params[5] = limit;
-    r = PQexecParams(db, "SELECT id, key, redrivable" GROUPS_FROM " ORDER BY id LIMIT $6::bigint",
-                     6, NULL, params, NULL, NULL, 0);
+    if (f->park_ids) {
+        if (!(only = malloc(f->n_park_ids * 21 + 3))) {
+            log_error("out of memory");
+            rc = 1;
+            goto out;
+        }
+        ids_literal(f->park_ids, f->n_park_ids, only);
+        snprintf(sel + strlen(sel), sizeof sel - strlen(sel), "; the %zu parks of a dry run",
+                 f->n_park_ids);
+    }
+    params[6] = only;
+    r = PQexecParams(db, "SELECT id, key, redrivable" GROUPS_FROM
+                         " AND ($7::bigint[] IS NULL OR id = ANY ($7::bigint[]))"
+                         " ORDER BY id LIMIT $6::bigint",
+                     7, NULL, params, NULL, NULL, 0);
     if (PQresultStatus(r) != PGRES_TUPLES_OK) {
         log_error("cannot select parked messages: %s", PQerrorMessage(db));
         rc = PQstatus(db) == CONNECTION_OK ? 2 : 4;
@@ -250,6 +260,15 @@ int groups_act(const struct conf *c, const char *action, const struct ops_filter
     }
     for (long i = 0; i < n; i++)
         ids[i] = atoll(PQgetvalue(r, (int)i, 0)); /* ascending: ORDER BY id */
+    if (f->ids_out && n > 0) {
+        if (!(*f->ids_out = malloc((size_t)n * sizeof **f->ids_out))) {
+            log_error("out of memory");
+            rc = 1;
+            goto out;
+        }
+        memcpy(*f->ids_out, ids, (size_t)n * sizeof *ids);
+        *f->n_ids_out = (size_t)n;
+    }
     fprintf(out, "%s selects %ld open park%s (%s)\n", group ? "the group" : "the filter", n,
             n == 1 ? "" : "s", sel);
     if (n == 0)
@@ -274,10 +293,8 @@ int groups_act(const struct conf *c, const char *action, const struct ops_filter
         const char *ap[5] = {action, who, reason, sel, selected};
         PGresult *a;
         snprintf(selected, sizeof selected, "%ld", n);
-        a = PQexecParams(db,
-                         "INSERT INTO idemq.operator_actions (action, actor, reason, selection,"
-                         " selected) VALUES ($1, $2, $3, $4, $5::integer) RETURNING id",
-                         5, NULL, ap, NULL, NULL, 0);
+        a = PQexecParams(db, "SELECT idemq.ops_action_begin($1, $2, $3, $4, $5::integer)", 5,
+                         NULL, ap, NULL, NULL, 0);
         if (PQresultStatus(a) != PGRES_TUPLES_OK) {
             log_error("cannot record the action (nothing done): %s", PQerrorMessage(db));
             PQclear(a);
@@ -308,7 +325,7 @@ int groups_act(const struct conf *c, const char *action, const struct ops_filter
         clock_gettime(CLOCK_MONOTONIC, &t0);
         for (long i = 0; i < n; i += GROUPS_STEP) {
             long k = n - i < GROUPS_STEP ? n - i : GROUPS_STEP;
-            char *arr = malloc((size_t)k * 21 + 3), *p;
+            char *arr = malloc((size_t)k * 21 + 3);
             const char *sp[5] = {action_id, NULL, action, who, reason};
             PGresult *s;
             if (!arr) {
@@ -316,12 +333,7 @@ int groups_act(const struct conf *c, const char *action, const struct ops_filter
                 rc = 1;
                 break;
             }
-            p = arr;
-            *p++ = '{';
-            for (long j = 0; j < k; j++)
-                p += sprintf(p, "%s%lld", j ? "," : "", ids[i + j]);
-            *p++ = '}';
-            *p = '\0';
+            ids_literal(ids + i, (size_t)k, arr);
             sp[1] = arr;
             s = PQexecParams(db,
                              "SELECT idemq.ops_close_parks($1::bigint, $2::bigint[], $3, $4, $5)",
@@ -345,14 +357,17 @@ int groups_act(const struct conf *c, const char *action, const struct ops_filter
     }
     if (action_id[0]) {
         const char *fp[1] = {action_id};
-        PQclear(PQexecParams(db,
-                             "UPDATE idemq.operator_actions SET finished_at = clock_timestamp()"
-                             " WHERE id = $1::bigint",
-                             1, NULL, fp, NULL, NULL, 0));
+        PGresult *e = PQexecParams(db, "SELECT idemq.ops_action_finish($1::bigint)", 1, NULL,
+                                   fp, NULL, NULL, 0);
+        if (PQresultStatus(e) != PGRES_TUPLES_OK)
+            log_warn("operator action #%s: its end not recorded: %s", action_id,
+                     PQerrorMessage(db));
+        PQclear(e);
         fprintf(out, "recorded as operator action #%s (%s, %ld of %ld parks)\n", action_id,
                 action, done, n);
     }
 out:
+    free(only);
     free(ids);
     PQclear(r);
     PQfinish(db);

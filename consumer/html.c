@@ -3,6 +3,7 @@
  * console (see html.h).
  */
 #include "html.h"
+#include "textesc.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -87,46 +88,15 @@ void html_printf(struct html *b, const char *fmt, ...)
     b->n += (size_t)k;
 }
 
-/* The length of the valid UTF-8 sequence at s (of at most left bytes) and
- * its code point, or 0 when it is not one (overlong, surrogate, past
- * U+10FFFF, truncated). */
-static size_t utf8_seq(const unsigned char *s, size_t left, uint32_t *cp)
-{
-    size_t len;
-    uint32_t c, min;
-    if (s[0] < 0x80) {
-        *cp = s[0];
-        return 1;
-    } else if ((s[0] & 0xe0) == 0xc0) {
-        len = 2, c = s[0] & 0x1f, min = 0x80;
-    } else if ((s[0] & 0xf0) == 0xe0) {
-        len = 3, c = s[0] & 0x0f, min = 0x800;
-    } else if ((s[0] & 0xf8) == 0xf0) {
-        len = 4, c = s[0] & 0x07, min = 0x10000;
-    } else {
-        return 0;
-    }
-    if (len > left)
-        return 0;
-    for (size_t i = 1; i < len; i++) {
-        if ((s[i] & 0xc0) != 0x80)
-            return 0;
-        c = (c << 6) | (s[i] & 0x3f);
-    }
-    if (c < min || c > 0x10ffff || (c >= 0xd800 && c <= 0xdfff))
-        return 0;
-    *cp = c;
-    return len;
-}
-
 void html_text_n(struct html *b, const char *s, size_t len)
 {
     const unsigned char *p = (const unsigned char *)s;
     size_t i = 0, run = 0; /* bytes at p[i - run .. i) to copy as they are */
     while (i < len) {
         uint32_t cp = 0;
-        size_t k = utf8_seq(p + i, len - i, &cp);
+        size_t k = textesc_utf8(p + i, len - i, &cp);
         const char *rep = NULL;
+        char inv[16];
         if (k == 0) {
             rep = REPLACEMENT;
             k = 1;
@@ -140,9 +110,11 @@ void html_text_n(struct html *b, const char *s, size_t len)
             rep = "&quot;";
         } else if (cp == '\'') {
             rep = "&#39;";
-        } else if ((cp < 0x20 && cp != '\t' && cp != '\n') || (cp >= 0x7f && cp <= 0x9f) ||
-                   cp == 0x2028 || cp == 0x2029) {
+        } else if ((cp < 0x20 && cp != '\t' && cp != '\n') || (cp >= 0x7f && cp <= 0x9f)) {
             rep = REPLACEMENT;
+        } else if (textesc_invisible(cp)) { /* shown, as \u and its hex digits */
+            snprintf(inv, sizeof inv, "\\u%04x", (unsigned)cp);
+            rep = inv;
         }
         if (rep) {
             put(b, (const char *)p + i - run, run);
@@ -161,6 +133,19 @@ void html_text(struct html *b, const char *s)
     if (!s)
         s = "-";
     html_text_n(b, s, strlen(s));
+}
+
+void html_text_capped(struct html *b, const char *s, size_t max)
+{
+    size_t n = s ? strlen(s) : 0;
+    if (n <= max) {
+        html_text(b, s);
+        return;
+    }
+    while (max > 0 && ((unsigned char)s[max] & 0xc0) == 0x80)
+        max--;
+    html_text_n(b, s, max);
+    html_raw(b, "&hellip;");
 }
 
 void html_url(struct html *b, const char *s)
@@ -206,6 +191,15 @@ const char html_css[] =
     "border-radius:6px;padding:.8rem;margin:0}"
     ".ok{color:var(--ok);font-weight:600}.bad{color:var(--bad);font-weight:600}"
     ".mut{color:var(--mut)}"
+    "td{overflow-wrap:break-word}td.k,td.txt,td .txt,td .mut{overflow-wrap:anywhere}"
+    "td.k{max-width:22rem}td.keys{min-width:10rem}td.txt{min-width:14rem}"
+    "td.gid{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:.85rem;white-space:nowrap}"
+    "td.act{white-space:nowrap;width:1%}"
+    ".actions{display:flex;flex-wrap:wrap;gap:.3rem;margin:.6rem 0}"
+    "table.kv th{width:11rem;white-space:nowrap}"
+    "pre.body{max-height:32rem;overflow:auto;margin-bottom:1rem}"
+    ".tag{display:inline-block;padding:0 .4rem;border-radius:4px;background:#e8ecf2;"
+    "font-size:.8rem;white-space:nowrap}.tag.ok{background:#e2f3e7}.tag.bad{background:#f7e1e1}"
     "form.inline{display:inline}"
     "form.filters{display:flex;flex-wrap:wrap;gap:.5rem;align-items:end;margin-bottom:1rem}"
     "label{display:flex;flex-direction:column;font-size:.85rem;color:var(--mut)}"
@@ -230,7 +224,8 @@ const char html_css[] =
 void html_page_start(struct html *b, const char *title, const char *nav)
 {
     static const char *const items[][2] = {
-        {"overview", "/"}, {"groups", "/groups"}, {"parked", "/parked"}, {"observe", "/observe"}};
+        {"overview", "/"},       {"groups", "/groups"},   {"parked", "/parked"},
+        {"retrying", "/retrying"}, {"observe", "/observe"}};
     html_raw(b, "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
                 "<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\">"
                 "<title>");

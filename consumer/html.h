@@ -49,6 +49,11 @@ void html_text(struct html *b, const char *s);
  * html_text, e.g. a message body. */
 void html_text_n(struct html *b, const char *s, size_t len);
 
+/* html_text of at most max bytes of s (cut before a character that does
+ * not fit), then an ellipsis when it was cut: long keys and reasons in
+ * table cells. */
+void html_text_capped(struct html *b, const char *s, size_t max);
+
 /* Appends s percent-encoded for a URL query value (unreserved characters
  * A-Z a-z 0-9 - . _ ~ kept, all else %XX): safe in an href as is. */
 void html_url(struct html *b, const char *s);

@@ -700,7 +700,7 @@ static int cmd_run(const struct conf *c, long until_idle_s)
                      c->metrics_listen);
     }
     if (c->console_listen[0]) { /* the web console */
-        char err[256];
+        char err[512];
         if (console_start(c, ws, c->workers, gauges, &console, err, sizeof err))
             log_error("%s (running without the console)", err);
         else

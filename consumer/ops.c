@@ -18,6 +18,7 @@
 #include "ledger_outbox.h"
 #include "log.h"
 #include "observe.h"
+#include "textesc.h"
 #include "republish.h"
 #include "resolve.h"
 #include "seal.h"
@@ -39,35 +40,6 @@ const char *ops_val(const PGresult *r, int row, int col)
     return PQgetisnull(r, row, col) ? "-" : PQgetvalue(r, row, col);
 }
 
-/* Bytes of the escaped form of s[0..n) that the next sequence takes
- * (*k: its length in s); writes it to out when out is not NULL. */
-static size_t esc_one(const unsigned char *s, size_t n, size_t *k, char *out)
-{
-    char tmp[16];
-    size_t len = job_utf8_seq(s, n), w;
-    *k = len ? len : 1;
-    if (len == 1 && s[0] >= 0x20 && s[0] != 0x7f && s[0] != '\\') {
-        if (out)
-            out[0] = (char)s[0];
-        return 1;
-    }
-    if (len > 1 && !(len == 2 && s[0] == 0xc2 && s[1] < 0xa0)) {
-        if (out)
-            memcpy(out, s, len);
-        return len;
-    }
-    if (len == 1 && (s[0] == '\n' || s[0] == '\r' || s[0] == '\t' || s[0] == '\\'))
-        w = (size_t)snprintf(tmp, sizeof tmp, "\\%c",
-                             s[0] == '\n' ? 'n' : s[0] == '\r' ? 'r' : s[0] == '\t' ? 't' : '\\');
-    else if (len == 2) /* a C1 control */
-        w = (size_t)snprintf(tmp, sizeof tmp, "\\x%02x\\x%02x", s[0], s[1]);
-    else /* a control byte, NUL aside, or one that is not UTF-8 */
-        w = (size_t)snprintf(tmp, sizeof tmp, "\\x%02x", s[0]);
-    if (out)
-        memcpy(out, tmp, w);
-    return w;
-}
-
 const char *ops_text(struct ops_strs *a, const char *s)
 {
     const unsigned char *u = (const unsigned char *)s;
@@ -76,7 +48,7 @@ const char *ops_text(struct ops_strs *a, const char *s)
     bool same = true;
 
     for (size_t i = 0; i < n; i += k) {
-        size_t w = esc_one(u + i, n - i, &k, NULL);
+        size_t w = textesc_term_one(u + i, n - i, &k, NULL);
         same = same && w == k;
         need += w;
     }
@@ -93,7 +65,7 @@ const char *ops_text(struct ops_strs *a, const char *s)
         return "?";
     need = 0;
     for (size_t i = 0; i < n; i += k)
-        need += esc_one(u + i, n - i, &k, copy + need);
+        need += textesc_term_one(u + i, n - i, &k, copy + need);
     copy[need] = '\0';
     a->v[a->n++] = copy;
     return copy;

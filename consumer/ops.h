@@ -30,6 +30,11 @@ struct ops_filter {
     size_t n_park_ids;
     void (*on_moved)(void *moved_arg, const char *key, long long park_id);
     void *moved_arg;
+    /* groups_act: when set, the selected park ids (ascending, malloc'd; the
+     * caller frees them, NULL when none) into *ids_out and their count into
+     * *n_ids_out; a set park_ids also restricts its selection to them. */
+    long long **ids_out;
+    size_t *n_ids_out;
 };
 
 /* A session for an operator command: application name app, statement
@@ -47,11 +52,13 @@ struct ops_strs {
 };
 
 /*
- * s made safe for a terminal line: control bytes (below 0x20, 0x7f), the
- * C1 controls U+0080..U+009F (a terminal may take U+009B as CSI), bytes
- * that are not UTF-8, and the backslash are written as \n, \r, \t, \\
- * or \xNN, so stored text (a key, a provider's answer, a reason) can
- * neither start a line nor send an escape sequence. Returns s itself when
+ * s made safe for a terminal line (textesc_term_one): control bytes
+ * (below 0x20, 0x7f), the C1 controls U+0080..U+009F (a terminal may take
+ * U+009B as CSI), invisible characters (bidirectional overrides,
+ * zero-width characters: textesc_invisible), bytes that are not UTF-8, and
+ * the backslash are written as \n, \r, \t, \\ or \xNN of each byte, so
+ * stored text (a key, a provider's answer, a reason) can neither start a
+ * line, send an escape sequence nor reorder or hide what is printed. Returns s itself when
  * nothing needs escaping, else a copy owned by a (freed by
  * ops_strs_free); "?" when out of memory. Not thread-safe per a.
  */

@@ -544,8 +544,11 @@ $fn$;
 -- too large, undecodable), or a job that failed in every mode
 -- (unprocessable): no job row is claimed, what is known of the message is
 -- kept: p_body (the whole body, or a prefix when p_body_size is larger),
--- p_sha (SHA-256 of the whole body as received; NULL = of p_body). Returns
--- the park's facts.
+-- p_sha (SHA-256 of the whole body as received; NULL = of p_body). A
+-- forged_redrive park is never redrivable, whatever p_redrivable says: its
+-- body is whatever a producer sent with a made-up x-idemq-generation, and
+-- its sealed dead-letter copy, redriven, would be applied as the key's
+-- redrive. Returns the park's facts.
 CREATE OR REPLACE FUNCTION idemq.park_message(
     p_key text, p_queue text, p_exchange text, p_routing_key text, p_body bytea,
     p_headers jsonb, p_properties jsonb, p_code text, p_reason text, p_consumer text,
@@ -561,7 +564,8 @@ AS $fn$
         VALUES (p_key, p_queue, p_exchange, p_routing_key, p_body, p_headers, p_properties,
             coalesce(p_sha, encode(sha256(p_body), 'hex')), 'permanent', p_code, p_reason, 1,
             clock_timestamp(), clock_timestamp(), p_consumer,
-            coalesce(p_body_size, octet_length(p_body)), p_redrivable)
+            coalesce(p_body_size, octet_length(p_body)),
+            p_redrivable AND p_code IS DISTINCT FROM 'forged_redrive')
         RETURNING *)
     SELECT jsonb_build_object(
         'park_id', p.id, 'key', p.key, 'error_class', p.error_class,

@@ -88,3 +88,54 @@ BEGIN
     RETURN v_n;
 END
 $fn$;
+
+-- An operator action begins (`idemq parked redrive|discard|archive`, the
+-- console's actions): its row in idemq.operator_actions, before anything
+-- is done. Returns its id. The operator's role writes the audit trail only
+-- through these functions (SECURITY DEFINER, ledger/privileges.sql).
+CREATE OR REPLACE FUNCTION idemq.ops_action_begin(p_action text, p_actor text, p_reason text,
+                                                  p_selection text, p_selected integer)
+RETURNS bigint LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_id bigint;
+BEGIN
+    IF p_action NOT IN ('redrive', 'discard', 'archive') THEN
+        RAISE EXCEPTION 'unknown park action %', p_action USING ERRCODE = '22023';
+    END IF;
+    INSERT INTO idemq.operator_actions (action, actor, reason, selection, selected)
+    VALUES (p_action, p_actor, p_reason, p_selection, p_selected)
+    RETURNING id INTO v_id;
+    RETURN v_id;
+END
+$fn$;
+
+-- A park of a redrive action moved: its dead-letter copy was published
+-- back (confirmed) and acknowledged. One operator_action_keys row per park
+-- (a repeat is ignored) and the action's done count. Returns 1 when
+-- recorded, 0 when it was already.
+CREATE OR REPLACE FUNCTION idemq.ops_action_moved(p_action_id bigint, p_park_id bigint,
+                                                  p_key text)
+RETURNS integer LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_n integer;
+BEGIN
+    PERFORM 1 FROM idemq.operator_actions a
+     WHERE a.id = p_action_id AND a.action = 'redrive' AND a.finished_at IS NULL;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'no redrive action % in progress', p_action_id USING ERRCODE = '22023';
+    END IF;
+    INSERT INTO idemq.operator_action_keys (action_id, park_id, key, outcome)
+    VALUES (p_action_id, p_park_id, p_key, 'redriven')
+    ON CONFLICT DO NOTHING;
+    GET DIAGNOSTICS v_n = ROW_COUNT;
+    UPDATE idemq.operator_actions a SET done = a.done + v_n WHERE a.id = p_action_id;
+    RETURN v_n;
+END
+$fn$;
+
+-- An operator action ends (whatever it managed: done says how much).
+CREATE OR REPLACE FUNCTION idemq.ops_action_finish(p_action_id bigint)
+RETURNS void LANGUAGE sql AS $fn$
+    UPDATE idemq.operator_actions SET finished_at = clock_timestamp()
+     WHERE id = p_action_id AND finished_at IS NULL;
+$fn$;

@@ -39,7 +39,11 @@ BEGIN
                -- write: `resolve` of a provider key, `archive export`
                'rescue_take', 'rescue_record', 'provider_resolve', 'archive_exported',
                -- observe mode of run (issue 20)
-               'observe_batch'])
+               'observe_batch',
+               -- operator actions on parks, of the CLI and the console:
+               -- the audit trail and the closing of parks
+               'ops_action_begin', 'ops_action_moved', 'ops_action_finish',
+               'ops_close_parks'])
     LOOP
         EXECUTE format('ALTER FUNCTION %s SECURITY DEFINER '
                        'SET search_path = pg_catalog, idemq, pg_temp', f);

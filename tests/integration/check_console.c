@@ -11,7 +11,11 @@
 #include <check.h>
 
 #include "check_run.h"
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <stdint.h>
+#include <sys/socket.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,7 +26,9 @@
 #include "itest.h"
 
 #define EFFECTS_FOR "SELECT count(*) FROM idemq_test.effects WHERE key = $1"
-#define TOKEN "console-test-token-4f1c"
+#define TOKEN "console-test-token-4f1c-9a8b7c6d5e4f3a2b"
+#define TOKEN_ALICE "alice-5b0e9c1d7a2f4e6b8c3d1a0f9e8d7c6b"
+#define TOKEN_BOB "bob-1d2c3b4a5f6e7d8c9b0a1f2e3d4c5b6a7"
 
 static const char *effect_sql =
     "CREATE TABLE IF NOT EXISTS idemq_test.console_broken (test text PRIMARY KEY);"
@@ -43,8 +49,9 @@ static long long mono_ms(void)
 START_TEST(test_console_browser)
 {
     struct itest t;
-    char extra[1024], tokfile[256], url[128], body[512], sql[512], a[3][160], hostile[200];
-    char group[16], cmd[4096], page[65536], obs[200];
+    char extra[1024], tokfile[256], url[128], body[1024], sql[512], a[3][160], hostile[200];
+    char group[16], cmd[4096], page[65536], obs[200], late[1024], bidi[200], longkey[300];
+    char nokey_park[24], retrying[200];
     const char *bodies[1] = {body};
     const char *shots = getenv("IDEMQ_CONSOLE_SHOTS");
     int port = itest_free_port(), rc;
@@ -58,7 +65,7 @@ START_TEST(test_console_browser)
                   "scripts/setup");
     snprintf(tokfile, sizeof tokfile, "/tmp/idemq-console-token-%d", (int)getpid());
     ck_assert_ptr_nonnull(f = fopen(tokfile, "w"));
-    fprintf(f, "%s\n", TOKEN);
+    fprintf(f, "# name token\nbrowser-test %s\nother %s\n", TOKEN, TOKEN_BOB);
     fclose(f);
     snprintf(extra, sizeof extra,
              "console: { listen = \"127.0.0.1:%d\"; token_file = \"%s\"; "
@@ -81,10 +88,27 @@ START_TEST(test_console_browser)
     snprintf(body, sizeof body,
              "{\"job_id\":\"%s:<script>alert(1)</script>\\\"'&\",\"raise\":\"22023\"}", t.name);
     itest_publish(&t, bodies, 1);
+    /* a key with a right-to-left override: it would show "...exe.txt" */
+    snprintf(bidi, sizeof bidi, "%s:inv\xe2\x80\xaetxt.exe", t.name);
+    snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"raise\":\"23514\"}", bidi);
+    itest_publish(&t, bodies, 1);
+    /* a message without a key (a body that is not JSON) */
+    snprintf(body, sizeof body, "{\"job_id\": nope %s", t.name);
+    itest_publish(&t, bodies, 1);
+    /* a long key with a long reason, in a group of its own */
+    snprintf(longkey, sizeof longkey, "%s:long-", t.name);
+    while (strlen(longkey) < 240)
+        strcat(longkey, "k");
+    snprintf(body, sizeof body,
+             "{\"job_id\":\"%s\",\"test\":\"%s\",\"order\":\"%0300d\",\"limit\":1}",
+             longkey, t.name, 0);
+    for (char *c = strstr(body, "\"order\":\"") + 9; *c == '0'; c++)
+        *c = 'x';
+    itest_publish(&t, bodies, 1);
     itest_run_until_idle(&t, 2);
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE source_queue = $1",
                                 t.name),
-                     4);
+                     7);
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", hostile),
                      1);
     itest_text(&t,
@@ -103,6 +127,18 @@ START_TEST(test_console_browser)
                " o.outcome, o.code, NULL, NULL, false, 'check_console' FROM o,"
                " generate_series(1, o.n) g RETURNING 1) SELECT count(*) FROM ins",
                obs);
+    /* a job retrying now: its row and its last attempt, as a transient
+     * failure leaves them (no copy is needed: the page reads the ledger) */
+    snprintf(retrying, sizeof retrying, "%s:retrying", t.name);
+    itest_long(&t,
+               "WITH j AS (INSERT INTO idemq.jobs (key, state, source_queue, payload_sha256,"
+               " attempts) VALUES ($1, 'retrying', split_part($1, ':', 1), 'x', 2) RETURNING 1),"
+               " a AS (INSERT INTO idemq.attempts (key, attempt, outcome, started_at, finished_at,"
+               " error_class, sqlstate, message, delay_ms) VALUES ($1, 2, 'transient_error',"
+               " now(), now(), 'transient', '40001', 'could not serialize access', 4000)"
+               " RETURNING 1) SELECT (SELECT count(*) FROM j) + (SELECT count(*) FROM a)",
+               retrying);
+    setenv("CONSOLE_RETRYING_KEY", retrying, 1);
     /* the cause fixed; the daemon runs with its console */
     snprintf(sql, sizeof sql, "DELETE FROM idemq_test.console_broken WHERE test = '%s'", t.name);
     itest_sql(&t, sql);
@@ -121,11 +157,29 @@ START_TEST(test_console_browser)
 
     setenv("CONSOLE_URL", url, 1);
     setenv("CONSOLE_TOKEN", TOKEN, 1);
+    setenv("CONSOLE_TOKEN_OTHER", TOKEN_BOB, 1);
     setenv("CONSOLE_GROUP", group, 1);
     setenv("CONSOLE_KEY", a[0], 1);
     setenv("CONSOLE_SCRIPT_KEY", hostile, 1);
+    setenv("CONSOLE_BIDI_KEY", bidi, 1);
+    setenv("CONSOLE_LONG_KEY", longkey, 1);
+    snprintf(nokey_park, sizeof nokey_park, "%ld",
+             itest_long(&t, "SELECT max(id) FROM idemq.parked WHERE source_queue = $1 AND"
+                            " key IS NULL",
+                        t.name));
+    setenv("CONSOLE_NOKEY_PARK", nokey_park, 1);
     setenv("CONSOLE_EXPECT", "3", 1);
     setenv("CONSOLE_OBSERVE_INPUT", obs, 1);
+    /* a park of the same group that appears between the dry run and the
+     * action: the action must leave it for the next dry run */
+    snprintf(late, sizeof late,
+             "INSERT INTO idemq.parked (key, source_queue, exchange, routing_key, body, headers,"
+             " properties, payload_sha256, error_class, error_code, sqlstate, reason, attempts)"
+             " SELECT '%s:late', source_queue, exchange, routing_key, body, headers, properties,"
+             " payload_sha256, error_class, error_code, sqlstate, reason, attempts"
+             " FROM idemq.parked WHERE key = '%s'",
+             t.name, a[0]);
+    setenv("CONSOLE_LATE_PARK_SQL", late, 1);
     setenv("SHOTS_DIR", shots ? shots : "", 1);
     snprintf(cmd, sizeof cmd, "cd '%s/tests/browser' && timeout 90 node console.test.mjs",
              IDEMQ_SOURCE_DIR);
@@ -147,6 +201,12 @@ START_TEST(test_console_browser)
         usleep(100 * 1000);
     for (int i = 0; i < 3; i++)
         ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, a[i]), 1);
+    /* the park that appeared after the dry run is still open, untouched */
+    snprintf(sql, sizeof sql, "%s:late", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", sql), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.operator_action_keys WHERE"
+                                    " key = $1", sql),
+                     0);
     /* the hostile key's group discarded through the console */
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", hostile),
                      0);
@@ -161,6 +221,17 @@ START_TEST(test_console_browser)
                                     " 'discarded'",
                                 hostile),
                      1);
+    /* one message archived from its page, one key discarded from its page */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.park_history WHERE id ="
+                                    " $1::bigint AND resolution = 'archived: no key' AND"
+                                    " resolved_by = 'console:browser-test'",
+                                nokey_park),
+                     1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.park_history WHERE key = $1 AND"
+                                    " resolution = 'discarded: bidi key' AND resolved_by ="
+                                    " 'console:other'",
+                                bidi),
+                     1);
     kill(pid, SIGTERM); /* drains and exits 0 (under ASan: no leak either) */
     rc = itest_wait(pid, itest_ms(15000));
     ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);
@@ -170,7 +241,6 @@ START_TEST(test_console_browser)
 }
 END_TEST
 
-#ifdef IDEMQ_TEST_HOOKS
 /* curl's HTTP status for url with extra curl arguments (auth), -1 if none. */
 static int curl_status(const char *url, const char *args)
 {
@@ -184,7 +254,149 @@ static int curl_status(const char *url, const char *args)
     pclose(p);
     return atoi(out) > 0 ? atoi(out) : -1; /* "000": no answer */
 }
-#endif
+
+/* Writes a token file at path with the lines given; returns path. */
+static const char *token_file(char *path, size_t len, const char *tag, const char *lines)
+{
+    FILE *f;
+    snprintf(path, len, "/tmp/idemq-console-%s-%d", tag, (int)getpid());
+    ck_assert_ptr_nonnull(f = fopen(path, "w"));
+    fputs(lines, f);
+    fclose(f);
+    return path;
+}
+
+/* Waits until the console at url answers anything. */
+static void wait_console(const char *url)
+{
+    long long deadline = mono_ms() + itest_ms(15000);
+    while (curl_status(url, "") == -1 && mono_ms() < deadline)
+        usleep(100 * 1000);
+}
+
+/* DNS rebinding: a page of evil.example whose name now resolves to
+ * 127.0.0.1 reaches the console from loopback with its own name in Host.
+ * Only the listen address, localhost, 127.0.0.1 and [::1] with the port
+ * (and console.hosts) are answered; the rest get 421 and nothing is read.
+ */
+START_TEST(test_console_foreign_host)
+{
+    struct itest t;
+    char extra[1024], url[160], hdr[200], tokline[200];
+    int port = itest_free_port(), rc;
+    pid_t pid;
+
+    snprintf(extra, sizeof extra,
+             "console: { listen = \"127.0.0.1:%d\"; };", port);
+    itest_extra_conf = extra;
+    itest_setup(&t, "console_host", "idemq_test.record", "", "");
+    pid = itest_spawn(&t, t.cfg_path, 60, NULL);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/key?k=%s:k", port, t.name);
+    wait_console(url);
+    snprintf(hdr, sizeof hdr, "-H 'Host: evil.example:%d'", port);
+    ck_assert_int_eq(curl_status(url, hdr), 421);
+    ck_assert_int_eq(curl_status(url, "-H 'Host: evil.example'"), 421);
+    snprintf(hdr, sizeof hdr, "-H 'Host: 127.0.0.1:%d.evil.example'", port);
+    ck_assert_int_eq(curl_status(url, hdr), 421);
+    snprintf(hdr, sizeof hdr, "-H 'Host: 127.0.0.1:%d'", port + 1);
+    ck_assert_int_eq(curl_status(url, hdr), 421);
+    ck_assert_int_eq(curl_status(url, "-H 'Host:'"), 421); /* none at all */
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/", port);
+    snprintf(hdr, sizeof hdr, "-H 'Host: evil.example:%d' -H 'Origin: http://evil.example:%d'"
+                              " -X POST --data 'action=redrive'", port, port);
+    snprintf(tokline, sizeof tokline, "http://127.0.0.1:%d/confirm", port);
+    ck_assert_int_eq(curl_status(tokline, hdr), 421);
+    /* the names that do name the console */
+    ck_assert_int_eq(curl_status(url, ""), 200);
+    snprintf(hdr, sizeof hdr, "-H 'Host: localhost:%d'", port);
+    ck_assert_int_eq(curl_status(url, hdr), 200);
+    snprintf(hdr, sizeof hdr, "-H 'Host: LocalHost:%d'", port);
+    ck_assert_int_eq(curl_status(url, hdr), 200);
+    snprintf(hdr, sizeof hdr, "-H 'Host: [::1]:%d'", port);
+    ck_assert_int_eq(curl_status(url, hdr), 200);
+    kill(pid, SIGTERM);
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);
+    itest_extra_conf = NULL;
+    itest_teardown(&t);
+}
+END_TEST
+
+/* console.reads_need_token: loopback reads need the token as well (a
+ * proxy or tunnel on the same host makes every client loopback); and
+ * console.hosts adds the names a proxy sends. */
+START_TEST(test_console_reads_need_token)
+{
+    struct itest t;
+    char extra[1024], url[160], hdr[200], tokfile[256];
+    int port = itest_free_port(), rc;
+    pid_t pid;
+
+    token_file(tokfile, sizeof tokfile, "rtok",
+               "# name token\nalice " TOKEN_ALICE "\n\nbob " TOKEN_BOB "\n");
+    snprintf(extra, sizeof extra,
+             "console: { listen = \"127.0.0.1:%d\"; token_file = \"%s\"; "
+             "reads_need_token = true; hosts = [\"console.example:%d\"]; };",
+             port, tokfile, port);
+    itest_extra_conf = extra;
+    itest_setup(&t, "console_host", "idemq_test.record", "", "");
+    pid = itest_spawn(&t, t.cfg_path, 60, NULL);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/", port);
+    wait_console(url);
+    ck_assert_int_eq(curl_status(url, ""), 401);
+    ck_assert_int_eq(curl_status(url, "-u alice:" TOKEN_BOB), 401);
+    ck_assert_int_eq(curl_status(url, "-u alice:" TOKEN_ALICE), 200);
+    snprintf(hdr, sizeof hdr, "-u alice:" TOKEN_ALICE " -H 'Host: console.example:%d'", port);
+    ck_assert_int_eq(curl_status(url, hdr), 200);
+    snprintf(hdr, sizeof hdr, "-u alice:" TOKEN_ALICE " -H 'Host: evil.example:%d'", port);
+    ck_assert_int_eq(curl_status(url, hdr), 421);
+    ck_assert_int_eq(curl_status(url, "-u bob:" TOKEN_BOB), 200);
+    ck_assert_int_eq(curl_status(url, "-u bob:" TOKEN_ALICE), 401); /* not bob's */
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/console.css", port);
+    ck_assert_int_eq(curl_status(url, ""), 401);
+    /* guesses are throttled: after a burst of wrong tokens even the right
+     * one is not compared for a while */
+    for (int i = 0; i < 12; i++)
+        curl_status(url, "-u alice:guess-guess-guess-guess-guess-guess");
+    ck_assert_int_eq(curl_status(url, "-u alice:" TOKEN_ALICE), 429);
+    kill(pid, SIGTERM);
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);
+    itest_extra_conf = NULL;
+    itest_teardown(&t);
+    unlink(tokfile);
+}
+END_TEST
+
+/* A token file of an older version (one token, no name), a short token
+ * and a repeated token are refused at start, with what to write (idemq
+ * runs on without its console). */
+START_TEST(test_console_token_file_refused)
+{
+    struct itest t;
+    char extra[1024], tokfile[256], out[4096];
+    static const char *const files[] = {
+        TOKEN_ALICE "\n",
+        "alice short-token\n",
+        "alice " TOKEN_ALICE "\nbob " TOKEN_ALICE "\n",
+    };
+    static const char *const says[] = {"one field", "32 to 255", "earlier line"};
+    for (int i = 0; i < 3; i++) {
+        int port = itest_free_port();
+        token_file(tokfile, sizeof tokfile, "badtok", files[i]);
+        snprintf(extra, sizeof extra, "console: { listen = \"127.0.0.1:%d\"; token_file = \"%s\"; };",
+                 port, tokfile);
+        itest_extra_conf = extra;
+        itest_setup(&t, "console_badtok", "idemq_test.record", "", "");
+        itest_idemq(&t, "run --until-idle 1", out, sizeof out);
+        ck_assert_msg(strstr(out, says[i]) != NULL && strstr(out, "without the console"),
+                      "file %d: %s", i, out);
+        itest_extra_conf = NULL;
+        itest_teardown(&t);
+        unlink(tokfile);
+    }
+}
+END_TEST
 
 /* A client that is not on loopback (the test hook makes every client one:
  * the tests must not listen beyond loopback) reads only with the token as
@@ -205,7 +417,7 @@ START_TEST(test_console_remote_read)
 
     snprintf(tokfile, sizeof tokfile, "/tmp/idemq-console-rtoken-%d", (int)getpid());
     ck_assert_ptr_nonnull(f = fopen(tokfile, "w"));
-    fprintf(f, "%s\n", TOKEN);
+    fprintf(f, "ops %s\n", TOKEN);
     fclose(f);
     for (int with_token = 1; with_token >= 0; with_token--) {
         snprintf(extra, sizeof extra, "console: { listen = \"127.0.0.1:%d\"; token_file = \"%s\"; };",
@@ -222,7 +434,9 @@ START_TEST(test_console_remote_read)
         ck_assert_int_eq(curl_status(url, "-u ops:not-the-token"), 401);
         ck_assert_int_eq(curl_status(url, "-u ops:" TOKEN), with_token ? 200 : 401);
         snprintf(url, sizeof url, "http://127.0.0.1:%d/observe", port);
-        ck_assert_int_eq(curl_status(url, "-u anyone:" TOKEN), with_token ? 200 : 401);
+        ck_assert_int_eq(curl_status(url, "-u ops:" TOKEN), with_token ? 200 : 401);
+        /* the token under another name than its own */
+        ck_assert_int_eq(curl_status(url, "-u anyone:" TOKEN), 401);
         snprintf(url, sizeof url, "http://127.0.0.1:%d/console.css", port);
         ck_assert_int_eq(curl_status(url, ""), 401);
         kill(pid, SIGTERM);
@@ -236,6 +450,244 @@ START_TEST(test_console_remote_read)
 }
 END_TEST
 
+/* The body of url (POST data when not NULL, with the console's Origin)
+ * into out; returns the HTTP status, -1 if none. */
+static int curl_page(const char *url, const char *origin, const char *data, char *out,
+                     size_t len)
+{
+    char cmd[2048], form[128];
+    size_t got;
+    FILE *p;
+    char *nl;
+    if (data) { /* through a file: a form may be larger than a command line */
+        snprintf(form, sizeof form, "/tmp/idemq-console-form-%d", (int)getpid());
+        ck_assert_ptr_nonnull(p = fopen(form, "w"));
+        fputs(data, p);
+        fclose(p);
+        snprintf(cmd, sizeof cmd,
+                 "curl -s -m 20 -w '\n%%{http_code}' -H 'Origin: %s' --data-binary @%s '%s'",
+                 origin, form, url);
+    } else
+        snprintf(cmd, sizeof cmd, "curl -s -m 20 -w '\n%%{http_code}' '%s'", url);
+    if (!(p = popen(cmd, "r")))
+        return -1;
+    got = fread(out, 1, len - 1, p);
+    out[got] = '\0';
+    pclose(p);
+    if (data)
+        unlink(form);
+    if (!(nl = strrchr(out, '\n')))
+        return -1;
+    *nl = '\0';
+    return atoi(nl + 1) > 0 ? atoi(nl + 1) : -1;
+}
+
+/* The value of the first hidden csrf field of page into out[33]. */
+static void csrf_of(const char *page, char *out)
+{
+    const char *p = strstr(page, "name=\"csrf\" value=\"");
+    out[0] = '\0';
+    if (p)
+        snprintf(out, 33, "%s", p + strlen("name=\"csrf\" value=\""));
+}
+
+/* console.operator_broker_url: the console's redrives (their dry runs
+ * too) connect as that user, not with the daemon's broker.url. A user the
+ * broker refuses makes the dry run fail while the daemon consumes on. */
+START_TEST(test_console_operator_broker_url)
+{
+    struct itest t;
+    char extra[1024], tokfile[256], url[160], origin[64], data[256], csrf[33];
+    char group[16], body[256], key[128];
+    static char page[1 << 21]; /* the whole of /groups, however many groups the ledger has */
+    const char *bodies[1] = {body};
+    const char *amqp = getenv("IDEMQ_AMQP_URL");
+    int port = itest_free_port(), rc;
+    pid_t pid;
+
+    token_file(tokfile, sizeof tokfile, "optok", "ops " TOKEN_ALICE "\n");
+    snprintf(extra, sizeof extra,
+             "console: { listen = \"127.0.0.1:%d\"; token_file = \"%s\";"
+             " operator_broker_url = \"amqp://nobody:wrong@127.0.0.1%s\"; };",
+             port, tokfile, strrchr(amqp, ':'));
+    itest_extra_conf = extra;
+    itest_setup(&t, "console_op", "idemq_test.record", "", "");
+    snprintf(key, sizeof key, "%s:p", t.name);
+    snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"raise\":\"22023\"}", key);
+    itest_publish(&t, bodies, 1);
+    itest_run_until_idle(&t, 2);
+    itest_text(&t,
+               "SELECT idemq.park_group(source_queue, error_class, error_code, sqlstate, reason,"
+               " key) FROM idemq.parked WHERE key = $1",
+               key, group, sizeof group);
+    pid = itest_spawn(&t, t.cfg_path, 60, NULL);
+    snprintf(origin, sizeof origin, "http://127.0.0.1:%d", port);
+    snprintf(url, sizeof url, "%s/groups", origin);
+    wait_console(url);
+    ck_assert_int_eq(curl_page(url, NULL, NULL, page, sizeof page), 200);
+    csrf_of(page, csrf);
+    ck_assert_int_eq((int)strlen(csrf), 32);
+    snprintf(url, sizeof url, "%s/confirm", origin);
+    snprintf(data, sizeof data, "csrf=%s&action=redrive&group=%s", csrf, group);
+    ck_assert_int_eq(curl_page(url, origin, data, page, sizeof page), 200);
+    ck_assert_msg(strstr(page, "the dry run failed") != NULL, "%s", page);
+    kill(pid, SIGTERM);
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);
+    itest_extra_conf = NULL;
+    itest_teardown(&t);
+    unlink(tokfile);
+}
+END_TEST
+
+/* Slow clients: 16 connections (the per-address limit) that send one byte
+ * a second never finish their headers, so an idle timeout never closes
+ * them. Each request must arrive whole within a total time, so they are
+ * closed and another client of the same address is answered. */
+START_TEST(test_console_slow_clients)
+{
+    struct itest t;
+    char extra[256], url[160];
+    int port = itest_free_port(), rc, got = -1, socks[16];
+    static const char trickle[] = "GET /aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    pid_t pid;
+
+    snprintf(extra, sizeof extra, "console: { listen = \"127.0.0.1:%d\"; };", port);
+    itest_extra_conf = extra;
+    itest_setup(&t, "console_slow", "idemq_test.record", "", "");
+    pid = itest_spawn(&t, t.cfg_path, 60, NULL);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/console.css", port);
+    wait_console(url);
+    ck_assert_int_eq(curl_status(url, "-m 3"), 200);
+    for (int i = 0; i < 16; i++) {
+        struct sockaddr_in sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sin_family = AF_INET;
+        sa.sin_port = htons((uint16_t)port);
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        ck_assert_int_ge(socks[i] = socket(AF_INET, SOCK_STREAM, 0), 0);
+        ck_assert_int_eq(connect(socks[i], (struct sockaddr *)&sa, sizeof sa), 0);
+    }
+    for (int tick = 0; tick < 16 && got != 200; tick++) {
+        for (int i = 0; i < 16; i++)
+            (void)!send(socks[i], trickle + tick, 1, MSG_NOSIGNAL);
+        usleep(1000 * 1000);
+        if (tick >= 8) /* past the total time a request may take to arrive */
+            got = curl_status(url, "-m 3");
+    }
+    ck_assert_msg(got == 200, "locked out by slow clients (%d)", got);
+    for (int i = 0; i < 16; i++)
+        close(socks[i]);
+    kill(pid, SIGTERM);
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);
+    itest_extra_conf = NULL;
+    itest_teardown(&t);
+}
+END_TEST
+
+/* The console acts under the role `idemq migrate --grant` prepares
+ * (SELECT and EXECUTE only): a discard confirmed and done through its
+ * pages is recorded as the token's holder, the parks closed. */
+START_TEST(test_console_least_privilege)
+{
+    struct itest t;
+    char extra[1024], tokfile[256], url[160], origin[64], data[512], csrf[33], role[64];
+    char group[16], body[256], keys[2][128], sql[512], dsn[512], envdsn[600];
+    static char page[1 << 21];
+    const char *bodies[1] = {body};
+    const char *env[2] = {envdsn, NULL};
+    int port = itest_free_port(), rc;
+    char *u;
+    pid_t pid;
+
+    token_file(tokfile, sizeof tokfile, "lptok", "ops " TOKEN_ALICE "\n");
+    snprintf(extra, sizeof extra,
+             "console: { listen = \"127.0.0.1:%d\"; token_file = \"%s\"; };", port, tokfile);
+    itest_extra_conf = extra;
+    itest_setup(&t, "console_lp", "idemq_test.record", "", "");
+    for (int i = 0; i < 2; i++) {
+        snprintf(keys[i], sizeof keys[i], "%s:k%d", t.name, i);
+        snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"raise\":\"22023\"}", keys[i]);
+        itest_publish(&t, bodies, 1);
+    }
+    itest_run_until_idle(&t, 2);
+    itest_text(&t,
+               "SELECT idemq.park_group(source_queue, error_class, error_code, sqlstate, reason,"
+               " key) FROM idemq.parked WHERE key = $1",
+               keys[0], group, sizeof group);
+    snprintf(role, sizeof role, "%s_run", t.name);
+    snprintf(sql, sizeof sql, "DROP ROLE IF EXISTS %s; CREATE ROLE %s LOGIN", role, role);
+    itest_sql(&t, sql);
+    snprintf(sql, sizeof sql, "migrate --grant %s", role);
+    ck_assert_int_eq(itest_idemq(&t, sql, page, sizeof page), 0);
+    snprintf(dsn, sizeof dsn, "%s", getenv("IDEMQ_PG_DSN"));
+    ck_assert_ptr_nonnull(u = strstr(dsn, "user="));
+    snprintf(u, sizeof dsn - (size_t)(u - dsn), "user=%s", role);
+    snprintf(envdsn, sizeof envdsn, "IDEMQ_PG_DSN=%s", dsn);
+    pid = itest_spawn(&t, t.cfg_path, 60, env);
+    snprintf(origin, sizeof origin, "http://127.0.0.1:%d", port);
+    snprintf(url, sizeof url, "%s/groups", origin);
+    wait_console(url);
+    /* what a client may send wrong: 400, 404, 413 */
+    {
+        static const char *const bad[] = {"action=nuke&group=", "action=discard&group=xyz",
+                                          "action=discard&park=12a", "action=discard&keyhex=zz",
+                                          "action=discard"};
+        static char big[9000];
+        char form[200], more[300];
+        for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+            snprintf(url, sizeof url, "%s/groups", origin);
+            ck_assert_int_eq(curl_page(url, NULL, NULL, page, sizeof page), 200);
+            csrf_of(page, csrf);
+            snprintf(form, sizeof form, "%s%s", bad[i], i == 0 ? group : "");
+            snprintf(more, sizeof more, "csrf=%s&%s", csrf, form);
+            snprintf(url, sizeof url, "%s/confirm", origin);
+            ck_assert_msg(curl_page(url, origin, more, page, sizeof page) == 400, "%s", form);
+        }
+        memset(big, 'a', sizeof big - 1);
+        memcpy(big, "csrf=", 5);
+        ck_assert_int_eq(curl_page(url, origin, big, page, sizeof page), 413);
+        snprintf(url, sizeof url, "%s/park?id=999999999999", origin);
+        ck_assert_int_eq(curl_page(url, NULL, NULL, page, sizeof page), 404);
+        snprintf(url, sizeof url, "%s/park?id=1;drop", origin);
+        ck_assert_int_eq(curl_page(url, NULL, NULL, page, sizeof page), 400);
+    }
+    snprintf(url, sizeof url, "%s/groups", origin);
+    ck_assert_int_eq(curl_page(url, NULL, NULL, page, sizeof page), 200);
+    csrf_of(page, csrf);
+    snprintf(url, sizeof url, "%s/confirm", origin);
+    snprintf(data, sizeof data, "csrf=%s&action=discard&group=%s", csrf, group);
+    ck_assert_int_eq(curl_page(url, origin, data, page, sizeof page), 200);
+    ck_assert_msg(strstr(page, "<b>2</b> open parks") != NULL, "%s", page);
+    csrf_of(page, csrf);
+    snprintf(url, sizeof url, "%s/act", origin);
+    snprintf(data, sizeof data, "csrf=%s&token=%s&reason=least+privilege", csrf, TOKEN_ALICE);
+    ck_assert_int_eq(curl_page(url, origin, data, page, sizeof page), 200);
+    ck_assert_msg(strstr(page, "id=\"act-result\">done<") != NULL, "%s", page);
+    snprintf(url, sizeof url, "%s/key?k=%s:k0", origin, t.name);
+    ck_assert_int_eq(curl_page(url, NULL, NULL, page, sizeof page), 200);
+    kill(pid, SIGTERM);
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.park_history WHERE key LIKE"
+                                    " $1 || ':k%' AND resolution = 'discarded: least privilege'"
+                                    " AND resolved_by = 'console:ops'",
+                                t.name),
+                     2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.operator_actions WHERE actor ="
+                                    " 'console:ops' AND done = 2 AND finished_at IS NOT NULL"
+                                    " AND selection LIKE '%' || $1 || '%'",
+                                group),
+                     1);
+    snprintf(sql, sizeof sql, "DROP OWNED BY %s; DROP ROLE %s", role, role);
+    itest_sql(&t, sql);
+    itest_extra_conf = NULL;
+    itest_teardown(&t);
+    unlink(tokfile);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("console");
@@ -243,6 +695,15 @@ int main(void)
     tcase_set_timeout(tc, 180);
     tcase_add_test(tc, test_console_browser);
     tcase_add_test(tc, test_console_remote_read);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("host");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, test_console_foreign_host);
+    tcase_add_test(tc, test_console_reads_need_token);
+    tcase_add_test(tc, test_console_token_file_refused);
+    tcase_add_test(tc, test_console_operator_broker_url);
+    tcase_add_test(tc, test_console_slow_clients);
+    tcase_add_test(tc, test_console_least_privilege);
     suite_add_tcase(s, tc);
     /* least-privilege mode (scripts/test): these again, as the deployment's roles */
     itest_lp_tcase(s, (const TTest *const[]){test_console_browser, NULL});

@@ -232,6 +232,81 @@ START_TEST(test_groups_end_to_end)
 }
 END_TEST
 
+/* The group actions of the CLI (and so of the console, which calls the
+ * same groups_act) work under the role `idemq migrate --grant` prepares:
+ * it may write the ledger only through SECURITY DEFINER functions, and
+ * the action, its per-park rows and its closed parks are all recorded. */
+START_TEST(test_group_actions_least_privilege)
+{
+    struct itest t;
+    char out[32768], args[1024], sql[1024], role[64], dsn[512], g[16], a[3][160], body[512];
+    char owner_dsn[512];
+    const char *bodies[1] = {body};
+    char *u;
+    itest_setup(&t, "grole", "idemq_test.groups_effect", "", "");
+    itest_sql(&t, effect_sql);
+    snprintf(sql, sizeof sql, "INSERT INTO idemq_test.groups_broken VALUES ('%s')", t.name);
+    itest_sql(&t, sql);
+    for (int i = 0; i < 3; i++) {
+        snprintf(a[i], sizeof a[i], "%s:a%d", t.name, i);
+        snprintf(body, sizeof body,
+                 "{\"job_id\":\"%s\",\"test\":\"%s\",\"order\":%d,\"customer\":\"c\","
+                 "\"limit\":%d}",
+                 a[i], t.name, 1001 + i, 500 + i);
+        itest_publish(&t, bodies, 1);
+    }
+    itest_run_until_idle(&t, 2);
+    ck_assert_int_eq(itest_long(&t, OPEN_PARKS, t.name), 3);
+    itest_text(&t,
+               "SELECT idemq.park_group(source_queue, error_class, error_code, sqlstate, reason,"
+               " key) FROM idemq.parked WHERE key = $1",
+               a[0], g, sizeof g);
+    snprintf(sql, sizeof sql, "DELETE FROM idemq_test.groups_broken WHERE test = '%s'", t.name);
+    itest_sql(&t, sql);
+
+    snprintf(role, sizeof role, "%s_ops", t.name);
+    snprintf(sql, sizeof sql, "DROP ROLE IF EXISTS %s; CREATE ROLE %s LOGIN", role, role);
+    itest_sql(&t, sql);
+    snprintf(args, sizeof args, "migrate --grant %s", role);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    snprintf(owner_dsn, sizeof owner_dsn, "%s", getenv("IDEMQ_PG_DSN"));
+    snprintf(dsn, sizeof dsn, "%s", owner_dsn);
+    ck_assert_ptr_nonnull(u = strstr(dsn, "user="));
+    snprintf(u, sizeof dsn - (size_t)(u - dsn), "user=%s", role);
+    setenv("IDEMQ_PG_DSN", dsn, 1);
+    /* archive one park (by key), redrive one, discard the last */
+    snprintf(args, sizeof args, "parked archive --group %s --key %s --reason 'kept aside'", g,
+             a[0]);
+    ck_assert_msg(itest_idemq(&t, args, out, sizeof out) == 0, "%s", out);
+    ck_assert_msg(strstr(out, "archived 1 of 1 park") != NULL, "%s", out);
+    snprintf(args, sizeof args, "parked redrive --group %s --key %s", g, a[1]);
+    ck_assert_msg(itest_idemq(&t, args, out, sizeof out) == 0, "%s", out);
+    ck_assert_msg(strstr(out, "recorded as operator action") != NULL, "%s", out);
+    snprintf(args, sizeof args, "parked discard --group %s --key %s --reason 'not needed'", g,
+             a[2]);
+    ck_assert_msg(itest_idemq(&t, args, out, sizeof out) == 0, "%s", out);
+    ck_assert_msg(strstr(out, "discarded 1 of 1 park") != NULL, "%s", out);
+    setenv("IDEMQ_PG_DSN", owner_dsn, 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.operator_actions WHERE"
+                                    " selection LIKE '%' || $1 || '%' AND done = 1 AND"
+                                    " finished_at IS NOT NULL",
+                                g),
+                     3);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.operator_action_keys WHERE"
+                                    " key LIKE $1 || ':a%'",
+                                t.name),
+                     3);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key LIKE $1 || ':a%'"
+                                    " AND id NOT IN (SELECT park_id FROM"
+                                    " idemq.operator_action_keys WHERE outcome = 'redriven')",
+                                t.name),
+                     0);
+    snprintf(sql, sizeof sql, "DROP OWNED BY %s; DROP ROLE %s", role, role);
+    itest_sql(&t, sql);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("groups");
@@ -239,6 +314,7 @@ int main(void)
     tcase_set_timeout(tc, itest_ms(120));
     tcase_add_test(tc, test_mask_reason);
     tcase_add_test(tc, test_groups_end_to_end);
+    tcase_add_test(tc, test_group_actions_least_privilege);
     suite_add_tcase(s, tc);
     /* least-privilege mode (scripts/test): these again, as the deployment's roles */
     itest_lp_tcase(s, (const TTest *const[]){test_groups_end_to_end, NULL});

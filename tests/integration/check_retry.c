@@ -540,8 +540,9 @@ END_TEST
 /* a producer cannot redrive a parked key: the same body with
  * x-idemq-generation (and a made-up x-idemq-redriven-by, or a made-up
  * x-idemq-seal) is parked as forged_redrive and not applied; the key stays
- * parked in its generation. The sealed dead-letter copy, redriven by
- * `idemq redrive`, still applies, recorded as the operator's. */
+ * parked in its generation. Those parks are not redrivable: a redrive of
+ * their group moves nothing. The key's own sealed dead-letter copy,
+ * redriven by `idemq redrive`, still applies, recorded as the operator's. */
 START_TEST(test_forged_redrive_parks)
 {
     struct itest t;
@@ -579,10 +580,30 @@ START_TEST(test_forged_redrive_parks)
                                     "error_code = 'forged_redrive'",
                                 key),
                      2);
-    /* the operator's redrive of the sealed copies: applied once, by idemq redrive */
+    /* the forger's copies are not redrivable: a redrive of their failure
+     * group (which an operator may well do) moves none of them, so the
+     * forger's body is never applied as the key's redrive */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                    "error_code = 'forged_redrive' AND NOT redrivable",
+                                key),
+                     2);
+    {
+        char g[16];
+        itest_text(&t,
+                   "SELECT idemq.park_group(source_queue, error_class, error_code, sqlstate,"
+                   " reason, key) FROM idemq.parked WHERE key = $1 AND error_code ="
+                   " 'forged_redrive' LIMIT 1",
+                   key, g, sizeof g);
+        snprintf(args, sizeof args, "parked redrive --group %s", g);
+        itest_idemq(&t, args, out, sizeof out);
+        ck_assert_msg(strstr(out, "not redrivable") != NULL, "%s", out);
+        run_ok(&t, 2);
+        ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 0);
+    }
+    /* the operator's redrive of the key: its own sealed copy applies once */
     snprintf(args, sizeof args, "redrive --key %s", key);
     ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
-    ck_assert_msg(strstr(out, "redrove 3 messages") != NULL, "%s", out);
+    ck_assert_msg(strstr(out, "redrove 1 message") != NULL, "%s", out);
     run_ok(&t, 2);
     ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.redrives WHERE key = $1 AND "

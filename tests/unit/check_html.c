@@ -51,7 +51,7 @@ START_TEST(test_escape_bytes)
     ck_assert_str_eq(esc(&b, "a\x01\x1b[31m\tb\nc\x7f"),
                      "a\xef\xbf\xbd\xef\xbf\xbd[31m\tb\nc\xef\xbf\xbd");
     html_free(&b);
-    ck_assert_str_eq(esc(&b, "x\xc2\x9by\xe2\x80\xa8z"), "x\xef\xbf\xbdy\xef\xbf\xbdz");
+    ck_assert_str_eq(esc(&b, "x\xc2\x9by\xe2\x80\xa8z"), "x\xef\xbf\xbdy\\u2028z");
     html_free(&b);
     /* not UTF-8: a lone continuation, an overlong '<' (C0 BC), a surrogate,
      * past U+10FFFF, a truncated sequence: never a raw '<' */
@@ -161,12 +161,36 @@ START_TEST(test_form)
 }
 END_TEST
 
+/* Invisible format characters (a bidirectional override that would show
+ * "exe.txt" for "txt.exe", zero-width ones that make two keys look the
+ * same) are shown as \u and their hex digits, never as themselves. */
+START_TEST(test_escape_invisible)
+{
+    struct html b;
+    ck_assert_str_eq(esc(&b, "order-\xe2\x80\xae" "txt.exe"), "order-\\u202etxt.exe"); /* RLO */
+    html_free(&b);
+    ck_assert_str_eq(esc(&b, "a\xe2\x80\x8b" "b\xe2\x80\x8f" "c"), "a\\u200bb\\u200fc"); /* ZWSP RLM */
+    html_free(&b);
+    ck_assert_str_eq(esc(&b, "\xe2\x81\xa6" "x\xe2\x81\xa9"), "\\u2066x\\u2069"); /* LRI PDI */
+    html_free(&b);
+    ck_assert_str_eq(esc(&b, "\xef\xbb\xbf" "k\xe2\x81\xa0"), "\\ufeffk\\u2060"); /* BOM WJ */
+    html_free(&b);
+    ck_assert_str_eq(esc(&b, "t\xf3\xa0\x81\x81" "g\xc2\xad"), "t\\ue0041g\\u00ad"); /* tag A, SHY */
+    html_free(&b);
+    /* visible neighbours stay as they are */
+    ck_assert_str_eq(esc(&b, "\xe2\x80\x90\xe2\x80\xaf\xe2\x81\xb0"),
+                     "\xe2\x80\x90\xe2\x80\xaf\xe2\x81\xb0"); /* U+2010, U+202F, U+2070 */
+    html_free(&b);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("html");
     TCase *t = tcase_create("html");
     tcase_add_test(t, test_escape_markup);
     tcase_add_test(t, test_escape_bytes);
+    tcase_add_test(t, test_escape_invisible);
     tcase_add_test(t, test_escape_fuzz);
     tcase_add_test(t, test_url_and_frame);
     tcase_add_test(t, test_plot);
@@ -174,6 +198,7 @@ static Suite *suite(void)
     suite_add_tcase(s, t);
     return s;
 }
+
 
 int main(void)
 {
