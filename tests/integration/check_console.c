@@ -67,10 +67,13 @@ START_TEST(test_console_browser)
     ck_assert_ptr_nonnull(f = fopen(tokfile, "w"));
     fprintf(f, "# name token\nbrowser-test %s\nother %s\n", TOKEN, TOKEN_BOB);
     fclose(f);
+    /* as the deployment's roles (least-privilege mode), the console redrives
+     * with the operator's broker user, as the docs recommend */
     snprintf(extra, sizeof extra,
              "console: { listen = \"127.0.0.1:%d\"; token_file = \"%s\"; "
-             "statement_timeout_ms = 3000; };",
-             port, tokfile);
+             "statement_timeout_ms = 3000;%s%s%s };",
+             port, tokfile, itest_lp() ? " operator_broker_url = \"" : "",
+             itest_lp() ? getenv("IDEMQ_TEST_LP_OPERATOR_URL") : "", itest_lp() ? "\";" : "");
     itest_extra_conf = extra;
     itest_setup(&t, "console", "idemq_test.console_effect", "", "");
     itest_sql(&t, effect_sql);
