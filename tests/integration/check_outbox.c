@@ -12,6 +12,7 @@
 #include "check_run.h"
 #include <libpq-fe.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1020,6 +1021,409 @@ START_TEST(test_show_escaped)
 }
 END_TEST
 
+/* ---- refusals: every refusal ends in a defined state ---- */
+
+/* Runs `scripts/services ctl ARGS` (rabbitmqctl on the test node). */
+static void ctl(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void ctl(const char *fmt, ...)
+{
+    char args[900], what[1000];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(args, sizeof args, fmt, ap);
+    va_end(ap);
+    snprintf(what, sizeof what, "ctl %s", args);
+    ck_assert_msg(itest_services(what) == 0, "scripts/services %s failed", what);
+}
+
+/* The broker's max_message_size (read by each channel when it opens);
+ * 0 puts back the version's default (3.x: 128 MiB, 4.x: 16 MiB). */
+static void set_max_message_size(long bytes)
+{
+    const char *v = getenv("IDEMQ_SERVER_RABBITMQ");
+    if (bytes == 0)
+        bytes = v && strncmp(v, "3.", 2) == 0 ? 134217728L : 16777216L;
+    ctl("eval 'application:set_env(rabbit, max_message_size, %ld).'", bytes);
+}
+
+/* The broker's running total `what` of /api/overview's churn_rates
+ * (connection_created, channel_closed, ...). The management API lags by up
+ * to ~5 s. */
+static __attribute__((unused)) long churn(const char *what)
+{
+    static char body[1 << 18];
+    const char *m = getenv("IDEMQ_RABBIT_MGMT_URL");
+    char url[300];
+    json_t *o, *v;
+    long n = -1;
+    ck_assert_msg(m && strncmp(m, "http://", 7) == 0, "IDEMQ_RABBIT_MGMT_URL");
+    snprintf(url, sizeof url, "http://guest:guest@%s/api/overview", m + 7);
+    ck_assert_int_eq(itest_http_get(url, body, sizeof body), 200);
+    o = json_loads(body, 0, NULL);
+    v = json_object_get(json_object_get(o, "churn_rates"), what);
+    if (json_is_integer(v))
+        n = (long)json_integer_value(v);
+    json_decref(o);
+    ck_assert_msg(n >= 0, "no churn_rates.%s in /api/overview", what);
+    return n;
+}
+
+/* Checks that the drained messages hold each good row "K SEQ" (keys 0..keys-1,
+ * per key seq 0..per-1, in order) exactly once, with distinct message_ids;
+ * other bodies are counted in *others. */
+static void check_good_rows(char bodies[][256], char ids[][64], int n, int keys, int per,
+                            int *others)
+{
+    int last[16];
+    ck_assert(keys <= 16);
+    for (int k = 0; k < keys; k++)
+        last[k] = -1;
+    *others = 0;
+    for (int i = 0; i < n; i++) {
+        int k = -1, seq = -1;
+        for (int j = 0; j < i; j++)
+            ck_assert_msg(strcmp(ids[i], ids[j]) != 0, "%s published twice", ids[i]);
+        if (sscanf(bodies[i], "%d %d", &k, &seq) != 2) {
+            (*others)++;
+            continue;
+        }
+        ck_assert_msg(k >= 0 && k < keys && seq == last[k] + 1, "key %d: %d after %d", k, seq,
+                      k >= 0 && k < keys ? last[k] : -2);
+        last[k] = seq;
+    }
+    for (int k = 0; k < keys; k++)
+        ck_assert_int_eq(last[k], per - 1);
+}
+
+/*
+ * Rows the client library cannot encode (a 300-byte routing key, a 300-byte
+ * header name, a header value over the frame size: written directly, as
+ * idemq.emit refuses them) and a body over the broker's max_message_size
+ * (406), all of one order key, among good rows of four others in one
+ * transaction: `idemq run --until-idle` ends; each good row is published
+ * once, in order per key; the unencodable rows are parked at once and the
+ * 406 one after outbox.max_attempts, each with its reason (`parked list`,
+ * idemq_outbox_parked_total); the good row behind them in their key goes
+ * out after them; the worker never reconnects.
+ */
+START_TEST(test_refused_rows_parked)
+{
+    enum { KEYS = 4, PER = 5 };
+    struct itest t;
+    char q[200], sql[4096], conf[512], log[300], out[16384], bad[160], url[128];
+    static char bodies[64][256], ids[64][64], keys[64][128], body[32768];
+    int n, st, others, port = itest_free_port(), o = 0;
+    long parked = -1;
+    pid_t pid;
+
+    snprintf(conf, sizeof conf,
+             "outbox: { relay = 1; poll_ms = 200; max_attempts = 2; };\n"
+             "metrics: { listen = \"127.0.0.1:%d\"; };",
+             port);
+    itest_extra_conf = conf;
+    itest_setup(&t, "obrefuse", "idemq_test.emit_one", "", "");
+    itest_extra_conf = NULL;
+    declare_out(&t, q, sizeof q);
+    snprintf(bad, sizeof bad, "%s:bad", t.name);
+    o += snprintf(sql + o, sizeof sql - (size_t)o, "BEGIN; ");
+    for (int i = 0; i < KEYS * PER; i++) {
+        if (i == KEYS * PER / 2)
+            o += snprintf(
+                sql + o, sizeof sql - (size_t)o,
+                "INSERT INTO idemq.outbox (key, exchange, routing_key, body, headers, order_key) "
+                "VALUES ('%s:rk', '', repeat('r', 300), 'x', NULL, '%s'), "
+                "('%s:hname', '', '%s', 'x', jsonb_build_object(repeat('n', 300), 1), '%s'), "
+                "('%s:hbig', '', '%s', 'x', jsonb_build_object('big', repeat('h', 200000)), "
+                "'%s'); "
+                "SELECT idemq.emit('', '%s', convert_to(repeat('b', 100000), 'UTF8'), NULL, "
+                "'%s', '%s:big'); ",
+                t.name, bad, t.name, q, bad, t.name, q, bad, q, bad, t.name);
+        o += snprintf(sql + o, sizeof sql - (size_t)o,
+                      "SELECT idemq.emit('', '%s', '%d %d', NULL, '%s:%d'); ", q, i % KEYS,
+                      i / KEYS, t.name, i % KEYS);
+    }
+    o += snprintf(sql + o, sizeof sql - (size_t)o,
+                  "SELECT idemq.emit('', '%s', 'after', NULL, '%s'); COMMIT", q, bad);
+    ck_assert_int_lt(o, (int)sizeof sql);
+    itest_sql(&t, sql);
+
+    set_max_message_size(65536);
+    snprintf(log, sizeof log, "%s/%s.log", getenv("IDEMQ_STATE_DIR"), t.name);
+    pid = itest_spawn_log(t.cfg_path, 3, NULL, log);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", port);
+    for (int i = 0; i < itest_ms(400) && parked < 4; i++) {
+        if (itest_http_get(url, body, sizeof body) == 200)
+            parked = metric(body, "idemq_outbox_parked_total");
+        usleep(50000);
+    }
+    st = itest_wait(pid, itest_ms(30000));
+    set_max_message_size(0);
+    ck_assert_msg(parked == 4, "idemq_outbox_parked_total %ld (log %s)", parked, log);
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x (log %s)", st,
+                  log);
+    ck_assert_msg(itest_count_lines(log, "NOT READY") == 0, "the worker reconnected: %s", log);
+
+    n = drain(&t, q, bodies, ids, keys, 64);
+    check_good_rows(bodies, ids, n, KEYS, PER, &others);
+    ck_assert_int_eq(others, 1); /* "after" */
+    ck_assert_int_eq(n, KEYS * PER + 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key = $1 "
+                                    "AND state = 'parked'",
+                                bad),
+                     4);
+    snprintf(sql, sizeof sql, "%s:rk", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "attempts = 1 AND last_error LIKE '%routing key%255%'",
+                                sql),
+                     1);
+    snprintf(sql, sizeof sql, "%s:hname", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "attempts = 1 AND last_error LIKE '%header name%255%'",
+                                sql),
+                     1);
+    snprintf(sql, sizeof sql, "%s:hbig", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "attempts = 1 AND last_error LIKE '%headers%frame%'",
+                                sql),
+                     1);
+    snprintf(sql, sizeof sql, "%s:big", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "attempts = 2 AND last_error LIKE '%406%PRECONDITION_FAILED%'",
+                                sql),
+                     1);
+    /* the good row behind them in their key went after the last of them */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox_sent s WHERE "
+                                    "s.order_key = $1 AND s.sent_at > (SELECT max(parked_at) "
+                                    "FROM idemq.outbox p WHERE p.order_key = $1)",
+                                bad),
+                     1);
+    ck_assert_int_eq(itest_idemq(&t, "parked list", out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "outbox rows parked") && strstr(out, "PRECONDITION_FAILED") &&
+                      strstr(out, "routing key"),
+                  "%s", out);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* The test effect of the permission case: emits to the payload's exchange
+ * "ex" with routing key "rk" and order key "ok". */
+#define EMIT_EX_EFFECT                                                                       \
+    "CREATE OR REPLACE FUNCTION idemq_test.emit_ex(p_key text, p_payload jsonb, p_meta "     \
+    "jsonb) RETURNS jsonb LANGUAGE plpgsql AS $fn$ BEGIN "                                   \
+    "RETURN jsonb_build_object('outbox_id', idemq.emit(p_payload->>'ex', p_payload->>'rk', " \
+    "p_payload->>'body', NULL, p_payload->>'ok', p_key)); END $fn$"
+
+/*
+ * A row to an exchange the run user may not write (403 ACCESS_REFUSED,
+ * under the least-privilege user of consumer/OPERATIONS.md plus write on
+ * the outbox's exchange): the emitting jobs are applied and acknowledged
+ * once, the refused row is parked after outbox.max_attempts with the
+ * broker's reason, the other rows flow (the one behind it in its order key
+ * after it), and the consuming channel is never closed (no reconnect).
+ */
+START_TEST(test_refused_forbidden)
+{
+    enum { JOBS = 9 };
+    struct itest t;
+    char run_user[96], pw[64], run_url[300], ox[160], forbidden[160], sql[512], log[300];
+    char jb[JOBS][512], key[160], out[16384];
+    const char *jbs[JOBS];
+    static char bodies[32][256], ids[32][64], keys[32][128];
+    char *admin_url = strdup(getenv("IDEMQ_AMQP_URL"));
+    struct broker *b;
+    char err[512], q[200];
+    int n, st, others;
+
+    itest_extra_conf = OUTBOX_CONF "\ntopology: { verify = \"passive\"; };";
+    itest_setup(&t, "obperm", "idemq_test.emit_ex", "", "emits = true;");
+    itest_extra_conf = NULL;
+    itest_sql(&t, EMIT_EX_EFFECT);
+    declare_out(&t, q, sizeof q);
+    snprintf(ox, sizeof ox, "%s.ox", t.name);
+    snprintf(forbidden, sizeof forbidden, "%s.forbidden", t.name);
+    ck_assert_int_eq(broker_open(t.conf, "itest", false, &b, err, sizeof err), IDEMQ_OK);
+    ck_assert_int_eq(broker_admin_declare_exchange(b, ox, "direct", false, NULL), IDEMQ_OK);
+    ck_assert_int_eq(broker_admin_declare_exchange(b, forbidden, "direct", false, NULL), IDEMQ_OK);
+    ck_assert_int_eq(broker_admin_bind(b, q, ox, q, NULL), IDEMQ_OK);
+    ck_assert_int_eq(broker_admin_bind(b, q, forbidden, q, NULL), IDEMQ_OK);
+    broker_close(b);
+    snprintf(run_user, sizeof run_user, "%s_run", t.name);
+    snprintf(pw, sizeof pw, "Op-%d", (int)getpid());
+    ctl("add_user %s %s", run_user, pw);
+    /* consumer/OPERATIONS.md "Roles and permissions", with the outbox's exchange */
+    ctl("set_permissions -p / %s '^$' '^(%s\\.(retry|dlx)|%s\\.ox)$' '^%s$'", run_user, t.name,
+        t.name, t.name);
+    snprintf(run_url, sizeof run_url, "amqp://%s:%s@127.0.0.1%s", run_user, pw,
+             strrchr(admin_url, ':'));
+    /* jobs of three order keys; job 3 (key k0) emits to the forbidden exchange */
+    for (int i = 0; i < JOBS; i++) {
+        snprintf(jb[i], sizeof jb[i],
+                 "{\"job_id\":\"%s:%d\",\"ex\":\"%s\",\"rk\":\"%s\",\"ok\":\"%s:%d\","
+                 "\"body\":\"%d %d\"}",
+                 t.name, i, i == 3 ? forbidden : ox, q, t.name, i % 3, i % 3, i / 3);
+        jbs[i] = jb[i];
+    }
+    itest_publish(&t, jbs, JOBS);
+    snprintf(log, sizeof log, "%s/%s.log", getenv("IDEMQ_STATE_DIR"), t.name);
+    setenv("IDEMQ_AMQP_URL", run_url, 1);
+    st = itest_wait(itest_spawn_log(t.cfg_path, 3, NULL, log), itest_ms(60000));
+    setenv("IDEMQ_AMQP_URL", admin_url, 1);
+    free(admin_url);
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x (log %s)", st,
+                  log);
+    ck_assert_msg(itest_count_lines(log, "NOT READY") == 0, "the worker reconnected: %s", log);
+    ck_assert_int_eq(itest_queue_ready(&t, t.conf->inputs[0].queue), 0);
+    snprintf(sql, sizeof sql, "%s:%%", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key LIKE $1 AND "
+                                    "state = 'applied'",
+                                sql),
+                     JOBS);
+    n = drain(&t, q, bodies, ids, keys, 32);
+    /* "0 1" went to the forbidden exchange: key 0 has 0 2 only */
+    ck_assert_int_eq(n, JOBS - 1);
+    for (int i = 0; i < n; i++)
+        if (strcmp(bodies[i], "0 2") == 0)
+            snprintf(bodies[i], sizeof bodies[i], "0 1"); /* for the order check */
+    check_good_rows(bodies, ids, n, 3, 3, &others);
+    ck_assert_int_eq(others, 0);
+    snprintf(key, sizeof key, "%s:3", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "state = 'parked' AND attempts = 2 AND "
+                                    "last_error LIKE '%403%ACCESS_REFUSED%'",
+                                key),
+                     1);
+    snprintf(sql, sizeof sql, "parked list --key %s", key);
+    ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "outbox rows parked") && strstr(out, "ACCESS_REFUSED"), "%s", out);
+    ctl("delete_user %s", run_user);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* idemq.emit refuses what can never be published, with its SQLSTATE, so
+ * the emitting transaction fails (an effect's job is parked with the
+ * code) instead of the relay; the bounds themselves are accepted. */
+START_TEST(test_emit_refuses)
+{
+    struct itest t;
+    static const char *const cases[][2] = {
+        {"SELECT idemq.emit('', repeat('r', 256), 'x')", "22001"},
+        {"SELECT idemq.emit(repeat('e', 256), 'rk', 'x')", "22001"},
+        {"SELECT idemq.emit('', 'rk', 'x', jsonb_build_object(repeat('n', 256), 1))", "22001"},
+        {"SELECT idemq.emit('', 'rk', 'x', jsonb_build_object('a', "
+         "jsonb_build_object(repeat('n', 256), 1)))",
+         "22001"},
+        {"SELECT idemq.emit('', 'rk', 'x', jsonb_build_object('big', repeat('h', 40000)))",
+         "54000"},
+        {"SELECT idemq.emit('', 'rk', 'x', '{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{"
+         "\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":1}}}}}}}}}}}}}}}}')",
+         "54000"},
+        {"SELECT idemq.emit('', 'rk', convert_to(repeat('b', 16777217), 'UTF8'))", "54000"},
+    };
+    char q[200], b[1024], key[128], sql[512];
+    const char *bs[1] = {b};
+    PGconn *db;
+
+    setup(&t, "obemitlim", "emits = true;");
+    declare_out(&t, q, sizeof q);
+    db = connect_db();
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        PGresult *r = PQexec(db, cases[i][0]);
+        const char *code = PQresultErrorField(r, PG_DIAG_SQLSTATE);
+        ck_assert_msg(code && strcmp(code, cases[i][1]) == 0, "%s: %s (want %s)", cases[i][0],
+                      code ? code : "no error", cases[i][1]);
+        ck_assert_msg(strstr(PQresultErrorMessage(r), "idemq.emit"), "%s",
+                      PQresultErrorMessage(r));
+        PQclear(r);
+    }
+    /* at the bounds: accepted (then parked by hand: nothing to publish) */
+    exec_ok(db, "BEGIN");
+    exec_ok(db, "SELECT idemq.emit(repeat('e', 255), repeat('r', 255), "
+                "convert_to(repeat('b', 16777216), 'UTF8'), jsonb_build_object(repeat('n', 255), "
+                "repeat('h', 30000)))");
+    exec_ok(db, "UPDATE idemq.outbox SET state = 'parked', parked_at = now() "
+                "WHERE id = currval('idemq.outbox_id_seq')");
+    exec_ok(db, "COMMIT");
+    PQfinish(db);
+    /* an effect that emits a routing key built from its payload: the job
+     * is parked with the code, nothing is emitted */
+    snprintf(key, sizeof key, "%s:long", t.name);
+    snprintf(b, sizeof b, "{\"job_id\":\"%s\",\"rk\":\"%0300d\"}", key, 7);
+    itest_publish(&t, bs, 1);
+    itest_run_until_idle(&t, 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", key), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM " OB_ALL " o WHERE key = $1", key), 0);
+    snprintf(sql, sizeof sql, "%s", key);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND "
+                                    "last_error LIKE '%routing key%'",
+                                sql),
+                     1);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* The effect of the isolation case: emits one row and returns the
+ * isolation level of its transaction. */
+#define ISO_EFFECT                                                                           \
+    "CREATE OR REPLACE FUNCTION idemq_test.emit_iso(p_key text, p_payload jsonb, p_meta "    \
+    "jsonb) RETURNS jsonb LANGUAGE plpgsql AS $fn$ BEGIN "                                   \
+    "PERFORM idemq.emit('', p_payload->>'rk', p_key, NULL, p_payload->>'ok', p_key); "       \
+    "RETURN jsonb_build_object('iso', current_setting('transaction_isolation')); END $fn$"
+
+/* Order per key holds whatever default_transaction_isolation the database
+ * sets: the batch transactions that lease rows run at READ COMMITTED, and
+ * idemq.outbox_take refuses to run at another level (its head test needs
+ * a fresh snapshot per statement). */
+START_TEST(test_isolation_pinned)
+{
+    struct itest t;
+    char q[200], b[4][512], key[128], ok[128], out[64];
+    const char *bs[4] = {b[0], b[1], b[2], b[3]};
+    static char bodies[8][256], ids[8][64], keys[8][128];
+    PGconn *db;
+    PGresult *r;
+    int st;
+
+    itest_extra_conf = OUTBOX_CONF;
+    itest_setup(&t, "obiso", "idemq_test.emit_iso", "", "emits = true;");
+    itest_extra_conf = NULL;
+    itest_sql(&t, ISO_EFFECT);
+    declare_out(&t, q, sizeof q);
+    snprintf(ok, sizeof ok, "%s:k", t.name);
+    for (int i = 0; i < 4; i++) {
+        snprintf(b[i], sizeof b[i], "{\"job_id\":\"%s:%d\",\"rk\":\"%s\",\"ok\":\"%s\"}", t.name,
+                 i, q, ok);
+    }
+    itest_publish(&t, bs, 4);
+    itest_sql(&t, "ALTER DATABASE idemq SET default_transaction_isolation = 'repeatable read'");
+    st = itest_wait(itest_spawn(&t, t.cfg_path, 1, NULL), itest_ms(60000));
+    /* outbox_take itself, at repeatable read */
+    db = connect_db();
+    query_text(db, "SHOW default_transaction_isolation", out, sizeof out);
+    exec_ok(db, "BEGIN");
+    exec_ok(db, "SELECT idemq.emit('', 'nowhere', 'iso', NULL, 'iso-test')");
+    r = PQexec(db, "SELECT * FROM idemq.outbox_take('iso-test', 10, 1000)");
+    itest_sql(&t, "ALTER DATABASE idemq RESET default_transaction_isolation");
+    ck_assert_str_eq(out, "repeatable read");
+    ck_assert_msg(PQresultErrorField(r, PG_DIAG_SQLSTATE) &&
+                      strcmp(PQresultErrorField(r, PG_DIAG_SQLSTATE), "25000") == 0 &&
+                      strstr(PQresultErrorMessage(r), "READ COMMITTED"),
+                  "%s", PQresultErrorMessage(r));
+    PQclear(r);
+    exec_ok(db, "ROLLBACK");
+    PQfinish(db);
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    for (int i = 0; i < 4; i++) {
+        snprintf(key, sizeof key, "%s:%d", t.name, i);
+        ck_assert_str_eq(itest_text(&t, "SELECT result->>'iso' FROM idemq.jobs WHERE key = $1",
+                                    key, out, sizeof out),
+                         "read committed");
+    }
+    ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 8), 4);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("outbox");
@@ -1042,6 +1446,13 @@ int main(void)
     tc = tcase_create("outbox_kill"); /* three relays under a kill loop */
     tcase_set_timeout(tc, itest_ms(kill_secs() + 120));
     tcase_add_test(tc, test_relays_kill_loop);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("outbox_refusals"); /* every refusal ends in a defined state */
+    tcase_set_timeout(tc, itest_ms(120));
+    tcase_add_test(tc, test_refused_rows_parked);
+    tcase_add_test(tc, test_refused_forbidden);
+    tcase_add_test(tc, test_emit_refuses);
+    tcase_add_test(tc, test_isolation_pinned);
     suite_add_tcase(s, tc);
     tc = tcase_create("outbox_show"); /* operator output */
     tcase_set_timeout(tc, itest_ms(120));
