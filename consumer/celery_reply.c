@@ -33,7 +33,9 @@ static idemq_err_t send(struct broker *b, const struct job *j, const char *body,
                 "celery result of task %s not sent: its correlation_id is not text", j->task_id);
         return IDEMQ_OK;
     }
-    if ((err = broker_publish_optional(b, "", j->reply_to, body, strlen(body), &props)) !=
+    /* on the side channel: a refusal (403, 404) closes that one, never the
+     * channel that holds the batch's deliveries */
+    if ((err = broker_side_publish(b, "", j->reply_to, body, strlen(body), &props, false)) !=
         IDEMQ_OK)
         snprintf(why, whylen, "celery result of task %s to %s: %s", j->task_id, j->reply_to,
                  broker_error(b));
@@ -136,7 +138,7 @@ idemq_err_t celery_reply_batch(struct broker *b, PGconn *db, const struct conf *
                     "celery result of task %s sent to %s", j->task_id, j->reply_to);
         }
     }
-    if (!err && sent && (err = broker_wait_confirms(b, confirm_ms)) != IDEMQ_OK)
+    if (!err && sent && (err = broker_side_wait_confirms(b, confirm_ms)) != IDEMQ_OK)
         snprintf(why, whylen, "celery results not confirmed: %s", broker_error(b));
 out:
     PQclear(r);
