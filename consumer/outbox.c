@@ -106,8 +106,7 @@ static idemq_err_t refused(const struct outbox *o, const struct conf *c, PGconn 
         log_warn("outbox: parked row %lld (key %s, exchange '%s', routing key %.80s): %s", r->id,
                  r->key ? r->key : "-", r->exchange, r->routing_key, error);
     } else {
-        log_info("outbox: row %lld refused (exchange '%s'): %s; tried again", r->id, r->exchange,
-                 error);
+        log_info("outbox: row %lld refused: %s; tried again", r->id, error);
     }
     return IDEMQ_OK;
 }

@@ -459,13 +459,63 @@ START_TEST(test_crash_after_confirm)
 }
 END_TEST
 
+/* ---- refusals: every refusal ends in a defined state ---- */
+
+/* Runs `scripts/services ctl ARGS` (rabbitmqctl on the test node). */
+static void ctl(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void ctl(const char *fmt, ...)
+{
+    char args[900], what[1000];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(args, sizeof args, fmt, ap);
+    va_end(ap);
+    snprintf(what, sizeof what, "ctl %s", args);
+    ck_assert_msg(itest_services(what) == 0, "scripts/services %s failed", what);
+}
+
+/* The broker's max_message_size (read by each channel when it opens);
+ * 0 puts back the version's default (3.x: 128 MiB, 4.x: 16 MiB). */
+static void set_max_message_size(long bytes)
+{
+    const char *v = getenv("IDEMQ_SERVER_RABBITMQ");
+    if (bytes == 0)
+        bytes = v && strncmp(v, "3.", 2) == 0 ? 134217728L : 16777216L;
+    ctl("eval 'application:set_env(rabbit, max_message_size, %ld).'", bytes);
+}
+
+/* Connections the broker let in for the workers of consumer id `cid`
+ * ("idemq <cid> worker N", the connection name idemq gives them), from the
+ * node's log under $IDEMQ_STATE_DIR (written as they come, unlike the
+ * management API's counters). */
+static long worker_connections(const char *cid)
+{
+    char cmd[600], out[64] = "";
+    FILE *p;
+    snprintf(cmd, sizeof cmd,
+             "cat \"$IDEMQ_STATE_DIR\"/rabbit/log/*@localhost.log | grep 'granted access' | "
+             "grep -c -F -- '- idemq %s worker '",
+             cid);
+    p = popen(cmd, "r");
+    ck_assert_ptr_nonnull(p);
+    if (!fgets(out, sizeof out, p))
+        out[0] = '\0';
+    pclose(p);
+    return atol(out);
+}
+
 /* Three relays (three idemq processes) relay one outbox while rows keep
  * being emitted (ten per transaction, five order keys interleaved) and
  * one relay after the other is SIGKILLed every ~0.4 s and started again.
  * Every row is published; per order key the messages arrive in commit
  * order, a re-publish (a relay killed between a publish and its sent
  * mark) only repeating the row just before, with the same message_id, so
- * a consumer deduplicating on message_id applies each row once. A killed
+ * a consumer deduplicating on message_id applies each row once. One row
+ * per 100 is poisoned, in the order key of the rows around it: to an
+ * exchange that does not exist (404), or with a 300-byte routing key
+ * (written directly: idemq.emit refuses it); each is parked with its
+ * reason, holds only its key until then, and the relays open no more
+ * connections than their starts need (no reconnect per refusal). A killed
  * relay's leases are made to pass 0.3 s after it died (outbox.lease_s is
  * at least 15 s; the pause lets the broker take in what the dead
  * connection still had on the wire). IDEMQ_OUTBOX_KILL_S sets the kill
@@ -519,6 +569,10 @@ START_TEST(test_relays_kill_loop)
     long long t0, next_kill, now;
     long long jlast[KILL_KEYS];
     int rows = 0, jobs = 0, kills = 0, victim = 0, n, dups = 0, jmsgs = 0, jdups = 0, rate;
+    int poisoned = 0;
+    long conns;
+    struct broker *pb;
+    char err[512];
 
     /* the payouts input's effect emits too (relayed right after its
      * commit, leased before it): jobs "<name>:j<n>" with order keys
@@ -527,6 +581,11 @@ START_TEST(test_relays_kill_loop)
     declare_out(&t, q, sizeof q);
     snprintf(like, sizeof like, "%s:%%", t.name);
     em = connect_db();
+    /* one publisher connection for the jobs */
+    ck_assert_msg(broker_open(t.conf, "kill loop publisher", true, &pb, err, sizeof err) ==
+                      IDEMQ_OK,
+                  "%s", err);
+    conns = worker_connections(t.conf->consumer_id);
     for (int i = 0; i < 3; i++)
         pids[i] = itest_spawn(&t, t.cfg_path, 600, NULL);
     t0 = now_ms();
@@ -542,6 +601,21 @@ START_TEST(test_relays_kill_loop)
                      "NULL, '%s:' || ((%d + g) %% %d)) FROM generate_series(0, %d) g ORDER BY g",
                      q, rows, KILL_KEYS, rows, KILL_KEYS, t.name, rows, KILL_KEYS, KILL_TX - 1);
             exec_ok(em, sql);
+            if ((rows / KILL_TX) % 10 == 9) { /* the 100th: poisoned, in the next row's key */
+                char okx[160];
+                snprintf(okx, sizeof okx, "'%s:%d'", t.name, (rows + KILL_TX) % KILL_KEYS);
+                if (poisoned % 2 == 0)
+                    snprintf(sql, sizeof sql,
+                             "SELECT idemq.emit('%s.gone', 'x', 'poison', NULL, %s, '%s:p%d')",
+                             t.name, okx, t.name, poisoned);
+                else
+                    snprintf(sql, sizeof sql,
+                             "INSERT INTO idemq.outbox (key, exchange, routing_key, body, "
+                             "order_key) VALUES ('%s:p%d', '', repeat('r', 300), 'poison', %s)",
+                             t.name, poisoned, okx);
+                exec_ok(em, sql);
+                poisoned++;
+            }
             rows += KILL_TX;
         }
         if (jobs + KILL_TX <= KILL_MAX / 8 && jobs < (now - t0) * (rate / 3) / 1000) {
@@ -551,7 +625,13 @@ START_TEST(test_relays_kill_loop)
                          jobs + g, q, t.name, (jobs + g) % KILL_KEYS);
                 jbs[g] = jb[g];
             }
-            itest_publish(&t, jbs, KILL_TX);
+            for (int g = 0; g < KILL_TX; g++)
+                ck_assert_msg(broker_publish(pb, t.conf->inputs[0].exchange,
+                                             t.conf->inputs[0].routing_key, jbs[g],
+                                             strlen(jbs[g]), NULL) == IDEMQ_OK,
+                              "%s", broker_error(pb));
+            ck_assert_msg(broker_wait_confirms(pb, itest_ms(10000)) == IDEMQ_OK, "%s",
+                          broker_error(pb));
             jobs += KILL_TX;
         }
         if (now >= next_kill) {
@@ -576,7 +656,9 @@ START_TEST(test_relays_kill_loop)
     snprintf(sql, sizeof sql, "%s:j%%", t.name);
     wait_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key LIKE $1 AND state = 'applied'",
               sql, jobs, 60000);
-    wait_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key LIKE $1", like, 0, 60000);
+    wait_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key LIKE $1 AND "
+                  "state = 'pending'",
+              like, 0, 60000);
     for (int i = 0; i < 3; i++) {
         int st;
         /* a SIGTERM before idemq installed its handler kills it instead of
@@ -595,6 +677,23 @@ START_TEST(test_relays_kill_loop)
                                 "LIKE $1",
                                 like),
                      rows + jobs);
+    /* every poisoned row parked with its reason, nothing else parked */
+    ck_assert_int_ge(poisoned, kill_secs() / 3);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key LIKE $1",
+                                like),
+                     poisoned);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key LIKE $1 "
+                                    "AND state = 'parked' AND convert_from(body, 'UTF8') = "
+                                    "'poison' AND (last_error LIKE '%404 NOT_FOUND%' OR "
+                                    "last_error LIKE '%routing key is 300 bytes%')",
+                                like),
+                     poisoned);
+    /* no reconnect storm: each relay start opens its few connections, a
+     * refusal none (the old relay reconnected on every one) */
+    broker_close(pb);
+    conns = worker_connections(t.conf->consumer_id) - conns;
+    ck_assert_msg(conns >= 3 && conns <= kills + 3 + 3, "%ld worker connections for %d relay starts",
+                  conns, kills + 3);
     /* one row per job, whatever its deliveries */
     ck_assert_int_eq(itest_long(&t, "SELECT count(DISTINCT key) FROM idemq.outbox_sent WHERE "
                                     "key LIKE $1",
@@ -654,8 +753,9 @@ START_TEST(test_relays_kill_loop)
     PQclear(seqs);
     ck_assert_int_ge(kills, kill_secs() - 1);
     fprintf(stderr,
-            "kill loop: %d rows, %d jobs' rows, %d kills, %d messages (%d and %d re-published)\n",
-            rows, jobs, kills, n, dups, jdups);
+            "kill loop: %d rows, %d jobs' rows, %d poisoned, %d kills, %d messages (%d and %d "
+            "re-published), %ld connections\n",
+            rows, jobs, poisoned, kills, n, dups, jdups, conns);
     itest_teardown(&t);
 }
 END_TEST
@@ -1021,53 +1121,6 @@ START_TEST(test_show_escaped)
 }
 END_TEST
 
-/* ---- refusals: every refusal ends in a defined state ---- */
-
-/* Runs `scripts/services ctl ARGS` (rabbitmqctl on the test node). */
-static void ctl(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void ctl(const char *fmt, ...)
-{
-    char args[900], what[1000];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(args, sizeof args, fmt, ap);
-    va_end(ap);
-    snprintf(what, sizeof what, "ctl %s", args);
-    ck_assert_msg(itest_services(what) == 0, "scripts/services %s failed", what);
-}
-
-/* The broker's max_message_size (read by each channel when it opens);
- * 0 puts back the version's default (3.x: 128 MiB, 4.x: 16 MiB). */
-static void set_max_message_size(long bytes)
-{
-    const char *v = getenv("IDEMQ_SERVER_RABBITMQ");
-    if (bytes == 0)
-        bytes = v && strncmp(v, "3.", 2) == 0 ? 134217728L : 16777216L;
-    ctl("eval 'application:set_env(rabbit, max_message_size, %ld).'", bytes);
-}
-
-/* The broker's running total `what` of /api/overview's churn_rates
- * (connection_created, channel_closed, ...). The management API lags by up
- * to ~5 s. */
-static __attribute__((unused)) long churn(const char *what)
-{
-    static char body[1 << 18];
-    const char *m = getenv("IDEMQ_RABBIT_MGMT_URL");
-    char url[300];
-    json_t *o, *v;
-    long n = -1;
-    ck_assert_msg(m && strncmp(m, "http://", 7) == 0, "IDEMQ_RABBIT_MGMT_URL");
-    snprintf(url, sizeof url, "http://guest:guest@%s/api/overview", m + 7);
-    ck_assert_int_eq(itest_http_get(url, body, sizeof body), 200);
-    o = json_loads(body, 0, NULL);
-    v = json_object_get(json_object_get(o, "churn_rates"), what);
-    if (json_is_integer(v))
-        n = (long)json_integer_value(v);
-    json_decref(o);
-    ck_assert_msg(n >= 0, "no churn_rates.%s in /api/overview", what);
-    return n;
-}
-
 /* Checks that the drained messages hold each good row "K SEQ" (keys 0..keys-1,
  * per key seq 0..per-1, in order) exactly once, with distinct message_ids;
  * other bodies are counted in *others. */
@@ -1298,6 +1351,13 @@ START_TEST(test_refused_forbidden)
     snprintf(sql, sizeof sql, "parked list --key %s", key);
     ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
     ck_assert_msg(strstr(out, "outbox rows parked") && strstr(out, "ACCESS_REFUSED"), "%s", out);
+    /* check-config says which permission the relay needs, and that the rows decide */
+    ck_assert_int_eq(itest_idemq(&t, "check-config", out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "needs write permission on every exchange that idemq.emit names") &&
+                      strstr(out, "decide it at run time"),
+                  "%s", out);
+    ck_assert_msg(itest_count_lines(log, "needs write permission on every exchange") == 1, "%s",
+                  log);
     ctl("delete_user %s", run_user);
     itest_teardown(&t);
 }
