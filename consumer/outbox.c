@@ -18,6 +18,9 @@
 #define NACK_RETRY_MS 1000 /* a nacked row is tried again after this */
 
 struct outbox_stats outbox_stats;
+/* CLOCK_MONOTONIC ms until which a row refused in this process waits for
+ * its next attempt (outbox_retry_pending) */
+static atomic_llong retry_until_ms;
 const double outbox_latency_bounds_ms[6] = {5, 10, 25, 50, 100, 500};
 
 static long long now_ms(void)
@@ -106,10 +109,15 @@ static idemq_err_t refused(const struct outbox *o, const struct conf *c, PGconn 
         log_warn("outbox: parked row %lld (key %s, exchange '%s', routing key %.80s): %s", r->id,
                  r->key ? r->key : "-", r->exchange, r->routing_key, error);
     } else {
+        long long until = now_ms() + NACK_RETRY_MS + c->outbox_poll_ms;
         log_info("outbox: row %lld refused: %s; tried again", r->id, error);
+        if (until > atomic_load(&retry_until_ms))
+            atomic_store(&retry_until_ms, until);
     }
     return IDEMQ_OK;
 }
+
+bool outbox_retry_pending(void) { return now_ms() < atomic_load(&retry_until_ms); }
 
 /* Publishes row r on the side channel (see publish_rows). */
 static idemq_err_t publish_row(struct broker *b, const struct outbox_row *r)

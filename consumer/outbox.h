@@ -84,6 +84,11 @@ idemq_err_t outbox_publish_taken(struct outbox *o, const struct conf *c, PGconn 
                                  struct broker *b, struct outbox_rows *rows, char *why,
                                  size_t whylen) IDEMQ_MUSTCHECK;
 
+/* True while a row this process's relay refused (nacked, or the side
+ * channel closed on it) waits for its next attempt: `--until-idle` is not
+ * idle then, so the row is parked or sent before the run ends. Any thread. */
+bool outbox_retry_pending(void);
+
 /* The recovery poll: outbox_relay when outbox.poll_ms passed since the last
  * one (sooner while rows remain), else returns at once. */
 idemq_err_t outbox_tick(struct outbox *o, const struct conf *c, PGconn *db, struct broker *b,

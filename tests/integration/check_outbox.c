@@ -474,14 +474,12 @@ static void ctl(const char *fmt, ...)
     ck_assert_msg(itest_services(what) == 0, "scripts/services %s failed", what);
 }
 
-/* The broker's max_message_size (read by each channel when it opens);
- * 0 puts back the version's default (3.x: 128 MiB, 4.x: 16 MiB). */
+/* RabbitMQ 3.x's max_message_size (read by each channel when it opens);
+ * 0 puts back its default, 128 MiB. */
 static void set_max_message_size(long bytes)
 {
-    const char *v = getenv("IDEMQ_SERVER_RABBITMQ");
-    if (bytes == 0)
-        bytes = v && strncmp(v, "3.", 2) == 0 ? 134217728L : 16777216L;
-    ctl("eval 'application:set_env(rabbit, max_message_size, %ld).'", bytes);
+    ctl("eval 'application:set_env(rabbit, max_message_size, %ld).'",
+        bytes ? bytes : 134217728L);
 }
 
 /* Connections the broker let in for the workers of consumer id `cid`
@@ -493,7 +491,7 @@ static long worker_connections(const char *cid)
     char cmd[600], out[64] = "";
     FILE *p;
     snprintf(cmd, sizeof cmd,
-             "cat \"$IDEMQ_STATE_DIR\"/rabbit/log/*@localhost.log | grep 'granted access' | "
+             "cat \"$IDEMQ_STATE_DIR\"/rabbit*/log/*@localhost.log | grep 'granted access' | "
              "grep -c -F -- '- idemq %s worker '",
              cid);
     p = popen(cmd, "r");
@@ -1166,7 +1164,8 @@ START_TEST(test_refused_rows_parked)
     char q[200], sql[4096], conf[512], log[300], out[16384], bad[160], url[128];
     static char bodies[64][256], ids[64][64], keys[64][128], body[32768];
     int n, st, others, port = itest_free_port(), o = 0;
-    long parked = -1;
+    long parked = -1, big;
+    bool v3;
     pid_t pid;
 
     snprintf(conf, sizeof conf,
@@ -1178,6 +1177,11 @@ START_TEST(test_refused_rows_parked)
     itest_extra_conf = NULL;
     declare_out(&t, q, sizeof q);
     snprintf(bad, sizeof bad, "%s:bad", t.name);
+    /* a body over max_message_size: RabbitMQ 3.x reads the setting when a
+     * channel opens (set low for this run), 4.x only at boot (its default,
+     * 16 MiB, is idemq.emit's bound: one byte more, written directly) */
+    v3 = getenv("IDEMQ_SERVER_RABBITMQ") && strncmp(getenv("IDEMQ_SERVER_RABBITMQ"), "3.", 2) == 0;
+    big = v3 ? 100000 : 16777217;
     o += snprintf(sql + o, sizeof sql - (size_t)o, "BEGIN; ");
     for (int i = 0; i < KEYS * PER; i++) {
         if (i == KEYS * PER / 2)
@@ -1188,9 +1192,9 @@ START_TEST(test_refused_rows_parked)
                 "('%s:hname', '', '%s', 'x', jsonb_build_object(repeat('n', 300), 1), '%s'), "
                 "('%s:hbig', '', '%s', 'x', jsonb_build_object('big', repeat('h', 200000)), "
                 "'%s'); "
-                "SELECT idemq.emit('', '%s', convert_to(repeat('b', 100000), 'UTF8'), NULL, "
-                "'%s', '%s:big'); ",
-                t.name, bad, t.name, q, bad, t.name, q, bad, q, bad, t.name);
+                "INSERT INTO idemq.outbox (key, exchange, routing_key, body, order_key) "
+                "VALUES ('%s:big', '', '%s', convert_to(repeat('b', %ld), 'UTF8'), '%s'); ",
+                t.name, bad, t.name, q, bad, t.name, q, bad, t.name, q, big, bad);
         o += snprintf(sql + o, sizeof sql - (size_t)o,
                       "SELECT idemq.emit('', '%s', '%d %d', NULL, '%s:%d'); ", q, i % KEYS,
                       i / KEYS, t.name, i % KEYS);
@@ -1200,9 +1204,10 @@ START_TEST(test_refused_rows_parked)
     ck_assert_int_lt(o, (int)sizeof sql);
     itest_sql(&t, sql);
 
-    set_max_message_size(65536);
+    if (v3)
+        set_max_message_size(65536);
     snprintf(log, sizeof log, "%s/%s.log", getenv("IDEMQ_STATE_DIR"), t.name);
-    pid = itest_spawn_log(t.cfg_path, 3, NULL, log);
+    pid = itest_spawn_log(t.cfg_path, 5, NULL, log); /* idle: time to scrape the last park */
     snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", port);
     for (int i = 0; i < itest_ms(400) && parked < 4; i++) {
         if (itest_http_get(url, body, sizeof body) == 200)
@@ -1210,7 +1215,8 @@ START_TEST(test_refused_rows_parked)
         usleep(50000);
     }
     st = itest_wait(pid, itest_ms(30000));
-    set_max_message_size(0);
+    if (v3)
+        set_max_message_size(0);
     ck_assert_msg(parked == 4, "idemq_outbox_parked_total %ld (log %s)", parked, log);
     ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x (log %s)", st,
                   log);
@@ -1250,10 +1256,14 @@ START_TEST(test_refused_rows_parked)
                                     "FROM idemq.outbox p WHERE p.order_key = $1)",
                                 bad),
                      1);
-    ck_assert_int_eq(itest_idemq(&t, "parked list", out, sizeof out), 0);
-    ck_assert_msg(strstr(out, "outbox rows parked") && strstr(out, "PRECONDITION_FAILED") &&
-                      strstr(out, "routing key"),
-                  "%s", out);
+    snprintf(sql, sizeof sql, "parked list --key %s:big", t.name);
+    ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "outbox rows parked") && strstr(out, "PRECONDITION_FAILED"),
+                  "%.2000s", out);
+    snprintf(sql, sizeof sql, "parked list --key %s:rk", t.name);
+    ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "outbox rows parked") && strstr(out, "routing key is 300"),
+                  "%.2000s", out);
     itest_teardown(&t);
 }
 END_TEST
@@ -1350,12 +1360,13 @@ START_TEST(test_refused_forbidden)
                      1);
     snprintf(sql, sizeof sql, "parked list --key %s", key);
     ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
-    ck_assert_msg(strstr(out, "outbox rows parked") && strstr(out, "ACCESS_REFUSED"), "%s", out);
+    ck_assert_msg(strstr(out, "outbox rows parked") && strstr(out, "ACCESS_REFUSED"), "%.2000s",
+                  out);
     /* check-config says which permission the relay needs, and that the rows decide */
     ck_assert_int_eq(itest_idemq(&t, "check-config", out, sizeof out), 0);
     ck_assert_msg(strstr(out, "needs write permission on every exchange that idemq.emit names") &&
                       strstr(out, "decide it at run time"),
-                  "%s", out);
+                  "%.2000s", out);
     ck_assert_msg(itest_count_lines(log, "needs write permission on every exchange") == 1, "%s",
                   log);
     ctl("delete_user %s", run_user);
