@@ -1261,8 +1261,9 @@ static idemq_err_t wait_each(struct broker *b, struct pubch *pc, int timeout_ms,
             out[i] = BROKER_CONFIRM_ACKED;
             break;
         case CONFIRMS_SEQ_RETURN_ACKED:
-            out[i] = matched && was_returned(pc, message_ids ? message_ids[i] : NULL, matched) ? BROKER_CONFIRM_RETURNED
-                                                                         : BROKER_CONFIRM_ACKED;
+            out[i] = matched && was_returned(pc, message_ids ? message_ids[i] : NULL, matched)
+                         ? BROKER_CONFIRM_RETURNED
+                         : BROKER_CONFIRM_ACKED;
             break;
         case CONFIRMS_SEQ_PENDING:
             out[i] = BROKER_CONFIRM_PENDING;

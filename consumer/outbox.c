@@ -214,9 +214,11 @@ static idemq_err_t publish_rows(const struct outbox *o, const struct conf *c, PG
     char text[512] = "";
 
     for (int i = 0; i < n; i++) {
-        const struct outbox_row *r = &rows->row[i];
         st[i] = BROKER_CONFIRM_PENDING;
         done[i] = false;
+    }
+    for (int i = 0; i < n; i++) {
+        const struct outbox_row *r = &rows->row[i];
         perr = publish_row(b, r);
         if (perr == IDEMQ_ERR_UNPUBLISHABLE) { /* nothing was written: the channel is fine */
             done[i] = true;

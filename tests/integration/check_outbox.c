@@ -690,8 +690,8 @@ START_TEST(test_relays_kill_loop)
      * refusal none (the old relay reconnected on every one) */
     broker_close(pb);
     conns = worker_connections(t.conf->consumer_id) - conns;
-    ck_assert_msg(conns >= 3 && conns <= kills + 3 + 3, "%ld worker connections for %d relay starts",
-                  conns, kills + 3);
+    ck_assert_msg(conns >= 3 && conns <= kills + 3 + 3,
+                  "%ld worker connections for %d relay starts", conns, kills + 3);
     /* one row per job, whatever its deliveries */
     ck_assert_int_eq(itest_long(&t, "SELECT count(DISTINCT key) FROM idemq.outbox_sent WHERE "
                                     "key LIKE $1",
@@ -1390,7 +1390,8 @@ START_TEST(test_emit_refuses)
         {"SELECT idemq.emit('', 'rk', 'x', jsonb_build_object('big', repeat('h', 40000)))",
          "54000"},
         {"SELECT idemq.emit('', 'rk', 'x', '{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{"
-         "\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":1}}}}}}}}}}}}}}}}}')",
+         "\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":1}}}}}}}}}}"
+         "}}}}}}}')", /* 17 levels */
          "54000"},
         {"SELECT idemq.emit('', 'rk', convert_to(repeat('b', 16777217), 'UTF8'))", "54000"},
     };
