@@ -58,6 +58,7 @@ RETURNS void LANGUAGE plpgsql AS $fn$
 DECLARE
     v_depth integer;
     v_name  text;
+    v_len   integer;
 BEGIN
     IF octet_length(p_exchange) > 255 THEN
         RAISE EXCEPTION 'idemq.emit: the exchange name is % bytes; AMQP allows at most 255',
@@ -74,9 +75,13 @@ BEGIN
     IF p_headers IS NULL THEN
         RETURN;
     END IF;
-    IF octet_length(p_headers::text) > 32768 THEN
+    v_len := octet_length(p_headers::text);
+    IF v_len > 32768 THEN
         RAISE EXCEPTION 'idemq.emit: the headers are % bytes of JSON; at most 32768 are published',
-              octet_length(p_headers::text) USING ERRCODE = '54000';
+              v_len USING ERRCODE = '54000';
+    END IF;
+    IF v_len < 34 THEN
+        RETURN; /* too short for 17 levels ({{...}}) or a 256-byte name: no walk */
     END IF;
     WITH RECURSIVE n(v, depth) AS (
         SELECT p_headers, 1
