@@ -1162,16 +1162,17 @@ START_TEST(test_refused_rows_parked)
     enum { KEYS = 4, PER = 5 };
     struct itest t;
     char q[200], sql[4096], conf[512], log[300], out[16384], bad[160], url[128];
-    static char bodies[64][256], ids[64][64], keys[64][128], body[32768];
-    int n, st, others, port = itest_free_port(), o = 0;
+    static char bodies[64][256], ids[64][64], keys[64][128], body[32768], page[1 << 20];
+    int n, st, others, port = itest_free_port(), cport = itest_free_port(), o = 0, code;
     long parked = -1, big;
     bool v3;
     pid_t pid;
 
     snprintf(conf, sizeof conf,
              "outbox: { relay = 1; poll_ms = 200; max_attempts = 2; };\n"
-             "metrics: { listen = \"127.0.0.1:%d\"; };",
-             port);
+             "metrics: { listen = \"127.0.0.1:%d\"; };\n"
+             "console: { listen = \"127.0.0.1:%d\"; };",
+             port, cport);
     itest_extra_conf = conf;
     itest_setup(&t, "obrefuse", "idemq_test.emit_one", "", "");
     itest_extra_conf = NULL;
@@ -1214,10 +1215,16 @@ START_TEST(test_refused_rows_parked)
             parked = metric(body, "idemq_outbox_parked_total");
         usleep(50000);
     }
+    /* the console's failure groups page lists them by exchange and reason */
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/groups", cport);
+    code = itest_http_get(url, page, sizeof page);
     st = itest_wait(pid, itest_ms(30000));
     if (v3)
         set_max_message_size(0);
     ck_assert_msg(parked == 4, "idemq_outbox_parked_total %ld (log %s)", parked, log);
+    ck_assert_msg(code == 200 && strstr(page, "id=\"outbox-groups\"") &&
+                      strstr(page, "PRECONDITION_FAILED") && strstr(page, "routing key is"),
+                  "/groups: %d %.2000s", code, strstr(page, "<h2>") ? strstr(page, "<h2>") : page);
     ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x (log %s)", st,
                   log);
     ck_assert_msg(itest_count_lines(log, "NOT READY") == 0, "the worker reconnected: %s", log);
