@@ -1444,6 +1444,79 @@ START_TEST(test_emit_refuses)
 }
 END_TEST
 
+/* Suspends (or resumes) the process of queue q on the broker: publishes
+ * to it are taken but not confirmed meanwhile. */
+static void queue_suspend(const char *q, bool suspend)
+{
+    ctl("eval '[sys:%s(amqqueue:get_pid(Q)) || Q <- rabbit_amqqueue:list(), "
+        "element(4, amqqueue:get_name(Q)) =:= <<\"%s\">>].'",
+        suspend ? "suspend" : "resume", q);
+}
+
+/* The lines of a log that hold needle, waiting up to ms for at least one. */
+static int wait_log(const char *log, const char *needle, int ms)
+{
+    for (int i = 0; i < itest_ms(ms) / 100 && itest_count_lines(log, needle) == 0; i++)
+        usleep(100000);
+    return itest_count_lines(log, needle);
+}
+
+/* A publish the broker does not confirm (its queue's process suspended):
+ * after the confirm wait the side channel is closed and the row given
+ * back, uncounted, while the row beside it in the claim is sent; the
+ * worker does not reconnect; once the queue answers again the row goes out
+ * (again, same message_id: at least once) and is marked sent. */
+START_TEST(test_confirm_timeout)
+{
+    struct itest t;
+    char q[200], slow[220], sql[768], log[300], key[160], want[64];
+    static char bodies[8][256], ids[8][64], keys[8][128];
+    struct broker *b;
+    char err[512];
+    pid_t pid;
+    int n, st;
+
+    setup(&t, "obslow", "");
+    declare_out(&t, q, sizeof q);
+    snprintf(slow, sizeof slow, "%s.slow", t.name);
+    ck_assert_msg(broker_open(t.conf, "outbox test", false, &b, err, sizeof err) == IDEMQ_OK,
+                  "%s", err);
+    ck_assert(broker_admin_declare_queue(b, slow, NULL, false) == IDEMQ_OK);
+    ck_assert(broker_admin_purge(b, slow) == IDEMQ_OK);
+    broker_close(b);
+    queue_suspend(slow, true);
+    snprintf(key, sizeof key, "%s:slow", t.name);
+    snprintf(sql, sizeof sql,
+             "SELECT idemq.emit('', '%s', 'slow', NULL, NULL, '%s'); "
+             "SELECT idemq.emit('', '%s', 'fast', NULL, NULL, '%s:fast')",
+             slow, key, q, t.name);
+    itest_sql(&t, sql);
+    snprintf(log, sizeof log, "%s/%s.log", getenv("IDEMQ_STATE_DIR"), t.name);
+    pid = itest_spawn_log(t.cfg_path, 60, NULL, log);
+    n = wait_log(log, "not all confirmed", 30000);
+    queue_suspend(slow, false);
+    ck_assert_msg(n >= 1, "no confirm timeout in %s", log);
+    wait_long(&t, "SELECT count(*) FROM idemq.outbox_sent WHERE key = $1", key, 1, 30000);
+    kill(pid, SIGTERM);
+    st = itest_wait(pid, itest_ms(30000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    ck_assert_msg(itest_count_lines(log, "NOT READY") == 0, "the worker reconnected: %s", log);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox_sent WHERE key = $1 AND "
+                                    "attempts = 1",
+                                key),
+                     1); /* the timeout counted nothing */
+    ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 8), 1);
+    ck_assert_str_eq(bodies[0], "fast");
+    snprintf(want, sizeof want, "outbox:%ld",
+             itest_long(&t, "SELECT id FROM idemq.outbox_sent WHERE key = $1", key));
+    n = drain(&t, slow, bodies, ids, keys, 8);
+    ck_assert_msg(n >= 1 && n <= 4, "%d copies", n);
+    for (int i = 0; i < n; i++)
+        ck_assert_str_eq(ids[i], want);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* The effect of the isolation case: emits one row and returns the
  * isolation level of its transaction. */
 #define ISO_EFFECT                                                                           \
@@ -1535,6 +1608,7 @@ int main(void)
     tcase_add_test(tc, test_refused_forbidden);
     tcase_add_test(tc, test_emit_refuses);
     tcase_add_test(tc, test_isolation_pinned);
+    tcase_add_test(tc, test_confirm_timeout);
     suite_add_tcase(s, tc);
     tc = tcase_create("outbox_show"); /* operator output */
     tcase_set_timeout(tc, itest_ms(120));
