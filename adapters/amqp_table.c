@@ -242,3 +242,52 @@ static int from_json(json_t *v, amqp_field_value_t *f, amqp_pool_t *pool)
     }
     return 0;
 }
+
+static size_t value_wire_size(const amqp_field_value_t *v, size_t *longest_name)
+{
+    size_t n = 1; /* the kind */
+    switch (v->kind) {
+    case AMQP_FIELD_KIND_BOOLEAN:
+    case AMQP_FIELD_KIND_I8:
+    case AMQP_FIELD_KIND_U8:
+        return n + 1;
+    case AMQP_FIELD_KIND_I16:
+    case AMQP_FIELD_KIND_U16:
+        return n + 2;
+    case AMQP_FIELD_KIND_I32:
+    case AMQP_FIELD_KIND_U32:
+    case AMQP_FIELD_KIND_F32:
+        return n + 4;
+    case AMQP_FIELD_KIND_I64:
+    case AMQP_FIELD_KIND_U64:
+    case AMQP_FIELD_KIND_F64:
+    case AMQP_FIELD_KIND_TIMESTAMP:
+        return n + 8;
+    case AMQP_FIELD_KIND_DECIMAL:
+        return n + 5;
+    case AMQP_FIELD_KIND_UTF8:
+    case AMQP_FIELD_KIND_BYTES:
+        return n + 4 + v->value.bytes.len;
+    case AMQP_FIELD_KIND_ARRAY:
+        n += 4;
+        for (int i = 0; i < v->value.array.num_entries; i++)
+            n += value_wire_size(&v->value.array.entries[i], longest_name);
+        return n;
+    case AMQP_FIELD_KIND_TABLE:
+        return n + amqp_table_wire_size(&v->value.table, longest_name);
+    default: /* void */
+        return n;
+    }
+}
+
+size_t amqp_table_wire_size(const amqp_table_t *t, size_t *longest_name)
+{
+    size_t n = 4;
+    for (int i = 0; i < t->num_entries; i++) {
+        const amqp_table_entry_t *e = &t->entries[i];
+        if (e->key.len > *longest_name)
+            *longest_name = e->key.len;
+        n += 1 + e->key.len + value_wire_size(&e->value, longest_name);
+    }
+    return n;
+}

@@ -67,4 +67,13 @@ json_t *amqp_table_bytes_to_json(amqp_bytes_t b);
  */
 int amqp_table_from_json(json_t *v, amqp_table_t *t, amqp_pool_t *pool);
 
+/*
+ * The bytes t takes on the wire (its 4-byte length included), as
+ * amqp_encode_table would write it, and in *longest_name the longest field
+ * name at any depth: a name over 255 bytes cannot be encoded (the client
+ * library would write a wrong length byte). Pure; for the checks before a
+ * publish (a header frame must fit in frame_max).
+ */
+size_t amqp_table_wire_size(const amqp_table_t *t, size_t *longest_name);
+
 #endif

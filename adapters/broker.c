@@ -34,6 +34,9 @@
  * consumers, deliveries or confirms. */
 #define ASIDE_CHANNEL (BROKER_CHANNEL + 9)
 #define CONTENT_TIMEOUT_MS 30000 /* a message's frames follow its method frame */
+#define SIDE_FIRST 2             /* the side channel's numbers: 2, 3, ... SIDE_LAST, 2, ... */
+#define SIDE_LAST 1000
+#define SHORTSTR_MAX 255         /* AMQP short strings: names, routing keys, properties */
 
 struct stash {
     struct stash *next;
@@ -48,6 +51,24 @@ struct consumer {
     int lane; /* partition of an ordered input, or -1 */
 };
 
+/* The publishing state of one channel in confirm mode: the consuming
+ * channel (CHANNEL) or the side channel. */
+struct pubch {
+    amqp_channel_t ch; /* side: 0 before its first open */
+    bool closed;       /* side: closed (by the broker, or by us after a confirm
+                        * timeout) since it was opened; reopened under the next
+                        * number by the next publish, so a late frame of the old
+                        * one is never taken for the new one's */
+    struct confirms cf;
+    uint64_t wait_from; /* first publish not yet covered by a wait */
+    /* basic.returns since the last wait: their message_ids (a NUL for a
+     * message without one), to tell which publish a confirm after a return
+     * covered (broker_wait_confirms_each) */
+    char (*returned)[JOB_SHORTSTR];
+    size_t n_returned, cap_returned;
+    size_t returns_seen; /* basic.returns since the last wait, listed or not */
+};
+
 struct broker {
     const struct conf *conf;
     amqp_connection_state_t conn;
@@ -59,14 +80,8 @@ struct broker {
     char err[512];
     struct consumer *cons;
     int n_cons, cap_cons;
-    struct confirms cf;
-    uint64_t wait_from; /* first publish not yet covered by a wait */
-    /* basic.returns since the last wait: their message_ids (a NUL for a
-     * message without one), to tell which publish a confirm after a return
-     * covered (broker_wait_confirms_each) */
-    char (*returned)[JOB_SHORTSTR];
-    size_t n_returned, cap_returned;
-    size_t returns_seen; /* basic.returns since the last wait, listed or not */
+    struct pubch main; /* publishes on the consuming channel */
+    struct pubch side; /* publishes whose refusal must not close it (broker_side_*) */
     struct acks acks;
     struct delivery_reader rd;
     /* deliveries read while waiting for something else */
@@ -88,8 +103,10 @@ const char *broker_error(const struct broker *b) { return b ? b->err : "no broke
 
 static amqp_bytes_t bytes(const char *s) { return amqp_cstring_bytes(s ? s : ""); }
 
-/* Describes an RPC reply; returns true if it is a success. */
-static bool reply_ok(struct broker *b, amqp_rpc_reply_t r, const char *what)
+/* Describes an RPC reply on channel ch; returns true if it is a success. A
+ * channel.close of the side channel closes only that one. */
+static bool reply_ok_on(struct broker *b, amqp_channel_t ch, amqp_rpc_reply_t r,
+                        const char *what)
 {
     switch (r.reply_type) {
     case AMQP_RESPONSE_NORMAL:
@@ -114,8 +131,11 @@ static bool reply_ok(struct broker *b, amqp_rpc_reply_t r, const char *what)
             set_err(b, "%s: channel closed by broker: %u %.*s", what, m->reply_code,
                     (int)m->reply_text.len, (char *)m->reply_text.bytes);
             amqp_channel_close_ok_t ok = {0};
-            amqp_send_method(b->conn, CHANNEL, AMQP_CHANNEL_CLOSE_OK_METHOD, &ok);
-            b->healthy = false;
+            amqp_send_method(b->conn, ch, AMQP_CHANNEL_CLOSE_OK_METHOD, &ok);
+            if (ch == CHANNEL)
+                b->healthy = false;
+            else if (ch == b->side.ch)
+                b->side.closed = true;
         } else {
             set_err(b, "%s: unexpected server method 0x%08x", what, r.reply.id);
             b->healthy = false;
@@ -123,6 +143,19 @@ static bool reply_ok(struct broker *b, amqp_rpc_reply_t r, const char *what)
         break;
     }
     return false;
+}
+
+static bool reply_ok(struct broker *b, amqp_rpc_reply_t r, const char *what)
+{
+    return reply_ok_on(b, CHANNEL, r, what);
+}
+
+/* A new channel in confirm mode: new publish sequence numbers. */
+static void pubch_reset(struct pubch *pc)
+{
+    confirms_reset(&pc->cf);
+    pc->wait_from = confirms_next_seq(&pc->cf);
+    pc->n_returned = pc->returns_seen = 0;
 }
 
 /* Frees deliveries read but not handed out (their channel is gone). */
@@ -149,9 +182,7 @@ static idemq_err_t open_channel(struct broker *b)
     }
     /* A new channel: new delivery tags and publish sequence numbers. */
     drop_stash(b);
-    confirms_reset(&b->cf);
-    b->wait_from = confirms_next_seq(&b->cf);
-    b->n_returned = b->returns_seen = 0;
+    pubch_reset(&b->main);
     acks_reset(&b->acks);
     b->n_cons = 0;
     b->healthy = true;
@@ -250,7 +281,9 @@ idemq_err_t broker_open(const struct conf *c, const char *conn_name, bool confir
     }
     b->confirms = confirms;
     b->conf = c;
-    confirms_init(&b->cf);
+    b->main.ch = CHANNEL;
+    confirms_init(&b->main.cf);
+    confirms_init(&b->side.cf);
     acks_init(&b->acks);
     if (delivery_reader_init(&b->rd)) {
         snprintf(errbuf, errlen, "out of memory");
@@ -312,12 +345,23 @@ void broker_close(struct broker *b)
         }
         amqp_destroy_connection(b->conn);
     }
-    confirms_free(&b->cf);
-    free(b->returned);
+    confirms_free(&b->main.cf);
+    confirms_free(&b->side.cf);
+    free(b->main.returned);
+    free(b->side.returned);
     acks_free(&b->acks);
     delivery_reader_free(&b->rd);
     free(b->cons);
     free(b);
+}
+
+static idemq_err_t check_rc(struct broker *b, int rc, const char *what)
+{
+    if (rc == AMQP_STATUS_OK)
+        return IDEMQ_OK;
+    set_err(b, "%s: %s", what, amqp_error_string2(rc));
+    b->healthy = false;
+    return IDEMQ_ERR_BROKER;
 }
 
 /* Reads the content of the message whose method frame was just read (j
@@ -348,31 +392,42 @@ static idemq_err_t read_content(struct broker *b, amqp_channel_t ch, struct job 
 /* The content of a basic.return just read: its message_id joins the list
  * of returns since the last wait. IDEMQ_ERR_TIMEOUT (the frame was
  * handled, like the other confirm frames) or IDEMQ_ERR_BROKER. */
-static idemq_err_t note_return(struct broker *b, amqp_channel_t ch)
+static idemq_err_t note_return(struct broker *b, struct pubch *pc, amqp_channel_t ch)
 {
     struct job j;
     idemq_err_t err;
 
-    b->returns_seen++;
-    if (b->n_returned == b->cap_returned) {
-        size_t cap = b->cap_returned ? b->cap_returned * 2 : 8;
-        char(*r)[JOB_SHORTSTR] = realloc(b->returned, cap * sizeof *r);
+    pc->returns_seen++;
+    if (pc->n_returned == pc->cap_returned) {
+        size_t cap = pc->cap_returned ? pc->cap_returned * 2 : 8;
+        char(*r)[JOB_SHORTSTR] = realloc(pc->returned, cap * sizeof *r);
         if (!r) { /* unmatched: broker_wait_confirms_each counts it as a nack */
             if (read_content(b, ch, NULL))
                 return IDEMQ_ERR_BROKER;
             return IDEMQ_ERR_TIMEOUT;
         }
-        b->returned = r;
-        b->cap_returned = cap;
+        pc->returned = r;
+        pc->cap_returned = cap;
     }
     job_init(&j);
     j.input = -1; /* a body prefix is enough */
     err = read_content(b, ch, &j);
     if (err == IDEMQ_OK && !j.wire_err)
-        snprintf(b->returned[b->n_returned++], JOB_SHORTSTR, "%s",
+        snprintf(pc->returned[pc->n_returned++], JOB_SHORTSTR, "%s",
                  j.has_message_id ? j.message_id : "");
     job_destroy(&j);
     return err ? err : IDEMQ_ERR_TIMEOUT;
+}
+
+/* The publishing state frames of channel ch belong to; NULL for a side
+ * channel closed before (its late confirms and returns are dropped). */
+static struct pubch *pubch_of(struct broker *b, amqp_channel_t ch)
+{
+    if (ch == CHANNEL)
+        return &b->main;
+    if (ch == b->side.ch && !b->side.closed)
+        return &b->side;
+    return NULL;
 }
 
 static const struct consumer *find_consumer(const struct broker *b, amqp_bytes_t tag)
@@ -489,27 +544,47 @@ static idemq_err_t pump_frame(struct broker *b, struct job *j, struct timeval *t
     }
     case AMQP_BASIC_ACK_METHOD: {
         amqp_basic_ack_t *a = frame.payload.method.decoded;
-        confirms_ack(&b->cf, a->delivery_tag, a->multiple);
+        struct pubch *pc = pubch_of(b, frame.channel);
+        if (pc)
+            confirms_ack(&pc->cf, a->delivery_tag, a->multiple);
         return IDEMQ_ERR_TIMEOUT;
     }
     case AMQP_BASIC_NACK_METHOD: {
         amqp_basic_nack_t *n = frame.payload.method.decoded;
-        set_err(b, "broker nacked publish %llu", (unsigned long long)n->delivery_tag);
-        confirms_nack(&b->cf, n->delivery_tag, n->multiple);
+        struct pubch *pc = pubch_of(b, frame.channel);
+        if (pc) {
+            set_err(b, "broker nacked publish %llu", (unsigned long long)n->delivery_tag);
+            confirms_nack(&pc->cf, n->delivery_tag, n->multiple);
+        }
         return IDEMQ_ERR_TIMEOUT;
     }
     case AMQP_BASIC_RETURN_METHOD: {
         amqp_basic_return_t *r = frame.payload.method.decoded;
+        struct pubch *pc = pubch_of(b, frame.channel);
+        if (!pc) /* of a side channel closed since: its content is read and dropped */
+            return read_content(b, frame.channel, NULL) ? IDEMQ_ERR_BROKER : IDEMQ_ERR_TIMEOUT;
         set_err(b, "message returned as unroutable: %u %.*s (exchange %.*s, key %.*s)",
                 r->reply_code, (int)r->reply_text.len, (char *)r->reply_text.bytes,
                 (int)r->exchange.len, (char *)r->exchange.bytes, (int)r->routing_key.len,
                 (char *)r->routing_key.bytes);
-        confirms_return(&b->cf);
-        return note_return(b, frame.channel);
+        confirms_return(&pc->cf);
+        return note_return(b, pc, frame.channel);
     }
     case AMQP_CHANNEL_CLOSE_METHOD: {
         amqp_channel_close_t *m = frame.payload.method.decoded;
         amqp_channel_close_ok_t ok = {0};
+        if (frame.channel != CHANNEL) { /* the side channel: only it is gone */
+            if (frame.channel == b->side.ch && !b->side.closed) {
+                set_err(b, "side channel closed by broker: %u %.*s", m->reply_code,
+                        (int)m->reply_text.len, (char *)m->reply_text.bytes);
+                b->side.closed = true;
+            }
+            if (check_rc(b, amqp_send_method(b->conn, frame.channel,
+                                             AMQP_CHANNEL_CLOSE_OK_METHOD, &ok),
+                         "channel.close-ok"))
+                return IDEMQ_ERR_BROKER;
+            return IDEMQ_ERR_TIMEOUT;
+        }
         set_err(b, "channel closed by broker: %u %.*s", m->reply_code, (int)m->reply_text.len,
                 (char *)m->reply_text.bytes);
         amqp_send_method(b->conn, frame.channel, AMQP_CHANNEL_CLOSE_OK_METHOD, &ok);
@@ -607,15 +682,6 @@ idemq_err_t broker_service(struct broker *b, int ms)
         if (pump_frame(b, NULL, &tv) == IDEMQ_ERR_BROKER)
             return IDEMQ_ERR_BROKER;
     }
-}
-
-static idemq_err_t check_rc(struct broker *b, int rc, const char *what)
-{
-    if (rc == AMQP_STATUS_OK)
-        return IDEMQ_OK;
-    set_err(b, "%s: %s", what, amqp_error_string2(rc));
-    b->healthy = false;
-    return IDEMQ_ERR_BROKER;
 }
 
 idemq_err_t broker_quiesce(struct broker *b, int timeout_ms, bool *idle)
@@ -823,31 +889,150 @@ static void carry_props(json_t *orig, amqp_basic_properties_t *p)
     }
 }
 
-static idemq_err_t publish(struct broker *b, const char *exchange, const char *routing_key,
-                           const void *body, size_t len, const struct broker_props *props,
-                           bool mandatory);
+static idemq_err_t publish(struct broker *b, struct pubch *pc, const char *exchange,
+                           const char *routing_key, const void *body, size_t len,
+                           const struct broker_props *props, bool mandatory);
 
 idemq_err_t broker_publish(struct broker *b, const char *exchange, const char *routing_key,
                            const void *body, size_t len, const struct broker_props *props)
 {
-    return publish(b, exchange, routing_key, body, len, props, true);
+    return publish(b, &b->main, exchange, routing_key, body, len, props, true);
 }
 
-idemq_err_t broker_publish_optional(struct broker *b, const char *exchange,
-                                    const char *routing_key, const void *body, size_t len,
-                                    const struct broker_props *props)
+/* Opens the side channel (in confirm mode) under the number after the last
+ * one, unless it is open. IDEMQ_ERR_BROKER when the connection failed or
+ * the broker refused the channel. */
+static idemq_err_t side_open(struct broker *b)
 {
-    return publish(b, exchange, routing_key, body, len, props, false);
+    struct pubch *s = &b->side;
+    int max = amqp_get_channel_max(b->conn);
+    amqp_channel_t ch;
+
+    if (s->ch && !s->closed)
+        return IDEMQ_OK;
+    if (max <= 0 || max > SIDE_LAST)
+        max = SIDE_LAST;
+    ch = s->ch >= SIDE_FIRST && s->ch < max ? (amqp_channel_t)(s->ch + 1) : SIDE_FIRST;
+    s->ch = ch;
+    s->closed = true; /* until confirm mode is on */
+    amqp_channel_open(b->conn, ch);
+    if (!reply_ok_on(b, ch, amqp_get_rpc_reply(b->conn), "side channel.open"))
+        return IDEMQ_ERR_BROKER;
+    amqp_confirm_select(b->conn, ch);
+    if (!reply_ok_on(b, ch, amqp_get_rpc_reply(b->conn), "side confirm.select"))
+        return IDEMQ_ERR_BROKER;
+    pubch_reset(s);
+    s->closed = false;
+    return IDEMQ_OK;
 }
 
-static idemq_err_t publish(struct broker *b, const char *exchange, const char *routing_key,
-                           const void *body, size_t len, const struct broker_props *props,
-                           bool mandatory)
+/* After a confirm timeout: the side channel is closed (its late confirms
+ * are dropped, see pubch_of); the next side publish opens another. */
+static void side_retire(struct broker *b)
+{
+    amqp_channel_close_t req = {AMQP_REPLY_SUCCESS, amqp_cstring_bytes("confirms timed out"), 0,
+                                0};
+    if (b->side.closed || !b->side.ch)
+        return;
+    b->side.closed = true;
+    if (b->healthy)
+        (void)check_rc(b, amqp_send_method(b->conn, b->side.ch, AMQP_CHANNEL_CLOSE_METHOD, &req),
+                       "side channel.close");
+}
+
+idemq_err_t broker_side_publish(struct broker *b, const char *exchange, const char *routing_key,
+                                const void *body, size_t len, const struct broker_props *props,
+                                bool mandatory)
+{
+    struct pubch *s = &b->side;
+    if (!b->healthy)
+        return IDEMQ_ERR_BROKER;
+    if (!b->confirms) {
+        set_err(b, "publish needs a connection opened with confirms");
+        return IDEMQ_ERR_INTERNAL;
+    }
+    if (s->closed && s->ch && confirms_next_seq(&s->cf) != s->wait_from)
+        return IDEMQ_ERR_BROKER; /* closed under publishes not waited for: wait first */
+    if (side_open(b))
+        return IDEMQ_ERR_BROKER;
+    return publish(b, s, exchange, routing_key, body, len, props, mandatory);
+}
+
+/* A short string property of p over SHORTSTR_MAX bytes: its name, or NULL. */
+static const char *long_shortstr(const amqp_basic_properties_t *p)
+{
+#define LONG_PROP(flag, field)                                                               \
+    if ((p->_flags & (flag)) && p->field.len > SHORTSTR_MAX)                                 \
+        return #field;
+    LONG_PROP(AMQP_BASIC_CONTENT_TYPE_FLAG, content_type)
+    LONG_PROP(AMQP_BASIC_CONTENT_ENCODING_FLAG, content_encoding)
+    LONG_PROP(AMQP_BASIC_CORRELATION_ID_FLAG, correlation_id)
+    LONG_PROP(AMQP_BASIC_REPLY_TO_FLAG, reply_to)
+    LONG_PROP(AMQP_BASIC_EXPIRATION_FLAG, expiration)
+    LONG_PROP(AMQP_BASIC_MESSAGE_ID_FLAG, message_id)
+    LONG_PROP(AMQP_BASIC_TYPE_FLAG, type)
+    LONG_PROP(AMQP_BASIC_APP_ID_FLAG, app_id)
+#undef LONG_PROP
+    return NULL;
+}
+
+/*
+ * What the client library would fail to encode half-way (it writes the
+ * method frame before it encodes the content header, and a header key's
+ * length into one byte), checked before anything is written: an exchange,
+ * routing key, property or header name over 255 bytes, or a content header
+ * frame over frame_max. Sets b->err and returns IDEMQ_ERR_UNPUBLISHABLE;
+ * else IDEMQ_OK.
+ */
+static idemq_err_t check_encodable(struct broker *b, const char *exchange,
+                                   const char *routing_key, const amqp_basic_properties_t *p)
+{
+    size_t longest = 0, frame = 7 + 1 + 14 + 1 + 1 + 8; /* frame, class, weight, size, flags,
+                                                          * delivery mode, priority, timestamp */
+    size_t frame_max = (size_t)amqp_get_frame_max(b->conn);
+    const char *prop;
+
+    if (strlen(exchange) > SHORTSTR_MAX) {
+        set_err(b, "cannot publish: the exchange name is %zu bytes; AMQP allows at most 255",
+                strlen(exchange));
+        return IDEMQ_ERR_UNPUBLISHABLE;
+    }
+    if (strlen(routing_key) > SHORTSTR_MAX) {
+        set_err(b, "cannot publish: the routing key is %zu bytes; AMQP allows at most 255",
+                strlen(routing_key));
+        return IDEMQ_ERR_UNPUBLISHABLE;
+    }
+    if ((prop = long_shortstr(p))) {
+        set_err(b, "cannot publish: property %s is over 255 bytes (AMQP's limit)", prop);
+        return IDEMQ_ERR_UNPUBLISHABLE;
+    }
+    frame += 8 * (1 + SHORTSTR_MAX); /* every short string property, at most */
+    if (p->_flags & AMQP_BASIC_HEADERS_FLAG) {
+        size_t size = amqp_table_wire_size(&p->headers, &longest);
+        if (longest > SHORTSTR_MAX) {
+            set_err(b, "cannot publish: a header name is %zu bytes; AMQP allows at most 255",
+                    longest);
+            return IDEMQ_ERR_UNPUBLISHABLE;
+        }
+        if (frame_max && frame + size > frame_max) {
+            set_err(b, "cannot publish: the headers take %zu bytes, over what one content "
+                       "header frame holds (frame_max %zu)",
+                    size, frame_max);
+            return IDEMQ_ERR_UNPUBLISHABLE;
+        }
+    }
+    return IDEMQ_OK;
+}
+
+static idemq_err_t publish(struct broker *b, struct pubch *pc, const char *exchange,
+                           const char *routing_key, const void *body, size_t len,
+                           const struct broker_props *props, bool mandatory)
 {
     amqp_basic_properties_t p;
     amqp_pool_t pool;
     amqp_bytes_t data = {len, (void *)body};
     uint64_t seq;
+    idemq_err_t err;
     int rc;
 
     if (!b->healthy)
@@ -856,6 +1041,8 @@ static idemq_err_t publish(struct broker *b, const char *exchange, const char *r
         set_err(b, "publish needs a connection opened with confirms");
         return IDEMQ_ERR_INTERNAL;
     }
+    exchange = exchange ? exchange : "";
+    routing_key = routing_key ? routing_key : "";
     memset(&p, 0, sizeof p);
     init_amqp_pool(&pool, 4096);
     if (props && props->original)
@@ -885,12 +1072,16 @@ static idemq_err_t publish(struct broker *b, const char *exchange, const char *r
         }
         p._flags |= AMQP_BASIC_HEADERS_FLAG;
     }
-    if (confirms_publish(&b->cf, &seq)) {
+    if ((err = check_encodable(b, exchange, routing_key, &p))) {
+        empty_amqp_pool(&pool);
+        return err; /* nothing written: the channel stays usable */
+    }
+    if (confirms_publish(&pc->cf, &seq)) {
         empty_amqp_pool(&pool);
         set_err(b, "out of memory tracking confirms");
         return IDEMQ_ERR_NOMEM;
     }
-    rc = amqp_basic_publish(b->conn, CHANNEL, bytes(exchange), bytes(routing_key),
+    rc = amqp_basic_publish(b->conn, pc->ch, bytes(exchange), bytes(routing_key),
                             mandatory ? 1 : 0, 0, &p, data);
     empty_amqp_pool(&pool);
     if (check_rc(b, rc, "basic.publish"))
@@ -898,18 +1089,21 @@ static idemq_err_t publish(struct broker *b, const char *exchange, const char *r
     return IDEMQ_OK;
 }
 
-idemq_err_t broker_wait_confirms(struct broker *b, int timeout_ms)
+/* Waits for the publishes of pc since its last wait (broker_wait_confirms). */
+static idemq_err_t wait_range(struct broker *b, struct pubch *pc, int timeout_ms)
 {
     long long deadline = now_ms() + timeout_ms;
-    uint64_t first = b->wait_from, last = confirms_next_seq(&b->cf) - 1;
+    uint64_t first = pc->wait_from, last = confirms_next_seq(&pc->cf) - 1;
     enum confirms_result res;
 
     for (;;) {
         long long left = deadline - now_ms();
         struct timeval tv;
-        res = confirms_range(&b->cf, first, last);
+        res = confirms_range(&pc->cf, first, last);
         if (res != CONFIRMS_PENDING)
             break;
+        if (pc->closed) /* the side channel: closed under them */
+            return IDEMQ_ERR_BROKER;
         if (b->read_wedged) {
             set_err(b, "publishes cannot be confirmed: the connection cannot read past an "
                        "undecodable message");
@@ -926,9 +1120,9 @@ idemq_err_t broker_wait_confirms(struct broker *b, int timeout_ms)
             return IDEMQ_ERR_BROKER;
     }
     /* Decided: the next wait covers only what is published after this. */
-    b->wait_from = last + 1;
-    b->n_returned = b->returns_seen = 0;
-    confirms_forget_below(&b->cf, b->wait_from);
+    pc->wait_from = last + 1;
+    pc->n_returned = pc->returns_seen = 0;
+    confirms_forget_below(&pc->cf, pc->wait_from);
     if (res == CONFIRMS_FAILED) {
         if (!strstr(b->err, "nacked") && !strstr(b->err, "returned"))
             set_err(b, "a publish of %llu..%llu was nacked or returned",
@@ -936,6 +1130,33 @@ idemq_err_t broker_wait_confirms(struct broker *b, int timeout_ms)
         return IDEMQ_ERR_BROKER;
     }
     return IDEMQ_OK;
+}
+
+idemq_err_t broker_wait_confirms(struct broker *b, int timeout_ms)
+{
+    return wait_range(b, &b->main, timeout_ms);
+}
+
+/* A wait on the side channel that did not end with every publish decided:
+ * what is outstanding on it is forgotten (a closed channel's confirms never
+ * come; after a timeout the channel is closed so they never count). */
+static void side_forget(struct broker *b)
+{
+    struct pubch *s = &b->side;
+    side_retire(b);
+    s->wait_from = confirms_next_seq(&s->cf);
+    s->n_returned = s->returns_seen = 0;
+}
+
+idemq_err_t broker_side_wait_confirms(struct broker *b, int timeout_ms)
+{
+    idemq_err_t err;
+    if (!b->side.ch || confirms_next_seq(&b->side.cf) == b->side.wait_from)
+        return IDEMQ_OK; /* nothing published since the last wait */
+    err = wait_range(b, &b->side, timeout_ms);
+    if (err && confirms_next_seq(&b->side.cf) != b->side.wait_from)
+        side_forget(b);
+    return err;
 }
 
 static idemq_err_t recover_channel(struct broker *b)
@@ -1036,22 +1257,21 @@ idemq_err_t broker_bind_aside(struct broker *b, const char *queue, const char *e
 }
 
 /* Was a publish with this message_id returned since the last wait? */
-static bool was_returned(const struct broker *b, const char *message_id, bool *matched)
+static bool was_returned(const struct pubch *pc, const char *message_id, bool *matched)
 {
-    for (size_t i = 0; i < b->n_returned; i++)
-        if (message_id && !matched[i] && strcmp(b->returned[i], message_id) == 0) {
+    for (size_t i = 0; i < pc->n_returned; i++)
+        if (message_id && !matched[i] && strcmp(pc->returned[i], message_id) == 0) {
             matched[i] = true;
             return true;
         }
     return false;
 }
 
-idemq_err_t broker_wait_confirms_each(struct broker *b, int timeout_ms,
-                                      const char *const *message_ids, enum broker_confirm *out,
-                                      size_t n)
+static idemq_err_t wait_each(struct broker *b, struct pubch *pc, int timeout_ms,
+                             const char *const *message_ids, enum broker_confirm *out, size_t n)
 {
     long long deadline = now_ms() + timeout_ms;
-    uint64_t first = b->wait_from, last = confirms_next_seq(&b->cf) - 1;
+    uint64_t first = pc->wait_from, last = confirms_next_seq(&pc->cf) - 1;
     idemq_err_t err = IDEMQ_OK;
     bool *matched;
     size_t unmatched = 0;
@@ -1068,9 +1288,13 @@ idemq_err_t broker_wait_confirms_each(struct broker *b, int timeout_ms,
         struct timeval tv;
         bool pending = false;
         for (uint64_t s = first; s <= last && !pending; s++)
-            pending = confirms_seq_state(&b->cf, s) == CONFIRMS_SEQ_PENDING;
+            pending = confirms_seq_state(&pc->cf, s) == CONFIRMS_SEQ_PENDING;
         if (!pending)
             break;
+        if (pc->closed) { /* the side channel: closed under them */
+            err = IDEMQ_ERR_BROKER;
+            break;
+        }
         if (b->read_wedged) {
             set_err(b, "publishes cannot be confirmed: the connection cannot read past an "
                        "undecodable message");
@@ -1094,15 +1318,16 @@ idemq_err_t broker_wait_confirms_each(struct broker *b, int timeout_ms,
      * `multiple` maybe others: the returned one is found by message_id.
      * A return that matches none (no message_id, or not read) leaves every
      * publish its confirm covered in doubt: counted as nacked. */
-    matched = calloc(b->n_returned ? b->n_returned : 1, sizeof *matched);
+    matched = calloc(pc->n_returned ? pc->n_returned : 1, sizeof *matched);
     for (size_t i = 0; i < n; i++) {
-        switch (confirms_seq_state(&b->cf, first + i)) {
+        switch (confirms_seq_state(&pc->cf, first + i)) {
         case CONFIRMS_SEQ_ACKED:
             out[i] = BROKER_CONFIRM_ACKED;
             break;
         case CONFIRMS_SEQ_RETURN_ACKED:
-            out[i] = matched && was_returned(b, message_ids[i], matched) ? BROKER_CONFIRM_RETURNED
-                                                                         : BROKER_CONFIRM_ACKED;
+            out[i] = matched && was_returned(pc, message_ids ? message_ids[i] : NULL, matched)
+                         ? BROKER_CONFIRM_RETURNED
+                         : BROKER_CONFIRM_ACKED;
             break;
         case CONFIRMS_SEQ_PENDING:
             out[i] = BROKER_CONFIRM_PENDING;
@@ -1111,18 +1336,38 @@ idemq_err_t broker_wait_confirms_each(struct broker *b, int timeout_ms,
             out[i] = BROKER_CONFIRM_NACKED;
         }
     }
-    unmatched = b->returns_seen;
-    for (size_t r = 0; matched && r < b->n_returned; r++)
+    unmatched = pc->returns_seen;
+    for (size_t r = 0; matched && r < pc->n_returned; r++)
         unmatched -= matched[r];
     for (size_t i = 0; i < n && unmatched; i++) /* in doubt */
-        if (confirms_seq_state(&b->cf, first + i) == CONFIRMS_SEQ_RETURN_ACKED &&
+        if (confirms_seq_state(&pc->cf, first + i) == CONFIRMS_SEQ_RETURN_ACKED &&
             out[i] == BROKER_CONFIRM_ACKED)
             out[i] = BROKER_CONFIRM_NACKED;
     free(matched);
     if (err == IDEMQ_OK) {
-        b->wait_from = last + 1;
-        b->n_returned = b->returns_seen = 0;
-        confirms_forget_below(&b->cf, b->wait_from);
+        pc->wait_from = last + 1;
+        pc->n_returned = pc->returns_seen = 0;
+        confirms_forget_below(&pc->cf, pc->wait_from);
     }
+    return err;
+}
+
+idemq_err_t broker_wait_confirms_each(struct broker *b, int timeout_ms,
+                                      const char *const *message_ids, enum broker_confirm *out,
+                                      size_t n)
+{
+    return wait_each(b, &b->main, timeout_ms, message_ids, out, n);
+}
+
+idemq_err_t broker_side_wait_confirms_each(struct broker *b, int timeout_ms,
+                                           const char *const *message_ids,
+                                           enum broker_confirm *out, size_t n)
+{
+    idemq_err_t err;
+    if (!b->side.ch && n == 0)
+        return IDEMQ_OK;
+    err = wait_each(b, &b->side, timeout_ms, message_ids, out, n);
+    if (err && err != IDEMQ_ERR_INTERNAL)
+        side_forget(b);
     return err;
 }

@@ -1,6 +1,7 @@
 /*
  * broker: the AMQP transport (librabbitmq-c). One struct broker is one
- * connection with one channel, used by one thread only (librabbitmq-c has
+ * connection with its consuming channel (and a side channel for publishes
+ * whose refusal must not close that one), used by one thread only (librabbitmq-c has
  * no locking). It owns: connecting (URL list, failover, capabilities),
  * declaring an input's topology, consuming into struct job, acks, and
  * publishing with publisher confirms and the mandatory flag.
@@ -8,7 +9,10 @@
  * API: broker_open -> (broker_admin.h: declare, check) / broker_consume ->
  *      broker_next ... broker_settle / broker_reject -> broker_flush_acks
  *      ... -> broker_close.
- *      Publishing: broker_publish ... broker_wait_confirms.
+ *      Publishing: broker_publish ... broker_wait_confirms on the consuming
+ *      channel (retry and dead-letter copies, which go with its acks);
+ *      broker_side_publish ... broker_side_wait_confirms[_each] on the side
+ *      channel (the outbox, Celery replies: a refusal closes only it).
  * Every delivery is tracked from the moment its method frame is read until
  * it is settled: acks are only ever sent for settled deliveries (see
  * acks.h), never by a multiple ack across an unsettled one.
@@ -30,7 +34,7 @@
 struct broker;
 struct amqp_connection_state_t_;
 
-#define BROKER_CHANNEL 1 /* the one channel of a connection */
+#define BROKER_CHANNEL 1 /* the consuming channel (the side channel: see broker_side_publish) */
 
 /* The major version of the broker (its connection.start "version"
  * property: 3 for 3.10.8, 4 for 4.0.5), or 0 when unknown. */
@@ -152,17 +156,16 @@ struct broker_props {
 /*
  * Publishes one message with the mandatory flag. Requires a connection
  * opened with confirms; the confirm is collected by broker_wait_confirms.
- * Deliveries that arrive meanwhile are kept for broker_next.
+ * Deliveries that arrive meanwhile are kept for broker_next. A message the
+ * client library cannot encode (an exchange, routing key, property or
+ * header name over 255 bytes; headers over what one frame of the
+ * negotiated frame_max holds) is refused before anything is written:
+ * IDEMQ_ERR_UNPUBLISHABLE with broker_error saying why, the connection
+ * unharmed and nothing to wait for.
  */
 idemq_err_t broker_publish(struct broker *b, const char *exchange, const char *routing_key,
                            const void *body, size_t len,
                            const struct broker_props *props) IDEMQ_MUSTCHECK;
-
-/* broker_publish without the mandatory flag (a Celery result to a
- * reply queue that may be gone is dropped by the broker, not returned). */
-idemq_err_t broker_publish_optional(struct broker *b, const char *exchange,
-                                    const char *routing_key, const void *body, size_t len,
-                                    const struct broker_props *props) IDEMQ_MUSTCHECK;
 
 /*
  * Waits until every message published since the previous wait is confirmed
@@ -199,6 +202,41 @@ enum broker_confirm {
 idemq_err_t broker_wait_confirms_each(struct broker *b, int timeout_ms,
                                       const char *const *message_ids, enum broker_confirm *out,
                                       size_t n) IDEMQ_MUSTCHECK;
+
+/*
+ * The side channel: a second channel of the connection, in confirm mode,
+ * opened by the first side publish, that carries no consumer. The broker
+ * answers a publish it refuses (403 ACCESS_REFUSED, 404 NOT_FOUND for a
+ * missing exchange, 406 PRECONDITION_FAILED for a body over
+ * max_message_size) by closing the channel it came on; on this one that
+ * costs no delivery of the consuming channel. After a close the next side
+ * publish opens a new one (another channel number, so a late confirm of
+ * the old one is never counted).
+ *
+ * broker_side_publish: like broker_publish, with the mandatory flag or
+ * without (a Celery result to a reply queue that may be gone is dropped by
+ * the broker, not returned); IDEMQ_ERR_UNPUBLISHABLE as there;
+ * IDEMQ_ERR_BROKER when the connection failed, or when the side channel
+ * was closed under publishes not yet waited for (wait for them first).
+ *
+ * broker_side_wait_confirms / broker_side_wait_confirms_each: as their
+ * consuming-channel twins, for the side publishes since the last side
+ * wait. IDEMQ_ERR_BROKER with broker_readable(b) still true means the
+ * broker closed the side channel (broker_error has its code and text; the
+ * publishes after the refused one were dropped, those before it may or may
+ * not have been routed); with broker_readable(b) false the connection
+ * failed. IDEMQ_ERR_TIMEOUT: the side channel is closed, the connection
+ * can stay. Whatever the result, the next side wait covers only later
+ * publishes. message_ids may be NULL (no return is matched: a publish a
+ * confirm after a return covered counts as NACKED). Worker thread only.
+ */
+idemq_err_t broker_side_publish(struct broker *b, const char *exchange, const char *routing_key,
+                                const void *body, size_t len, const struct broker_props *props,
+                                bool mandatory) IDEMQ_MUSTCHECK;
+idemq_err_t broker_side_wait_confirms(struct broker *b, int timeout_ms) IDEMQ_MUSTCHECK;
+idemq_err_t broker_side_wait_confirms_each(struct broker *b, int timeout_ms,
+                                           const char *const *message_ids,
+                                           enum broker_confirm *out, size_t n) IDEMQ_MUSTCHECK;
 
 /* basic.get of one message into j (auto-ack when ack is true).
  * IDEMQ_ERR_TIMEOUT if the queue is empty; IDEMQ_ERR_UNDECODABLE for a

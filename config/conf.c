@@ -1849,6 +1849,23 @@ static bool first_with_prefix(int i, size_t len)
     return true;
 }
 
+bool conf_outbox_note(const struct conf *c, char *buf, size_t len)
+{
+    if (len)
+        buf[0] = '\0';
+    if (!c->outbox_relay)
+        return false;
+    snprintf(buf, len,
+             "outbox.relay = 1: the broker user of idemq run needs write permission on every "
+             "exchange that idemq.emit names (the rows decide it at run time, so it cannot be "
+             "listed here; the default exchange '' is amq.default, which that user should not "
+             "write: emit to a named exchange); a publish the broker refuses (403 "
+             "ACCESS_REFUSED names the exchange) counts an attempt and the row is parked after "
+             "outbox.max_attempts (%d) with that reason (idemq parked list)",
+             c->outbox_max_attempts);
+    return true;
+}
+
 int conf_warn_consumer_timeout(const struct conf *c, FILE *out)
 {
     int n = 0;

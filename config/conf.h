@@ -262,6 +262,14 @@ int conf_lint(const struct conf *c, FILE *out);
 int conf_warn_consumer_timeout(const struct conf *c, FILE *out);
 
 /*
+ * With outbox.relay = 1: one line for `check-config` and the start of `run`
+ * on the broker permission the relay needs (write on each exchange the
+ * rows name, which the rows decide at run time) and what a refusal does.
+ * True with buf set; false (buf "") without the relay. Pure.
+ */
+bool conf_outbox_note(const struct conf *c, char *buf, size_t len);
+
+/*
  * Copies s into buf with any password removed: the userinfo password of an
  * amqp(s):// or postgres(ql):// URL and `password=` in a libpq key/value DSN.
  * Returns buf. Truncates to buflen.

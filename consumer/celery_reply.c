@@ -134,8 +134,10 @@ static idemq_err_t send(struct broker *b, const struct job *j, const char *body)
     idemq_err_t err;
     if (!orig)
         return IDEMQ_ERR_NOMEM;
-    err = broker_publish_optional(b, CELERY_REPLIES_EXCHANGE, j->reply_to, body, strlen(body),
-                                  &props);
+    /* on the side channel: a refusal (403, 404) closes that one, never the
+     * channel that holds the consumers' deliveries */
+    err = broker_side_publish(b, CELERY_REPLIES_EXCHANGE, j->reply_to, body, strlen(body),
+                              &props, false);
     json_decref(orig);
     return err;
 }
@@ -216,7 +218,7 @@ idemq_err_t celery_reply_batch(struct celery_reply_cache *bound, struct broker *
     const struct job **sent_jobs = calloc((size_t)n + 1, sizeof *sent_jobs);
     enum broker_confirm *out = calloc((size_t)n + 1, sizeof *out);
     const char **ids = calloc((size_t)n + 1, sizeof *ids);
-    idemq_err_t err = IDEMQ_OK, rerr;
+    idemq_err_t err = IDEMQ_OK, rerr, serr;
     int asked, published = 0;
     PGresult *r = NULL;
 
@@ -268,9 +270,13 @@ idemq_err_t celery_reply_batch(struct celery_reply_cache *bound, struct broker *
             dropped(counts, j, "publishing it", "the connection failed");
         } else if (bind_once(bound, b, j->reply_to) != IDEMQ_OK) {
             dropped(counts, j, "binding its queue", broker_error(b));
-        } else if ((err = send(b, j, body)) != IDEMQ_OK) {
+        } else if ((serr = send(b, j, body)) != IDEMQ_OK) {
             dropped(counts, j, "publishing it", broker_error(b));
-            snprintf(why, whylen, "celery result of task %s: %s", j->task_id, broker_error(b));
+            if (!broker_readable(b)) { /* the connection failed, not only the side channel */
+                err = serr;
+                snprintf(why, whylen, "celery result of task %s: %s", j->task_id,
+                         broker_error(b));
+            }
         } else {
             sent_jobs[published] = j;
             ids[published++] = NULL;
@@ -283,7 +289,8 @@ idemq_err_t celery_reply_batch(struct celery_reply_cache *bound, struct broker *
         for (int k = 0; k < published; k++)
             dropped(counts, sent_jobs[k], "not confirmed", "the connection failed");
     } else if (published) {
-        idemq_err_t werr = broker_wait_confirms_each(b, confirm_ms, ids, out, (size_t)published);
+        idemq_err_t werr =
+            broker_side_wait_confirms_each(b, confirm_ms, ids, out, (size_t)published);
         for (int k = 0; k < published; k++) {
             const struct job *j = sent_jobs[k];
             if (out[k] == BROKER_CONFIRM_ACKED) {
@@ -296,7 +303,7 @@ idemq_err_t celery_reply_batch(struct celery_reply_cache *bound, struct broker *
                         broker_error(b));
             }
         }
-        if (werr && !err) {
+        if (werr && !err && !broker_readable(b)) { /* the connection, not a refusal */
             err = werr;
             snprintf(why, whylen, "celery results not confirmed: %s", broker_error(b));
         }

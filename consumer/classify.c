@@ -109,6 +109,7 @@ enum classify_class classify_err(idemq_err_t err)
     case IDEMQ_ERR_CELERY_MALFORMED:
     case IDEMQ_ERR_CELERY_UNKNOWN_TASK:
     case IDEMQ_ERR_CELERY_EXPIRED:
+    case IDEMQ_ERR_UNPUBLISHABLE: /* the message itself cannot be sent */
         return CLASS_PERMANENT;
     case IDEMQ_ERR_KEY_INVALID_HEADER:
     case IDEMQ_ERR_PROVIDER_REJECTED:

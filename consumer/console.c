@@ -478,6 +478,42 @@ static void page_overview(struct console *k, struct html *b)
 
 /* ---- groups and parked ---- */
 
+/* Outbox rows parked (idemq.outbox), grouped by exchange and masked
+ * reason: read only (a row is released by the SQL of consumer/README.md
+ * "Outbox"). Producer-controlled text goes through html_text. */
+static void outbox_groups(struct console *k, struct html *b)
+{
+    PGresult *r = query(k,
+                        "SELECT exchange, count(*), min(parked_at), max(parked_at),"
+                        " idemq.mask_reason(last_error, key) FROM idemq.outbox"
+                        " WHERE state = 'parked' GROUP BY 1, 5 ORDER BY 2 DESC, 1, 5 LIMIT 200",
+                        0, NULL);
+    if (!r) {
+        unavailable(b, "outbox rows parked");
+        return;
+    }
+    if (PQntuples(r) > 0) {
+        html_raw(b, "<h2>Outbox rows parked</h2><p class=\"mut\">Rows idemq.emit wrote that the "
+                    "broker refused, or that cannot be encoded, by exchange and reason "
+                    "(<code>idemq parked list</code> shows each row).</p><div class=\"wrap\">"
+                    "<table class=\"rows\" id=\"outbox-groups\"><tr><th>exchange</th>"
+                    "<th>rows</th><th>first park</th><th>last park</th><th>reason</th></tr>");
+        for (int i = 0; i < PQntuples(r); i++) {
+            html_raw(b, "<tr><td class=\"k\">");
+            html_text(b, PQgetvalue(r, i, 0));
+            html_printf(b, "</td><td>%s</td><td>", PQgetvalue(r, i, 1));
+            html_text(b, PQgetvalue(r, i, 2));
+            html_raw(b, "</td><td>");
+            html_text(b, PQgetvalue(r, i, 3));
+            html_raw(b, "</td><td>");
+            html_text(b, PQgetvalue(r, i, 4));
+            html_raw(b, "</td></tr>");
+        }
+        html_raw(b, "</table></div>");
+    }
+    PQclear(r);
+}
+
 static void page_groups(struct console *k, struct MHD_Connection *conn, struct html *b)
 {
     const char *in = arg(conn, "input"), *cls = arg(conn, "class"), *q = NULL;
@@ -508,6 +544,8 @@ static void page_groups(struct console *k, struct MHD_Connection *conn, struct h
             group_table(k, b, r, true);
         PQclear(r);
     }
+    if (!in)
+        outbox_groups(k, b);
     html_page_end(b);
 }
 

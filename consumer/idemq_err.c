@@ -55,6 +55,7 @@ const char *idemq_err_name(idemq_err_t err)
     case IDEMQ_ERR_CELERY_MALFORMED: return "celery_malformed";
     case IDEMQ_ERR_CELERY_UNKNOWN_TASK: return "celery_unknown_task";
     case IDEMQ_ERR_CELERY_EXPIRED: return "celery_expired";
+    case IDEMQ_ERR_UNPUBLISHABLE: return "unpublishable";
     }
     return "unknown";
 }
@@ -116,6 +117,9 @@ const char *idemq_err_str(idemq_err_t err)
     case IDEMQ_ERR_CELERY_MALFORMED: return "not a Celery task message of protocol 1 or 2";
     case IDEMQ_ERR_CELERY_UNKNOWN_TASK: return "no route for the Celery task name";
     case IDEMQ_ERR_CELERY_EXPIRED: return "the Celery task expired before it ran (revoked)";
+    case IDEMQ_ERR_UNPUBLISHABLE:
+        return "the message cannot be encoded for AMQP (a name over 255 bytes, or headers "
+               "over the frame size)";
     }
     return "unknown error";
 }

@@ -59,6 +59,7 @@ typedef enum {
     IDEMQ_ERR_CELERY_MALFORMED,    /* not a Celery task message of protocol 1 or 2 */
     IDEMQ_ERR_CELERY_UNKNOWN_TASK, /* no celery_tasks route for the task name */
     IDEMQ_ERR_CELERY_EXPIRED,      /* expires passed before it ran: revoked, not run */
+    IDEMQ_ERR_UNPUBLISHABLE, /* a publish the AMQP client cannot encode (nothing sent) */
 } idemq_err_t;
 
 /* Stable snake_case name ("bad_json"), stored in the ledger. Never NULL. */

@@ -859,6 +859,11 @@ int main(int argc, char **argv)
             if (conf_input_insecure(&c->inputs[i], warn, sizeof warn))
                 log_warn("%s", warn);
         }
+        {
+            char note[700];
+            if (conf_outbox_note(c, note, sizeof note))
+                log_info("%s", note);
+        }
     }
     if (strcmp(o.cmd, "check-config") == 0) {
         struct effect_http *h = NULL; /* provider credentials and CA files */

@@ -18,6 +18,9 @@
 #define NACK_RETRY_MS 1000 /* a nacked row is tried again after this */
 
 struct outbox_stats outbox_stats;
+/* CLOCK_MONOTONIC ms until which a row refused in this process waits for
+ * its next attempt (outbox_retry_pending) */
+static atomic_llong retry_until_ms;
 const double outbox_latency_bounds_ms[6] = {5, 10, 25, 50, 100, 500};
 
 static long long now_ms(void)
@@ -85,8 +88,9 @@ static idemq_err_t give_back(const struct outbox *o, PGconn *db, struct outbox_r
     return IDEMQ_OK;
 }
 
-/* A publish the broker refused (returned, nacked, or the channel closed on
- * it): counts an attempt, parks when due. IDEMQ_OK or IDEMQ_ERR_DB_CONN. */
+/* A publish the broker refused (returned, nacked, or the side channel
+ * closed on it) or the client cannot encode: counts an attempt on r, parks
+ * it when park or when due. IDEMQ_OK or IDEMQ_ERR_DB_CONN. */
 static idemq_err_t refused(const struct outbox *o, const struct conf *c, PGconn *db,
                            const struct outbox_row *r, const char *error, bool park)
 {
@@ -96,86 +100,145 @@ static idemq_err_t refused(const struct outbox *o, const struct conf *c, PGconn 
     atomic_fetch_add(&outbox_stats.failed, 1);
     if (ledger_outbox_failed(db, o->holder, r->id, error, park, c->outbox_max_attempts,
                              NACK_RETRY_MS, &parked, &e)) {
-        log_warn("outbox: row %lld was refused by the broker (%s) but that is not recorded: %s",
-                 r->id, error, e.message);
+        log_warn("outbox: row %lld was refused (%s) but that is not recorded: %s", r->id, error,
+                 e.message);
         return e.conn_lost ? IDEMQ_ERR_DB_CONN : IDEMQ_OK;
     }
     if (parked) {
         atomic_fetch_add(&outbox_stats.parked, 1);
-        log_warn("outbox: parked row %lld (key %s, exchange %s, routing key %s): %s", r->id,
+        log_warn("outbox: parked row %lld (key %s, exchange '%s', routing key %.80s): %s", r->id,
                  r->key ? r->key : "-", r->exchange, r->routing_key, error);
     } else {
-        log_info("outbox: row %lld refused (%s); tried again", r->id, error);
+        long long until = now_ms() + NACK_RETRY_MS + c->outbox_poll_ms;
+        log_info("outbox: row %lld refused: %s; tried again", r->id, error);
+        if (until > atomic_load(&retry_until_ms))
+            atomic_store(&retry_until_ms, until);
     }
     return IDEMQ_OK;
 }
 
-/* The first row not confirmed whose exchange the broker's channel.close
- * names as missing ("NOT_FOUND - no exchange 'x' ..."), or -1. */
-static int missing_exchange_row(const struct outbox_rows *rows, const enum broker_confirm *st,
-                                int published, const char *text)
+bool outbox_retry_pending(void) { return now_ms() < atomic_load(&retry_until_ms); }
+
+/* Publishes row r on the side channel (see publish_rows). */
+static idemq_err_t publish_row(struct broker *b, const struct outbox_row *r)
 {
-    if (!strstr(text, "NOT_FOUND"))
-        return -1;
-    for (int i = 0; i < published; i++) {
-        char want[300];
-        if (st[i] != BROKER_CONFIRM_PENDING || !rows->row[i].exchange[0])
+    json_t *h = row_headers(r);
+    struct broker_props p = {r->message_id, NULL, h, true, NULL, NULL};
+    idemq_err_t err;
+    if (!h)
+        return IDEMQ_ERR_NOMEM;
+    err = broker_side_publish(b, r->exchange, r->routing_key, r->body, r->body_len, &p, true);
+    json_decref(h);
+    return err;
+}
+
+/* The broker closed the side channel (a refusal), the connection is fine. */
+static bool side_refused(struct broker *b, idemq_err_t err)
+{
+    return err == IDEMQ_ERR_BROKER && broker_readable(b);
+}
+
+/* After the side channel was closed under a batch: publishes the rows
+ * idx[0..published) whose st is still PENDING one at a time, each
+ * confirmed before the next, so the row the broker refuses is known: it
+ * counts an attempt (done set) and the next one goes on a new side
+ * channel. A row the broker took before the close may go out twice (same
+ * message_id). Sets st[] of the others; IDEMQ_OK, IDEMQ_ERR_DB_CONN,
+ * IDEMQ_ERR_TIMEOUT, IDEMQ_ERR_NOMEM or IDEMQ_ERR_BROKER (the connection
+ * failed; the rest stays PENDING), text set on failure. */
+static idemq_err_t one_by_one(const struct outbox *o, const struct conf *c, PGconn *db,
+                              struct broker *b, const struct outbox_rows *rows, const int *idx,
+                              int published, enum broker_confirm *st, bool *done, char *text,
+                              size_t textlen)
+{
+    for (int k = 0; k < published; k++) {
+        int i = idx[k];
+        const struct outbox_row *r = &rows->row[i];
+        const char *mid = r->message_id;
+        enum broker_confirm one = BROKER_CONFIRM_PENDING;
+        idemq_err_t err;
+        if (st[i] != BROKER_CONFIRM_PENDING)
             continue;
-        snprintf(want, sizeof want, "no exchange '%s'", rows->row[i].exchange);
-        if (strstr(text, want))
-            return i;
+        err = publish_row(b, r);
+        if (!err)
+            err = broker_side_wait_confirms_each(b, CONFIRM_MS, &mid, &one, 1);
+        if (side_refused(b, err) && one == BROKER_CONFIRM_PENDING) {
+            char why[600];
+            snprintf(why, sizeof why, "%s (exchange '%s')", broker_error(b), r->exchange);
+            done[i] = true;
+            if (refused(o, c, db, r, why, false))
+                return IDEMQ_ERR_DB_CONN;
+            continue;
+        }
+        st[i] = one;
+        if (err) {
+            snprintf(text, textlen, "%s", broker_error(b));
+            return err == IDEMQ_ERR_NOMEM || err == IDEMQ_ERR_TIMEOUT ? err : IDEMQ_ERR_BROKER;
+        }
     }
-    return -1;
+    return IDEMQ_OK;
 }
 
 /*
- * Publishes the claimed rows, all of them, then collects their confirms at
- * once (one round trip to the broker, one to PostgreSQL for the sent
- * marks). A claim holds at most one row per order key (the key's head, see
- * idemq.outbox_claim), so no two rows of a batch share an order key: one
- * refused row holds back nothing else of the batch, and the next row of
- * its key is claimed only once it is decided (sent, parked, or pending
- * again after NACK_RETRY_MS). Rows confirmed are marked sent in one
- * statement; returned ones are parked; nacked ones count an attempt; the
- * rest (not published, or not confirmed when the connection failed) are
- * given back.
+ * Publishes the claimed rows, all of them, on the broker's side channel,
+ * then collects their confirms at once (one round trip to the broker, one
+ * to PostgreSQL for the sent marks). A claim holds at most one row per
+ * order key (the key's head, see idemq.outbox_claim), so no two rows of a
+ * batch share an order key: one refused row holds back nothing else of the
+ * batch, and the next row of its key is claimed only once it is decided
+ * (sent, parked, or pending again after NACK_RETRY_MS).
+ *
+ * Every outcome of a row: confirmed -> marked sent (in one statement);
+ * returned -> parked; nacked -> an attempt; one the client cannot encode
+ * -> parked at once (it never could be sent); the side channel closed by
+ * the broker (403, 404, 406, ...) -> the rows it did not confirm are
+ * published again one at a time to find the refused one, which counts an
+ * attempt; a confirm timeout -> the rows not confirmed are given back (the
+ * side channel is closed, the worker's connection stays); the connection
+ * lost -> the rest is given back and the worker reconnects.
  */
 static idemq_err_t publish_rows(const struct outbox *o, const struct conf *c, PGconn *db,
                                 struct broker *b, struct outbox_rows *rows, char *why,
                                 size_t whylen)
 {
     const char *mids[OUTBOX_CLAIM_MAX];
-    enum broker_confirm st[OUTBOX_CLAIM_MAX];
+    int idx[OUTBOX_CLAIM_MAX]; /* row of the k-th publish */
+    enum broker_confirm pst[OUTBOX_CLAIM_MAX], st[OUTBOX_CLAIM_MAX];
     long long sent_ids[OUTBOX_CLAIM_MAX];
     double latency[OUTBOX_CLAIM_MAX];
-    bool give[OUTBOX_CLAIM_MAX];
+    bool give[OUTBOX_CLAIM_MAX], done[OUTBOX_CLAIM_MAX];
     struct ledger_db_error e = {{0}, {0}, false};
-    int published = 0, n_sent = 0, bad = -1;
+    int n = rows->n < OUTBOX_CLAIM_MAX ? rows->n : OUTBOX_CLAIM_MAX;
+    int published = 0, n_sent = 0;
     idemq_err_t perr = IDEMQ_OK, werr = IDEMQ_OK;
     char text[512] = "";
 
-    for (int i = 0; i < rows->n && i < OUTBOX_CLAIM_MAX; i++) {
+    for (int i = 0; i < n; i++) {
+        st[i] = BROKER_CONFIRM_PENDING;
+        done[i] = false;
+    }
+    for (int i = 0; i < n; i++) {
         const struct outbox_row *r = &rows->row[i];
-        json_t *h = row_headers(r);
-        struct broker_props p = {r->message_id, NULL, h, true, NULL, NULL};
-
-        if (!h) {
-            perr = IDEMQ_ERR_NOMEM;
-            snprintf(text, sizeof text, "outbox: out of memory");
-            break;
+        perr = publish_row(b, r);
+        if (perr == IDEMQ_ERR_UNPUBLISHABLE) { /* nothing was written: the channel is fine */
+            done[i] = true;
+            if (refused(o, c, db, r, broker_error(b), true))
+                return IDEMQ_ERR_DB_CONN;
+            perr = IDEMQ_OK;
+            continue;
         }
-        perr = broker_publish(b, r->exchange, r->routing_key, r->body, r->body_len, &p);
-        json_decref(h);
         if (perr) {
-            snprintf(text, sizeof text, "%s", broker_error(b));
+            snprintf(text, sizeof text, "%s", perr == IDEMQ_ERR_NOMEM ? "outbox: out of memory"
+                                                                    : broker_error(b));
             break;
         }
+        idx[published] = i;
         mids[published++] = r->message_id;
     }
-    for (int i = 0; i < OUTBOX_CLAIM_MAX; i++)
-        st[i] = BROKER_CONFIRM_PENDING;
     if (published) {
-        werr = broker_wait_confirms_each(b, CONFIRM_MS, mids, st, (size_t)published);
+        werr = broker_side_wait_confirms_each(b, CONFIRM_MS, mids, pst, (size_t)published);
+        for (int k = 0; k < published; k++)
+            st[idx[k]] = pst[k];
         if (werr && !text[0])
             snprintf(text, sizeof text, "%s", broker_error(b));
     }
@@ -183,14 +246,21 @@ static idemq_err_t publish_rows(const struct outbox *o, const struct conf *c, PG
     {
         const char *crash = getenv("IDEMQ_TEST_CRASH");
         if (crash && strcmp(crash, "outbox_after_confirm") == 0 && published &&
-            st[0] == BROKER_CONFIRM_ACKED) {
+            st[idx[0]] == BROKER_CONFIRM_ACKED) {
             log_warn("test hook: SIGKILL after the outbox confirm, before marking sent");
             kill(getpid(), SIGKILL);
         }
     }
 #endif
-    for (int i = 0; i < published; i++)
-        if (st[i] == BROKER_CONFIRM_ACKED)
+    /* the broker closed the side channel on one of them: find it */
+    if (side_refused(b, werr)) {
+        log_info("outbox: %s; the rows not confirmed go again one at a time", text);
+        werr = one_by_one(o, c, db, b, rows, idx, published, st, done, text, sizeof text);
+        if (werr == IDEMQ_ERR_DB_CONN)
+            return IDEMQ_ERR_DB_CONN;
+    }
+    for (int i = 0; i < n; i++)
+        if (!done[i] && st[i] == BROKER_CONFIRM_ACKED)
             sent_ids[n_sent++] = rows->row[i].id;
     if (ledger_outbox_sent(db, o->holder, sent_ids, n_sent, latency, &e)) {
         snprintf(why, whylen, "outbox: %d rows confirmed but not marked sent: %s", n_sent,
@@ -205,9 +275,11 @@ static idemq_err_t publish_rows(const struct outbox *o, const struct conf *c, PG
                 note_latency(latency[i]);
             }
     }
-    for (int i = 0; i < published; i++) {
+    for (int i = 0; i < n; i++) {
         const struct outbox_row *r = &rows->row[i];
         char err[600];
+        if (done[i])
+            continue;
         if (st[i] == BROKER_CONFIRM_RETURNED) {
             snprintf(err, sizeof err,
                      "message returned as unroutable: 312 NO_ROUTE (exchange '%s', routing key %s)",
@@ -223,18 +295,15 @@ static idemq_err_t publish_rows(const struct outbox *o, const struct conf *c, PG
     }
     if (!perr && !werr)
         return IDEMQ_OK;
-    /* the channel or connection failed: a publish to a missing exchange
-     * counts an attempt (the broker closed the channel on it), the rest not
-     * confirmed goes back */
-    if (werr == IDEMQ_ERR_BROKER && (bad = missing_exchange_row(rows, st, published, text)) >= 0)
-        if (refused(o, c, db, &rows->row[bad], text, false))
-            return IDEMQ_ERR_DB_CONN;
-    for (int i = 0; i < rows->n && i < OUTBOX_CLAIM_MAX; i++)
-        give[i] = i != bad && (i >= published || st[i] == BROKER_CONFIRM_PENDING);
+    /* not published, or not known to be confirmed: given back */
+    for (int i = 0; i < n; i++)
+        give[i] = !done[i] && st[i] == BROKER_CONFIRM_PENDING;
     snprintf(why, whylen, "outbox: publish failed: %s", text);
     if (give_back(o, db, rows, give, text))
         return IDEMQ_ERR_DB_CONN;
-    if (perr == IDEMQ_ERR_NOMEM && !werr)
+    if (werr == IDEMQ_ERR_TIMEOUT)
+        return IDEMQ_ERR_TIMEOUT; /* the side channel is closed; the connection stays */
+    if (werr == IDEMQ_ERR_NOMEM || (perr == IDEMQ_ERR_NOMEM && !werr))
         return IDEMQ_ERR_NOMEM;
     return IDEMQ_ERR_BROKER;
 }
@@ -264,6 +333,10 @@ idemq_err_t outbox_relay(struct outbox *o, const struct conf *c, PGconn *db, str
         }
         err = publish_rows(o, c, db, b, &rows, why, whylen);
         ledger_outbox_rows_free(&rows);
+        if (err == IDEMQ_ERR_TIMEOUT) { /* given back; the next poll tries again */
+            log_warn("%s", why);
+            return IDEMQ_OK;
+        }
         if (err)
             return err;
     }
@@ -279,6 +352,10 @@ idemq_err_t outbox_publish_taken(struct outbox *o, const struct conf *c, PGconn 
     if (rows->n > 0 && c->outbox_relay && db && b)
         err = publish_rows(o, c, db, b, rows, why, whylen);
     ledger_outbox_rows_free(rows);
+    if (err == IDEMQ_ERR_TIMEOUT) { /* given back: the recovery poll takes them */
+        log_warn("%s", why);
+        return IDEMQ_OK;
+    }
     return err;
 }
 

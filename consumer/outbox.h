@@ -4,13 +4,15 @@
  * leased (ledger/ledger_outbox.h: taken by the batch transaction that
  * emitted them, before its COMMIT, or claimed afterwards; a lease lasts
  * outbox.lease_s or until its database session is gone), published a
- * lease at a time on the worker's connection (mandatory, persistent,
- * message_id "outbox:<id>", headers x-idemq-key and x-idemq-outbox-id),
- * and marked sent only after the broker's confirm. A basic.return parks
- * the row at once; a nack, or a publish to an exchange that does not
- * exist, counts an attempt and parks it after outbox.max_attempts; a
- * broker that goes away gives the rows back (lease released) and holds
- * them until it is back.
+ * lease at a time on the side channel of the worker's connection
+ * (broker_side_publish: a refusal never closes the consuming channel;
+ * mandatory, persistent, message_id "outbox:<id>", headers x-idemq-key and
+ * x-idemq-outbox-id), and marked sent only after the broker's confirm. A
+ * basic.return, or a row the client library cannot encode, parks the row
+ * at once; a nack, or a publish the broker refuses by closing the side
+ * channel (403, 404, 406, ...), counts an attempt on that row and parks it
+ * after outbox.max_attempts; a broker that goes away gives the rows back
+ * (lease released) and holds them until it is back.
  * The relay is at least once: a crash between the confirm and the mark
  * publishes the row again with the same message_id.
  *
@@ -83,6 +85,11 @@ idemq_err_t outbox_relay(struct outbox *o, const struct conf *c, PGconn *db, str
 idemq_err_t outbox_publish_taken(struct outbox *o, const struct conf *c, PGconn *db,
                                  struct broker *b, struct outbox_rows *rows, char *why,
                                  size_t whylen) IDEMQ_MUSTCHECK;
+
+/* True while a row this process's relay refused (nacked, or the side
+ * channel closed on it) waits for its next attempt: `--until-idle` is not
+ * idle then, so the row is parked or sent before the run ends. Any thread. */
+bool outbox_retry_pending(void);
 
 /* The recovery poll: outbox_relay when outbox.poll_ms passed since the last
  * one (sooner while rows remain), else returns at once. */

@@ -929,6 +929,8 @@ idemq_err_t worker_run(struct worker *w)
             if (s.lanes_keyed && ledger_lanes_retry_pending(s.db, s.c, &pending, &e) == IDEMQ_OK &&
                 pending) {
                 last_delivery = now_ms(); /* a deferred job retries from the ledger: not idle */
+            } else if (s.c->outbox_relay && outbox_retry_pending()) {
+                last_delivery = now_ms(); /* a refused outbox row is tried again soon */
             } else if (!broker_idle(&s)) {
                 last_delivery = now_ms(); /* deliveries were still coming: not idle */
             } else {

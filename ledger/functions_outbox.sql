@@ -44,9 +44,76 @@ BEGIN
 END
 $fn$;
 
+-- What idemq.emit refuses because it can never be published, so that the
+-- emitting transaction fails rather than the relay (consumer/README.md
+-- "Outbox", "What a row may carry"): an exchange, routing key or header
+-- name (at any depth) over 255 bytes, an AMQP short string (22001); headers
+-- over 32 KiB as JSON text or nested over 16 levels (54000: 32 KiB of JSON
+-- encodes to at most about 96 KiB of AMQP table, inside one frame of the
+-- default frame_max of 128 KiB; 16 levels is what idemq's inputs read); a
+-- body over 16 MiB (54000: RabbitMQ 4's default max_message_size).
+CREATE OR REPLACE FUNCTION idemq.outbox_check(p_exchange text, p_routing_key text,
+                                              p_body_len bigint, p_headers jsonb)
+RETURNS void LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_depth integer;
+    v_name  text;
+    v_len   integer;
+BEGIN
+    IF octet_length(p_exchange) > 255 THEN
+        RAISE EXCEPTION 'idemq.emit: the exchange name is % bytes; AMQP allows at most 255',
+              octet_length(p_exchange) USING ERRCODE = '22001';
+    END IF;
+    IF octet_length(p_routing_key) > 255 THEN
+        RAISE EXCEPTION 'idemq.emit: the routing key is % bytes; AMQP allows at most 255',
+              octet_length(p_routing_key) USING ERRCODE = '22001';
+    END IF;
+    IF p_body_len > 16777216 THEN
+        RAISE EXCEPTION 'idemq.emit: the body is % bytes; at most 16777216 (16 MiB) are published',
+              p_body_len USING ERRCODE = '54000';
+    END IF;
+    IF p_headers IS NULL THEN
+        RETURN;
+    END IF;
+    v_len := octet_length(p_headers::text);
+    IF v_len > 32768 THEN
+        RAISE EXCEPTION 'idemq.emit: the headers are % bytes of JSON; at most 32768 are published',
+              v_len USING ERRCODE = '54000';
+    END IF;
+    IF v_len < 34 THEN
+        RETURN; /* too short for 17 levels ({{...}}) or a 256-byte name: no walk */
+    END IF;
+    WITH RECURSIVE n(v, depth) AS (
+        SELECT p_headers, 1
+        UNION ALL
+        SELECT c.v, n.depth + 1
+          FROM n, LATERAL (
+                SELECT e.value AS v FROM jsonb_each(CASE WHEN jsonb_typeof(n.v) = 'object'
+                                                         THEN n.v END) e
+                UNION ALL
+                SELECT a.value FROM jsonb_array_elements(CASE WHEN jsonb_typeof(n.v) = 'array'
+                                                              THEN n.v END) a) c
+         WHERE n.depth <= 16 AND jsonb_typeof(c.v) IN ('object', 'array'))
+    SELECT max(n.depth),
+           (SELECT k FROM n n2, jsonb_object_keys(CASE WHEN jsonb_typeof(n2.v) = 'object'
+                                                       THEN n2.v END) k
+             WHERE octet_length(k) > 255 LIMIT 1)
+      INTO v_depth, v_name FROM n;
+    IF v_name IS NOT NULL THEN
+        RAISE EXCEPTION 'idemq.emit: a header name is % bytes; AMQP allows at most 255',
+              octet_length(v_name) USING ERRCODE = '22001';
+    END IF;
+    IF v_depth > 16 THEN
+        RAISE EXCEPTION 'idemq.emit: the headers are nested more than 16 levels deep'
+              USING ERRCODE = '54000';
+    END IF;
+END
+$fn$;
+
 -- Emits one message in the caller's transaction; returns the row id (the
 -- message_id is 'outbox:<id>'). p_key: the emitting idempotency key (an
--- effect passes its key), shown by `jobs show`.
+-- effect passes its key), shown by `jobs show`. Refuses what can never be
+-- published (idemq.outbox_check).
 CREATE OR REPLACE FUNCTION idemq.emit(p_exchange text, p_routing_key text, p_body bytea,
                                       p_headers jsonb DEFAULT NULL,
                                       p_order_key text DEFAULT NULL,
@@ -62,6 +129,7 @@ BEGIN
     IF p_headers IS NOT NULL AND jsonb_typeof(p_headers) <> 'object' THEN
         RAISE EXCEPTION 'idemq.emit: headers must be a JSON object' USING ERRCODE = '22023';
     END IF;
+    PERFORM idemq.outbox_check(p_exchange, p_routing_key, octet_length(p_body), p_headers);
     INSERT INTO idemq.outbox (key, exchange, routing_key, body, headers, order_key)
     VALUES (p_key, p_exchange, p_routing_key, p_body, p_headers, p_order_key)
     RETURNING id INTO v_id;
@@ -112,6 +180,13 @@ DECLARE
 BEGIN
     IF v_x IS NULL THEN
         RETURN; /* the transaction wrote nothing: it emitted nothing */
+    END IF;
+    /* the head test below must see what committed while it waited for an
+     * order key's lock: a statement snapshot, so READ COMMITTED only (at
+     * REPEATABLE READ two transactions of one key could both lease a head) */
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'idemq.outbox_take must run at READ COMMITTED (this transaction: %)',
+              current_setting('transaction_isolation') USING ERRCODE = '25000';
     END IF;
     /* the order keys' locks, in key order (as idemq.outbox_stamp) */
     PERFORM pg_advisory_xact_lock(hashtextextended('idemq.outbox:' || k.order_key, 0))
@@ -307,7 +382,7 @@ DECLARE
 BEGIN
     FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
               WHERE p.pronamespace = 'idemq'::regnamespace
-                AND p.proname IN ('emit', 'outbox_claim', 'outbox_take', 'outbox_sent',
+                AND p.proname IN ('emit', 'outbox_check', 'outbox_claim', 'outbox_take', 'outbox_sent',
                                   'outbox_failed', 'outbox_lease_free',
                                   'outbox_release', 'outbox_gauges', 'outbox_stamp')
     LOOP

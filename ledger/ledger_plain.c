@@ -359,7 +359,8 @@ idemq_err_t ledger_plain_apply(struct ledger_plain *lp, bool send_begin, struct 
     IDEMQ_ASSERT(ledger_plain_ready(lp, jobs, n));
     if (!PQenterPipelineMode(lp->db))
         goto conn;
-    if (send_begin && !PQsendQueryParams(lp->db, "BEGIN", 0, NULL, NULL, NULL, NULL, 0))
+    if (send_begin &&
+        !PQsendQueryParams(lp->db, LEDGER_TXN_BEGIN, 0, NULL, NULL, NULL, NULL, 0))
         goto conn_pipe;
     for (int lo = 0; lo < n;) {
         int hi = lo + 1;

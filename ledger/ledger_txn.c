@@ -175,7 +175,7 @@ static idemq_err_t flush_begin(struct ledger_txn *lt, struct ledger_db_error *e)
     if (!lt->begin_pending)
         return IDEMQ_OK;
     lt->begin_pending = false;
-    return ledger_db_exec(lt->db, "BEGIN", e);
+    return ledger_db_exec(lt->db, LEDGER_TXN_BEGIN, e);
 }
 
 idemq_err_t ledger_txn_commit(struct ledger_txn *lt, struct ledger_db_error *e)
@@ -226,7 +226,7 @@ static PGresult *exec_apply(struct ledger_txn *lt, const char *stmt, int n,
         return ledger_db_exec_prepared(lt->db, stmt, n, params, lens, fmts, 0);
     lt->begin_pending = false;
     if (!PQenterPipelineMode(lt->db) ||
-        !PQsendQueryParams(lt->db, "BEGIN", 0, NULL, NULL, NULL, NULL, 0) ||
+        !PQsendQueryParams(lt->db, LEDGER_TXN_BEGIN, 0, NULL, NULL, NULL, NULL, 0) ||
         !PQsendQueryPrepared(lt->db, stmt, n, params, lens, fmts, 0) ||
         !PQpipelineSync(lt->db)) {
         PQexitPipelineMode(lt->db);

@@ -71,6 +71,13 @@ struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf
 /* Frees lt (not the connection). NULL is fine. */
 void ledger_txn_free(struct ledger_txn *lt);
 
+/* How a batch transaction begins (here and in ledger_plain): at READ
+ * COMMITTED whatever default_transaction_isolation the database or role
+ * sets. idemq.outbox_take, its last statement, must see what committed
+ * while it waited for an order key's lock (a snapshot per statement), or
+ * two batches could lease rows of one key at once. */
+#define LEDGER_TXN_BEGIN "BEGIN ISOLATION LEVEL READ COMMITTED"
+
 /* Opens a transaction. BEGIN is not sent at once: it goes out with the
  * transaction's first statement (pipelined with ledger_txn_apply, one round
  * trip for both), so its failure shows up as that statement's. */

@@ -12,6 +12,7 @@
 #include "check_run.h"
 #include <libpq-fe.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -458,13 +459,61 @@ START_TEST(test_crash_after_confirm)
 }
 END_TEST
 
+/* ---- refusals: every refusal ends in a defined state ---- */
+
+/* Runs `scripts/services ctl ARGS` (rabbitmqctl on the test node). */
+static void ctl(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void ctl(const char *fmt, ...)
+{
+    char args[900], what[1000];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(args, sizeof args, fmt, ap);
+    va_end(ap);
+    snprintf(what, sizeof what, "ctl %s", args);
+    ck_assert_msg(itest_services(what) == 0, "scripts/services %s failed", what);
+}
+
+/* RabbitMQ 3.x's max_message_size (read by each channel when it opens);
+ * 0 puts back its default, 128 MiB. */
+static void set_max_message_size(long bytes)
+{
+    ctl("eval 'application:set_env(rabbit, max_message_size, %ld).'",
+        bytes ? bytes : 134217728L);
+}
+
+/* Connections the broker let in for the workers of consumer id `cid`
+ * ("idemq <cid> worker N", the connection name idemq gives them), from the
+ * node's log under $IDEMQ_STATE_DIR (written as they come, unlike the
+ * management API's counters). */
+static long worker_connections(const char *cid)
+{
+    char cmd[600], out[64] = "";
+    FILE *p;
+    snprintf(cmd, sizeof cmd,
+             "cat \"$IDEMQ_STATE_DIR\"/rabbit*/log/*@localhost.log | grep 'granted access' | "
+             "grep -c -F -- '- idemq %s worker '",
+             cid);
+    p = popen(cmd, "r");
+    ck_assert_ptr_nonnull(p);
+    if (!fgets(out, sizeof out, p))
+        out[0] = '\0';
+    pclose(p);
+    return atol(out);
+}
+
 /* Three relays (three idemq processes) relay one outbox while rows keep
  * being emitted (ten per transaction, five order keys interleaved) and
  * one relay after the other is SIGKILLed every ~0.4 s and started again.
  * Every row is published; per order key the messages arrive in commit
  * order, a re-publish (a relay killed between a publish and its sent
  * mark) only repeating the row just before, with the same message_id, so
- * a consumer deduplicating on message_id applies each row once. A killed
+ * a consumer deduplicating on message_id applies each row once. One row
+ * per 100 is poisoned, in the order key of the rows around it: to an
+ * exchange that does not exist (404), or with a 300-byte routing key
+ * (written directly: idemq.emit refuses it); each is parked with its
+ * reason, holds only its key until then, and the relays open no more
+ * connections than their starts need (no reconnect per refusal). A killed
  * relay's leases are made to pass 0.3 s after it died (outbox.lease_s is
  * at least 15 s; the pause lets the broker take in what the dead
  * connection still had on the wire). IDEMQ_OUTBOX_KILL_S sets the kill
@@ -518,6 +567,10 @@ START_TEST(test_relays_kill_loop)
     long long t0, next_kill, now;
     long long jlast[KILL_KEYS];
     int rows = 0, jobs = 0, kills = 0, victim = 0, n, dups = 0, jmsgs = 0, jdups = 0, rate;
+    int poisoned = 0;
+    long conns;
+    struct broker *pb;
+    char err[512];
 
     /* the payouts input's effect emits too (relayed right after its
      * commit, leased before it): jobs "<name>:j<n>" with order keys
@@ -526,6 +579,11 @@ START_TEST(test_relays_kill_loop)
     declare_out(&t, q, sizeof q);
     snprintf(like, sizeof like, "%s:%%", t.name);
     em = connect_db();
+    /* one publisher connection for the jobs */
+    ck_assert_msg(broker_open(t.conf, "kill loop publisher", true, &pb, err, sizeof err) ==
+                      IDEMQ_OK,
+                  "%s", err);
+    conns = worker_connections(t.conf->consumer_id);
     for (int i = 0; i < 3; i++)
         pids[i] = itest_spawn(&t, t.cfg_path, 600, NULL);
     t0 = now_ms();
@@ -541,6 +599,21 @@ START_TEST(test_relays_kill_loop)
                      "NULL, '%s:' || ((%d + g) %% %d)) FROM generate_series(0, %d) g ORDER BY g",
                      q, rows, KILL_KEYS, rows, KILL_KEYS, t.name, rows, KILL_KEYS, KILL_TX - 1);
             exec_ok(em, sql);
+            if ((rows / KILL_TX) % 10 == 9) { /* the 100th: poisoned, in the next row's key */
+                char okx[160];
+                snprintf(okx, sizeof okx, "'%s:%d'", t.name, (rows + KILL_TX) % KILL_KEYS);
+                if (poisoned % 2 == 0)
+                    snprintf(sql, sizeof sql,
+                             "SELECT idemq.emit('%s.gone', 'x', 'poison', NULL, %s, '%s:p%d')",
+                             t.name, okx, t.name, poisoned);
+                else
+                    snprintf(sql, sizeof sql,
+                             "INSERT INTO idemq.outbox (key, exchange, routing_key, body, "
+                             "order_key) VALUES ('%s:p%d', '', repeat('r', 300), 'poison', %s)",
+                             t.name, poisoned, okx);
+                exec_ok(em, sql);
+                poisoned++;
+            }
             rows += KILL_TX;
         }
         if (jobs + KILL_TX <= KILL_MAX / 8 && jobs < (now - t0) * (rate / 3) / 1000) {
@@ -550,7 +623,13 @@ START_TEST(test_relays_kill_loop)
                          jobs + g, q, t.name, (jobs + g) % KILL_KEYS);
                 jbs[g] = jb[g];
             }
-            itest_publish(&t, jbs, KILL_TX);
+            for (int g = 0; g < KILL_TX; g++)
+                ck_assert_msg(broker_publish(pb, t.conf->inputs[0].exchange,
+                                             t.conf->inputs[0].routing_key, jbs[g],
+                                             strlen(jbs[g]), NULL) == IDEMQ_OK,
+                              "%s", broker_error(pb));
+            ck_assert_msg(broker_wait_confirms(pb, itest_ms(10000)) == IDEMQ_OK, "%s",
+                          broker_error(pb));
             jobs += KILL_TX;
         }
         if (now >= next_kill) {
@@ -575,7 +654,9 @@ START_TEST(test_relays_kill_loop)
     snprintf(sql, sizeof sql, "%s:j%%", t.name);
     wait_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key LIKE $1 AND state = 'applied'",
               sql, jobs, 60000);
-    wait_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key LIKE $1", like, 0, 60000);
+    wait_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key LIKE $1 AND "
+                  "state = 'pending'",
+              like, 0, 60000);
     for (int i = 0; i < 3; i++) {
         int st;
         /* a SIGTERM before idemq installed its handler kills it instead of
@@ -594,6 +675,23 @@ START_TEST(test_relays_kill_loop)
                                 "LIKE $1",
                                 like),
                      rows + jobs);
+    /* every poisoned row parked with its reason, nothing else parked */
+    ck_assert_int_ge(poisoned, kill_secs() / 3);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key LIKE $1",
+                                like),
+                     poisoned);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key LIKE $1 "
+                                    "AND state = 'parked' AND convert_from(body, 'UTF8') = "
+                                    "'poison' AND (last_error LIKE '%404 NOT_FOUND%' OR "
+                                    "last_error LIKE '%routing key is 300 bytes%')",
+                                like),
+                     poisoned);
+    /* no reconnect storm: each relay start opens its few connections, a
+     * refusal none (the old relay reconnected on every one) */
+    broker_close(pb);
+    conns = worker_connections(t.conf->consumer_id) - conns;
+    ck_assert_msg(conns >= 3 && conns <= kills + 3 + 3,
+                  "%ld worker connections for %d relay starts", conns, kills + 3);
     /* one row per job, whatever its deliveries */
     ck_assert_int_eq(itest_long(&t, "SELECT count(DISTINCT key) FROM idemq.outbox_sent WHERE "
                                     "key LIKE $1",
@@ -653,8 +751,9 @@ START_TEST(test_relays_kill_loop)
     PQclear(seqs);
     ck_assert_int_ge(kills, kill_secs() - 1);
     fprintf(stderr,
-            "kill loop: %d rows, %d jobs' rows, %d kills, %d messages (%d and %d re-published)\n",
-            rows, jobs, kills, n, dups, jdups);
+            "kill loop: %d rows, %d jobs' rows, %d poisoned, %d kills, %d messages (%d and %d "
+            "re-published), %ld connections\n",
+            rows, jobs, poisoned, kills, n, dups, jdups, conns);
     itest_teardown(&t);
 }
 END_TEST
@@ -1020,6 +1119,466 @@ START_TEST(test_show_escaped)
 }
 END_TEST
 
+/* Checks that the drained messages hold each good row "K SEQ" (keys 0..keys-1,
+ * per key seq 0..per-1, in order) exactly once, with distinct message_ids;
+ * other bodies are counted in *others. */
+static void check_good_rows(char bodies[][256], char ids[][64], int n, int keys, int per,
+                            int *others)
+{
+    int last[16];
+    ck_assert(keys <= 16);
+    for (int k = 0; k < keys; k++)
+        last[k] = -1;
+    *others = 0;
+    for (int i = 0; i < n; i++) {
+        int k = -1, seq = -1;
+        for (int j = 0; j < i; j++)
+            ck_assert_msg(strcmp(ids[i], ids[j]) != 0, "%s published twice", ids[i]);
+        if (sscanf(bodies[i], "%d %d", &k, &seq) != 2) {
+            (*others)++;
+            continue;
+        }
+        ck_assert_msg(k >= 0 && k < keys && seq == last[k] + 1, "key %d: %d after %d", k, seq,
+                      k >= 0 && k < keys ? last[k] : -2);
+        last[k] = seq;
+    }
+    for (int k = 0; k < keys; k++)
+        ck_assert_int_eq(last[k], per - 1);
+}
+
+/*
+ * Rows the client library cannot encode (a 300-byte routing key, a 300-byte
+ * header name, a header value over the frame size: written directly, as
+ * idemq.emit refuses them) and a body over the broker's max_message_size
+ * (406), all of one order key, among good rows of four others in one
+ * transaction: `idemq run --until-idle` ends; each good row is published
+ * once, in order per key; the unencodable rows are parked at once and the
+ * 406 one after outbox.max_attempts, each with its reason (`parked list`,
+ * idemq_outbox_parked_total); the good row behind them in their key goes
+ * out after them; the worker never reconnects.
+ */
+START_TEST(test_refused_rows_parked)
+{
+    enum { KEYS = 4, PER = 5 };
+    struct itest t;
+    char q[200], sql[4096], conf[512], log[300], out[16384], bad[160], url[128];
+    static char bodies[64][256], ids[64][64], keys[64][128], body[32768], page[1 << 20];
+    int n, st, others, port = itest_free_port(), cport = itest_free_port(), o = 0, code;
+    long parked = -1, big;
+    bool v3;
+    pid_t pid;
+
+    snprintf(conf, sizeof conf,
+             "outbox: { relay = 1; poll_ms = 200; max_attempts = 2; };\n"
+             "metrics: { listen = \"127.0.0.1:%d\"; };\n"
+             "console: { listen = \"127.0.0.1:%d\"; };",
+             port, cport);
+    itest_extra_conf = conf;
+    itest_setup(&t, "obrefuse", "idemq_test.emit_one", "", "");
+    itest_extra_conf = NULL;
+    declare_out(&t, q, sizeof q);
+    snprintf(bad, sizeof bad, "%s:bad", t.name);
+    /* a body over max_message_size: RabbitMQ 3.x reads the setting when a
+     * channel opens (set low for this run), 4.x only at boot (its default,
+     * 16 MiB, is idemq.emit's bound: one byte more, written directly) */
+    v3 = getenv("IDEMQ_SERVER_RABBITMQ") && strncmp(getenv("IDEMQ_SERVER_RABBITMQ"), "3.", 2) == 0;
+    big = v3 ? 100000 : 16777217;
+    o += snprintf(sql + o, sizeof sql - (size_t)o, "BEGIN; ");
+    for (int i = 0; i < KEYS * PER; i++) {
+        if (i == KEYS * PER / 2)
+            o += snprintf(
+                sql + o, sizeof sql - (size_t)o,
+                "INSERT INTO idemq.outbox (key, exchange, routing_key, body, headers, order_key) "
+                "VALUES ('%s:rk', '', repeat('r', 300), 'x', NULL, '%s'), "
+                "('%s:hname', '', '%s', 'x', jsonb_build_object(repeat('n', 300), 1), '%s'), "
+                "('%s:hbig', '', '%s', 'x', jsonb_build_object('big', repeat('h', 200000)), "
+                "'%s'); "
+                "INSERT INTO idemq.outbox (key, exchange, routing_key, body, order_key) "
+                "VALUES ('%s:big', '', '%s', convert_to(repeat('b', %ld), 'UTF8'), '%s'); ",
+                t.name, bad, t.name, q, bad, t.name, q, bad, t.name, q, big, bad);
+        o += snprintf(sql + o, sizeof sql - (size_t)o,
+                      "SELECT idemq.emit('', '%s', '%d %d', NULL, '%s:%d'); ", q, i % KEYS,
+                      i / KEYS, t.name, i % KEYS);
+    }
+    o += snprintf(sql + o, sizeof sql - (size_t)o,
+                  "SELECT idemq.emit('', '%s', 'after', NULL, '%s'); COMMIT", q, bad);
+    ck_assert_int_lt(o, (int)sizeof sql);
+    itest_sql(&t, sql);
+
+    if (v3)
+        set_max_message_size(65536);
+    snprintf(log, sizeof log, "%s/%s.log", getenv("IDEMQ_STATE_DIR"), t.name);
+    pid = itest_spawn_log(t.cfg_path, 5, NULL, log); /* idle: time to scrape the last park */
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", port);
+    for (int i = 0; i < itest_ms(400) && parked < 4; i++) {
+        if (itest_http_get(url, body, sizeof body) == 200)
+            parked = metric(body, "idemq_outbox_parked_total");
+        usleep(50000);
+    }
+    /* the console's failure groups page lists them by exchange and reason */
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/groups", cport);
+    code = itest_http_get(url, page, sizeof page);
+    st = itest_wait(pid, itest_ms(30000));
+    if (v3)
+        set_max_message_size(0);
+    ck_assert_msg(parked == 4, "idemq_outbox_parked_total %ld (log %s)", parked, log);
+    ck_assert_msg(code == 200 && strstr(page, "id=\"outbox-groups\"") &&
+                      strstr(page, "PRECONDITION_FAILED") && strstr(page, "routing key is"),
+                  "/groups: %d %.2000s", code, strstr(page, "<h2>") ? strstr(page, "<h2>") : page);
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x (log %s)", st,
+                  log);
+    ck_assert_msg(itest_count_lines(log, "NOT READY") == 0, "the worker reconnected: %s", log);
+
+    n = drain(&t, q, bodies, ids, keys, 64);
+    check_good_rows(bodies, ids, n, KEYS, PER, &others);
+    ck_assert_int_eq(others, 1); /* "after" */
+    ck_assert_int_eq(n, KEYS * PER + 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE order_key = $1 "
+                                    "AND state = 'parked'",
+                                bad),
+                     4);
+    snprintf(sql, sizeof sql, "%s:rk", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "attempts = 1 AND last_error LIKE '%routing key%255%'",
+                                sql),
+                     1);
+    snprintf(sql, sizeof sql, "%s:hname", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "attempts = 1 AND last_error LIKE '%header name%255%'",
+                                sql),
+                     1);
+    snprintf(sql, sizeof sql, "%s:hbig", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "attempts = 1 AND last_error LIKE '%headers%frame%'",
+                                sql),
+                     1);
+    snprintf(sql, sizeof sql, "%s:big", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "attempts = 2 AND last_error LIKE '%406%PRECONDITION_FAILED%'",
+                                sql),
+                     1);
+    /* the good row behind them in their key went after the last of them */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox_sent s WHERE "
+                                    "s.order_key = $1 AND s.sent_at > (SELECT max(parked_at) "
+                                    "FROM idemq.outbox p WHERE p.order_key = $1)",
+                                bad),
+                     1);
+    snprintf(sql, sizeof sql, "parked list --key %s:big", t.name);
+    ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "outbox rows parked") && strstr(out, "PRECONDITION_FAILED"),
+                  "%.2000s", out);
+    snprintf(sql, sizeof sql, "parked list --key %s:rk", t.name);
+    ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "outbox rows parked") && strstr(out, "routing key is 300"),
+                  "%.2000s", out);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* The test effect of the permission case: emits to the payload's exchange
+ * "ex" with routing key "rk" and order key "ok". */
+#define EMIT_EX_EFFECT                                                                       \
+    "CREATE OR REPLACE FUNCTION idemq_test.emit_ex(p_key text, p_payload jsonb, p_meta "     \
+    "jsonb) RETURNS jsonb LANGUAGE plpgsql AS $fn$ BEGIN "                                   \
+    "RETURN jsonb_build_object('outbox_id', idemq.emit(p_payload->>'ex', p_payload->>'rk', " \
+    "p_payload->>'body', NULL, p_payload->>'ok', p_key)); END $fn$"
+
+/*
+ * A row to an exchange the run user may not write (403 ACCESS_REFUSED,
+ * under the least-privilege user of consumer/OPERATIONS.md plus write on
+ * the outbox's exchange): the emitting jobs are applied and acknowledged
+ * once, the refused row is parked after outbox.max_attempts with the
+ * broker's reason, the other rows flow (the one behind it in its order key
+ * after it), and the consuming channel is never closed (no reconnect).
+ */
+START_TEST(test_refused_forbidden)
+{
+    enum { JOBS = 10 };
+    struct itest t;
+    char run_user[96], pw[64], run_url[300], ox[160], forbidden[160], sql[512], log[300];
+    char jb[JOBS][512], key[160], out[16384];
+    const char *jbs[JOBS];
+    static char bodies[32][256], ids[32][64], keys[32][128];
+    char *admin_url = strdup(getenv("IDEMQ_AMQP_URL"));
+    struct broker *b;
+    char err[512], q[200];
+    int n, st, others;
+
+    itest_extra_conf = OUTBOX_CONF "\ntopology: { verify = \"passive\"; };";
+    itest_setup(&t, "obperm", "idemq_test.emit_ex", "", "emits = true;");
+    itest_extra_conf = NULL;
+    itest_sql(&t, EMIT_EX_EFFECT);
+    declare_out(&t, q, sizeof q);
+    snprintf(ox, sizeof ox, "%s.ox", t.name);
+    snprintf(forbidden, sizeof forbidden, "%s.forbidden", t.name);
+    ck_assert_int_eq(broker_open(t.conf, "itest", false, &b, err, sizeof err), IDEMQ_OK);
+    ck_assert_int_eq(broker_admin_declare_exchange(b, ox, "direct", false, NULL), IDEMQ_OK);
+    ck_assert_int_eq(broker_admin_declare_exchange(b, forbidden, "direct", false, NULL), IDEMQ_OK);
+    ck_assert_int_eq(broker_admin_bind(b, q, ox, q, NULL), IDEMQ_OK);
+    ck_assert_int_eq(broker_admin_bind(b, q, forbidden, q, NULL), IDEMQ_OK);
+    broker_close(b);
+    snprintf(run_user, sizeof run_user, "%s_run", t.name);
+    snprintf(pw, sizeof pw, "Op-%d", (int)getpid());
+    ctl("add_user %s %s", run_user, pw);
+    /* consumer/OPERATIONS.md "Roles and permissions", with the outbox's exchange */
+    ctl("set_permissions -p / %s '^$' '^(%s\\.(retry|dlx)|%s\\.ox)$' '^%s$'", run_user, t.name,
+        t.name, t.name);
+    snprintf(run_url, sizeof run_url, "amqp://%s:%s@127.0.0.1%s", run_user, pw,
+             strrchr(admin_url, ':'));
+    /* nine jobs of three order keys ("K SEQ"), and job 3, of key 0 between
+     * its first and second, emits to the forbidden exchange */
+    for (int i = 0, g = 0; i < JOBS; i++) {
+        if (i == 3)
+            snprintf(jb[i], sizeof jb[i],
+                     "{\"job_id\":\"%s:%d\",\"ex\":\"%s\",\"rk\":\"%s\",\"ok\":\"%s:0\","
+                     "\"body\":\"forbidden\"}",
+                     t.name, i, forbidden, q, t.name);
+        else
+            snprintf(jb[i], sizeof jb[i],
+                     "{\"job_id\":\"%s:%d\",\"ex\":\"%s\",\"rk\":\"%s\",\"ok\":\"%s:%d\","
+                     "\"body\":\"%d %d\"}",
+                     t.name, i, ox, q, t.name, g % 3, g % 3, g / 3), g++;
+        jbs[i] = jb[i];
+    }
+    itest_publish(&t, jbs, JOBS);
+    snprintf(log, sizeof log, "%s/%s.log", getenv("IDEMQ_STATE_DIR"), t.name);
+    setenv("IDEMQ_AMQP_URL", run_url, 1);
+    st = itest_wait(itest_spawn_log(t.cfg_path, 3, NULL, log), itest_ms(60000));
+    setenv("IDEMQ_AMQP_URL", admin_url, 1);
+    free(admin_url);
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x (log %s)", st,
+                  log);
+    ck_assert_msg(itest_count_lines(log, "NOT READY") == 0, "the worker reconnected: %s", log);
+    ck_assert_int_eq(itest_queue_ready(&t, t.conf->inputs[0].queue), 0);
+    snprintf(sql, sizeof sql, "%s:%%", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key LIKE $1 AND "
+                                    "state = 'applied'",
+                                sql),
+                     JOBS);
+    n = drain(&t, q, bodies, ids, keys, 32);
+    ck_assert_int_eq(n, JOBS - 1);
+    check_good_rows(bodies, ids, n, 3, 3, &others);
+    ck_assert_int_eq(others, 0);
+    snprintf(key, sizeof key, "%s:3", t.name);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "state = 'parked' AND attempts = 2 AND "
+                                    "last_error LIKE '%403%ACCESS_REFUSED%'",
+                                key),
+                     1);
+    snprintf(sql, sizeof sql, "parked list --key %s", key);
+    ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "outbox rows parked") && strstr(out, "ACCESS_REFUSED"), "%.2000s",
+                  out);
+    /* check-config says which permission the relay needs, and that the rows decide */
+    ck_assert_int_eq(itest_idemq(&t, "check-config", out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "needs write permission on every exchange that idemq.emit names") &&
+                      strstr(out, "decide it at run time"),
+                  "%.2000s", out);
+    ck_assert_msg(itest_count_lines(log, "needs write permission on every exchange") == 1, "%s",
+                  log);
+    ctl("delete_user %s", run_user);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* idemq.emit refuses what can never be published, with its SQLSTATE, so
+ * the emitting transaction fails (an effect's job is parked with the
+ * code) instead of the relay; the bounds themselves are accepted. */
+START_TEST(test_emit_refuses)
+{
+    struct itest t;
+    static const char *const cases[][2] = {
+        {"SELECT idemq.emit('', repeat('r', 256), 'x')", "22001"},
+        {"SELECT idemq.emit(repeat('e', 256), 'rk', 'x')", "22001"},
+        {"SELECT idemq.emit('', 'rk', 'x', jsonb_build_object(repeat('n', 256), 1))", "22001"},
+        {"SELECT idemq.emit('', 'rk', 'x', jsonb_build_object('a', "
+         "jsonb_build_object(repeat('n', 256), 1)))",
+         "22001"},
+        {"SELECT idemq.emit('', 'rk', 'x', jsonb_build_object('big', repeat('h', 40000)))",
+         "54000"},
+        {"SELECT idemq.emit('', 'rk', 'x', '{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{"
+         "\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":{\"a\":1}}}}}}}}}}"
+         "}}}}}}}')", /* 17 levels */
+         "54000"},
+        {"SELECT idemq.emit('', 'rk', convert_to(repeat('b', 16777217), 'UTF8'))", "54000"},
+    };
+    char q[200], b[1024], key[128], sql[512];
+    const char *bs[1] = {b};
+    PGconn *db;
+
+    setup(&t, "obemitlim", "emits = true;");
+    declare_out(&t, q, sizeof q);
+    db = connect_db();
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        PGresult *r = PQexec(db, cases[i][0]);
+        const char *code = PQresultErrorField(r, PG_DIAG_SQLSTATE);
+        ck_assert_msg(code && strcmp(code, cases[i][1]) == 0, "%s: %s (want %s)", cases[i][0],
+                      code ? code : "no error", cases[i][1]);
+        ck_assert_msg(strstr(PQresultErrorMessage(r), "idemq.emit"), "%s",
+                      PQresultErrorMessage(r));
+        PQclear(r);
+    }
+    /* at the bounds: accepted (then parked by hand: nothing to publish) */
+    exec_ok(db, "BEGIN");
+    exec_ok(db, "SELECT idemq.emit(repeat('e', 255), repeat('r', 255), "
+                "convert_to(repeat('b', 16777216), 'UTF8'), jsonb_build_object(repeat('n', 255), "
+                "repeat('h', 30000)))");
+    exec_ok(db, "UPDATE idemq.outbox SET state = 'parked', parked_at = now() "
+                "WHERE id = currval('idemq.outbox_id_seq')");
+    exec_ok(db, "COMMIT");
+    PQfinish(db);
+    /* an effect that emits a routing key built from its payload: the job
+     * is parked with the code, nothing is emitted */
+    snprintf(key, sizeof key, "%s:long", t.name);
+    snprintf(b, sizeof b, "{\"job_id\":\"%s\",\"rk\":\"%0300d\"}", key, 7);
+    itest_publish(&t, bs, 1);
+    itest_run_until_idle(&t, 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", key), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM " OB_ALL " o WHERE key = $1", key), 0);
+    snprintf(sql, sizeof sql, "%s", key);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND "
+                                    "last_error LIKE '%routing key%'",
+                                sql),
+                     1);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* Suspends (or resumes) the process of queue q on the broker: publishes
+ * to it are taken but not confirmed meanwhile. */
+static void queue_suspend(const char *q, bool suspend)
+{
+    ctl("eval '[sys:%s(amqqueue:get_pid(Q)) || Q <- rabbit_amqqueue:list(), "
+        "element(4, amqqueue:get_name(Q)) =:= <<\"%s\">>].'",
+        suspend ? "suspend" : "resume", q);
+}
+
+/* The lines of a log that hold needle, waiting up to ms for at least one. */
+static int wait_log(const char *log, const char *needle, int ms)
+{
+    for (int i = 0; i < itest_ms(ms) / 100 && itest_count_lines(log, needle) == 0; i++)
+        usleep(100000);
+    return itest_count_lines(log, needle);
+}
+
+/* A publish the broker does not confirm (its queue's process suspended):
+ * after the confirm wait the side channel is closed and the row given
+ * back, uncounted, while the row beside it in the claim is sent; the
+ * worker does not reconnect; once the queue answers again the row goes out
+ * (again, same message_id: at least once) and is marked sent. */
+START_TEST(test_confirm_timeout)
+{
+    struct itest t;
+    char q[200], slow[220], sql[768], log[300], key[160], want[64];
+    static char bodies[8][256], ids[8][64], keys[8][128];
+    struct broker *b;
+    char err[512];
+    pid_t pid;
+    int n, st;
+
+    setup(&t, "obslow", "");
+    declare_out(&t, q, sizeof q);
+    snprintf(slow, sizeof slow, "%s.slow", t.name);
+    ck_assert_msg(broker_open(t.conf, "outbox test", false, &b, err, sizeof err) == IDEMQ_OK,
+                  "%s", err);
+    ck_assert(broker_admin_declare_queue(b, slow, NULL, false) == IDEMQ_OK);
+    ck_assert(broker_admin_purge(b, slow) == IDEMQ_OK);
+    broker_close(b);
+    queue_suspend(slow, true);
+    snprintf(key, sizeof key, "%s:slow", t.name);
+    snprintf(sql, sizeof sql,
+             "SELECT idemq.emit('', '%s', 'slow', NULL, NULL, '%s'); "
+             "SELECT idemq.emit('', '%s', 'fast', NULL, NULL, '%s:fast')",
+             slow, key, q, t.name);
+    itest_sql(&t, sql);
+    snprintf(log, sizeof log, "%s/%s.log", getenv("IDEMQ_STATE_DIR"), t.name);
+    pid = itest_spawn_log(t.cfg_path, 60, NULL, log);
+    n = wait_log(log, "not all confirmed", 30000);
+    queue_suspend(slow, false);
+    ck_assert_msg(n >= 1, "no confirm timeout in %s", log);
+    wait_long(&t, "SELECT count(*) FROM idemq.outbox_sent WHERE key = $1", key, 1, 30000);
+    kill(pid, SIGTERM);
+    st = itest_wait(pid, itest_ms(30000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    ck_assert_msg(itest_count_lines(log, "NOT READY") == 0, "the worker reconnected: %s", log);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox_sent WHERE key = $1 AND "
+                                    "attempts = 1",
+                                key),
+                     1); /* the timeout counted nothing */
+    ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 8), 1);
+    ck_assert_str_eq(bodies[0], "fast");
+    snprintf(want, sizeof want, "outbox:%ld",
+             itest_long(&t, "SELECT id FROM idemq.outbox_sent WHERE key = $1", key));
+    n = drain(&t, slow, bodies, ids, keys, 8);
+    ck_assert_msg(n >= 1 && n <= 4, "%d copies", n);
+    for (int i = 0; i < n; i++)
+        ck_assert_str_eq(ids[i], want);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* The effect of the isolation case: emits one row and returns the
+ * isolation level of its transaction. */
+#define ISO_EFFECT                                                                           \
+    "CREATE OR REPLACE FUNCTION idemq_test.emit_iso(p_key text, p_payload jsonb, p_meta "    \
+    "jsonb) RETURNS jsonb LANGUAGE plpgsql AS $fn$ BEGIN "                                   \
+    "PERFORM idemq.emit('', p_payload->>'rk', p_key, NULL, p_payload->>'ok', p_key); "       \
+    "RETURN jsonb_build_object('iso', current_setting('transaction_isolation')); END $fn$"
+
+/* Order per key holds whatever default_transaction_isolation the database
+ * sets: the batch transactions that lease rows run at READ COMMITTED, and
+ * idemq.outbox_take refuses to run at another level (its head test needs
+ * a fresh snapshot per statement). */
+START_TEST(test_isolation_pinned)
+{
+    struct itest t;
+    char q[200], b[4][512], key[128], ok[128], out[64];
+    const char *bs[4] = {b[0], b[1], b[2], b[3]};
+    static char bodies[8][256], ids[8][64], keys[8][128];
+    PGconn *db;
+    PGresult *r;
+    int st;
+
+    itest_extra_conf = OUTBOX_CONF;
+    itest_setup(&t, "obiso", "idemq_test.emit_iso", "", "emits = true;");
+    itest_extra_conf = NULL;
+    itest_sql(&t, ISO_EFFECT);
+    declare_out(&t, q, sizeof q);
+    snprintf(ok, sizeof ok, "%s:k", t.name);
+    for (int i = 0; i < 4; i++) {
+        snprintf(b[i], sizeof b[i], "{\"job_id\":\"%s:%d\",\"rk\":\"%s\",\"ok\":\"%s\"}", t.name,
+                 i, q, ok);
+    }
+    itest_publish(&t, bs, 4);
+    itest_sql(&t, "ALTER DATABASE idemq SET default_transaction_isolation = 'repeatable read'");
+    st = itest_wait(itest_spawn(&t, t.cfg_path, 1, NULL), itest_ms(60000));
+    /* outbox_take itself, at repeatable read */
+    db = connect_db();
+    query_text(db, "SHOW default_transaction_isolation", out, sizeof out);
+    exec_ok(db, "BEGIN");
+    exec_ok(db, "SELECT idemq.emit('', 'nowhere', 'iso', NULL, 'iso-test')");
+    r = PQexec(db, "SELECT * FROM idemq.outbox_take('iso-test', 10, 1000)");
+    itest_sql(&t, "ALTER DATABASE idemq RESET default_transaction_isolation");
+    ck_assert_str_eq(out, "repeatable read");
+    ck_assert_msg(PQresultErrorField(r, PG_DIAG_SQLSTATE) &&
+                      strcmp(PQresultErrorField(r, PG_DIAG_SQLSTATE), "25000") == 0 &&
+                      strstr(PQresultErrorMessage(r), "READ COMMITTED"),
+                  "%s", PQresultErrorMessage(r));
+    PQclear(r);
+    exec_ok(db, "ROLLBACK");
+    PQfinish(db);
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x", st);
+    for (int i = 0; i < 4; i++) {
+        snprintf(key, sizeof key, "%s:%d", t.name, i);
+        ck_assert_str_eq(itest_text(&t, "SELECT result->>'iso' FROM idemq.job_info($1)",
+                                    key, out, sizeof out),
+                         "read committed");
+    }
+    ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 8), 4);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("outbox");
@@ -1042,6 +1601,14 @@ int main(void)
     tc = tcase_create("outbox_kill"); /* three relays under a kill loop */
     tcase_set_timeout(tc, itest_ms(kill_secs() + 120));
     tcase_add_test(tc, test_relays_kill_loop);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("outbox_refusals"); /* every refusal ends in a defined state */
+    tcase_set_timeout(tc, itest_ms(120));
+    tcase_add_test(tc, test_refused_rows_parked);
+    tcase_add_test(tc, test_refused_forbidden);
+    tcase_add_test(tc, test_emit_refuses);
+    tcase_add_test(tc, test_isolation_pinned);
+    tcase_add_test(tc, test_confirm_timeout);
     suite_add_tcase(s, tc);
     tc = tcase_create("outbox_show"); /* operator output */
     tcase_set_timeout(tc, itest_ms(120));

@@ -289,6 +289,35 @@ START_TEST(test_acquired_count_bounded)
 }
 END_TEST
 
+/* amqp_table_wire_size agrees with what amqp_encode_table writes, for
+ * every kind amqp_table_from_json makes (and nested tables and arrays),
+ * and reports the longest field name at any depth. */
+START_TEST(test_wire_size)
+{
+    amqp_pool_t pool;
+    amqp_table_t t;
+    static char buf[1 << 16];
+    amqp_bytes_t enc = {sizeof buf, buf};
+    size_t off = 0, longest = 0;
+    char name[301];
+    json_t *v;
+
+    memset(name, 'n', 300);
+    name[300] = '\0';
+    v = json_pack("{s:s, s:i, s:b, s:f, s:n, s:{s:[i, s, {s:b}, []]}, s:{}}", "str", "text",
+                  "int", 7, "bool", 1, "real", 1.5, "null", "nest", "arr", 1, "x", "deep", 0,
+                  "empty");
+    json_object_set_new(v, name, json_string("long name"));
+    init_amqp_pool(&pool, 4096);
+    ck_assert_int_eq(amqp_table_from_json(v, &t, &pool), 0);
+    ck_assert_int_eq(amqp_encode_table(enc, &t, &off), AMQP_STATUS_OK);
+    ck_assert_uint_eq(amqp_table_wire_size(&t, &longest), off);
+    ck_assert_uint_eq(longest, 300);
+    empty_amqp_pool(&pool);
+    json_decref(v);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("amqp_table");
@@ -299,6 +328,7 @@ int main(void)
     tcase_add_test(tc, test_round_trip);
     tcase_add_test(tc, test_props_to_job);
     tcase_add_test(tc, test_acquired_count_bounded);
+    tcase_add_test(tc, test_wire_size);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
