@@ -1,5 +1,5 @@
 /*
- * celery: the Celery task protocol (issue 19). Reads a task message of
+ * celery: the Celery task protocol. Reads a task message of
  * protocol 2 (the `task` header; body [args, kwargs, embed]) or 1 (all in
  * the body), JSON serializer only, within limits, into a struct
  * celery_task; turns it into a job (route by task name to an effect, the

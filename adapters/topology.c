@@ -149,7 +149,7 @@ long topology_bucket(long delay_ms)
 }
 
 /*
- * Queue arguments. Quorum queues (issue 11) carry an explicit delivery
+ * Queue arguments. Quorum queues carry an explicit delivery
  * limit (RabbitMQ 4.x defaults to 20 and then drops or dead-letters behind
  * idemq's back) and dead-letter at-least-once into <queue>.dlx, so the
  * broker's last resort lands in the same <queue>.dead as idemq's parks.
@@ -164,7 +164,7 @@ static json_t *work_queue_args(const struct conf_input *in, bool legacy)
         return a;
     /* Every work queue dead-letters into <queue>.dlx: what idemq rejects
      * (a delivery the client library cannot decode) lands in <queue>.dead
-     * like every park (issue 8). */
+     * like every park. */
     topology_dlx(in, dlx, sizeof dlx);
     json_object_set_new(a, "x-dead-letter-exchange", json_string(dlx));
     json_object_set_new(a, "x-dead-letter-routing-key", json_string(in->queue));
@@ -187,7 +187,7 @@ static json_t *bucket_args(const struct conf_input *in, bool legacy)
 {
     /* Per-message TTL is what makes a bucket; expired messages go straight
      * back to the work queue (not via the work exchange, which might fan
-     * out). A quorum input's buckets are quorum queues (issue 12): replicated
+     * out). A quorum input's buckets are quorum queues: replicated
      * on the cluster's nodes, and dead-lettering at least once (RabbitMQ 3.10
      * keeps the message until the work queue confirmed it), so neither a node
      * crash nor the expiry moment loses a retry, and no single node holds

@@ -74,7 +74,7 @@ static bool is_ordered(const struct batch *bt, const struct job *j)
     return CONF_INPUT_ORDERED(&bt->c->inputs[j->input]);
 }
 
-/* A delivery of an input in observe mode (issue 20): never applied, never parked. */
+/* A delivery of an input in observe mode: never applied, never parked. */
 static bool is_observed(const struct batch *bt, const struct job *j)
 {
     return CONF_INPUT_OBSERVE(&bt->c->inputs[j->input]);
@@ -224,7 +224,7 @@ static enum step park_undecoded(struct batch *bt, struct job *j, struct plan *p)
 }
 
 /*
- * Observe mode (issue 20), inside the open transaction: what apply mode
+ * Observe mode, inside the open transaction: what apply mode
  * would make of bt->obs_jobs[0..nobs) is decided and recorded by the
  * ledger (no effect, no park); every one of them is acknowledged.
  */
@@ -264,7 +264,7 @@ static bool batch_emits(const struct batch *bt)
     return false;
 }
 
-/* issue 18: leases the open transaction's publishable outbox rows to the
+/* leases the open transaction's publishable outbox rows to the
  * worker's relay (see struct batch). Rows beyond what bt->taken can keep
  * are left to a claim. */
 static enum step take_outbox(struct batch *bt, struct outbox_rows *t)
@@ -414,7 +414,7 @@ static enum step run_txn_notices(struct batch *bt, struct job *jobs, int n, stru
             continue;
         }
         if (jobs[i].decode_err == IDEMQ_OK && jobs[i].hold_ms > 0) {
-            /* issue 19: a Celery eta/countdown ahead waits on the broker (a
+            /* a Celery eta/countdown ahead waits on the broker (a
              * delay bucket, again until it is due), never unacknowledged
              * here; nothing is claimed for it yet */
             plans[i].how = SETTLE_DELAY;

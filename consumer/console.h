@@ -1,5 +1,5 @@
 /*
- * console: the web console of `idemq run` (issue 20), on console.listen,
+ * console: the web console of `idemq run`, on console.listen,
  * its own libmicrohttpd server and thread, apart from /metrics. Pages:
  * overview (throughput and commit time over the last hour as SVG plots
  * read from the ledger, queue, dead-letter and outbox depth, parked by

@@ -1,5 +1,5 @@
 /*
- * groups: failure groups of parked messages (issue 20). `idemq parked
+ * groups: failure groups of parked messages. `idemq parked
  * groups` groups the open parks by a fingerprint (input, error class, code,
  * SQLSTATE and the reason with keys, numbers, ids, UUIDs, hex and quoted
  * strings masked: idemq.mask_reason in ledger/functions_groups.sql), and

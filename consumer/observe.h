@@ -1,5 +1,5 @@
 /*
- * observe: observe mode's reporting (issue 20, "Adoption: observe before
+ * observe: observe mode's reporting ("Adoption: observe before
  * switching"). An input with mode = "observe" takes a copy of live traffic
  * from its own queue while the existing consumer applies it; batch.c hands
  * its deliveries to idemq.observe_batch (ledger_txn_observe) instead of the

@@ -1,5 +1,5 @@
 /*
- * outbox: the relay of the transactional outbox (issue 18). Rows that
+ * outbox: the relay of the transactional outbox. Rows that
  * transactions wrote with idemq.emit (ledger/functions_outbox.sql) are
  * leased (ledger/ledger_outbox.h: taken by the batch transaction that
  * emitted them, before its COMMIT, or claimed afterwards; a lease lasts

@@ -79,10 +79,10 @@ struct session {
     struct lane_set *lanes;
     bool lanes_keyed;         /* some ordered input has an ordering key */
     long long last_drain, last_report;
-    struct provider_run *pr;  /* provider inputs (issue 9); NULL without them */
-    struct rescue rescue;     /* issue 12: lost retry copies (consumer/rescue.h) */
-    struct ledger_retention *retention; /* issue 10: worker 0 with ledger.maintenance */
-    struct outbox outbox;     /* issue 18: the relay of idemq.outbox rows */
+    struct provider_run *pr;  /* provider inputs; NULL without them */
+    struct rescue rescue;     /* lost retry copies (consumer/rescue.h) */
+    struct ledger_retention *retention; /* worker 0 with ledger.maintenance */
+    struct outbox outbox;     /* the relay of idemq.outbox rows */
     struct celery_reply_cache replies; /* Celery reply queues bound to the replies exchange */
     char why[512];            /* reason of the last non-OK step */
 };
@@ -430,7 +430,7 @@ static enum step settle_committed(struct session *s, int n)
 
     enum step relayed = STEP_OK;
 
-    /* issue 18: rows the batch's effects emitted are published before its
+    /* rows the batch's effects emitted are published before its
      * deliveries are acknowledged (a failure leaves them to the recovery
      * poll; they are committed): the rows its transaction leased to this
      * worker before COMMIT, then, only if it emitted more than those (a
@@ -510,7 +510,7 @@ static void serviced_nap(void *ctx, long ms)
         nap(ms);
 }
 
-/* ---- provider inputs (issue 9): provider_run decides, the worker settles ---- */
+/* ---- provider inputs: provider_run decides, the worker settles ---- */
 
 /*
  * Polls the provider jobs (up to wait_ms) and settles the deliveries
@@ -769,7 +769,7 @@ static bool session_alloc(struct session *s)
     s->bt.nap = serviced_nap;
     s->bt.nap_ctx = s;
     s->bt.progress = &s->w->progress_ms;
-    if (s->c->outbox_relay) { /* issue 18: batch transactions lease what they emit */
+    if (s->c->outbox_relay) { /* batch transactions lease what they emit */
         s->bt.outbox_holder = s->outbox.holder;
         s->bt.outbox_lease_ms = s->c->outbox_lease_s * 1000;
     }
@@ -778,7 +778,7 @@ static bool session_alloc(struct session *s)
     if (!(s->lanes = lane_set_new(s->c)))
         return false;
     s->lanes_keyed = ledger_lanes_any(s->c);
-    /* One maintenance caller per process, on its own session (issue 10). */
+    /* One maintenance caller per process, on its own session. */
     if (s->w->id == 0 && s->c->maintenance && !(s->retention = ledger_retention_new(
                                                     s->c, s->c->consumer_id)))
         return false;
@@ -975,11 +975,11 @@ idemq_err_t worker_run(struct worker *w)
             st = provider_settle(&s, PROVIDER_POLL_MS);
         if (st == STEP_OK)
             st = sweep_step(&s);
-        if (st == STEP_OK) { /* issue 12: republish retry copies lost on the broker */
+        if (st == STEP_OK) { /* republish retry copies lost on the broker */
             idemq_err_t rerr = rescue_tick(&s.rescue, s.c, s.db, s.b, s.why, sizeof s.why);
             st = rerr == IDEMQ_ERR_BROKER ? STEP_BROKER : rerr ? STEP_INFRA : st;
         }
-        if (st == STEP_OK && w->id == 0) { /* issue 18: the outbox's recovery poll */
+        if (st == STEP_OK && w->id == 0) { /* the outbox's recovery poll */
             idemq_err_t oerr = outbox_tick(&s.outbox, s.c, s.db, s.b, s.why, sizeof s.why);
             st = oerr == IDEMQ_ERR_BROKER ? STEP_BROKER : oerr ? STEP_INFRA : st;
         }

@@ -1,4 +1,4 @@
--- idemq observe mode (issue 20), part of the repeatable function text.
+-- idemq observe mode, part of the repeatable function text.
 --
 -- idemq.observe_batch takes the jobs of one batch of observe-mode inputs
 -- (as the worker decoded them, in delivery order) and, inside the batch's

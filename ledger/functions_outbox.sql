@@ -1,4 +1,4 @@
--- The transactional outbox (issue 18): emit, and the relay's claim, sent,
+-- The transactional outbox: emit, and the relay's claim, sent,
 -- fail and release steps (consumer/outbox.c via ledger/ledger_outbox.c).
 -- Table and trigger: ledger/migrations/0010_outbox.sql. SECURITY DEFINER
 -- with the pinned search_path (functions_pin.sql); PUBLIC may not execute

@@ -1,5 +1,5 @@
 /*
- * ledger_observe: the pure half of observe mode (issue 20) on the ledger
+ * ledger_observe: the pure half of observe mode on the ledger
  * side: the document idemq.observe_batch reads (one entry per delivery of
  * an observe-mode input, decoded or not) and the names of its outcomes.
  * ledger_txn_observe (ledger_txn.h) sends it inside the batch transaction.

@@ -1,5 +1,5 @@
 /*
- * ledger_outbox: the ledger side of the transactional outbox (issue 18):
+ * ledger_outbox: the ledger side of the transactional outbox:
  * claim the publishable rows of idemq.outbox under a lease, then mark each
  * sent (after its confirm), failed (returned or nacked: parked at once or
  * after outbox.max_attempts) or released (not published). Each call is one

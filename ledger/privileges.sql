@@ -1,4 +1,4 @@
--- Least privilege (issue 11), applied after the ledger functions by every
+-- Least privilege, applied after the ledger functions by every
 -- `idemq migrate` (part of the repeatable function text, so it is applied
 -- again whenever a function is recreated).
 --
@@ -30,15 +30,15 @@ BEGIN
                'apply_batch', 'record_raced', 'record_failure', 'claim_failed',
                'park_message', 'mark_dead_lettered', 'defer_job', 'lane_parked',
                'take_deferred', 'report_deferred', 'adopt_dead_letter',
-               -- provider effects (issue 9): the flow and the reconciler of run
+               -- provider effects: the flow and the reconciler of run
                'provider_begin', 'provider_result', 'provider_effect_failed',
                'provider_sweep', 'provider_gauges', 'provider_latency',
                -- transaction 2b: the local effect after a committed reference
                'provider_confirmed',
-               -- the rescuer of run (issue 12) and the operator commands that
+               -- the rescuer of run and the operator commands that
                -- write: `resolve` of a provider key, `archive export`
                'rescue_take', 'rescue_record', 'provider_resolve', 'archive_exported',
-               -- observe mode of run (issue 20)
+               -- observe mode of run
                'observe_batch',
                -- operator actions on parks, of the CLI and the console:
                -- the audit trail and the closing of parks

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""scripts/bench-celery's Python side (issue 19), Debian's Celery 5.2.
+"""scripts/bench-celery's Python side, Debian's Celery 5.2.
 
   bench_celery.py publish URL N RUN TARGET [once]   send N shop.charge tasks
       (10 % of them a second time under a new task id, unless once) to

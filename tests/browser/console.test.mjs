@@ -1,4 +1,4 @@
-// The web console in a real browser (issue 20): Debian's chromium driven by
+// The web console in a real browser: Debian's chromium driven by
 // playwright-core, against the idemq that tests/integration/check_console.c
 // started on real servers. It loads every page, checks that a hostile key
 // is shown as text, that a POST from another origin, without the form token

@@ -1,5 +1,5 @@
 /*
- * fuzz_celery: a Celery task message from a hostile producer (issue 19),
+ * fuzz_celery: a Celery task message from a hostile producer,
  * from the headers, properties and body idemq took off the wire to the job
  * it becomes. The input is three parts split at the first two NUL bytes:
  *

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""A real Celery producer against idemq (issue 19, check_celery).
+"""A real Celery producer against idemq (check_celery).
 
 Sends tasks the way an application does (send_task, apply_async through a
 Celery app with the rpc:// result backend) to the exchange of an idemq

@@ -1,5 +1,5 @@
 /*
- * Integration test of Celery inputs (issue 19): Debian's real Celery 5.2
+ * Integration test of Celery inputs: Debian's real Celery 5.2
  * (tests/integration/celery_producer.py, send_task / apply_async with the
  * rpc:// backend) against the real idemq, RabbitMQ and PostgreSQL. Every
  * task is applied once, duplicates are answered with the first result, a

@@ -1,5 +1,5 @@
 /*
- * Integration test of the web console (issue 20): a real `idemq run` with
+ * Integration test of the web console: a real `idemq run` with
  * console.listen on real RabbitMQ and PostgreSQL, driven by headless
  * Chromium (tests/browser/console.test.mjs, playwright-core): every page,
  * a hostile key shown as text, cross-site and token-less POSTs refused, and

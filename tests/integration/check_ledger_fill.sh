@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # check_ledger_fill: the small form of the ledger pre-fill of
-# `scripts/bench --ledger-size` (issue 21), in the default suite so that it
+# `scripts/bench --ledger-size`, in the default suite so that it
 # cannot rot. In a database of its own, against the real servers of
 # scripts/services (IDEMQ_AMQP_URL, IDEMQ_PG_DSN):
 #   1. scripts/ledger-fill writes 20,000 settled keys (in chunks of 5,000,

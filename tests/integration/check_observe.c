@@ -1,5 +1,5 @@
 /*
- * Integration tests of observe mode (issue 20, "Adoption: observe before
+ * Integration tests of observe mode ("Adoption: observe before
  * switching"), against the real RabbitMQ and PostgreSQL (see itest.h).
  *
  * The test's own input stands for the existing consumer's queue; an

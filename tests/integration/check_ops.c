@@ -1,5 +1,5 @@
 /*
- * Integration tests of running idemq in production (issue 11), against the
+ * Integration tests of running idemq in production, against the
  * real RabbitMQ and PostgreSQL of scripts/services:
  *   1. JSON logs parse and carry their fields; a hostile key cannot forge a
  *      line; no password appears in logs or check-config output;
@@ -1317,7 +1317,7 @@ int main(void)
     tcase_add_unchecked_fixture(tc, NULL, continue_postgres);
     tcase_add_test(tc, test_broker_cancel_gives_back_others);
     suite_add_tcase(s, tc);
-    /* what a producer's data must not reach (issue 16) */
+    /* what a producer's data must not reach */
     tc = tcase_create("producers");
     tcase_set_timeout(tc, itest_ms(120));
     tcase_add_test(tc, test_operator_output_escaped);

@@ -1,5 +1,5 @@
 /*
- * Integration tests of the transactional outbox (issue 18): rows written by
+ * Integration tests of the transactional outbox: rows written by
  * idemq.emit in an effect or in an application's own transaction are
  * relayed once they committed (right after the commit, or by the recovery
  * poll), with a deterministic message_id, per order key in commit order;

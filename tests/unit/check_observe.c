@@ -1,4 +1,4 @@
-/* Unit tests of observe mode's pure parts (issue 20): the observe_batch
+/* Unit tests of observe mode's pure parts: the observe_batch
  * document (ledger/ledger_observe.c) holds what apply mode would decide
  * from, decoded or not; outcome and code names round-trip; the /metrics
  * lines (consumer/observe.c) are labelled per observe input only. */
