@@ -26,13 +26,14 @@
 #include "itest.h"
 #include "job.h"
 
-/* The test effect: emits {key, payload} to the default exchange with the
- * payload's routing key "rk" (and order key "ok"), then obeys the test
+/* The test effect: emits {key, payload} to the payload's exchange "ex" (the
+ * default exchange without it) with the payload's routing key "rk" (and
+ * order key "ok"), then obeys the test
  * switches (a raise rolls the emit back with the job's subtransaction). */
 #define EMIT_EFFECT                                                                          \
     "CREATE OR REPLACE FUNCTION idemq_test.emit_one(p_key text, p_payload jsonb, p_meta "    \
     "jsonb) RETURNS jsonb LANGUAGE plpgsql AS $fn$ DECLARE v_id bigint; BEGIN "               \
-    "v_id := idemq.emit('', p_payload->>'rk', jsonb_build_object('key', p_key)::text, "      \
+    "v_id := idemq.emit(coalesce(p_payload->>'ex', ''), p_payload->>'rk', jsonb_build_object('key', p_key)::text, "      \
     "jsonb_build_object('x-test', 'yes'), p_payload->>'ok', p_key); "                        \
     "PERFORM idemq_test.switches(p_key, p_payload, p_meta); "                                \
     "RETURN jsonb_build_object('outbox_id', v_id); END $fn$"
@@ -53,6 +54,12 @@ static void setup(struct itest *t, const char *tag, const char *extra_input)
     itest_sql(t, EMIT_EFFECT);
 }
 
+/* Where the tests that also run as the deployment's roles emit: "" (the
+ * default exchange), or in least-privilege mode a direct exchange
+ * <name>.ex bound to <name>.out, which the run user may write (it may not
+ * write amq.default). Set by declare_out. */
+static char out_ex[200];
+
 /* A fresh durable queue <name>.out (the default exchange routes to it). */
 static void declare_out(struct itest *t, char *q, size_t len)
 {
@@ -63,6 +70,13 @@ static void declare_out(struct itest *t, char *q, size_t len)
                   "%s", err);
     ck_assert(broker_admin_declare_queue(b, q, NULL, false) == IDEMQ_OK);
     ck_assert(broker_admin_purge(b, q) == IDEMQ_OK);
+    out_ex[0] = '\0';
+    if (itest_lp()) {
+        snprintf(out_ex, sizeof out_ex, "%s.ex", t->name);
+        ck_assert(broker_admin_declare_exchange(b, out_ex, "direct", false, NULL) == IDEMQ_OK);
+        ck_assert(broker_admin_bind(b, q, out_ex, q, NULL) == IDEMQ_OK);
+        itest_lp_permit_emit(out_ex);
+    }
     broker_close(b);
 }
 
@@ -134,10 +148,13 @@ START_TEST(test_effect_emits_once)
     setup(&t, "obemit", "emits = true;");
     declare_out(&t, q, sizeof q);
     snprintf(key, sizeof key, "%s:a", t.name);
-    snprintf(b[0], sizeof b[0], "{\"job_id\":\"%s\",\"rk\":\"%s\"}", key, q);
-    snprintf(b[1], sizeof b[1], "{\"job_id\":\"%s\",\"rk\":\"%s\"}", key, q);
-    snprintf(b[2], sizeof b[2], "{\"job_id\":\"%s:bad\",\"rk\":\"%s\",\"raise\":\"IP001\"}",
-             t.name, q);
+    snprintf(b[0], sizeof b[0], "{\"job_id\":\"%s\",\"rk\":\"%s\",\"ex\":\"%s\"}", key, q,
+             out_ex);
+    snprintf(b[1], sizeof b[1], "{\"job_id\":\"%s\",\"rk\":\"%s\",\"ex\":\"%s\"}", key, q,
+             out_ex);
+    snprintf(b[2], sizeof b[2],
+             "{\"job_id\":\"%s:bad\",\"rk\":\"%s\",\"ex\":\"%s\",\"raise\":\"IP001\"}", t.name, q,
+             out_ex);
     itest_publish(&t, bs, 3);
     itest_run_until_idle(&t, 1);
 
@@ -170,9 +187,9 @@ START_TEST(test_application_emit)
     setup(&t, "obapp", "");
     declare_out(&t, q, sizeof q);
     snprintf(sql, sizeof sql,
-             "BEGIN; SELECT idemq.emit('', '%s', 'rolled back'); ROLLBACK; "
-             "BEGIN; SELECT idemq.emit('', '%s', 'committed', NULL, NULL, '%s:app'); COMMIT",
-             q, q, t.name);
+             "BEGIN; SELECT idemq.emit('%s', '%s', 'rolled back'); ROLLBACK; "
+             "BEGIN; SELECT idemq.emit('%s', '%s', 'committed', NULL, NULL, '%s:app'); COMMIT",
+             out_ex, q, out_ex, q, t.name);
     itest_sql(&t, sql);
     itest_run_until_idle(&t, 1);
     ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 4), 1);
