@@ -204,7 +204,7 @@ static idemq_err_t publish_rows(const struct outbox *o, const struct conf *c, PG
     const char *mids[OUTBOX_CLAIM_MAX];
     int idx[OUTBOX_CLAIM_MAX]; /* row of the k-th publish */
     enum broker_confirm pst[OUTBOX_CLAIM_MAX], st[OUTBOX_CLAIM_MAX];
-    long long sent_ids[OUTBOX_CLAIM_MAX];
+    long long sent_ids[OUTBOX_CLAIM_MAX] = {0}; /* gcc cannot see n_sent bound it */
     double latency[OUTBOX_CLAIM_MAX];
     bool give[OUTBOX_CLAIM_MAX], done[OUTBOX_CLAIM_MAX];
     struct ledger_db_error e = {{0}, {0}, false};
