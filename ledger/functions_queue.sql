@@ -16,7 +16,7 @@
 --   payload NULL                                                    22004
 --   payload over 1 MiB                                              54000
 --   key or order_key empty                                          22023
---   key or order_key over 256 bytes                                 22001
+--   key or order_key over 255 bytes                                 22001
 --   run_after more than 366 days ahead                              22008
 --   priority outside -32768 .. 32767                                22003
 -- Rows of one order key are numbered in commit order: the enqueue waits
@@ -48,8 +48,8 @@ BEGIN
         RAISE EXCEPTION 'idemq.enqueue: key and order_key are NULL or not empty'
               USING ERRCODE = '22023';
     END IF;
-    IF octet_length(p_key) > 256 OR octet_length(p_order_key) > 256 THEN
-        RAISE EXCEPTION 'idemq.enqueue: key and order_key hold at most 256 bytes'
+    IF octet_length(p_key) > 255 OR octet_length(p_order_key) > 255 THEN
+        RAISE EXCEPTION 'idemq.enqueue: key and order_key hold at most 255 bytes'
               USING ERRCODE = '22001';
     END IF;
     IF p_run_after > now() + interval '366 days' THEN
@@ -189,6 +189,15 @@ LANGUAGE sql SECURITY DEFINER AS $fn$
       FROM idemq.queue_jobs q GROUP BY q.queue ORDER BY q.queue;
 $fn$;
 
+-- Milliseconds until the earliest row of these queues is due (0: one is
+-- ready; NULL: none), so an idle worker knows when to look again without
+-- a notification (a retry held in its row sends none).
+CREATE OR REPLACE FUNCTION idemq.queue_next_due(p_queues text[])
+RETURNS bigint LANGUAGE sql SECURITY DEFINER AS $fn$
+    SELECT greatest(0, ceil(extract(epoch FROM min(q.run_after) - clock_timestamp()) * 1000))::bigint
+      FROM idemq.queue_jobs q WHERE q.queue = ANY (p_queues);
+$fn$;
+
 DO $queue_privileges$
 DECLARE
     f regprocedure;
@@ -196,7 +205,7 @@ BEGIN
     FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
               WHERE p.pronamespace = 'idemq'::regnamespace
                 AND p.proname IN ('enqueue', 'enqueue_raw', 'queue_take', 'queue_settle',
-                                  'queue_redrive', 'queue_gauges')
+                                  'queue_redrive', 'queue_gauges', 'queue_next_due')
     LOOP
         EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
