@@ -194,7 +194,9 @@ $fn$;
 -- a notification (a retry held in its row sends none).
 CREATE OR REPLACE FUNCTION idemq.queue_next_due(p_queues text[])
 RETURNS bigint LANGUAGE sql SECURITY DEFINER AS $fn$
-    SELECT greatest(0, ceil(extract(epoch FROM min(q.run_after) - clock_timestamp()) * 1000))::bigint
+    -- (greatest ignores a NULL: an empty queue must answer NULL, not 0)
+    SELECT CASE WHEN min(q.run_after) IS NOT NULL THEN greatest(0, ceil(extract(epoch FROM
+               min(q.run_after) - clock_timestamp()) * 1000))::bigint END
       FROM idemq.queue_jobs q WHERE q.queue = ANY (p_queues);
 $fn$;
 
