@@ -16,6 +16,9 @@
 #define TAKE_SQL                                                                            \
     "SELECT r_id, r_key, r_order_key, r_payload, r_attempts, r_redrive_gen, r_park_id, "    \
     "r_enqueued_at FROM idemq.queue_take($1, $2)"
+#define TAKE_ROW_SQL                                                                        \
+    "SELECT r_id, r_key, r_order_key, r_payload, r_attempts, r_redrive_gen, r_park_id, "    \
+    "r_enqueued_at FROM idemq.queue_take_row($1)"
 #define SETTLE_SQL                                                                          \
     "SELECT idemq.queue_settle($1::bigint[], $2::bigint[], $3::integer[], $4::boolean[], "  \
     "$5::text[], $6::text[], $7::bigint[])"
@@ -85,17 +88,16 @@ static bool row_to_job(const PGresult *r, int row, const struct conf_input *in, 
     return true;
 }
 
-idemq_err_t pgq_take(PGconn *db, const struct conf_input *in, int input_idx, struct job *jobs,
-                     int cap, int *n, struct ledger_db_error *e)
+/* Runs a take statement and turns its rows into jobs[0..*n). */
+static idemq_err_t take(PGconn *db, const char *sql, int np, const char *const *params,
+                        const struct conf_input *in, int input_idx, struct job *jobs, int cap,
+                        int *n, struct ledger_db_error *e)
 {
-    char lim[16];
-    const char *params[2] = {in->queue, lim};
     PGresult *r;
     int rows;
 
     *n = 0;
-    snprintf(lim, sizeof lim, "%d", cap);
-    r = ledger_db_exec_params(db, TAKE_SQL, 2, NULL, params, NULL, NULL, 0);
+    r = ledger_db_exec_params(db, sql, np, NULL, params, NULL, NULL, 0);
     if (PQresultStatus(r) != PGRES_TUPLES_OK || PQnfields(r) != 8) {
         ledger_db_error_from(db, r, e);
         PQclear(r);
@@ -114,6 +116,28 @@ idemq_err_t pgq_take(PGconn *db, const struct conf_input *in, int input_idx, str
     }
     PQclear(r);
     return IDEMQ_OK;
+}
+
+idemq_err_t pgq_take(PGconn *db, const struct conf_input *in, int input_idx, struct job *jobs,
+                     int cap, int *n, struct ledger_db_error *e)
+{
+    char lim[16];
+    const char *params[2] = {in->queue, lim};
+    snprintf(lim, sizeof lim, "%d", cap);
+    return take(db, TAKE_SQL, 2, params, in, input_idx, jobs, cap, n, e);
+}
+
+idemq_err_t pgq_take_row(PGconn *db, const struct conf_input *in, int input_idx, long long id,
+                         struct job *j, bool *found, struct ledger_db_error *e)
+{
+    char sid[32];
+    const char *params[1] = {sid};
+    int n = 0;
+    idemq_err_t err;
+    snprintf(sid, sizeof sid, "%lld", id);
+    err = take(db, TAKE_ROW_SQL, 1, params, in, input_idx, j, 1, &n, e);
+    *found = err == IDEMQ_OK && n == 1;
+    return err;
 }
 
 bool pgq_settle_init(struct pgq_settle *s, int cap)

@@ -43,6 +43,13 @@ idemq_err_t pgq_listen(PGconn *db, struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 idemq_err_t pgq_take(PGconn *db, const struct conf_input *in, int input_idx, struct job *jobs,
                      int cap, int *n, struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
+/* Inside txn: takes row id of input in again into *j, as pgq_take does,
+ * if it is still there and no other worker holds it (*found false
+ * otherwise): the row whose apply call failed as a whole, to record that
+ * failure as its attempt. */
+idemq_err_t pgq_take_row(PGconn *db, const struct conf_input *in, int input_idx, long long id,
+                         struct job *j, bool *found, struct ledger_db_error *e) IDEMQ_MUSTCHECK;
+
 /* What becomes of the rows taken in one transaction. */
 struct pgq_settle {
     int n_done, n_retry, n_parks, cap;

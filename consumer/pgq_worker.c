@@ -225,6 +225,64 @@ static enum step settle_one(struct pgq_thread *t, struct job *j, struct ledger_r
     return STEP_OK;
 }
 
+/*
+ * Records a whole-call failure (call, e.g. a statement timeout, which no
+ * subtransaction catches) as the attempt of the one row (id) whose apply
+ * it was, in a transaction of its own: the row taken again, its key
+ * claimed (ledger_txn_claim_failed), then retried or parked by class like
+ * any failure. Without this a job that always outlives the statement
+ * timeout would be taken again forever and never parked.
+ */
+static enum step record_call_failure(struct pgq_thread *t, int i, long long id,
+                                     const struct ledger_db_error *call)
+{
+    const struct conf_input *in = &t->view.inputs[i];
+    struct job *j = &t->jobs[0];
+    struct ledger_result *r = &t->res[0];
+    struct ledger_db_error e;
+    enum step s = STEP_OK;
+    bool found = false;
+
+    pgq_settle_reset(&t->st);
+    if (ledger_db_exec(t->db, "BEGIN", &e))
+        return from_error(t, &e, "BEGIN");
+    if (pgq_take_row(t->db, in, i, id, j, &found, &e)) {
+        s = from_error(t, &e, "queue_take_row");
+        goto rollback;
+    }
+    if (!found) /* gone, or another worker has it */
+        goto rollback;
+    if (j->decode_err != IDEMQ_OK) {
+        s = park_undecoded(t, j, idemq_err_name(j->decode_err), j->reason);
+    } else if (ledger_txn_claim_failed(t->lt, j, r, &e)) {
+        s = from_error(t, &e, "claim_failed");
+    } else if (r->outcome == LEDGER_ERROR) {
+        snprintf(r->sqlstate, sizeof r->sqlstate, "%s", call->sqlstate);
+        snprintf(r->message, sizeof r->message, "%s", call->message);
+        s = failure(t, j, r, IDEMQ_OK);
+    } else { /* settled meanwhile: nothing to run */
+        pgq_settle_done(&t->st, (long long)j->tag, 0);
+        atomic_fetch_add(&t->duplicates, 1);
+    }
+    if (s != STEP_OK)
+        goto rollback;
+    if (pgq_settle(t->db, &t->st, &e)) {
+        s = from_error(t, &e, "queue_settle");
+        goto rollback;
+    }
+    if (ledger_db_exec(t->db, "COMMIT", &e)) {
+        s = from_error(t, &e, "COMMIT");
+        goto rollback;
+    }
+    ledger_txn_result_clear(r);
+    return STEP_OK;
+rollback:
+    ledger_txn_result_clear(r);
+    if (PQstatus(t->db) == CONNECTION_OK)
+        PQclear(ledger_db_exec_raw(t->db, "ROLLBACK"));
+    return s;
+}
+
 /* One batch of input i: *took rows committed. */
 static enum step batch(struct pgq_thread *t, int i, int *took)
 {
@@ -252,8 +310,19 @@ static enum step batch(struct pgq_thread *t, int i, int *took)
     if (ng) {
         if (ledger_txn_apply(t->lt, t->good, ng, t->res, &e)) {
             s = from_error(t, &e, "apply_batch");
-            if (s == STEP_BACKOFF && n > 1)
+            if (s == STEP_BACKOFF && n > 1) {
                 t->solo = true; /* one row at a time, so one bad job holds back no other */
+            } else if (s == STEP_BACKOFF) { /* this row's own call failed: its attempt */
+                long long id = (long long)t->jobs[0].tag;
+                for (int k = 0; k < ng; k++)
+                    ledger_txn_result_clear(&t->res[k]);
+                if (PQstatus(t->db) == CONNECTION_OK)
+                    PQclear(ledger_db_exec_raw(t->db, "ROLLBACK"));
+                s = record_call_failure(t, i, id, &e);
+                if (s == STEP_OK)
+                    *took = 1;
+                return s;
+            }
             goto rollback;
         }
         for (int k = 0; k < ng; k++)

@@ -109,6 +109,20 @@ LANGUAGE sql SECURITY DEFINER AS $fn$
        FOR UPDATE OF q SKIP LOCKED;
 $fn$;
 
+-- Inside the worker's transaction: takes row p_id again, if it is still
+-- there and no other worker holds it (nothing otherwise): the row whose
+-- apply call failed as a whole, for recording that failure as its attempt.
+CREATE OR REPLACE FUNCTION idemq.queue_take_row(p_id bigint)
+RETURNS TABLE (r_id bigint, r_key text, r_order_key text, r_payload bytea,
+               r_attempts integer, r_redrive_gen integer, r_park_id bigint,
+               r_enqueued_at timestamptz)
+LANGUAGE sql SECURITY DEFINER AS $fn$
+    SELECT q.id, q.key, q.order_key, q.payload, q.attempts, q.redrive_gen, q.park_id,
+           q.enqueued_at
+      FROM idemq.queue_jobs q WHERE q.id = p_id
+       FOR UPDATE SKIP LOCKED;
+$fn$;
+
 -- Inside the worker's transaction, its last step before COMMIT: deletes the
 -- rows that are done (applied, duplicates, parked: a park holds the
 -- payload), holds a retry in its row (run_after = now + the delay,
@@ -206,7 +220,8 @@ DECLARE
 BEGIN
     FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
               WHERE p.pronamespace = 'idemq'::regnamespace
-                AND p.proname IN ('enqueue', 'enqueue_raw', 'queue_take', 'queue_settle',
+                AND p.proname IN ('enqueue', 'enqueue_raw', 'queue_take', 'queue_take_row',
+                                  'queue_settle',
                                   'queue_redrive', 'queue_gauges', 'queue_next_due')
     LOOP
         EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);

@@ -24,6 +24,10 @@
 
 #include "itest.h"
 
+/* Extra top-level lines of the next config written (e.g. a database
+ * group), or NULL. */
+static const char *pg_extra_top;
+
 /* Writes a config with one postgres input, queue = the test's name. */
 static void write_pg_config(struct itest *t, const char *path, const char *extra_consumer,
                             const char *extra_input)
@@ -33,11 +37,13 @@ static void write_pg_config(struct itest *t, const char *path, const char *extra
     fprintf(f,
             "retry: { base_delay_ms = 200; max_delay_ms = 2000; jitter = \"none\"; "
             "max_attempts = 5; };\n"
+            "%s\n"
             "consumer: { id = \"%s\"; %s };\n"
             "log: { level = \"info\"; };\n"
             "inputs = ( { name = \"%s\"; transport = \"postgres\"; queue = \"%s\";\n"
             "  effect_function = \"idemq_test.record\"; %s } );\n",
-            t->name, extra_consumer ? extra_consumer : "", t->name, t->name,
+            pg_extra_top ? pg_extra_top : "", t->name, extra_consumer ? extra_consumer : "",
+            t->name, t->name,
             extra_input ? extra_input : "");
     fclose(f);
 }
@@ -248,6 +254,35 @@ static double cpu_of_log(const char *path)
     return v;
 }
 
+START_TEST(test_statement_timeout_is_an_attempt)
+{
+    struct itest t;
+    char cfg[300];
+    /* an effect that always outlives the statement timeout, beside good
+     * jobs in the same batch: the good ones are applied, the slow one's
+     * whole-call failures are its attempts, and it parks when they run out */
+    pg_extra_top = "database: { statement_timeout_ms = 300; };";
+    setup(&t, "pgq_slow", cfg, sizeof cfg, "batch_max = 10;", "");
+    pg_extra_top = NULL;
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:a\"}')", t.name, t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:slow\",\"sleep_ms\":2000}')",
+          t.name, t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:b\"}')", t.name, t.name);
+    run_pg(cfg, 3);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key IN "
+                               "('%s:a', '%s:b')", t.name, t.name), 2);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = "
+                               "'%s:slow'", t.name), 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.attempts WHERE key = '%s:slow' AND "
+                               "sqlstate = '57014'", t.name), 5);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.parked WHERE key = '%s:slow' AND "
+                               "error_code = 'retries_exhausted'", t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
 START_TEST(test_notify_wakes_idle_worker)
 {
     struct itest t;
@@ -401,6 +436,7 @@ int main(void)
     tcase_add_test(tc, test_order_per_key);
     tcase_add_test(tc, test_retry_then_success_with_history);
     tcase_add_test(tc, test_park_and_redrive);
+    tcase_add_test(tc, test_statement_timeout_is_an_attempt);
     tcase_add_test(tc, test_notify_wakes_idle_worker);
     tcase_add_test(tc, test_two_replicas_exactly_once);
     suite_add_tcase(s, tc);
