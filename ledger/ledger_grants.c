@@ -99,6 +99,21 @@ static int each_statement(const struct conf *c, const char *role,
             if ((rc = emit(stmt, arg)))
                 return rc;
         }
+    for (int i = 0; i < c->n_pg_inputs; i++) { /* PostgreSQL queue inputs */
+        const char *sig = c->pg_inputs[i].effect_signature, *dot;
+        if (!sig)
+            continue;
+        dot = strchr(sig, '.');
+        if (dot && dot < strchr(sig, '(')) {
+            snprintf(stmt, sizeof stmt, "GRANT USAGE ON SCHEMA %.*s TO %s", (int)(dot - sig),
+                     sig, r);
+            if ((rc = emit(stmt, arg)))
+                return rc;
+        }
+        snprintf(stmt, sizeof stmt, "GRANT EXECUTE ON FUNCTION %s TO %s", sig, r);
+        if ((rc = emit(stmt, arg)))
+            return rc;
+    }
     return 0;
 }
 

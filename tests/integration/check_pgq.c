@@ -27,6 +27,8 @@
 /* Extra top-level lines of the next config written (e.g. a database
  * group), or NULL. */
 static const char *pg_extra_top;
+/* The effect of the next config written; NULL = idemq_test.record. */
+static const char *pg_effect;
 
 /* Writes a config with one postgres input, queue = the test's name. */
 static void write_pg_config(struct itest *t, const char *path, const char *extra_consumer,
@@ -41,9 +43,9 @@ static void write_pg_config(struct itest *t, const char *path, const char *extra
             "consumer: { id = \"%s\"; %s };\n"
             "log: { level = \"info\"; };\n"
             "inputs = ( { name = \"%s\"; transport = \"postgres\"; queue = \"%s\";\n"
-            "  effect_function = \"idemq_test.record\"; %s } );\n",
+            "  effect_function = \"%s\"; %s } );\n",
             pg_extra_top ? pg_extra_top : "", t->name, extra_consumer ? extra_consumer : "",
-            t->name, t->name,
+            t->name, t->name, pg_effect ? pg_effect : "idemq_test.record",
             extra_input ? extra_input : "");
     fclose(f);
 }
@@ -385,6 +387,107 @@ START_TEST(test_enqueue_limits)
 }
 END_TEST
 
+/* The DSN of the test database with another user. */
+static void dsn_as(const char *role, char *dsn, size_t len)
+{
+    char *u;
+    snprintf(dsn, len, "%s", getenv("IDEMQ_PG_DSN"));
+    u = strstr(dsn, "user=");
+    ck_assert_ptr_nonnull(u);
+    snprintf(u, len - (size_t)(u - dsn), "user=%s", role);
+}
+
+/* Connects as role and returns the SQLSTATE sql fails with ("" if not). */
+static const char *as_role(const char *role, const char *sql, char st[6])
+{
+    char dsn[512];
+    PGconn *db;
+    PGresult *r;
+    const char *s;
+    dsn_as(role, dsn, sizeof dsn);
+    db = PQconnectdb(dsn);
+    ck_assert_msg(PQstatus(db) == CONNECTION_OK, "%s", PQerrorMessage(db));
+    r = PQexec(db, sql);
+    s = PQresultErrorField(r, PG_DIAG_SQLSTATE);
+    snprintf(st, 6, "%s", PQresultStatus(r) == PGRES_TUPLES_OK ||
+                          PQresultStatus(r) == PGRES_COMMAND_OK ? "" : s ? s : "?");
+    PQclear(r);
+    PQfinish(db);
+    return st;
+}
+
+START_TEST(test_least_privilege_roles)
+{
+    struct itest t;
+    char cfg[300], run[64], app[64], bare[64], sql[1024], st[6], dsn[512], env[600], cmd[1200];
+    const char *envv[2] = {env, NULL};
+    char fn[128];
+    pid_t pid;
+    int ws;
+    /* an effect PUBLIC may not execute: the run role needs the grant */
+    itest_setup(&t, "pgq_roles", "idemq_test.record", "", "");
+    snprintf(fn, sizeof fn, "idemq_test.rec_%s", t.name);
+    qexec(&t, "CREATE FUNCTION %s(text, jsonb, jsonb) RETURNS jsonb LANGUAGE sql AS "
+              "'SELECT idemq_test.record($1, $2, $3)'; REVOKE EXECUTE ON FUNCTION "
+              "%s(text, jsonb, jsonb) FROM PUBLIC", fn, fn);
+    snprintf(cfg, sizeof cfg, "/tmp/%s.pg.cfg", t.name);
+    pg_effect = fn;
+    write_pg_config(&t, cfg, "", "");
+    pg_effect = NULL;
+    snprintf(run, sizeof run, "%s_run", t.name);
+    snprintf(app, sizeof app, "%s_app", t.name);
+    snprintf(bare, sizeof bare, "%s_bare", t.name);
+    qexec(&t, "CREATE ROLE %s LOGIN; CREATE ROLE %s LOGIN; CREATE ROLE %s LOGIN", run, app,
+          bare);
+    /* the run role: idemq migrate --grant */
+    snprintf(cmd, sizeof cmd, "%s migrate -c %s --grant %s > /dev/null 2>&1", IDEMQ_BINARY, cfg,
+             run);
+    ck_assert_int_eq(system(cmd), 0);
+    /* the application: EXECUTE on the two enqueue functions, nothing else */
+    qexec(&t, "GRANT USAGE ON SCHEMA idemq TO %s; GRANT EXECUTE ON FUNCTION "
+              "idemq.enqueue(text, jsonb, text, text, timestamptz, integer), "
+              "idemq.enqueue_raw(text, bytea, text, text, timestamptz, integer) TO %s",
+          app, app);
+    for (int i = 0; i < 3; i++) {
+        snprintf(sql, sizeof sql, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:%d\"%s}')",
+                 t.name, t.name, i,
+                 i == 1 ? ",\"raise\":\"40001\",\"raise_until\":1"
+                        : i == 2 ? ",\"raise\":\"22023\"" : "");
+        ck_assert_str_eq(as_role(app, sql, st), "");
+    }
+    /* the application cannot write the table, take, settle or redrive */
+    snprintf(sql, sizeof sql, "INSERT INTO idemq.queue_jobs (queue, payload, redrive_gen) "
+                              "VALUES ('%s', '\\x7b7d', 0)", t.name);
+    ck_assert_str_eq(as_role(app, sql, st), "42501");
+    ck_assert_str_eq(as_role(app, "SELECT * FROM idemq.queue_jobs", st), "42501");
+    ck_assert_str_eq(as_role(app, "SELECT * FROM idemq.queue_take('x', 1)", st), "42501");
+    ck_assert_str_eq(as_role(app, "SELECT idemq.queue_redrive(1, 'x')", st), "42501");
+    ck_assert_str_eq(as_role(app, "SELECT idemq.queue_settle('{1}', '{}', '{}', '{}', '{}', "
+                                  "'{}', '{}')", st), "42501");
+    /* a role without the grant cannot enqueue */
+    snprintf(sql, sizeof sql, "SELECT idemq.enqueue('%s', '{}')", t.name);
+    ck_assert_str_eq(as_role(bare, sql, st), "42501");
+    /* the run role writes nothing directly, and runs the input */
+    ck_assert_str_eq(as_role(run, "DELETE FROM idemq.queue_jobs", st), "42501");
+    dsn_as(run, dsn, sizeof dsn);
+    snprintf(env, sizeof env, "IDEMQ_PG_DSN=%s", dsn);
+    pid = itest_spawn(&t, cfg, 2, envv);
+    ws = itest_wait(pid, itest_ms(60000));
+    ck_assert(ws != -1 && WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key IN ('%s:0', "
+                               "'%s:1')", t.name, t.name), 2);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.attempts WHERE key = '%s:1' AND "
+                               "outcome = 'transient_error'", t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.parked WHERE key = '%s:2'", t.name),
+                     1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    qexec(&t, "DROP OWNED BY %s, %s, %s; DROP ROLE %s; DROP ROLE %s; DROP ROLE %s; DROP "
+              "FUNCTION %s(text, jsonb, jsonb)", run, app, bare, run, app, bare, fn);
+    itest_teardown(&t);
+}
+END_TEST
+
 START_TEST(test_config_refuses)
 {
     static const char *const bad[] = {
@@ -439,6 +542,7 @@ int main(void)
     tcase_add_test(tc, test_statement_timeout_is_an_attempt);
     tcase_add_test(tc, test_notify_wakes_idle_worker);
     tcase_add_test(tc, test_two_replicas_exactly_once);
+    tcase_add_test(tc, test_least_privilege_roles);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
