@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -387,6 +388,46 @@ START_TEST(test_enqueue_limits)
 }
 END_TEST
 
+START_TEST(test_killed_replica)
+{
+    struct itest t;
+    char cfg[300];
+    pid_t a, b, c;
+    int sb, sc;
+    setup(&t, "pgq_kill", cfg, sizeof cfg, "workers = 2; batch_max = 5;", "");
+    /* 300 jobs of 10 ms each, a third of them in 5 order keys */
+    qexec(&t,
+          "SELECT idemq.enqueue('%s', jsonb_build_object('job_id', '%s:' || g, 'sleep_ms', 10), "
+          "NULL, CASE WHEN g %% 3 = 0 THEN 'o' || (g %% 5) END) FROM generate_series(0, 299) g",
+          t.name, t.name);
+    a = itest_spawn(&t, cfg, 2, NULL);
+    b = itest_spawn(&t, cfg, 2, NULL);
+    usleep(700 * 1000);
+    ck_assert_int_eq(kill(a, SIGKILL), 0); /* mid-transaction, most likely */
+    waitpid(a, NULL, 0);
+    c = itest_spawn(&t, cfg, 2, NULL);
+    sb = itest_wait(b, itest_ms(60000));
+    sc = itest_wait(c, itest_ms(60000));
+    ck_assert(sb != -1 && WIFEXITED(sb) && WEXITSTATUS(sb) == 0);
+    ck_assert(sc != -1 && WIFEXITED(sc) && WEXITSTATUS(sc) == 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE '%s:%%'",
+                           t.name), 300);
+    ck_assert_int_eq(qlong(&t, "SELECT count(DISTINCT key) FROM idemq_test.effects WHERE key "
+                               "LIKE '%s:%%'", t.name), 300);
+    /* per order key, in enqueue order */
+    ck_assert_int_eq(qlong(&t,
+                           "SELECT count(*) FROM (SELECT split_part(key, ':', 2)::int AS i, "
+                           "lag(split_part(key, ':', 2)::int) OVER (PARTITION BY "
+                           "split_part(key, ':', 2)::int %% 5 ORDER BY id) AS prev "
+                           "FROM idemq_test.effects WHERE key LIKE '%s:%%' AND "
+                           "split_part(key, ':', 2)::int %% 3 = 0) x "
+                           "WHERE prev IS NOT NULL AND prev > i", t.name), 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* The DSN of the test database with another user. */
 static void dsn_as(const char *role, char *dsn, size_t len)
 {
@@ -542,6 +583,7 @@ int main(void)
     tcase_add_test(tc, test_statement_timeout_is_an_attempt);
     tcase_add_test(tc, test_notify_wakes_idle_worker);
     tcase_add_test(tc, test_two_replicas_exactly_once);
+    tcase_add_test(tc, test_killed_replica);
     tcase_add_test(tc, test_least_privilege_roles);
     suite_add_tcase(s, tc);
     return check_run(s);
