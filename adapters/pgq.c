@@ -35,57 +35,100 @@ static long long now_ns(void)
     return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-/* One row into job j (reset first). false when out of memory. */
-static bool row_to_job(const PGresult *r, int row, const struct conf_input *in, int input_idx,
-                       struct job *j)
+bool pgq_row_job(const struct pgq_row *row, const struct conf_input *in, int input_idx,
+                 struct job *j)
 {
-    size_t len = 0;
-    unsigned char *body;
-    const char *key = PQgetisnull(r, row, 1) ? NULL : PQgetvalue(r, row, 1);
-    const char *okey = PQgetisnull(r, row, 2) ? NULL : PQgetvalue(r, row, 2);
-    long long id = strtoll(PQgetvalue(r, row, 0), NULL, 10);
-    int attempts = atoi(PQgetvalue(r, row, 4));
     json_t *props;
+    char *key, *okey, *at;
 
     job_reset(j);
     j->input = input_idx;
-    j->tag = (uint64_t)id;
+    j->tag = (uint64_t)row->id;
     j->received_ns = now_ns();
-    j->redelivered = attempts > 0;
-    if (!(body = PQunescapeBytea((const unsigned char *)PQgetvalue(r, row, 3), &len)))
+    j->redelivered = row->attempts > 0;
+    if (job_set_body(j, row->payload, row->payload_len) != IDEMQ_OK)
         return false;
-    if (job_set_body(j, body, len) != IDEMQ_OK) {
-        PQfreemem(body);
-        return false;
-    }
-    PQfreemem(body);
-    if (key) { /* at most 255 bytes (idemq.enqueue): the message id holds it whole */
-        snprintf(j->message_id, sizeof j->message_id, "%s", key);
+    if (row->key && strlen(row->key) < sizeof j->message_id) {
+        snprintf(j->message_id, sizeof j->message_id, "%s", row->key);
         j->has_message_id = true;
+    } else if (row->key) {
+        /* idemq.enqueue refuses it; a row written otherwise is parked,
+         * never applied under a cut key */
+        j->wire_err = IDEMQ_ERR_KEY_TOO_LONG;
+        snprintf(j->wire_reason, sizeof j->wire_reason,
+                 "the row's key holds %zu bytes, more than %zu", strlen(row->key),
+                 sizeof j->message_id - 1);
     }
     snprintf(j->routing_key, sizeof j->routing_key, "%s", in->queue);
+    /* JSON holds UTF-8 only: a database whose encoding lets other bytes
+     * through gets them as '?' here (the key itself is judged by
+     * job_decode, which parks an invalid one) */
+    key = row->key ? strdup(row->key) : NULL;
+    okey = row->order_key ? strdup(row->order_key) : NULL;
+    at = strdup(row->enqueued_at ? row->enqueued_at : "");
+    if ((row->key && !key) || (row->order_key && !okey) || !at) {
+        free(key);
+        free(okey);
+        free(at);
+        return false;
+    }
+    if (key)
+        job_utf8_sanitize(key);
+    if (okey)
+        job_utf8_sanitize(okey);
+    job_utf8_sanitize(at);
     props = json_pack("{s:s, s:s, s:I, s:s?, s:s?, s:s, s:i}", "transport", "postgres", "queue",
-                      in->queue, "queue_row", (json_int_t)id, "enqueue_key", key, "order_key",
-                      okey, "enqueued_at", PQgetvalue(r, row, 7), "attempts", attempts);
+                      in->queue, "queue_row", (json_int_t)row->id, "enqueue_key", key,
+                      "order_key", okey, "enqueued_at", at, "attempts", row->attempts);
+    free(key);
+    free(okey);
+    free(at);
     if (!props)
         return false;
     json_decref(j->props);
     j->props = props;
     job_decode(j, in);
-    if (j->decode_err == IDEMQ_OK && !PQgetisnull(r, row, 5)) {
+    if (j->decode_err == IDEMQ_OK && row->has_redrive) {
         /* Put back by idemq.queue_redrive (an operator function: neither a
          * producer nor the table's readers can set it): presented as a
          * redrive of that generation, which the ledger checks against the
          * key's own. Set after job_decode, which refuses unsealed redrive
          * headers on a broker delivery. */
-        long long gen = strtoll(PQgetvalue(r, row, 5), NULL, 10);
-        long long park = PQgetisnull(r, row, 6) ? 0 : strtoll(PQgetvalue(r, row, 6), NULL, 10);
-        if (json_object_set_new(j->headers, "x-idemq-generation", json_integer(gen)) ||
-            (park && json_object_set_new(j->headers, "x-idemq-park-id", json_integer(park))) ||
+        if (json_object_set_new(j->headers, "x-idemq-generation",
+                                json_integer(row->redrive_gen)) ||
+            (row->park_id > 0 &&
+             json_object_set_new(j->headers, "x-idemq-park-id", json_integer(row->park_id))) ||
             json_object_set_new(j->headers, "x-idemq-redriven-by", json_string("queue_redrive")))
             return false;
     }
     return true;
+}
+
+/* One result row into job j. false when out of memory. */
+static bool row_to_job(const PGresult *r, int i, const struct conf_input *in, int input_idx,
+                       struct job *j)
+{
+    struct pgq_row row;
+    size_t len = 0;
+    unsigned char *body;
+    bool ok;
+
+    memset(&row, 0, sizeof row);
+    if (!(body = PQunescapeBytea((const unsigned char *)PQgetvalue(r, i, 3), &len)))
+        return false;
+    row.id = strtoll(PQgetvalue(r, i, 0), NULL, 10);
+    row.key = PQgetisnull(r, i, 1) ? NULL : PQgetvalue(r, i, 1);
+    row.order_key = PQgetisnull(r, i, 2) ? NULL : PQgetvalue(r, i, 2);
+    row.payload = body;
+    row.payload_len = len;
+    row.attempts = atoi(PQgetvalue(r, i, 4));
+    row.has_redrive = !PQgetisnull(r, i, 5);
+    row.redrive_gen = row.has_redrive ? strtoll(PQgetvalue(r, i, 5), NULL, 10) : 0;
+    row.park_id = PQgetisnull(r, i, 6) ? 0 : strtoll(PQgetvalue(r, i, 6), NULL, 10);
+    row.enqueued_at = PQgetvalue(r, i, 7);
+    ok = pgq_row_job(&row, in, input_idx, j);
+    PQfreemem(body);
+    return ok;
 }
 
 /* Runs a take statement and turns its rows into jobs[0..*n). */

@@ -29,6 +29,32 @@
 /* Outside a transaction: LISTEN on PGQ_CHANNEL. IDEMQ_OK or the error. */
 idemq_err_t pgq_listen(PGconn *db, struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
+/* One claimed row of idemq.queue_jobs, as plain values (pgq_row_job). */
+struct pgq_row {
+    long long id;
+    const char *key;        /* the enqueue's key, or NULL */
+    const char *order_key;  /* or NULL */
+    const unsigned char *payload;
+    size_t payload_len;
+    int attempts;           /* failed attempts held in the row */
+    bool has_redrive;       /* put back by idemq.queue_redrive: */
+    long long redrive_gen;  /*   the park's generation */
+    long long park_id;      /*   and the park (0 = none) */
+    const char *enqueued_at; /* text, or NULL */
+};
+
+/*
+ * Turns a row into job j of input in (index input_idx), reset first: the
+ * payload as the body, the row id as the tag, the key as the message id
+ * (a key longer than a message id holds is a key_too_long decode error,
+ * never a cut key), the row's facts as properties, then job_decode; a
+ * redriven row carries its generation as the redrive header, set only
+ * after decoding succeeded. false when out of memory. Pure but for the
+ * clock and the process's redrive seal secret (job_decode).
+ */
+bool pgq_row_job(const struct pgq_row *row, const struct conf_input *in, int input_idx,
+                 struct job *j);
+
 /*
  * Inside txn: claims up to cap ready rows of input in (index input_idx of
  * the worker's conf) and fills jobs[0..*n) (each job_init'ed by the caller;

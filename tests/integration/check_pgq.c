@@ -135,7 +135,14 @@ START_TEST(test_two_enqueues_of_one_key)
     qexec(&t, "SELECT idemq.enqueue('%s', '{\"amount\":1}', '%s:k')", t.name, t.name);
     /* a row without the key argument has no business key: parked */
     qexec(&t, "SELECT idemq.enqueue('%s', '{\"amount\":2}')", t.name);
+    /* a key longer than the enqueue allows, written around it: parked, never cut */
+    qexec(&t, "INSERT INTO idemq.queue_jobs (queue, key, payload) VALUES ('%s', '%s:' || "
+              "repeat('k', 300), '\\x7b7d')", t.name, t.name);
     run_pg(cfg, 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.parked WHERE source_queue = '%s' "
+                               "AND error_code = 'key_too_long'", t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE "
+                               "'%s:kkk%%'", t.name), 0);
     ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = '%s:k'",
                            t.name), 1);
     ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.attempts WHERE key = '%s:k' AND "
