@@ -572,6 +572,22 @@ START_TEST(test_config_refuses)
     ck_assert_str_eq(c->pg_inputs[0].name, "p");
     ck_assert_int_eq(c->pg_inputs[0].key_kind, CONF_KEY_MESSAGE_ID);
     conf_free(c);
+    /* a postgres input before a Celery one: the routes' effects are
+     * numbered after the broker inputs that stay (the ledger session of
+     * the broker workers resolves effects in that order) */
+    ck_assert_msg(conf_load_string("inputs = ({ name = \"p\"; transport = \"postgres\"; "
+                                   "queue = \"p\"; effect_function = \"g\"; }, { name = "
+                                   "\"c\"; queue = \"c\"; protocol = \"celery\"; key_source "
+                                   "= \"task_id\"; celery_tasks = [\"t.a=x.a\", "
+                                   "\"t.b=x.b\"]; });", &c, err, sizeof err) == IDEMQ_OK,
+                  "%s", err);
+    ck_assert_int_eq(c->n_inputs, 1);
+    ck_assert_int_eq(c->n_routes, 2);
+    ck_assert_int_eq(c->inputs[0].routes[0].effect, 1);
+    ck_assert_int_eq(c->inputs[0].routes[1].effect, 2);
+    ck_assert_int_eq(conf_pg_view(c).n_inputs, 1);
+    ck_assert_int_eq(conf_pg_view(c).n_routes, 0);
+    conf_free(c);
 }
 END_TEST
 
