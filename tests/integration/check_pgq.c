@@ -178,6 +178,33 @@ START_TEST(test_order_per_key)
 }
 END_TEST
 
+START_TEST(test_due_time_and_priority)
+{
+    struct itest t;
+    char cfg[300];
+    /* one worker taking one row at a time: the claim order is the apply order */
+    setup(&t, "pgq_due", cfg, sizeof cfg, "workers = 1; batch_max = 1;", "");
+    /* due at one moment in the past: priority decides, lower first, then id */
+    qexec(&t, "SELECT idemq.enqueue('%s', jsonb_build_object('job_id', '%s:p' || p), NULL, "
+              "NULL, timestamptz '2026-01-01 00:00:00+00', p) FROM unnest(ARRAY[5, -3, 0, 2]) p",
+          t.name, t.name);
+    /* due later than everything else, whatever its priority */
+    qexec(&t, "CREATE TEMP TABLE pgq_due AS SELECT now() + interval '1500 ms' AS at, "
+              "idemq.enqueue('%s', '{\"job_id\":\"%s:late\"}', NULL, NULL, now() + "
+              "interval '1500 ms', -100) AS id", t.name, t.name);
+    run_pg(cfg, 3);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM (SELECT key, row_number() OVER (ORDER BY "
+                               "id) AS n FROM idemq_test.effects WHERE key LIKE '%s:%%') x "
+                               "WHERE (n, key) NOT IN ((1, '%s:p-3'), (2, '%s:p0'), "
+                               "(3, '%s:p2'), (4, '%s:p5'), (5, '%s:late'))",
+                           t.name, t.name, t.name, t.name, t.name, t.name), 0);
+    /* never before its run_after */
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects e, pgq_due d WHERE "
+                               "e.key = '%s:late' AND e.created_at >= d.at", t.name), 1);
+    itest_teardown(&t);
+}
+END_TEST
+
 START_TEST(test_retry_then_success_with_history)
 {
     struct itest t;
@@ -601,6 +628,7 @@ int main(void)
     tcase_add_test(tc, test_rolled_back_enqueue_never_runs);
     tcase_add_test(tc, test_two_enqueues_of_one_key);
     tcase_add_test(tc, test_order_per_key);
+    tcase_add_test(tc, test_due_time_and_priority);
     tcase_add_test(tc, test_retry_then_success_with_history);
     tcase_add_test(tc, test_park_and_redrive);
     tcase_add_test(tc, test_statement_timeout_is_an_attempt);
