@@ -205,6 +205,41 @@ START_TEST(test_due_time_and_priority)
 }
 END_TEST
 
+START_TEST(test_queue_gauges)
+{
+    struct itest t;
+    char cfg[300], top[128], url[128], body[65536];
+    int port = itest_free_port();
+    pid_t pid;
+    int st;
+    snprintf(top, sizeof top, "metrics: { listen = \"127.0.0.1:%d\"; };", port);
+    pg_extra_top = top;
+    setup(&t, "pgq_gauge", cfg, sizeof cfg, "", "");
+    pg_extra_top = NULL;
+    /* three rows due in an hour: they stay in the queue while it runs */
+    qexec(&t, "SELECT idemq.enqueue('%s', jsonb_build_object('job_id', '%s:' || g), NULL, NULL, "
+              "now() + interval '1 hour') FROM generate_series(1, 3) g", t.name, t.name);
+    pid = itest_spawn(&t, cfg, 3, NULL);
+    usleep(1500 * 1000);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", port);
+    ck_assert_int_eq(itest_http_get(url, body, sizeof body), 200);
+    {
+        char want[256];
+        snprintf(want, sizeof want, "idemq_queue_rows{input=\"%s\"} 3\n", t.name);
+        ck_assert_msg(strstr(body, want) != NULL, "%s", body);
+        snprintf(want, sizeof want, "idemq_queue_ready_rows{input=\"%s\"} 0\n", t.name);
+        ck_assert_msg(strstr(body, want) != NULL, "%s", body);
+        ck_assert_ptr_nonnull(strstr(body, "idemq_queue_gauges_up 1\n"));
+    }
+    st = itest_wait(pid, itest_ms(30000));
+    ck_assert(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE '%s:%%'",
+                           t.name), 0);
+    qexec(&t, "DELETE FROM idemq.queue_jobs WHERE queue = '%s'", t.name);
+    itest_teardown(&t);
+}
+END_TEST
+
 START_TEST(test_retry_then_success_with_history)
 {
     struct itest t;
@@ -629,6 +664,7 @@ int main(void)
     tcase_add_test(tc, test_two_enqueues_of_one_key);
     tcase_add_test(tc, test_order_per_key);
     tcase_add_test(tc, test_due_time_and_priority);
+    tcase_add_test(tc, test_queue_gauges);
     tcase_add_test(tc, test_retry_then_success_with_history);
     tcase_add_test(tc, test_park_and_redrive);
     tcase_add_test(tc, test_statement_timeout_is_an_attempt);
