@@ -247,28 +247,52 @@ bool pgq_settle_retry(struct pgq_settle *s, long long row, const char *key, long
     return true;
 }
 
-/* Appends a PostgreSQL array literal element (quoted, escaped). */
-static void arr_str(char **buf, size_t *len, size_t *cap, const char *v, bool first)
+/* A PostgreSQL array literal being built: "{" elements "}". Each element
+ * is quoted, with double quotes and backslashes escaped, so any text (an effect's error
+ * message, a key) travels as one element. buf NULL: out of memory. */
+struct arr {
+    char *buf;
+    size_t len, cap;
+    int n;
+};
+
+static void arr_init(struct arr *a)
 {
-    size_t need = *len + 2 * strlen(v) + 4;
-    char *o;
-    if (!*buf)
-        return;
-    if (need >= *cap) {
-        char *nb;
-        size_t nc = *cap;
-        while (nc <= need)
-            nc *= 2;
-        if (!(nb = realloc(*buf, nc))) {
-            free(*buf);
-            *buf = NULL;
-            return;
-        }
-        *buf = nb;
-        *cap = nc;
+    a->cap = 64;
+    a->len = 1;
+    a->n = 0;
+    if ((a->buf = malloc(a->cap)))
+        strcpy(a->buf, "{");
+}
+
+/* Makes room for more bytes and the NUL; false (buf freed) if not. */
+static bool arr_room(struct arr *a, size_t more)
+{
+    char *nb;
+    size_t nc = a->cap;
+    if (!a->buf)
+        return false;
+    if (a->len + more + 1 <= a->cap)
+        return true;
+    while (nc < a->len + more + 1)
+        nc *= 2;
+    if (!(nb = realloc(a->buf, nc))) {
+        free(a->buf);
+        a->buf = NULL;
+        return false;
     }
-    o = *buf + *len;
-    if (!first)
+    a->buf = nb;
+    a->cap = nc;
+    return true;
+}
+
+static void arr_add(struct arr *a, const char *v)
+{
+    char *o;
+    if (!arr_room(a, 2 * strlen(v) + 3))
+        return;
+    o = a->buf + a->len;
+    if (a->n++)
         *o++ = ',';
     *o++ = '"';
     for (; *v; v++) {
@@ -278,27 +302,33 @@ static void arr_str(char **buf, size_t *len, size_t *cap, const char *v, bool fi
     }
     *o++ = '"';
     *o = '\0';
-    *len = (size_t)(o - *buf);
+    a->len = (size_t)(o - a->buf);
+}
+
+/* Closes the literal and hands it over (caller frees); NULL if out of
+ * memory. */
+static char *arr_take(struct arr *a)
+{
+    char *out;
+    if (!arr_room(a, 1))
+        return NULL;
+    a->buf[a->len++] = '}';
+    a->buf[a->len] = '\0';
+    out = a->buf;
+    a->buf = NULL;
+    return out;
 }
 
 /* An array literal of n elements given as strings. NULL when out of memory. */
 static char *arr_of(int n, const char *(*get)(const struct pgq_settle *, int, char *),
                     const struct pgq_settle *s)
 {
-    size_t cap = 64, len = 1;
-    char *buf = malloc(cap), num[32];
-    if (!buf)
-        return NULL;
-    strcpy(buf, "{");
+    struct arr a;
+    char num[32];
+    arr_init(&a);
     for (int i = 0; i < n; i++)
-        arr_str(&buf, &len, &cap, get(s, i, num), i == 0);
-    arr_str(&buf, &len, &cap, "", true); /* room for the brace */
-    if (!buf)
-        return NULL;
-    len -= 2; /* drop the empty element just added */
-    buf[len++] = '}';
-    buf[len] = '\0';
-    return buf;
+        arr_add(&a, get(s, i, num));
+    return arr_take(&a);
 }
 
 static const char *get_done(const struct pgq_settle *s, int i, char *num)
@@ -405,29 +435,21 @@ bool pgq_wait(PGconn *db, long max_ms)
 
 long pgq_next_due_ms(PGconn *db, const struct conf *c)
 {
-    char *arr;
-    size_t cap = 64, len = 1;
+    struct arr a;
     const char *params[1];
     PGresult *r;
     long out = -1;
 
-    if (!(arr = malloc(cap)))
-        return -1;
-    strcpy(arr, "{");
+    arr_init(&a);
     for (int i = 0; i < c->n_inputs; i++)
-        arr_str(&arr, &len, &cap, c->inputs[i].queue, i == 0);
-    arr_str(&arr, &len, &cap, "", true);
-    if (!arr)
+        arr_add(&a, c->inputs[i].queue);
+    if (!(params[0] = arr_take(&a)))
         return -1;
-    len -= 2;
-    arr[len++] = '}';
-    arr[len] = '\0';
-    params[0] = arr;
     r = ledger_db_exec_params(db, "SELECT idemq.queue_next_due($1::text[])", 1, NULL, params,
                               NULL, NULL, 0);
     if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1 && !PQgetisnull(r, 0, 0))
         out = strtol(PQgetvalue(r, 0, 0), NULL, 10);
     PQclear(r);
-    free(arr);
+    free((char *)params[0]);
     return out;
 }

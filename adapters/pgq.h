@@ -91,7 +91,9 @@ struct pgq_settle {
 /* Prepares s for up to cap rows. false when out of memory (then
  * pgq_settle_free). */
 bool pgq_settle_init(struct pgq_settle *s, int cap);
+/* Forgets the rows noted (frees their texts), for the next transaction. */
 void pgq_settle_reset(struct pgq_settle *s);
+/* Frees what pgq_settle_init allocated; s is zeroed. */
 void pgq_settle_free(struct pgq_settle *s);
 
 /* Notes one row's end. At most cap calls of each kind between resets.

@@ -266,6 +266,31 @@ START_TEST(test_retry_then_success_with_history)
 }
 END_TEST
 
+START_TEST(test_key_and_error_with_quotes)
+{
+    struct itest t;
+    char cfg[300];
+    /* a key (and so the effect's error message, which names it) with the
+     * characters an array literal must escape travels whole: the retry is
+     * held in the row with the message, then applied */
+    setup(&t, "pgq_quote", cfg, sizeof cfg, "", "");
+    qexec(&t, "INSERT INTO idemq_test.failing VALUES ('%s:a\"b\\c{d,e}''f', '40001')", t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', jsonb_build_object('job_id', '%s:a\"b\\c{d,e}''f'))",
+          t.name, t.name);
+    run_pg(cfg, 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s' AND "
+                               "attempts >= 1 AND position('key %s:a\"b\\c{d,e}''f is marked "
+                               "failing' IN last_error) > 0", t.name, t.name), 1);
+    qexec(&t, "DELETE FROM idemq_test.failing WHERE key LIKE '%s:%%'", t.name);
+    run_pg(cfg, 2);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = "
+                               "'%s:a\"b\\c{d,e}''f'", t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
 START_TEST(test_park_and_redrive)
 {
     struct itest t;
@@ -666,6 +691,7 @@ int main(void)
     tcase_add_test(tc, test_due_time_and_priority);
     tcase_add_test(tc, test_queue_gauges);
     tcase_add_test(tc, test_retry_then_success_with_history);
+    tcase_add_test(tc, test_key_and_error_with_quotes);
     tcase_add_test(tc, test_park_and_redrive);
     tcase_add_test(tc, test_statement_timeout_is_an_attempt);
     tcase_add_test(tc, test_notify_wakes_idle_worker);
