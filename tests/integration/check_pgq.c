@@ -291,6 +291,43 @@ START_TEST(test_key_and_error_with_quotes)
 }
 END_TEST
 
+START_TEST(test_effect_enqueues_a_chain)
+{
+    struct itest t;
+    char cfg[300], fn[128];
+    /* an effect that enqueues the next job of a chain before its own work:
+     * the next job exists only if the effect commits */
+    itest_setup(&t, "pgq_chain", "idemq_test.record", "", "");
+    snprintf(fn, sizeof fn, "idemq_test.chain_%s", t.name);
+    qexec(&t,
+          "CREATE FUNCTION %s(p_key text, p_payload jsonb, p_meta jsonb) RETURNS jsonb "
+          "LANGUAGE plpgsql AS $$ BEGIN "
+          "IF p_payload ? 'next' THEN PERFORM idemq.enqueue('%s', jsonb_build_object('job_id', "
+          "p_payload->>'next')); END IF; "
+          "RETURN idemq_test.record(p_key, p_payload, p_meta); END $$",
+          fn, t.name);
+    snprintf(cfg, sizeof cfg, "/tmp/%s.pg.cfg", t.name);
+    pg_effect = fn;
+    write_pg_config(&t, cfg, "", "");
+    pg_effect = NULL;
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:a\",\"next\":\"%s:b\"}')",
+          t.name, t.name, t.name);
+    /* this one enqueues, then fails for good: its enqueue goes with it */
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:c\",\"next\":\"%s:d\","
+              "\"raise\":\"22012\"}')", t.name, t.name, t.name);
+    run_pg(cfg, 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key IN ('%s:a', "
+                               "'%s:b')", t.name, t.name), 2);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.parked WHERE key = '%s:c'", t.name),
+                     1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.jobs WHERE key = '%s:d'", t.name), 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    qexec(&t, "DROP FUNCTION %s(text, jsonb, jsonb)", fn);
+    itest_teardown(&t);
+}
+END_TEST
+
 START_TEST(test_park_and_redrive)
 {
     struct itest t;
@@ -692,6 +729,7 @@ int main(void)
     tcase_add_test(tc, test_queue_gauges);
     tcase_add_test(tc, test_retry_then_success_with_history);
     tcase_add_test(tc, test_key_and_error_with_quotes);
+    tcase_add_test(tc, test_effect_enqueues_a_chain);
     tcase_add_test(tc, test_park_and_redrive);
     tcase_add_test(tc, test_statement_timeout_is_an_attempt);
     tcase_add_test(tc, test_notify_wakes_idle_worker);
