@@ -269,6 +269,10 @@ static const struct conf_key input_keys[] = {
     /* operations */
     {"delivery_limit", CT_INT, I(delivery_limit), 1, 1000000, NULL, 100, 0,
      "quorum inputs: x-delivery-limit of the queue, at least 2 x retry.max_attempts"},
+    /* PostgreSQL queue inputs */
+    {"transport", CT_STR, I(transport), 1, 16, "rabbitmq", 0, 0,
+     "rabbitmq (a broker queue), or postgres: jobs are rows producers enqueue with "
+     "idemq.enqueue(queue, ...) into the ledger's database, no broker (see adapters/PORT.md)"},
 };
 
 #define N_GLOBAL ((int)(sizeof global_keys / sizeof global_keys[0]))
@@ -815,6 +819,8 @@ static idemq_err_t validate_input(struct conf_input *in, int line, const char *f
         in->key_name = strdup(ks + 7);
     } else if (strcmp(ks, "message_id") == 0) {
         in->key_kind = CONF_KEY_MESSAGE_ID;
+    } else if (strcmp(ks, "key") == 0 && strcmp(in->transport, "postgres") == 0) {
+        in->key_kind = CONF_KEY_MESSAGE_ID; /* the enqueue's key, carried as the message id */
     } else {
         errf(errbuf, errlen,
              "%s:%d: input %s: key_source must be json:<field>, header:<name> or message_id, not \"%s\"",
@@ -866,6 +872,74 @@ static idemq_err_t validate_mode(struct conf_input *in, int line, const char *fi
         return IDEMQ_ERR_CONFIG;
     }
     return IDEMQ_OK;
+}
+
+/* A PostgreSQL queue input (transport = "postgres"): what it cannot be. */
+static idemq_err_t validate_transport(const struct conf_input *in, int line, const char *file,
+                                      char *errbuf, size_t errlen)
+{
+    if (strcmp(in->transport, "rabbitmq") == 0) {
+        if (strcmp(in->key_source, "key") == 0) {
+            errf(errbuf, errlen, "%s:%d: input %s: key_source = \"key\" (the enqueue's key) "
+                 "needs transport = \"postgres\"", file, line, in->name);
+            return IDEMQ_ERR_CONFIG;
+        }
+        return IDEMQ_OK;
+    }
+    if (strcmp(in->transport, "postgres")) {
+        errf(errbuf, errlen, "%s:%d: input %s: transport must be \"rabbitmq\" or \"postgres\", "
+             "not \"%s\"", file, line, in->name, in->transport);
+        return IDEMQ_ERR_CONFIG;
+    }
+    if (in->key_kind == CONF_KEY_HEADER || in->exchange[0] || in->routing_key[0] ||
+        CONF_INPUT_ORDERED(in) || CONF_INPUT_PROVIDER(in) || in->celery || in->observe ||
+        in->emits || strcmp(in->queue_type, "classic")) {
+        errf(errbuf, errlen, "%s:%d: input %s: a postgres input takes key_source json:<field> or "
+             "key (the enqueue's key), and no exchange, routing_key, queue_type, partitions "
+             "(rows with an order key run in order by themselves), provider, protocol = "
+             "\"celery\", mode = \"observe\" or emits (not yet)", file, line, in->name);
+        return IDEMQ_ERR_CONFIG;
+    }
+    return IDEMQ_OK;
+}
+
+/* Moves the postgres inputs out of c->inputs into c->pg_inputs (keeping
+ * their order) and numbers the Celery routes' effects again after the
+ * broker inputs that stay. */
+static idemq_err_t split_transports(struct conf *c)
+{
+    int n = c->n_inputs, nb = 0, np = 0;
+    for (int i = 0; i < n; i++)
+        np += strcmp(c->inputs[i].transport, "postgres") == 0;
+    if (!np)
+        return IDEMQ_OK;
+    if (!(c->pg_inputs = calloc((size_t)np, sizeof *c->pg_inputs)))
+        return IDEMQ_ERR_NOMEM;
+    np = 0;
+    for (int i = 0; i < n; i++) {
+        if (strcmp(c->inputs[i].transport, "postgres") == 0)
+            c->pg_inputs[np++] = c->inputs[i];
+        else
+            c->inputs[nb++] = c->inputs[i];
+    }
+    c->n_inputs = nb;
+    c->n_pg_inputs = np;
+    c->n_routes = 0;
+    for (int i = 0; i < nb; i++)
+        for (int r = 0; r < c->inputs[i].n_routes; r++)
+            c->inputs[i].routes[r].effect = nb + c->n_routes++;
+    return IDEMQ_OK;
+}
+
+struct conf conf_pg_view(const struct conf *c)
+{
+    struct conf v = *c;
+    v.inputs = c->pg_inputs;
+    v.n_inputs = c->n_pg_inputs;
+    v.pg_inputs = NULL;
+    v.n_pg_inputs = 0;
+    v.n_routes = 0;
+    return v;
 }
 
 /* ---- provider effects ---- */
@@ -1102,6 +1176,8 @@ static idemq_err_t read_inputs(const config_t *cfg, struct conf *c, const char *
             return err;
         if ((err = validate_mode(in, line, file, errbuf, errlen)) != IDEMQ_OK)
             return err;
+        if ((err = validate_transport(in, line, file, errbuf, errlen)) != IDEMQ_OK)
+            return err;
         for (int r = 0; r < in->n_routes; r++) /* after every input's own effect */
             in->routes[r].effect = n + c->n_routes++;
         for (int j = 0; j < i; j++) {
@@ -1113,7 +1189,7 @@ static idemq_err_t read_inputs(const config_t *cfg, struct conf *c, const char *
             }
         }
     }
-    return IDEMQ_OK;
+    return split_transports(c);
 }
 
 /* Each URL starts with amqp:// or amqps://. The message names the item,
@@ -1578,23 +1654,29 @@ static void free_strings(const struct conf_key *keys, int n, void *base)
     }
 }
 
+static void free_inputs(struct conf_input *in, int n)
+{
+    for (int i = 0; i < n; i++) {
+        free_strings(input_keys, N_INPUT, &in[i]);
+        free(in[i].key_name);
+        free(in[i].effect_signature);
+        free(in[i].order_name);
+        free(in[i].seq_name);
+        for (int r = 0; r < in[i].n_routes; r++) {
+            free(in[i].routes[r].task);
+            free(in[i].routes[r].signature);
+        }
+        free(in[i].routes);
+    }
+    free(in);
+}
+
 void conf_free(struct conf *c)
 {
     if (!c)
         return;
-    for (int i = 0; i < c->n_inputs; i++) {
-        free_strings(input_keys, N_INPUT, &c->inputs[i]);
-        free(c->inputs[i].key_name);
-        free(c->inputs[i].effect_signature);
-        free(c->inputs[i].order_name);
-        free(c->inputs[i].seq_name);
-        for (int r = 0; r < c->inputs[i].n_routes; r++) {
-            free(c->inputs[i].routes[r].task);
-            free(c->inputs[i].routes[r].signature);
-        }
-        free(c->inputs[i].routes);
-    }
-    free(c->inputs);
+    free_inputs(c->inputs, c->n_inputs);
+    free_inputs(c->pg_inputs, c->n_pg_inputs);
     free_strings(global_keys, N_GLOBAL, c);
     free(c->path);
     if (c->src) {
@@ -1942,20 +2024,22 @@ void conf_print(const struct conf *c, FILE *out)
         fprintf(out, "};\n");
     }
     fprintf(out, "inputs = (\n");
-    for (int j = 0; j < c->n_inputs; j++) {
+    for (int j = 0; j < c->n_inputs + c->n_pg_inputs; j++) {
+        /* broker inputs, then the PostgreSQL queue inputs */
+        const struct conf_input *in = j < c->n_inputs ? &c->inputs[j]
+                                                      : &c->pg_inputs[j - c->n_inputs];
         fprintf(out, "  {\n");
         for (int i = 0; i < N_INPUT; i++)
             if (strncmp(input_keys[i].path, "provider.", 9) != 0)
-                print_key(out, &input_keys[i], &c->inputs[j], input_keys[i].path, "    ");
-        if (CONF_INPUT_PROVIDER(&c->inputs[j])) { /* a nested group, provider inputs only */
+                print_key(out, &input_keys[i], in, input_keys[i].path, "    ");
+        if (CONF_INPUT_PROVIDER(in)) { /* a nested group, provider inputs only */
             fprintf(out, "    provider: {\n");
             for (int i = 0; i < N_INPUT; i++)
                 if (strncmp(input_keys[i].path, "provider.", 9) == 0)
-                    print_key(out, &input_keys[i], &c->inputs[j], input_keys[i].path + 9,
-                              "      ");
+                    print_key(out, &input_keys[i], in, input_keys[i].path + 9, "      ");
             fprintf(out, "    };\n");
         }
-        fprintf(out, "  }%s\n", j + 1 < c->n_inputs ? "," : "");
+        fprintf(out, "  }%s\n", j + 1 < c->n_inputs + c->n_pg_inputs ? "," : "");
     }
     fprintf(out, ");\n");
 }

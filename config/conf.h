@@ -109,6 +109,9 @@ struct conf_input {
     struct conf_provider provider;
     /* operations: quorum inputs declare x-delivery-limit */
     int delivery_limit;
+    /* the transport: "rabbitmq", or "postgres" (a PostgreSQL queue input,
+     * adapters/pgq.h); a postgres input is kept in conf.pg_inputs */
+    char *transport;
     /* derived by validation */
     enum conf_key_kind key_kind;
     char *key_name;        /* field or header name; NULL for message_id */
@@ -210,10 +213,23 @@ struct conf {
     int outbox_lease_s;         /* a claimed row's lease */
     int outbox_max_attempts;    /* nacks before a row is parked */
     int outbox_stuck_s;         /* /ready fails while a row waits longer */
-    /* inputs */
+    /* inputs: the broker's (transport = "rabbitmq"); a configuration may
+     * hold none when every input is a PostgreSQL queue input */
     struct conf_input *inputs;
     int n_inputs;
+    /* PostgreSQL queue inputs (transport = "postgres"), apart from the
+     * broker's so that nothing written for a broker input meets one; their
+     * workers see them as the inputs of a conf of their own
+     * (conf_pg_view) */
+    struct conf_input *pg_inputs;
+    int n_pg_inputs;
 };
+
+/* A shallow copy of c whose inputs are c's PostgreSQL queue inputs (and no
+ * Celery routes): what the PostgreSQL input's workers and ledger session
+ * see. Shares every pointer with c, which must outlive it; nothing to free.
+ * Pure. */
+struct conf conf_pg_view(const struct conf *c);
 
 /*
  * Loads and validates a configuration file, then applies the environment

@@ -40,6 +40,12 @@ struct gauges {
     long ob_pending, ob_parked;
     double ob_oldest_s;
     bool ob_up;
+    /* PostgreSQL queue inputs: idemq.queue_gauges(), one per pg input */
+    struct pgq_gauge {
+        long rows, ready, retrying;
+        double oldest_ready_s;
+    } *pgq;
+    bool pgq_up;
 };
 
 static long long mono_ms(void)
@@ -143,7 +149,7 @@ static bool queue_of(const char *q, const char *queue)
 static void refresh(struct gauges *g, PGconn **db)
 {
     const struct conf *c = g->c;
-    struct gauge_row *rows = calloc((size_t)c->n_inputs, sizeof *rows);
+    struct gauge_row *rows = calloc((size_t)c->n_inputs + 1, sizeof *rows);
     PGresult *r;
 
     if (!rows)
@@ -203,6 +209,33 @@ static void refresh(struct gauges *g, PGconn **db)
         }
         PQclear(o);
     }
+    if (r && c->n_pg_inputs) { /* PostgreSQL queue inputs: depth and age */
+        PGresult *o = query(g, *db, "SELECT r_queue, r_depth, r_ready, r_oldest_ready_s, "
+                                    "r_retrying FROM idemq.queue_gauges()");
+        pthread_mutex_lock(&g->lock);
+        if (o) {
+            memset(g->pgq, 0, (size_t)c->n_pg_inputs * sizeof *g->pgq);
+            for (int t = 0; t < PQntuples(o); t++)
+                for (int i = 0; i < c->n_pg_inputs; i++)
+                    if (strcmp(PQgetvalue(o, t, 0), c->pg_inputs[i].queue) == 0) {
+                        g->pgq[i].rows = strtol(PQgetvalue(o, t, 1), NULL, 10);
+                        g->pgq[i].ready = strtol(PQgetvalue(o, t, 2), NULL, 10);
+                        g->pgq[i].oldest_ready_s = strtod(PQgetvalue(o, t, 3), NULL);
+                        g->pgq[i].retrying = strtol(PQgetvalue(o, t, 4), NULL, 10);
+                    }
+            g->pgq_up = true;
+        } else {
+            if (g->pgq_up)
+                log_warn("metrics: cannot read the queue gauges: %s", g->last_error);
+            g->pgq_up = false;
+        }
+        pthread_mutex_unlock(&g->lock);
+        if (!o) {
+            PQclear(r);
+            r = NULL; /* the session is dropped below */
+        }
+        PQclear(o);
+    }
     if (!r && *db) { /* a failed or timed-out session is not reused */
         PQfinish(*db);
         *db = NULL;
@@ -234,7 +267,10 @@ idemq_err_t gauges_start(const struct conf *c, struct gauges **out, char *errbuf
 {
     struct gauges *g = calloc(1, sizeof *g);
     *out = NULL;
-    if (!g || !(g->rows = calloc((size_t)c->n_inputs, sizeof *g->rows))) {
+    if (!g || !(g->rows = calloc((size_t)c->n_inputs + 1, sizeof *g->rows)) ||
+        !(g->pgq = calloc((size_t)c->n_pg_inputs + 1, sizeof *g->pgq))) {
+        if (g)
+            free(g->rows);
         free(g);
         snprintf(errbuf, errlen, "out of memory");
         return IDEMQ_ERR_NOMEM;
@@ -246,6 +282,7 @@ idemq_err_t gauges_start(const struct conf *c, struct gauges **out, char *errbuf
         pthread_cond_destroy(&g->wake);
         pthread_mutex_destroy(&g->lock);
         free(g->rows);
+        free(g->pgq);
         free(g);
         snprintf(errbuf, errlen, "cannot start the ledger gauges thread");
         return IDEMQ_ERR_INTERNAL;
@@ -318,6 +355,33 @@ void gauges_render(struct gauges *g, char *buf, size_t len, size_t *off)
             "idemq_outbox_commit_to_confirm_seconds_count %ld\n",
             n, (double)atomic_load(&outbox_stats.latency_us_sum) / 1e6, n);
     }
+    if (c->n_pg_inputs) { /* PostgreSQL queue inputs */
+        static const struct {
+            const char *name, *help;
+        } m[] = {
+            {"idemq_queue_rows", "rows of a PostgreSQL queue input still to do"},
+            {"idemq_queue_ready_rows", "of those, rows whose run_after passed"},
+            {"idemq_queue_oldest_ready_age_seconds",
+             "how long the oldest ready row has been due (0 when none)"},
+            {"idemq_queue_retrying_rows", "rows holding a retry (a failed attempt)"},
+        };
+        for (size_t k = 0; k < sizeof m / sizeof m[0]; k++) {
+            PUT("# HELP %s %s\n# TYPE %s gauge\n", m[k].name, m[k].help, m[k].name);
+            for (int i = 0; i < c->n_pg_inputs; i++) {
+                PUT("%s{input=\"", m[k].name);
+                gauges_label(c->pg_inputs[i].name, buf, len, off);
+                if (k == 2)
+                    PUT("\"} %.3f\n", g->pgq[i].oldest_ready_s);
+                else
+                    PUT("\"} %ld\n", k == 0   ? g->pgq[i].rows
+                                      : k == 1 ? g->pgq[i].ready
+                                               : g->pgq[i].retrying);
+            }
+        }
+        PUT("# HELP idemq_queue_gauges_up 1 if the last read of the queue gauges succeeded\n"
+            "# TYPE idemq_queue_gauges_up gauge\nidemq_queue_gauges_up %d\n",
+            g->pgq_up ? 1 : 0);
+    }
     pthread_mutex_unlock(&g->lock);
     if (*off >= len && len)
         *off = len - 1;
@@ -353,5 +417,6 @@ void gauges_stop(struct gauges *g)
     pthread_cond_destroy(&g->wake);
     pthread_mutex_destroy(&g->lock);
     free(g->rows);
+    free(g->pgq);
     free(g);
 }

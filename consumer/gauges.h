@@ -2,7 +2,8 @@
  * gauges: ledger-derived Prometheus gauges of `idemq run`: per
  * input, the jobs waiting in idemq.deferred and the age of the oldest (and,
  * with outbox.relay, the outbox's pending and parked rows and the age of the
- * oldest unsent one). One
+ * oldest unsent one; per PostgreSQL queue input, its rows,
+ * ready rows, the oldest ready row's age and the rows holding a retry). One
  * thread refreshes them every few seconds on its own PostgreSQL session,
  * with a client-side deadline on every call, so a slow or stopped database
  * never blocks a scrape (it serves the last values and says how old they

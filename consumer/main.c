@@ -26,6 +26,7 @@
 #include "metrics.h"
 #include "sdnotify.h"
 #include "observe.h"
+#include "pgq_worker.h" /* PostgreSQL queue inputs */
 #include "ops.h"
 #include "effect_http.h"
 #include "effect_sql.h"
@@ -620,7 +621,7 @@ static int preflight(const struct conf *c)
         lifecycle_check_settings(db, c);
     }
     PQfinish(db);
-    if (rc)
+    if (rc || c->n_inputs == 0) /* only PostgreSQL queue inputs: no broker */
         return rc;
     if (broker_open(c, "idemq preflight", false, &b, err, sizeof err)) {
         log_error("%s", err);
@@ -651,10 +652,15 @@ static int cmd_run(const struct conf *c, long until_idle_s)
     long applied = 0, dups = 0, parked = 0, retried = 0, received = 0, from_ledger = 0,
          deferred = 0;
     int rc;
+    /* broker workers only for broker inputs (PostgreSQL queue inputs have
+     * their own threads, pgq_worker.h) */
+    const int nw = c->n_inputs > 0 ? c->workers : 0;
+    struct pgq_workers *pgq = NULL;
+    struct pgq_worker_totals pt;
 
     if ((rc = preflight(c)))
         return rc;
-    if (!(ws = calloc((size_t)c->workers, sizeof *ws)) ||
+    if (!(ws = calloc((size_t)(nw > 0 ? nw : 1), sizeof *ws)) ||
         (c->max_rate > 0 && !(gate = rate_gate_new(c->max_rate, c->max_rate / 20 + 1)))) {
         log_error("out of memory");
         free(ws);
@@ -665,7 +671,8 @@ static int cmd_run(const struct conf *c, long until_idle_s)
         lf.event = "start";
         LOG_FIELDS(LOG_LVL_INFO, &lf, "idemq %s: %d worker(s), %d input(s), batch_max %d, "
                    "consumer %s; worst case of deliveries held per worker %lld MiB",
-                   IDEMQ_VERSION, c->workers, c->n_inputs, c->batch_max, c->consumer_id,
+                   IDEMQ_VERSION, c->workers, c->n_inputs + c->n_pg_inputs, c->batch_max,
+                   c->consumer_id,
                    c->buffered_worst / (1024 * 1024));
     }
     /* A known stack size: librabbitmq-c 0.11 decodes nested header tables
@@ -674,7 +681,7 @@ static int cmd_run(const struct conf *c, long until_idle_s)
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setstacksize(&attr, WORKER_STACK_BYTES);
-    for (int i = 0; i < c->workers; i++) {
+    for (int i = 0; i < nw; i++) {
         worker_init(&ws[i], i, c, (int)(until_idle_s * 1000));
         ws[i].gate = gate;
         if (pthread_create(&ws[i].thread, &attr, worker_thread, &ws[i]) != 0) {
@@ -689,11 +696,18 @@ static int cmd_run(const struct conf *c, long until_idle_s)
         }
     }
     pthread_attr_destroy(&attr);
+    {
+        char err[256];
+        if (pgq_worker_start(c, until_idle_s * 1000, &pgq, err, sizeof err)) {
+            log_error("%s", err);
+            rc = EXIT_RUNTIME; /* the broker workers see the stop request */
+        }
+    }
     if (c->metrics_listen[0]) {
         char err[256];
         if (gauges_start(c, &gauges, err, sizeof err))
             log_error("%s (running without the deferred gauges)", err);
-        if (metrics_start(c, ws, c->workers, gauges, &metrics, err, sizeof err))
+        if (metrics_start(c, ws, nw, gauges, &metrics, err, sizeof err))
             log_error("%s (running without the metrics endpoint)", err);
         else
             log_info("metrics, readiness and liveness on http://%s/metrics, /ready and /live",
@@ -701,17 +715,17 @@ static int cmd_run(const struct conf *c, long until_idle_s)
     }
     if (c->console_listen[0]) { /* the web console */
         char err[512];
-        if (console_start(c, ws, c->workers, gauges, &console, err, sizeof err))
+        if (console_start(c, ws, nw, gauges, &console, err, sizeof err))
             log_error("%s (running without the console)", err);
         else
             log_info("web console on http://%s/", c->console_listen);
     }
     {
         char err[256];
-        if (sdnotify_start(c, ws, c->workers, &notify, err, sizeof err))
+        if (sdnotify_start(c, ws, nw, &notify, err, sizeof err))
             log_error("%s (running without systemd notifications)", err);
     }
-    for (int i = 0; i < c->workers; i++) {
+    for (int i = 0; i < nw; i++) {
         pthread_join(ws[i].thread, NULL);
         if (ws[i].result) {
             log_error("worker %d failed: %s", i, ws[i].error);
@@ -725,7 +739,18 @@ static int cmd_run(const struct conf *c, long until_idle_s)
         parked += atomic_load(&ws[i].stats.parked);
         retried += atomic_load(&ws[i].stats.retried);
     }
+    pgq_worker_join(pgq, &pt);
+    if (pt.failed)
+        rc = EXIT_RUNTIME;
     sdnotify_stop(notify);
+    if (c->n_pg_inputs) {
+        struct log_fields lf = LOG_FIELDS_NONE;
+        lf.event = "stopped";
+        LOG_FIELDS(LOG_LVL_INFO, &lf,
+                   "stopped (PostgreSQL queue inputs): taken %ld, applied %ld, duplicates %ld, "
+                   "retried %ld, parked %ld",
+                   pt.taken, pt.applied, pt.duplicates, pt.retried, pt.parked);
+    }
     {
         struct log_fields lf = LOG_FIELDS_NONE;
         lf.event = "stopped";
@@ -737,7 +762,7 @@ static int cmd_run(const struct conf *c, long until_idle_s)
     observe_log_summary(c); /* observe-mode inputs */
     if (c->n_routes) { /* Celery inputs: what became of the replies */
         long rs[4] = {0, 0, 0, 0};
-        for (int i = 0; i < c->workers; i++) {
+        for (int i = 0; i < nw; i++) {
             rs[0] += atomic_load(&ws[i].stats.celery.sent);
             rs[1] += atomic_load(&ws[i].stats.celery.refused);
             rs[2] += atomic_load(&ws[i].stats.celery.failed);
@@ -746,11 +771,11 @@ static int cmd_run(const struct conf *c, long until_idle_s)
         log_info("celery replies: sent %ld, refused reply_to %ld, failed %ld, not sent in "
                  "observe mode %ld", rs[0], rs[1], rs[2], rs[3]);
     }
-    run_report_log(ws, c->workers);
+    run_report_log(ws, nw);
     console_stop(console);
     metrics_stop(metrics);
     gauges_stop(gauges);
-    for (int i = 0; i < c->workers; i++)
+    for (int i = 0; i < nw; i++)
         worker_destroy(&ws[i]);
     free(ws);
     rate_gate_free(gate);

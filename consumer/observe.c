@@ -213,7 +213,7 @@ int observe_show(PGconn *db, const char *key, FILE *out)
                     ops_tval(&a, job, 0, 0), ops_tval(&a, job, 0, 1));
         else if (strcmp(state, "applied") == 0 && strcmp(PQgetvalue(job, 0, 3), "0") == 0)
             fprintf(out, "observed only: input %s (mode = \"observe\") claimed it at %s as "
-                         "applied (a ledger before version 22); idemq ran no effect for it.\n  "
+                         "applied (a ledger before version 21); idemq ran no effect for it.\n  "
                          "Every later copy is a duplicate, also after the switch to mode = "
                          "\"apply\".\n",
                     ops_tval(&a, job, 0, 0), ops_tval(&a, job, 0, 1));

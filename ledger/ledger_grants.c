@@ -110,6 +110,21 @@ static int run_statements(const struct conf *c, const char *r,
             if ((rc = emit(stmt, arg)))
                 return rc;
         }
+    for (int i = 0; i < c->n_pg_inputs; i++) { /* PostgreSQL queue inputs */
+        const char *sig = c->pg_inputs[i].effect_signature, *dot;
+        if (!sig)
+            continue;
+        dot = strchr(sig, '.');
+        if (dot && dot < strchr(sig, '(')) {
+            snprintf(stmt, sizeof stmt, "GRANT USAGE ON SCHEMA %.*s TO %s", (int)(dot - sig),
+                     sig, r);
+            if ((rc = emit(stmt, arg)))
+                return rc;
+        }
+        snprintf(stmt, sizeof stmt, "GRANT EXECUTE ON FUNCTION %s TO %s", sig, r);
+        if ((rc = emit(stmt, arg)))
+            return rc;
+    }
     return 0;
 }
 
@@ -153,13 +168,18 @@ static int operator_statements(const char *r, int (*emit)(const char *stmt, void
     return emit(stmt, arg);
 }
 
-/* The application role: emits to the outbox (idemq.emit, both forms). */
+/* The application role: emits to the outbox (idemq.emit, both forms) and
+ * enqueues into PostgreSQL queue inputs (idemq.enqueue, enqueue_raw). */
 static int app_statements(const char *r, int (*emit)(const char *stmt, void *arg), void *arg)
 {
     static const char *const fixed[] = {
         "GRANT USAGE ON SCHEMA idemq",
         "GRANT EXECUTE ON FUNCTION idemq.emit(text, text, text, jsonb, text, text)",
         "GRANT EXECUTE ON FUNCTION idemq.emit(text, text, bytea, jsonb, text, text)",
+        /* transactional enqueue into PostgreSQL queue inputs */
+        "GRANT EXECUTE ON FUNCTION idemq.enqueue(text, jsonb, text, text, timestamptz, integer)",
+        "GRANT EXECUTE ON FUNCTION idemq.enqueue_raw(text, bytea, text, text, timestamptz, "
+        "integer)",
     };
     char stmt[GRANT_SQL_MAX];
     int rc;

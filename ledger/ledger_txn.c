@@ -26,6 +26,8 @@ struct ledger_txn {
     struct ledger_doc doc; /* reusable batch document (isolating path) */
     struct ledger_plain *plain; /* the lean path's prepared statements */
     bool begin_pending;    /* BEGIN not sent yet: it goes with the next statement */
+    bool keep_txn;         /* never the plain path: its fallback rolls the caller's
+                            * transaction back (ledger_txn_keep_transaction) */
 };
 
 /* The isolating path that owns everything the plain one does not (ordered
@@ -158,6 +160,8 @@ void ledger_txn_free(struct ledger_txn *lt)
     ledger_plain_free(lt->plain);
     free(lt);
 }
+
+void ledger_txn_keep_transaction(struct ledger_txn *lt, bool on) { lt->keep_txn = on; }
 
 idemq_err_t ledger_txn_begin(struct ledger_txn *lt, struct ledger_db_error *e)
 {
@@ -316,7 +320,7 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
             is_old(lt, j, now))
             plain = false;
     }
-    if (plain && ledger_plain_ready(lt->plain, jobs, n)) {
+    if (plain && !lt->keep_txn && ledger_plain_ready(lt->plain, jobs, n)) {
         bool send_begin = lt->begin_pending, ok = false;
         idemq_err_t err;
         lt->begin_pending = false;

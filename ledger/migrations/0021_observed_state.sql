@@ -1,4 +1,4 @@
--- idemq ledger, version 22: an observed key is not an applied one.
+-- idemq ledger, version 21: an observed key is not an applied one.
 --
 -- Observe mode claims each new key it sees on a copy of live traffic. The
 -- consumer running beside idemq took that message, but idemq cannot know
@@ -25,4 +25,4 @@ COMMENT ON COLUMN idemq.jobs.observed_by IS
   'set on keys an input in observe mode claimed: the input''s name. State ''observed'' (idemq '
   'ran no effect; the consumer beside idemq took the message, outcome unknown) until apply '
   'mode takes its first copy and applies it once (state ''applied'', observed_by kept). Rows '
-  'observed before ledger version 22 are ''applied'' with attempts = 0';
+  'observed before ledger version 21 are ''applied'' with attempts = 0';

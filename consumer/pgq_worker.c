@@ -1,0 +1,494 @@
+/*
+ * pgq_worker: the threads of PostgreSQL queue inputs: one transaction per
+ * batch from the row claim to the row's end (see pgq_worker.h).
+ */
+#include "pgq_worker.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "backoff.h"
+#include "classify.h"
+#include "effect_sql.h"
+#include "job.h"
+#include "ledger_db.h"
+#include "ledger_migrate.h"
+#include "ledger_txn.h"
+#include "log.h"
+#include "pgq.h"
+#include "sig.h"
+
+/* The longest an idle worker sleeps before it looks for due retries and
+ * the stop flag again (a notification wakes it at once). */
+#define PGQ_IDLE_MAX_MS 1000
+
+enum step { STEP_OK = 0, STEP_INFRA, STEP_FATAL, STEP_BACKOFF };
+
+struct pgq_thread {
+    int id;
+    const struct conf *c;   /* the whole configuration */
+    struct conf view;       /* its PostgreSQL inputs as the inputs (conf_pg_view) */
+    long until_idle_ms;
+    pthread_t thread;
+    bool started;
+    PGconn *db;
+    struct ledger_txn *lt;
+    struct job *jobs;
+    struct job **good;
+    struct ledger_result *res;
+    struct pgq_settle st;
+    int cap;
+    bool solo;              /* after a whole-call failure: one row per batch until a commit */
+    uint64_t rng;
+    char why[512];
+    char logged[512];       /* the NOT READY reason last logged */
+    atomic_long taken, applied, duplicates, retried, parked;
+    bool failed;
+};
+
+struct pgq_workers {
+    int n;
+    struct pgq_thread *t;
+};
+
+static long long now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void nap(long ms)
+{
+    /* in slices, so a stop request is seen within 100 ms */
+    while (ms > 0 && !sig_stop_requested()) {
+        long s = ms > 100 ? 100 : ms;
+        struct timespec ts = {s / 1000, (s % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
+        ms -= s;
+    }
+}
+
+static void drop_db(struct pgq_thread *t)
+{
+    ledger_txn_free(t->lt);
+    t->lt = NULL;
+    if (t->db)
+        PQfinish(t->db);
+    t->db = NULL;
+}
+
+static enum step from_error(struct pgq_thread *t, const struct ledger_db_error *e, const char *what)
+{
+    enum classify_class cls = classify_sqlstate(e->sqlstate, e->conn_lost, &t->c->rules);
+    snprintf(t->why, sizeof t->why, "%s: %s %s", what, e->sqlstate, e->message);
+    return cls == CLASS_INFRA ? STEP_INFRA : cls == CLASS_FATAL ? STEP_FATAL : STEP_BACKOFF;
+}
+
+static enum step connect(struct pgq_thread *t)
+{
+    char app[96];
+    struct ledger_db_error e;
+    idemq_err_t err;
+
+    if (t->db && PQstatus(t->db) == CONNECTION_OK && t->lt)
+        return STEP_OK;
+    drop_db(t);
+    snprintf(app, sizeof app, "idemq pgq worker %d", t->id);
+    if (!(t->db = ledger_db_connect(t->c->dsn, app, t->c->statement_timeout_ms, t->why,
+                                    sizeof t->why)))
+        return STEP_INFRA;
+    if ((err = ledger_migrate_check(t->db, t->why, sizeof t->why)))
+        return err == IDEMQ_ERR_DB_CONN ? STEP_INFRA : STEP_FATAL;
+    for (int i = 0; i < t->view.n_inputs; i++) {
+        err = effect_sql_check(t->db, &t->view.inputs[i], t->why, sizeof t->why, &e);
+        if (err == IDEMQ_ERR_DB_CONN)
+            return STEP_INFRA;
+        if (err)
+            return STEP_FATAL;
+    }
+    if (!(t->lt = ledger_txn_new(t->db, &t->view, t->why, sizeof t->why)))
+        return PQstatus(t->db) == CONNECTION_OK ? STEP_FATAL : STEP_INFRA;
+    /* The rows are claimed in the transaction the apply runs in: it must
+     * never be rolled back and begun again under them. */
+    ledger_txn_keep_transaction(t->lt, true);
+    if (pgq_listen(t->db, &e))
+        return from_error(t, &e, "LISTEN");
+    return STEP_OK;
+}
+
+/* A job's failed attempt, inside the transaction: a retry held in its row,
+ * or a park (the row goes; the park holds the payload). forced: a permanent
+ * code the ledger decided, or IDEMQ_OK to classify r's SQLSTATE. */
+static enum step failure(struct pgq_thread *t, struct job *j, struct ledger_result *r,
+                         idemq_err_t forced)
+{
+    struct ledger_db_error e;
+    enum classify_class cls = forced ? CLASS_PERMANENT
+                                     : classify_sqlstate(r->sqlstate, false, &t->c->rules);
+    int used = r->attempt - r->base;
+    idemq_err_t code = forced ? forced : IDEMQ_ERR_EFFECT;
+    long delay = 0;
+    bool park;
+
+    if (cls == CLASS_FATAL) {
+        snprintf(t->why, sizeof t->why, "effect failed with %s %s (%s; first job %s)",
+                 r->sqlstate, r->message, classify_name(cls), j->key);
+        return STEP_FATAL;
+    }
+    if (cls == CLASS_INFRA || cls == CLASS_NONE)
+        cls = CLASS_TRANSIENT;
+    park = cls == CLASS_PERMANENT || used >= t->c->max_attempts;
+    if (cls == CLASS_TRANSIENT && park)
+        code = IDEMQ_ERR_RETRIES_EXHAUSTED;
+    if (!park)
+        delay = backoff_delay_ms(used, t->c->base_delay_ms, t->c->max_delay_ms,
+                                 (enum backoff_jitter)t->c->jitter_mode, &t->rng);
+    if (ledger_txn_record_failure(t->lt, j, r, classify_name(cls), idemq_err_name(code), park,
+                                  delay, &e))
+        return from_error(t, &e, "record_failure");
+    if (park) {
+        json_int_t pid = json_integer_value(json_object_get(r->park, "park_id"));
+        pgq_settle_done(&t->st, (long long)j->tag, (long long)pid);
+        atomic_fetch_add(&t->parked, 1);
+    } else {
+        char err[600];
+        snprintf(err, sizeof err, "%s %s", r->sqlstate, r->message);
+        if (!pgq_settle_retry(&t->st, (long long)j->tag, j->key, delay, true, err)) {
+            snprintf(t->why, sizeof t->why, "out of memory");
+            return STEP_BACKOFF;
+        }
+        atomic_fetch_add(&t->retried, 1);
+    }
+    log_job(park ? LOG_LVL_WARN : LOG_LVL_INFO, j->key, j->tag, r->attempt,
+            "%s error %s: %s -> %s (%ld ms)", classify_name(cls), r->sqlstate, r->message,
+            park ? "parked" : "retry in", delay);
+    return STEP_OK;
+}
+
+/* A row that did not decode, inside the transaction: parked, row gone. */
+static enum step park_undecoded(struct pgq_thread *t, struct job *j, const char *code,
+                                const char *reason)
+{
+    struct ledger_db_error e;
+    json_t *park = NULL;
+    json_int_t pid;
+    if (ledger_txn_park_message(t->lt, j, code, reason, true, &park, &e))
+        return from_error(t, &e, "park_message");
+    pid = json_integer_value(json_object_get(park, "park_id"));
+    json_decref(park);
+    pgq_settle_done(&t->st, (long long)j->tag, (long long)pid);
+    atomic_fetch_add(&t->parked, 1);
+    log_job(LOG_LVL_WARN, j->has_key ? j->key : NULL, j->tag, 1, "parked %s: %s", code, reason);
+    return STEP_OK;
+}
+
+/* What the ledger made of one applied job, inside the transaction. */
+static enum step settle_one(struct pgq_thread *t, struct job *j, struct ledger_result *r)
+{
+    json_int_t pid;
+    switch (r->outcome) {
+    case LEDGER_APPLIED:
+        pgq_settle_done(&t->st, (long long)j->tag, 0);
+        atomic_fetch_add(&t->applied, 1);
+        return STEP_OK;
+    case LEDGER_DUPLICATE:
+        pgq_settle_done(&t->st, (long long)j->tag, 0);
+        atomic_fetch_add(&t->duplicates, 1);
+        return STEP_OK;
+    case LEDGER_REPARK: /* parked before: the park row is its dead letter */
+        pid = json_integer_value(json_object_get(r->park, "park_id"));
+        pgq_settle_done(&t->st, (long long)j->tag, (long long)pid);
+        atomic_fetch_add(&t->duplicates, 1);
+        return STEP_OK;
+    case LEDGER_EARLY:   /* its key waits for a retry: this row waits as long, no attempt */
+    case LEDGER_DEFERRED: /* lanes only: not an input of this transport; look again later */
+    case LEDGER_HELD:
+        if (!pgq_settle_retry(&t->st, (long long)j->tag, j->key,
+                              r->outcome == LEDGER_EARLY ? r->delay_ms : 1000, false,
+                              r->message[0] ? r->message : "back before its retry time")) {
+            snprintf(t->why, sizeof t->why, "out of memory");
+            return STEP_BACKOFF;
+        }
+        return STEP_OK;
+    case LEDGER_CONFLICT:
+        return park_undecoded(t, j, "key_conflict", r->message);
+    case LEDGER_ERROR:
+        return failure(t, j, r, IDEMQ_OK);
+    case LEDGER_OUTSIDE:
+        return failure(t, j, r, IDEMQ_ERR_OUTSIDE_WINDOW);
+    }
+    return STEP_OK;
+}
+
+/*
+ * Records a whole-call failure (call, e.g. a statement timeout, which no
+ * subtransaction catches) as the attempt of the one row (id) whose apply
+ * it was, in a transaction of its own: the row taken again, its key
+ * claimed (ledger_txn_claim_failed), then retried or parked by class like
+ * any failure. Without this a job that always outlives the statement
+ * timeout would be taken again forever and never parked.
+ */
+static enum step record_call_failure(struct pgq_thread *t, int i, long long id,
+                                     const struct ledger_db_error *call)
+{
+    const struct conf_input *in = &t->view.inputs[i];
+    struct job *j = &t->jobs[0];
+    struct ledger_result *r = &t->res[0];
+    struct ledger_db_error e;
+    enum step s = STEP_OK;
+    bool found = false;
+
+    pgq_settle_reset(&t->st);
+    if (ledger_db_exec(t->db, "BEGIN", &e))
+        return from_error(t, &e, "BEGIN");
+    if (pgq_take_row(t->db, in, i, id, j, &found, &e)) {
+        s = from_error(t, &e, "queue_take_row");
+        goto rollback;
+    }
+    if (!found) /* gone, or another worker has it */
+        goto rollback;
+    if (j->decode_err != IDEMQ_OK) {
+        s = park_undecoded(t, j, idemq_err_name(j->decode_err), j->reason);
+    } else if (ledger_txn_claim_failed(t->lt, j, r, &e)) {
+        s = from_error(t, &e, "claim_failed");
+    } else if (r->outcome == LEDGER_ERROR) {
+        snprintf(r->sqlstate, sizeof r->sqlstate, "%s", call->sqlstate);
+        snprintf(r->message, sizeof r->message, "%s", call->message);
+        s = failure(t, j, r, IDEMQ_OK);
+    } else { /* settled meanwhile: nothing to run */
+        pgq_settle_done(&t->st, (long long)j->tag, 0);
+        atomic_fetch_add(&t->duplicates, 1);
+    }
+    if (s != STEP_OK)
+        goto rollback;
+    if (pgq_settle(t->db, &t->st, &e)) {
+        s = from_error(t, &e, "queue_settle");
+        goto rollback;
+    }
+    if (ledger_db_exec(t->db, "COMMIT", &e)) {
+        s = from_error(t, &e, "COMMIT");
+        goto rollback;
+    }
+    ledger_txn_result_clear(r);
+    return STEP_OK;
+rollback:
+    ledger_txn_result_clear(r);
+    if (PQstatus(t->db) == CONNECTION_OK)
+        PQclear(ledger_db_exec_raw(t->db, "ROLLBACK"));
+    return s;
+}
+
+/* One batch of input i: *took rows committed. */
+static enum step batch(struct pgq_thread *t, int i, int *took)
+{
+    const struct conf_input *in = &t->view.inputs[i];
+    struct ledger_db_error e;
+    enum step s = STEP_OK;
+    int n = 0, ng = 0;
+
+    *took = 0;
+    pgq_settle_reset(&t->st);
+    if (ledger_db_exec(t->db, "BEGIN", &e))
+        return from_error(t, &e, "BEGIN");
+    if (pgq_take(t->db, in, i, t->jobs, t->solo ? 1 : t->cap, &n, &e)) {
+        s = from_error(t, &e, "queue_take");
+        goto rollback;
+    }
+    if (n == 0) {
+        if (ledger_db_exec(t->db, "COMMIT", &e))
+            return from_error(t, &e, "COMMIT");
+        return STEP_OK;
+    }
+    for (int k = 0; k < n; k++)
+        if (t->jobs[k].decode_err == IDEMQ_OK)
+            t->good[ng++] = &t->jobs[k];
+    if (ng) {
+        if (ledger_txn_apply(t->lt, t->good, ng, t->res, &e)) {
+            s = from_error(t, &e, "apply_batch");
+            if (s == STEP_BACKOFF && n > 1) {
+                t->solo = true; /* one row at a time, so one bad job holds back no other */
+            } else if (s == STEP_BACKOFF) { /* this row's own call failed: its attempt */
+                long long id = (long long)t->jobs[0].tag;
+                for (int k = 0; k < ng; k++)
+                    ledger_txn_result_clear(&t->res[k]);
+                if (PQstatus(t->db) == CONNECTION_OK)
+                    PQclear(ledger_db_exec_raw(t->db, "ROLLBACK"));
+                s = record_call_failure(t, i, id, &e);
+                if (s == STEP_OK)
+                    *took = 1;
+                return s;
+            }
+            goto rollback;
+        }
+        for (int k = 0; k < ng; k++)
+            if ((s = settle_one(t, t->good[k], &t->res[k])) != STEP_OK)
+                goto rollback;
+    }
+    for (int k = 0; k < n; k++)
+        if (t->jobs[k].decode_err != IDEMQ_OK &&
+            (s = park_undecoded(t, &t->jobs[k], idemq_err_name(t->jobs[k].decode_err),
+                                t->jobs[k].reason)) != STEP_OK)
+            goto rollback;
+    if (pgq_settle(t->db, &t->st, &e)) {
+        s = from_error(t, &e, "queue_settle");
+        goto rollback;
+    }
+    if (ledger_db_exec(t->db, "COMMIT", &e)) {
+        /* an ambiguous commit: the ledger absorbs a second apply of a key */
+        s = from_error(t, &e, "COMMIT");
+        goto rollback;
+    }
+    t->solo = false;
+    *took = n;
+    atomic_fetch_add(&t->taken, n);
+    for (int k = 0; k < ng; k++)
+        ledger_txn_result_clear(&t->res[k]);
+    return STEP_OK;
+rollback:
+    for (int k = 0; k < ng; k++)
+        ledger_txn_result_clear(&t->res[k]);
+    if (PQstatus(t->db) == CONNECTION_OK)
+        PQclear(ledger_db_exec_raw(t->db, "ROLLBACK"));
+    return s;
+}
+
+/* Whether why differs from the NOT READY reason logged last (then it is
+ * remembered): each reason is logged once. */
+static bool new_reason(struct pgq_thread *t)
+{
+    if (strcmp(t->why, t->logged) == 0)
+        return false;
+    snprintf(t->logged, sizeof t->logged, "%s", t->why);
+    return true;
+}
+
+static void *run(void *arg)
+{
+    struct pgq_thread *t = arg;
+    long long last_work = now_ms();
+    long backoff_ms = 250;
+
+    log_set_worker(t->id);
+    ledger_db_set_call_timeout(t->c->call_timeout_ms);
+    while (!sig_stop_requested()) {
+        enum step s = connect(t);
+        int did = 0;
+        for (int i = 0; s == STEP_OK && i < t->view.n_inputs && !sig_stop_requested(); i++) {
+            int took;
+            s = batch(t, i, &took);
+            did += took;
+        }
+        if (s != STEP_OK) {
+            if (new_reason(t))
+                log_warn("pgq worker %d: NOT READY: %s (trying again with backoff)", t->id,
+                         t->why);
+            if (s == STEP_INFRA || s == STEP_FATAL)
+                drop_db(t);
+            nap(backoff_ms);
+            backoff_ms = backoff_ms * 2 > t->c->reconnect_max_ms ? t->c->reconnect_max_ms
+                                                                  : backoff_ms * 2;
+            continue;
+        }
+        if (t->logged[0]) {
+            log_info("pgq worker %d: ready", t->id);
+            t->logged[0] = '\0';
+        }
+        backoff_ms = 250;
+        if (did) {
+            last_work = now_ms();
+            continue;
+        }
+        if (t->until_idle_ms > 0 && now_ms() - last_work >= t->until_idle_ms)
+            break;
+        {
+            long due = pgq_next_due_ms(t->db, &t->view);
+            long wait = due < 0 || due > PGQ_IDLE_MAX_MS ? PGQ_IDLE_MAX_MS : due;
+            if (wait > 0)
+                pgq_wait(t->db, wait);
+        }
+    }
+    drop_db(t);
+    return NULL;
+}
+
+idemq_err_t pgq_worker_start(const struct conf *c, long until_idle_ms, struct pgq_workers **out,
+                             char *errbuf, size_t errlen)
+{
+    struct pgq_workers *w;
+    int cap = c->batch_max > 0 ? c->batch_max : 1;
+
+    *out = NULL;
+    if (c->n_pg_inputs == 0)
+        return IDEMQ_OK;
+    if (!(w = calloc(1, sizeof *w)) || !(w->t = calloc((size_t)c->workers, sizeof *w->t))) {
+        free(w);
+        snprintf(errbuf, errlen, "out of memory");
+        return IDEMQ_ERR_NOMEM;
+    }
+    w->n = c->workers;
+    for (int i = 0; i < w->n; i++) {
+        struct pgq_thread *t = &w->t[i];
+        t->id = i;
+        t->c = c;
+        t->view = conf_pg_view(c);
+        t->until_idle_ms = until_idle_ms;
+        t->cap = cap;
+        t->rng = 0x9E3779B97F4A7C15ULL ^ ((uint64_t)now_ms() << 8) ^ (uint64_t)(i + 1);
+        if (!(t->jobs = calloc((size_t)cap, sizeof *t->jobs)) ||
+            !(t->good = calloc((size_t)cap, sizeof *t->good)) ||
+            !(t->res = calloc((size_t)cap, sizeof *t->res)) || !pgq_settle_init(&t->st, cap)) {
+            snprintf(errbuf, errlen, "out of memory");
+            goto fail;
+        }
+        for (int k = 0; k < cap; k++)
+            job_init(&t->jobs[k]);
+    }
+    for (int i = 0; i < w->n; i++) {
+        if (pthread_create(&w->t[i].thread, NULL, run, &w->t[i]) != 0) {
+            snprintf(errbuf, errlen, "cannot start PostgreSQL queue worker thread %d", i);
+            sig_request_stop();
+            goto fail;
+        }
+        w->t[i].started = true;
+    }
+    *out = w;
+    return IDEMQ_OK;
+fail:
+    pgq_worker_join(w, NULL);
+    return IDEMQ_ERR_INTERNAL;
+}
+
+void pgq_worker_join(struct pgq_workers *w, struct pgq_worker_totals *tot)
+{
+    if (tot)
+        memset(tot, 0, sizeof *tot);
+    if (!w)
+        return;
+    for (int i = 0; i < w->n; i++) {
+        struct pgq_thread *t = &w->t[i];
+        if (t->started)
+            pthread_join(t->thread, NULL);
+        if (tot) {
+            tot->taken += atomic_load(&t->taken);
+            tot->applied += atomic_load(&t->applied);
+            tot->duplicates += atomic_load(&t->duplicates);
+            tot->retried += atomic_load(&t->retried);
+            tot->parked += atomic_load(&t->parked);
+            tot->failed += t->failed;
+        }
+        if (t->jobs)
+            for (int k = 0; k < t->cap; k++)
+                job_destroy(&t->jobs[k]);
+        free(t->jobs);
+        free(t->good);
+        free(t->res);
+        pgq_settle_free(&t->st);
+    }
+    free(w->t);
+    free(w);
+}

@@ -1,0 +1,741 @@
+/*
+ * Integration tests of PostgreSQL queue inputs (transport = "postgres",
+ * adapters/pgq.h, consumer/pgq_worker.h) against the real PostgreSQL (see
+ * itest.h; the broker is not used by these inputs). Each row of the
+ * boundary table in adapters/PORT.md has its test here: a rolled-back
+ * enqueue never runs, two enqueues of one key apply once, rows of one
+ * order key apply in enqueue order, a transient failure is retried from
+ * its row with every attempt in the history, a permanent one is parked
+ * with its payload and redriven back into the queue, a notification wakes
+ * an idle worker at once, two `idemq run` replicas apply every key exactly
+ * once, the enqueue's limits answer with their SQLSTATEs, and
+ * check-config refuses what a postgres input cannot be.
+ */
+#include <check.h>
+
+#include "check_run.h"
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "itest.h"
+
+/* Extra top-level lines of the next config written (e.g. a database
+ * group), or NULL. */
+static const char *pg_extra_top;
+/* The effect of the next config written; NULL = idemq_test.record. */
+static const char *pg_effect;
+
+/* Writes a config with one postgres input, queue = the test's name. */
+static void write_pg_config(struct itest *t, const char *path, const char *extra_consumer,
+                            const char *extra_input)
+{
+    FILE *f = fopen(path, "w");
+    ck_assert_ptr_nonnull(f);
+    fprintf(f,
+            "retry: { base_delay_ms = 200; max_delay_ms = 2000; jitter = \"none\"; "
+            "max_attempts = 5; };\n"
+            "%s\n"
+            "consumer: { id = \"%s\"; %s };\n"
+            "log: { level = \"info\"; };\n"
+            "inputs = ( { name = \"%s\"; transport = \"postgres\"; queue = \"%s\";\n"
+            "  effect_function = \"%s\"; %s } );\n",
+            pg_extra_top ? pg_extra_top : "", t->name, extra_consumer ? extra_consumer : "",
+            t->name, t->name, pg_effect ? pg_effect : "idemq_test.record",
+            extra_input ? extra_input : "");
+    fclose(f);
+}
+
+/* Runs `idemq run` on the postgres config to idleness; asserts exit 0. */
+static void run_pg(const char *cfg, int idle_s)
+{
+    pid_t pid = itest_spawn(NULL, cfg, idle_s, NULL);
+    int st = itest_wait(pid, itest_ms(60000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "idemq run failed: %d",
+                  st);
+}
+
+/* A query's first value as a long, the SQL built with printf. */
+static long qlong(struct itest *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static long qlong(struct itest *t, const char *fmt, ...)
+{
+    char sql[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(sql, sizeof sql, fmt, ap);
+    va_end(ap);
+    return itest_long(t, sql, NULL);
+}
+
+static void qexec(struct itest *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void qexec(struct itest *t, const char *fmt, ...)
+{
+    char sql[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(sql, sizeof sql, fmt, ap);
+    va_end(ap);
+    itest_sql(t, sql);
+}
+
+/* The SQLSTATE a statement fails with ("" when it succeeds). */
+static const char *sqlstate_of(struct itest *t, const char *sql, char buf[6])
+{
+    PGresult *r = PQexec(t->db, sql);
+    const char *s = PQresultErrorField(r, PG_DIAG_SQLSTATE);
+    snprintf(buf, 6, "%s", PQresultStatus(r) == PGRES_TUPLES_OK ? "" : s ? s : "?");
+    PQclear(r);
+    return buf;
+}
+
+static void setup(struct itest *t, const char *tag, char *cfg, size_t len,
+                  const char *extra_consumer, const char *extra_input)
+{
+    itest_setup(t, tag, "idemq_test.record", "", "");
+    snprintf(cfg, len, "/tmp/%s.pg.cfg", t->name);
+    write_pg_config(t, cfg, extra_consumer, extra_input);
+}
+
+START_TEST(test_rolled_back_enqueue_never_runs)
+{
+    struct itest t;
+    char cfg[300];
+    setup(&t, "pgq_rb", cfg, sizeof cfg, "", "");
+    qexec(&t, "BEGIN; SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:rb\"}'); ROLLBACK", t.name,
+          t.name);
+    qexec(&t, "BEGIN; SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:ok\"}'); COMMIT", t.name,
+          t.name);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 1);
+    run_pg(cfg, 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = '%s:ok'",
+                           t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = '%s:rb'",
+                           t.name), 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.jobs WHERE key = '%s:rb'", t.name),
+                     0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
+START_TEST(test_two_enqueues_of_one_key)
+{
+    struct itest t;
+    char cfg[300];
+    /* the enqueue's key argument is the business key */
+    setup(&t, "pgq_dup", cfg, sizeof cfg, "", "key_source = \"key\";");
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"amount\":1}', '%s:k')", t.name, t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"amount\":1}', '%s:k')", t.name, t.name);
+    /* a row without the key argument has no business key: parked */
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"amount\":2}')", t.name);
+    /* a key longer than the enqueue allows, written around it: parked, never cut */
+    qexec(&t, "INSERT INTO idemq.queue_jobs (queue, key, payload) VALUES ('%s', '%s:' || "
+              "repeat('k', 300), '\\x7b7d')", t.name, t.name);
+    run_pg(cfg, 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.parked WHERE source_queue = '%s' "
+                               "AND error_code = 'key_too_long'", t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE "
+                               "'%s:kkk%%'", t.name), 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = '%s:k'",
+                           t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.attempts WHERE key = '%s:k' AND "
+                               "outcome = 'duplicate'", t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.parked WHERE source_queue = '%s' "
+                               "AND error_code = 'key_missing'", t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
+START_TEST(test_order_per_key)
+{
+    struct itest t;
+    char cfg[300];
+    /* three workers, batches of 4: only the head of each order key is taken */
+    setup(&t, "pgq_ord", cfg, sizeof cfg, "workers = 3; batch_max = 4;", "");
+    for (int i = 0; i < 30; i++)
+        qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:%d\"%s}', NULL, 'acct%d')",
+              t.name, t.name, i, i % 7 == 0 ? ",\"sleep_ms\":100" : "", i % 3);
+    run_pg(cfg, 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(DISTINCT key) FROM idemq_test.effects WHERE key "
+                               "LIKE '%s:%%'", t.name), 30);
+    /* per order key (i %% 3), the effects' ids follow i */
+    ck_assert_int_eq(qlong(&t,
+                           "SELECT count(*) FROM (SELECT split_part(key, ':', 2)::int AS i, "
+                           "lag(split_part(key, ':', 2)::int) OVER (PARTITION BY "
+                           "split_part(key, ':', 2)::int %% 3 ORDER BY id) AS prev "
+                           "FROM idemq_test.effects WHERE key LIKE '%s:%%') x "
+                           "WHERE prev IS NOT NULL AND prev > i", t.name), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
+START_TEST(test_due_time_and_priority)
+{
+    struct itest t;
+    char cfg[300];
+    /* one worker taking one row at a time: the claim order is the apply order */
+    setup(&t, "pgq_due", cfg, sizeof cfg, "workers = 1; batch_max = 1;", "");
+    /* due at one moment in the past: priority decides, lower first, then id */
+    qexec(&t, "SELECT idemq.enqueue('%s', jsonb_build_object('job_id', '%s:p' || p), NULL, "
+              "NULL, timestamptz '2026-01-01 00:00:00+00', p) FROM unnest(ARRAY[5, -3, 0, 2]) p",
+          t.name, t.name);
+    /* due later than everything else, whatever its priority */
+    qexec(&t, "CREATE TEMP TABLE pgq_due AS SELECT now() + interval '1500 ms' AS at, "
+              "idemq.enqueue('%s', '{\"job_id\":\"%s:late\"}', NULL, NULL, now() + "
+              "interval '1500 ms', -100) AS id", t.name, t.name);
+    run_pg(cfg, 3);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM (SELECT key, row_number() OVER (ORDER BY "
+                               "id) AS n FROM idemq_test.effects WHERE key LIKE '%s:%%') x "
+                               "WHERE (n, key) NOT IN ((1, '%s:p-3'), (2, '%s:p0'), "
+                               "(3, '%s:p2'), (4, '%s:p5'), (5, '%s:late'))",
+                           t.name, t.name, t.name, t.name, t.name, t.name), 0);
+    /* never before its run_after */
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects e, pgq_due d WHERE "
+                               "e.key = '%s:late' AND e.created_at >= d.at", t.name), 1);
+    itest_teardown(&t);
+}
+END_TEST
+
+START_TEST(test_queue_gauges)
+{
+    struct itest t;
+    char cfg[300], top[128], url[128], body[65536];
+    int port = itest_free_port();
+    pid_t pid;
+    int st;
+    snprintf(top, sizeof top, "metrics: { listen = \"127.0.0.1:%d\"; };", port);
+    pg_extra_top = top;
+    setup(&t, "pgq_gauge", cfg, sizeof cfg, "", "");
+    pg_extra_top = NULL;
+    /* three rows due in an hour: they stay in the queue while it runs */
+    qexec(&t, "SELECT idemq.enqueue('%s', jsonb_build_object('job_id', '%s:' || g), NULL, NULL, "
+              "now() + interval '1 hour') FROM generate_series(1, 3) g", t.name, t.name);
+    pid = itest_spawn(&t, cfg, 3, NULL);
+    usleep(1500 * 1000);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", port);
+    ck_assert_int_eq(itest_http_get(url, body, sizeof body), 200);
+    {
+        char want[256];
+        snprintf(want, sizeof want, "idemq_queue_rows{input=\"%s\"} 3\n", t.name);
+        ck_assert_msg(strstr(body, want) != NULL, "%s", body);
+        snprintf(want, sizeof want, "idemq_queue_ready_rows{input=\"%s\"} 0\n", t.name);
+        ck_assert_msg(strstr(body, want) != NULL, "%s", body);
+        ck_assert_ptr_nonnull(strstr(body, "idemq_queue_gauges_up 1\n"));
+    }
+    st = itest_wait(pid, itest_ms(30000));
+    ck_assert(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE '%s:%%'",
+                           t.name), 0);
+    qexec(&t, "DELETE FROM idemq.queue_jobs WHERE queue = '%s'", t.name);
+    itest_teardown(&t);
+}
+END_TEST
+
+START_TEST(test_retry_then_success_with_history)
+{
+    struct itest t;
+    char cfg[300];
+    setup(&t, "pgq_retry", cfg, sizeof cfg, "", "");
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:r\",\"raise\":\"40001\","
+              "\"raise_until\":2}')", t.name, t.name);
+    run_pg(cfg, 2);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = '%s:r'",
+                           t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.attempts WHERE key = '%s:r' AND "
+                               "outcome = 'transient_error'", t.name), 2);
+    ck_assert_int_eq(qlong(&t, "SELECT attempts FROM idemq.jobs WHERE key = '%s:r' AND state "
+                               "= 'applied'", t.name), 3);
+    /* the second attempt waited at least the base delay after the first */
+    ck_assert_int_ge(qlong(&t, "SELECT (extract(epoch FROM max(started_at) - min(started_at)) "
+                               "* 1000)::bigint FROM idemq.attempts WHERE key = '%s:r' AND "
+                               "outcome = 'transient_error'", t.name), 190);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.retry_copies WHERE key = '%s:r'",
+                           t.name), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
+START_TEST(test_key_and_error_with_quotes)
+{
+    struct itest t;
+    char cfg[300];
+    /* a key (and so the effect's error message, which names it) with the
+     * characters an array literal must escape travels whole: the retry is
+     * held in the row with the message, then applied */
+    setup(&t, "pgq_quote", cfg, sizeof cfg, "", "");
+    qexec(&t, "INSERT INTO idemq_test.failing VALUES ('%s:a\"b\\c{d,e}''f', '40001')", t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', jsonb_build_object('job_id', '%s:a\"b\\c{d,e}''f'))",
+          t.name, t.name);
+    run_pg(cfg, 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s' AND "
+                               "attempts >= 1 AND position('key %s:a\"b\\c{d,e}''f is marked "
+                               "failing' IN last_error) > 0", t.name, t.name), 1);
+    qexec(&t, "DELETE FROM idemq_test.failing WHERE key LIKE '%s:%%'", t.name);
+    run_pg(cfg, 2);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = "
+                               "'%s:a\"b\\c{d,e}''f'", t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
+START_TEST(test_effect_enqueues_a_chain)
+{
+    struct itest t;
+    char cfg[300], fn[128];
+    /* an effect that enqueues the next job of a chain before its own work:
+     * the next job exists only if the effect commits */
+    itest_setup(&t, "pgq_chain", "idemq_test.record", "", "");
+    snprintf(fn, sizeof fn, "idemq_test.chain_%s", t.name);
+    qexec(&t,
+          "CREATE FUNCTION %s(p_key text, p_payload jsonb, p_meta jsonb) RETURNS jsonb "
+          "LANGUAGE plpgsql AS $$ BEGIN "
+          "IF p_payload ? 'next' THEN PERFORM idemq.enqueue('%s', jsonb_build_object('job_id', "
+          "p_payload->>'next')); END IF; "
+          "RETURN idemq_test.record(p_key, p_payload, p_meta); END $$",
+          fn, t.name);
+    snprintf(cfg, sizeof cfg, "/tmp/%s.pg.cfg", t.name);
+    pg_effect = fn;
+    write_pg_config(&t, cfg, "", "");
+    pg_effect = NULL;
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:a\",\"next\":\"%s:b\"}')",
+          t.name, t.name, t.name);
+    /* this one enqueues, then fails for good: its enqueue goes with it */
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:c\",\"next\":\"%s:d\","
+              "\"raise\":\"22012\"}')", t.name, t.name, t.name);
+    run_pg(cfg, 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key IN ('%s:a', "
+                               "'%s:b')", t.name, t.name), 2);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.parked WHERE key = '%s:c'", t.name),
+                     1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.jobs WHERE key = '%s:d'", t.name), 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    qexec(&t, "DROP FUNCTION %s(text, jsonb, jsonb)", fn);
+    itest_teardown(&t);
+}
+END_TEST
+
+START_TEST(test_park_and_redrive)
+{
+    struct itest t;
+    char cfg[300];
+    long park;
+    setup(&t, "pgq_park", cfg, sizeof cfg, "", "");
+    qexec(&t, "INSERT INTO idemq_test.failing VALUES ('%s:p', '22012')", t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:p\",\"n\":7}', NULL, 'o1')", t.name,
+          t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:after\"}', NULL, 'o1')", t.name,
+          t.name);
+    run_pg(cfg, 1);
+    park = qlong(&t, "SELECT id FROM idemq.parked WHERE key = '%s:p'", t.name);
+    ck_assert_int_gt(park, 0);
+    /* the park holds the payload; the row is gone; the key's next row ran */
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.parked WHERE id = %ld AND "
+                               "convert_from(body, 'UTF8')::jsonb->>'n' = '7' AND "
+                               "error_code = 'effect_error'", park), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = "
+                               "'%s:after'", t.name), 1);
+    /* fixed, then redriven into the queue: applied once, the park closed */
+    qexec(&t, "DELETE FROM idemq_test.failing WHERE key = '%s:p'", t.name);
+    ck_assert_int_gt(qlong(&t, "SELECT idemq.queue_redrive(%ld, 'check_pgq')", park), 0);
+    run_pg(cfg, 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = '%s:p'",
+                           t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.parked WHERE id = %ld", park), 0);
+    ck_assert_int_eq(qlong(&t, "SELECT generation FROM idemq.jobs WHERE key = '%s:p' AND state "
+                               "= 'applied'", t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.redrives WHERE key = '%s:p'",
+                           t.name), 1);
+    /* a second redrive of the closed park finds nothing */
+    {
+        char sql[256], st[6];
+        snprintf(sql, sizeof sql, "SELECT idemq.queue_redrive(%ld, 'check_pgq')", park);
+        ck_assert_str_eq(sqlstate_of(&t, sql, st), "P0002");
+    }
+    itest_teardown(&t);
+}
+END_TEST
+
+/* cpu_s of the perf line `run` logs when it stops, or -1. */
+static double cpu_of_log(const char *path)
+{
+    char line[2048];
+    double v = -1;
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return -1;
+    while (fgets(line, sizeof line, f)) {
+        const char *p = strstr(line, " cpu_s=");
+        if (p)
+            v = strtod(p + 7, NULL);
+    }
+    fclose(f);
+    return v;
+}
+
+START_TEST(test_statement_timeout_is_an_attempt)
+{
+    struct itest t;
+    char cfg[300];
+    /* an effect that always outlives the statement timeout, beside good
+     * jobs in the same batch: the good ones are applied, the slow one's
+     * whole-call failures are its attempts, and it parks when they run out */
+    pg_extra_top = "database: { statement_timeout_ms = 300; };";
+    setup(&t, "pgq_slow", cfg, sizeof cfg, "batch_max = 10;", "");
+    pg_extra_top = NULL;
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:a\"}')", t.name, t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:slow\",\"sleep_ms\":2000}')",
+          t.name, t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:b\"}')", t.name, t.name);
+    run_pg(cfg, 3);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key IN "
+                               "('%s:a', '%s:b')", t.name, t.name), 2);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = "
+                               "'%s:slow'", t.name), 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.attempts WHERE key = '%s:slow' AND "
+                               "sqlstate = '57014'", t.name), 5);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.parked WHERE key = '%s:slow' AND "
+                               "error_code = 'retries_exhausted'", t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
+START_TEST(test_notify_wakes_idle_worker)
+{
+    struct itest t;
+    char cfg[300], log[300];
+    double cpu;
+    pid_t pid;
+    int st;
+    setup(&t, "pgq_wake", cfg, sizeof cfg, "", "");
+    snprintf(log, sizeof log, "/tmp/%s.log", t.name);
+    pid = itest_spawn_log(cfg, 3, NULL, log);
+    usleep(1500 * 1000); /* idle by now: it sleeps up to 1 s between looks */
+    itest_sql(&t, "CREATE TEMP TABLE pgq_wake (key text, at timestamptz)");
+    for (int i = 0; i < 3; i++) {
+        /* autocommit: the enqueue commits right after its clock reading */
+        qexec(&t, "INSERT INTO pgq_wake SELECT '%s:w%d', clock_timestamp() FROM (SELECT "
+                  "idemq.enqueue('%s', '{\"job_id\":\"%s:w%d\"}')) x", t.name, i, t.name,
+              t.name, i);
+        usleep(300 * 1000);
+    }
+    st = itest_wait(pid, itest_ms(30000));
+    ck_assert(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects e JOIN pgq_wake w USING "
+                               "(key)"), 3);
+    /* from the enqueue to the effect: every one well under the idle wait */
+    ck_assert_int_lt(qlong(&t, "SELECT max(extract(epoch FROM e.created_at - w.at) * 1000)::"
+                               "bigint FROM idemq_test.effects e JOIN pgq_wake w USING (key)"),
+                     itest_ms(150));
+    /* idle it waits, never spins: about 4.5 s of run, mostly idle, with two
+     * workers (a spinning loop burns a second and more) */
+    cpu = cpu_of_log(log);
+    ck_assert_msg(cpu >= 0 && cpu < 0.2 * itest_ms(1000) / 1000.0, "run used %.3f s of CPU",
+                  cpu);
+    itest_teardown(&t);
+}
+END_TEST
+
+START_TEST(test_two_replicas_exactly_once)
+{
+    struct itest t;
+    char cfg[300];
+    pid_t a, b;
+    int sa, sb;
+    setup(&t, "pgq_two", cfg, sizeof cfg, "workers = 2; batch_max = 10;", "");
+    /* 400 keys, every fifth enqueued twice, some with an order key */
+    qexec(&t,
+          "SELECT idemq.enqueue('%s', jsonb_build_object('job_id', '%s:' || (g %% 400)), NULL, "
+          "CASE WHEN g %% 4 = 0 THEN 'o' || (g %% 5) END) FROM generate_series(0, 479) g",
+          t.name, t.name);
+    a = itest_spawn(&t, cfg, 2, NULL);
+    b = itest_spawn(&t, cfg, 2, NULL);
+    sa = itest_wait(a, itest_ms(60000));
+    sb = itest_wait(b, itest_ms(60000));
+    ck_assert(sa != -1 && WIFEXITED(sa) && WEXITSTATUS(sa) == 0);
+    ck_assert(sb != -1 && WIFEXITED(sb) && WEXITSTATUS(sb) == 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE '%s:%%'",
+                           t.name), 400);
+    ck_assert_int_eq(qlong(&t, "SELECT count(DISTINCT key) FROM idemq_test.effects WHERE key "
+                               "LIKE '%s:%%'", t.name), 400);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
+START_TEST(test_enqueue_limits)
+{
+    struct itest t;
+    char st[6];
+    itest_setup(&t, "pgq_lim", "idemq_test.record", "", "");
+    ck_assert_str_eq(sqlstate_of(&t, "SELECT idemq.enqueue('', '{}')", st), "22023");
+    ck_assert_str_eq(sqlstate_of(&t, "SELECT idemq.enqueue(NULL, '{}')", st), "22023");
+    ck_assert_str_eq(sqlstate_of(&t, "SELECT idemq.enqueue(E'q\\n', '{}')", st), "22023");
+    ck_assert_str_eq(sqlstate_of(&t, "SELECT idemq.enqueue(repeat('q', 256), '{}')", st),
+                     "22023");
+    ck_assert_str_eq(sqlstate_of(&t, "SELECT idemq.enqueue('q', NULL)", st), "22004");
+    ck_assert_str_eq(sqlstate_of(&t, "SELECT idemq.enqueue_raw('q', "
+                                     "decode(repeat('00', 1048577), 'hex'))", st), "54000");
+    ck_assert_str_eq(sqlstate_of(&t, "SELECT idemq.enqueue('q', '{}', '')", st), "22023");
+    ck_assert_str_eq(sqlstate_of(&t, "SELECT idemq.enqueue('q', '{}', NULL, '')", st), "22023");
+    ck_assert_str_eq(sqlstate_of(&t, "SELECT idemq.enqueue('q', '{}', repeat('k', 256))", st),
+                     "22001");
+    ck_assert_str_eq(sqlstate_of(&t, "SELECT idemq.enqueue('q', '{}', NULL, repeat('k', 256))",
+                                 st), "22001");
+    ck_assert_str_eq(sqlstate_of(&t, "SELECT idemq.enqueue('q', '{}', NULL, NULL, now() + "
+                                     "interval '367 days')", st), "22008");
+    ck_assert_str_eq(sqlstate_of(&t, "SELECT idemq.enqueue('q', '{}', NULL, NULL, now(), "
+                                     "40000)", st), "22003");
+    /* at the limits: accepted (and rolled back) */
+    ck_assert_str_eq(sqlstate_of(&t, "BEGIN; SELECT idemq.enqueue(repeat('q', 255), '{}', "
+                                     "repeat('k', 255), repeat('o', 255), now() + interval "
+                                     "'365 days', -32768)", st), "");
+    itest_sql(&t, "ROLLBACK");
+    /* PUBLIC may not enqueue: the operator grants it to an application */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM pg_proc p WHERE p.pronamespace = "
+                                    "'idemq'::regnamespace AND p.proname IN ('enqueue', "
+                                    "'enqueue_raw', 'queue_take', 'queue_settle', "
+                                    "'queue_redrive') AND has_function_privilege('public', "
+                                    "p.oid, 'EXECUTE')", NULL), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
+START_TEST(test_killed_replica)
+{
+    struct itest t;
+    char cfg[300];
+    pid_t a, b, c;
+    int sb, sc;
+    setup(&t, "pgq_kill", cfg, sizeof cfg, "workers = 2; batch_max = 5;", "");
+    /* 300 jobs of 10 ms each, a third of them in 5 order keys */
+    qexec(&t,
+          "SELECT idemq.enqueue('%s', jsonb_build_object('job_id', '%s:' || g, 'sleep_ms', 10), "
+          "NULL, CASE WHEN g %% 3 = 0 THEN 'o' || (g %% 5) END) FROM generate_series(0, 299) g",
+          t.name, t.name);
+    a = itest_spawn(&t, cfg, 2, NULL);
+    b = itest_spawn(&t, cfg, 2, NULL);
+    usleep(700 * 1000);
+    ck_assert_int_eq(kill(a, SIGKILL), 0); /* mid-transaction, most likely */
+    waitpid(a, NULL, 0);
+    c = itest_spawn(&t, cfg, 2, NULL);
+    sb = itest_wait(b, itest_ms(60000));
+    sc = itest_wait(c, itest_ms(60000));
+    ck_assert(sb != -1 && WIFEXITED(sb) && WEXITSTATUS(sb) == 0);
+    ck_assert(sc != -1 && WIFEXITED(sc) && WEXITSTATUS(sc) == 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE '%s:%%'",
+                           t.name), 300);
+    ck_assert_int_eq(qlong(&t, "SELECT count(DISTINCT key) FROM idemq_test.effects WHERE key "
+                               "LIKE '%s:%%'", t.name), 300);
+    /* per order key, in enqueue order */
+    ck_assert_int_eq(qlong(&t,
+                           "SELECT count(*) FROM (SELECT split_part(key, ':', 2)::int AS i, "
+                           "lag(split_part(key, ':', 2)::int) OVER (PARTITION BY "
+                           "split_part(key, ':', 2)::int %% 5 ORDER BY id) AS prev "
+                           "FROM idemq_test.effects WHERE key LIKE '%s:%%' AND "
+                           "split_part(key, ':', 2)::int %% 3 = 0) x "
+                           "WHERE prev IS NOT NULL AND prev > i", t.name), 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* The DSN of the test database with another user. */
+static void dsn_as(const char *role, char *dsn, size_t len)
+{
+    char *u;
+    snprintf(dsn, len, "%s", getenv("IDEMQ_PG_DSN"));
+    u = strstr(dsn, "user=");
+    ck_assert_ptr_nonnull(u);
+    snprintf(u, len - (size_t)(u - dsn), "user=%s", role);
+}
+
+/* Connects as role and returns the SQLSTATE sql fails with ("" if not). */
+static const char *as_role(const char *role, const char *sql, char st[6])
+{
+    char dsn[512];
+    PGconn *db;
+    PGresult *r;
+    const char *s;
+    dsn_as(role, dsn, sizeof dsn);
+    db = PQconnectdb(dsn);
+    ck_assert_msg(PQstatus(db) == CONNECTION_OK, "%s", PQerrorMessage(db));
+    r = PQexec(db, sql);
+    s = PQresultErrorField(r, PG_DIAG_SQLSTATE);
+    snprintf(st, 6, "%s", PQresultStatus(r) == PGRES_TUPLES_OK ||
+                          PQresultStatus(r) == PGRES_COMMAND_OK ? "" : s ? s : "?");
+    PQclear(r);
+    PQfinish(db);
+    return st;
+}
+
+START_TEST(test_least_privilege_roles)
+{
+    struct itest t;
+    char cfg[300], run[64], app[64], bare[64], sql[1024], st[6], dsn[512], env[600], cmd[1200];
+    const char *envv[2] = {env, NULL};
+    char fn[128];
+    pid_t pid;
+    int ws;
+    /* an effect PUBLIC may not execute: the run role needs the grant */
+    itest_setup(&t, "pgq_roles", "idemq_test.record", "", "");
+    snprintf(fn, sizeof fn, "idemq_test.rec_%s", t.name);
+    qexec(&t, "CREATE FUNCTION %s(text, jsonb, jsonb) RETURNS jsonb LANGUAGE sql AS "
+              "'SELECT idemq_test.record($1, $2, $3)'; REVOKE EXECUTE ON FUNCTION "
+              "%s(text, jsonb, jsonb) FROM PUBLIC", fn, fn);
+    snprintf(cfg, sizeof cfg, "/tmp/%s.pg.cfg", t.name);
+    pg_effect = fn;
+    write_pg_config(&t, cfg, "", "");
+    pg_effect = NULL;
+    snprintf(run, sizeof run, "%s_run", t.name);
+    snprintf(app, sizeof app, "%s_app", t.name);
+    snprintf(bare, sizeof bare, "%s_bare", t.name);
+    qexec(&t, "CREATE ROLE %s LOGIN; CREATE ROLE %s LOGIN; CREATE ROLE %s LOGIN", run, app,
+          bare);
+    /* the run role: idemq migrate --grant */
+    snprintf(cmd, sizeof cmd, "%s migrate -c %s --grant %s > /dev/null 2>&1", IDEMQ_BINARY, cfg,
+             run);
+    ck_assert_int_eq(system(cmd), 0);
+    /* the application: EXECUTE on the two enqueue functions, nothing else */
+    qexec(&t, "GRANT USAGE ON SCHEMA idemq TO %s; GRANT EXECUTE ON FUNCTION "
+              "idemq.enqueue(text, jsonb, text, text, timestamptz, integer), "
+              "idemq.enqueue_raw(text, bytea, text, text, timestamptz, integer) TO %s",
+          app, app);
+    for (int i = 0; i < 3; i++) {
+        snprintf(sql, sizeof sql, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:%d\"%s}')",
+                 t.name, t.name, i,
+                 i == 1 ? ",\"raise\":\"40001\",\"raise_until\":1"
+                        : i == 2 ? ",\"raise\":\"22023\"" : "");
+        ck_assert_str_eq(as_role(app, sql, st), "");
+    }
+    /* the application cannot write the table, take, settle or redrive */
+    snprintf(sql, sizeof sql, "INSERT INTO idemq.queue_jobs (queue, payload, redrive_gen) "
+                              "VALUES ('%s', '\\x7b7d', 0)", t.name);
+    ck_assert_str_eq(as_role(app, sql, st), "42501");
+    ck_assert_str_eq(as_role(app, "SELECT * FROM idemq.queue_jobs", st), "42501");
+    ck_assert_str_eq(as_role(app, "SELECT * FROM idemq.queue_take('x', 1)", st), "42501");
+    ck_assert_str_eq(as_role(app, "SELECT idemq.queue_redrive(1, 'x')", st), "42501");
+    ck_assert_str_eq(as_role(app, "SELECT idemq.queue_settle('{1}', '{}', '{}', '{}', '{}', "
+                                  "'{}', '{}')", st), "42501");
+    /* a role without the grant cannot enqueue */
+    snprintf(sql, sizeof sql, "SELECT idemq.enqueue('%s', '{}')", t.name);
+    ck_assert_str_eq(as_role(bare, sql, st), "42501");
+    /* the run role writes nothing directly, and runs the input */
+    ck_assert_str_eq(as_role(run, "DELETE FROM idemq.queue_jobs", st), "42501");
+    dsn_as(run, dsn, sizeof dsn);
+    snprintf(env, sizeof env, "IDEMQ_PG_DSN=%s", dsn);
+    pid = itest_spawn(&t, cfg, 2, envv);
+    ws = itest_wait(pid, itest_ms(60000));
+    ck_assert(ws != -1 && WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key IN ('%s:0', "
+                               "'%s:1')", t.name, t.name), 2);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.attempts WHERE key = '%s:1' AND "
+                               "outcome = 'transient_error'", t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.parked WHERE key = '%s:2'", t.name),
+                     1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    qexec(&t, "DROP OWNED BY %s, %s, %s; DROP ROLE %s; DROP ROLE %s; DROP ROLE %s; DROP "
+              "FUNCTION %s(text, jsonb, jsonb)", run, app, bare, run, app, bare, fn);
+    itest_teardown(&t);
+}
+END_TEST
+
+START_TEST(test_config_refuses)
+{
+    static const char *const bad[] = {
+        /* a postgres input has no exchange, partitions, provider, observe mode */
+        "inputs = ({ name = \"a\"; transport = \"postgres\"; queue = \"a\"; exchange = \"x\"; "
+        "effect_function = \"f\"; });",
+        "inputs = ({ name = \"a\"; transport = \"postgres\"; queue = \"a\"; partitions = 2; "
+        "effect_function = \"f\"; });",
+        "inputs = ({ name = \"a\"; transport = \"postgres\"; queue = \"a\"; mode = \"observe\"; "
+        "effect_function = \"f\"; });",
+        "inputs = ({ name = \"a\"; transport = \"postgres\"; queue = \"a\"; key_source = "
+        "\"header:k\"; effect_function = \"f\"; });",
+        /* key = the enqueue's key: postgres only; an unknown transport */
+        "inputs = ({ name = \"a\"; queue = \"a\"; key_source = \"key\"; effect_function = "
+        "\"f\"; });",
+        "inputs = ({ name = \"a\"; transport = \"sqs\"; queue = \"a\"; effect_function = "
+        "\"f\"; });",
+    };
+    struct conf *c = NULL;
+    char err[512];
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        ck_assert_msg(conf_load_string(bad[i], &c, err, sizeof err) == IDEMQ_ERR_CONFIG,
+                      "accepted: %s", bad[i]);
+        ck_assert_ptr_null(c);
+    }
+    /* both kinds in one file: the postgres one apart from the broker's */
+    ck_assert_msg(conf_load_string("inputs = ({ name = \"b\"; queue = \"b\"; effect_function = "
+                                   "\"f\"; }, { name = \"p\"; transport = \"postgres\"; queue "
+                                   "= \"p\"; key_source = \"key\"; effect_function = \"g\"; });",
+                                   &c, err, sizeof err) == IDEMQ_OK, "%s", err);
+    ck_assert_int_eq(c->n_inputs, 1);
+    ck_assert_int_eq(c->n_pg_inputs, 1);
+    ck_assert_str_eq(c->inputs[0].name, "b");
+    ck_assert_str_eq(c->pg_inputs[0].name, "p");
+    ck_assert_int_eq(c->pg_inputs[0].key_kind, CONF_KEY_MESSAGE_ID);
+    conf_free(c);
+    /* a postgres input before a Celery one: the routes' effects are
+     * numbered after the broker inputs that stay (the ledger session of
+     * the broker workers resolves effects in that order) */
+    ck_assert_msg(conf_load_string("inputs = ({ name = \"p\"; transport = \"postgres\"; "
+                                   "queue = \"p\"; effect_function = \"g\"; }, { name = "
+                                   "\"c\"; queue = \"c\"; protocol = \"celery\"; key_source "
+                                   "= \"task_id\"; celery_tasks = [\"t.a=x.a\", "
+                                   "\"t.b=x.b\"]; });", &c, err, sizeof err) == IDEMQ_OK,
+                  "%s", err);
+    ck_assert_int_eq(c->n_inputs, 1);
+    ck_assert_int_eq(c->n_routes, 2);
+    ck_assert_int_eq(c->inputs[0].routes[0].effect, 1);
+    ck_assert_int_eq(c->inputs[0].routes[1].effect, 2);
+    ck_assert_int_eq(conf_pg_view(c).n_inputs, 1);
+    ck_assert_int_eq(conf_pg_view(c).n_routes, 0);
+    conf_free(c);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("pgq");
+    TCase *tc = tcase_create("pgq");
+    tcase_set_timeout(tc, itest_ms(180));
+    tcase_add_test(tc, test_config_refuses);
+    tcase_add_test(tc, test_enqueue_limits);
+    tcase_add_test(tc, test_rolled_back_enqueue_never_runs);
+    tcase_add_test(tc, test_two_enqueues_of_one_key);
+    tcase_add_test(tc, test_order_per_key);
+    tcase_add_test(tc, test_due_time_and_priority);
+    tcase_add_test(tc, test_queue_gauges);
+    tcase_add_test(tc, test_retry_then_success_with_history);
+    tcase_add_test(tc, test_key_and_error_with_quotes);
+    tcase_add_test(tc, test_effect_enqueues_a_chain);
+    tcase_add_test(tc, test_park_and_redrive);
+    tcase_add_test(tc, test_statement_timeout_is_an_attempt);
+    tcase_add_test(tc, test_notify_wakes_idle_worker);
+    tcase_add_test(tc, test_two_replicas_exactly_once);
+    tcase_add_test(tc, test_killed_replica);
+    tcase_add_test(tc, test_least_privilege_roles);
+    suite_add_tcase(s, tc);
+    return check_run(s);
+}
