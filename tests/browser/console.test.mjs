@@ -42,7 +42,9 @@ const check = (ok, what) => {
 
 const browser = await chromium.launch({
   executablePath: process.env.CHROMIUM || '/usr/bin/chromium',
-  args: ['--no-sandbox', '--disable-gpu', '--disable-dev-shm-usage'],
+  args: ['--no-sandbox', '--disable-gpu', '--disable-dev-shm-usage',
+    // DNS rebinding: an attacker's name that resolves to the console's host
+    '--host-resolver-rules=MAP rebind.example 127.0.0.1'],
 });
 const dialogs = [];
 try {
@@ -147,6 +149,17 @@ try {
     const text = await page.textContent('main');
     check(!text.includes('\u202e') && text.includes(shown),
           `${path.slice(0, 7)}: the bidi key shown escaped`);
+  }
+
+  // DNS rebinding: the browser reaches the console under an attacker's
+  // name (same address, same port); the console refuses the Host and
+  // shows nothing of the key.
+  {
+    const rebound = URL.replace('127.0.0.1', 'rebind.example');
+    const resp = await page.goto(rebound + '/key?k=' + encodeURIComponent(KEY));
+    const text = await page.content();
+    check(resp.status() === 421, `a rebinding Host is refused (${resp.status()})`);
+    check(!text.includes(KEY), 'the refused page shows nothing of the key');
   }
 
   // Cross-site and token-less POSTs are refused.
