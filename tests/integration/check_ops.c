@@ -1219,9 +1219,17 @@ START_TEST(test_application_role_reads_nothing)
         }
         snprintf(sql, sizeof sql,
                  "SELECT count(*) FROM pg_proc WHERE pronamespace = 'idemq'::regnamespace "
-                 "AND proname <> 'emit' AND has_function_privilege('%s', oid, 'EXECUTE')",
+                 "AND proname NOT IN ('emit', 'enqueue', 'enqueue_raw') "
+                 "AND has_function_privilege('%s', oid, 'EXECUTE')",
                  role);
         ck_assert_int_eq(itest_long(&t, sql, NULL), 0);
+        if (way == 1) { /* --grant-app: it may enqueue into PostgreSQL queue inputs too */
+            snprintf(sql, sizeof sql,
+                     "SELECT has_function_privilege('%s', 'idemq.enqueue(text, jsonb, text, "
+                     "text, timestamptz, integer)', 'EXECUTE')::int",
+                     role);
+            ck_assert_int_eq(itest_long(&t, sql, NULL), 1);
+        }
 
         dsn_as(role, dsn, sizeof dsn);
         db = PQconnectdb(dsn);
