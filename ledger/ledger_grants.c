@@ -178,8 +178,7 @@ static int app_statements(const char *r, int (*emit)(const char *stmt, void *arg
         "GRANT EXECUTE ON FUNCTION idemq.emit(text, text, bytea, jsonb, text, text)",
         /* transactional enqueue into PostgreSQL queue inputs */
         "GRANT EXECUTE ON FUNCTION idemq.enqueue(text, jsonb, text, text, timestamptz, integer)",
-        "GRANT EXECUTE ON FUNCTION idemq.enqueue_raw(text, bytea, text, text, timestamptz, "
-        "integer)",
+        "GRANT EXECUTE ON FUNCTION idemq.enqueue_raw(text, bytea, text, text, timestamptz, int)",
     };
     char stmt[GRANT_SQL_MAX];
     int rc;
@@ -234,8 +233,9 @@ void ledger_grants_print_kind(const struct conf *c, enum ledger_grants_kind kind
             "-- writes only through the operator functions; no effect, no INSERT, UPDATE,\n"
             "-- DELETE or DDL.",
         [LEDGER_GRANTS_APP] =
-            "-- The role of an application that emits to the outbox: idemq.emit and\n"
-            "-- nothing else of schema idemq (no reader of a key's story or result).",
+            ("-- The role of an application that emits to the outbox and enqueues jobs:\n"
+             "-- idemq.emit and idemq.enqueue, nothing else of schema idemq (no reader\n"
+             "-- of a key's story or result)."),
     };
     char r[160];
     fprintf(out,
