@@ -25,6 +25,13 @@
 
 #include "itest.h"
 
+/* 1 when every pgq worker session of the cluster is connected and idle
+ * (waiting for a NOTIFY or its next look), at least one of them. */
+#define PGQ_WORKERS_IDLE                                                                     \
+    "SELECT (count(*) FILTER (WHERE state = 'idle') >= 1 AND "                              \
+    "count(*) FILTER (WHERE state <> 'idle') = 0)::int FROM pg_stat_activity "              \
+    "WHERE application_name LIKE 'idemq pgq worker %%'"
+
 /* Extra top-level lines of the next config written (e.g. a database
  * group), or NULL. */
 static const char *pg_extra_top;
@@ -219,18 +226,22 @@ START_TEST(test_queue_gauges)
     /* three rows due in an hour: they stay in the queue while it runs */
     qexec(&t, "SELECT idemq.enqueue('%s', jsonb_build_object('job_id', '%s:' || g), NULL, NULL, "
               "now() + interval '1 hour') FROM generate_series(1, 3) g", t.name, t.name);
-    pid = itest_spawn(&t, cfg, 3, NULL);
-    usleep(1500 * 1000);
+    pid = itest_spawn(&t, cfg, 30, NULL);
     snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", port);
-    ck_assert_int_eq(itest_http_get(url, body, sizeof body), 200);
     {
         char want[256];
         snprintf(want, sizeof want, "idemq_queue_rows{input=\"%s\"} 3\n", t.name);
+        /* the gauges are refreshed every few seconds: poll until they hold the rows */
+        for (long long end = itest_mono_ms() + itest_ms(15000);
+             (itest_http_get(url, body, sizeof body) != 200 || !strstr(body, want)) &&
+             itest_mono_ms() < end;)
+            usleep(100 * 1000);
         ck_assert_msg(strstr(body, want) != NULL, "%s", body);
         snprintf(want, sizeof want, "idemq_queue_ready_rows{input=\"%s\"} 0\n", t.name);
         ck_assert_msg(strstr(body, want) != NULL, "%s", body);
         ck_assert_ptr_nonnull(strstr(body, "idemq_queue_gauges_up 1\n"));
     }
+    ck_assert_int_eq(kill(pid, SIGTERM), 0);
     st = itest_wait(pid, itest_ms(30000));
     ck_assert(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
     ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE '%s:%%'",
@@ -427,7 +438,11 @@ START_TEST(test_notify_wakes_idle_worker)
     setup(&t, "pgq_wake", cfg, sizeof cfg, "", "");
     snprintf(log, sizeof log, "/tmp/%s.log", t.name);
     pid = itest_spawn_log(cfg, 3, NULL, log);
-    usleep(1500 * 1000); /* idle by now: it sleeps up to 1 s between looks */
+    /* idle: its workers' sessions are connected (and listening) and wait */
+    for (long long end = itest_mono_ms() + itest_ms(15000);
+         qlong(&t, PGQ_WORKERS_IDLE) != 1 && itest_mono_ms() < end;)
+        usleep(50 * 1000);
+    ck_assert_int_eq(qlong(&t, PGQ_WORKERS_IDLE), 1);
     itest_sql(&t, "CREATE TEMP TABLE pgq_wake (key text, at timestamptz)");
     for (int i = 0; i < 3; i++) {
         /* autocommit: the enqueue commits right after its clock reading */
@@ -533,7 +548,12 @@ START_TEST(test_killed_replica)
           t.name, t.name);
     a = itest_spawn(&t, cfg, 2, NULL);
     b = itest_spawn(&t, cfg, 2, NULL);
-    usleep(700 * 1000);
+    /* both replicas at work (a tenth applied) before A dies */
+    for (long long end = itest_mono_ms() + itest_ms(30000);
+         qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE '%s:%%'", t.name) <
+             30 &&
+         itest_mono_ms() < end;)
+        usleep(20 * 1000);
     ck_assert_int_eq(kill(a, SIGKILL), 0); /* mid-transaction, most likely */
     waitpid(a, NULL, 0);
     c = itest_spawn(&t, cfg, 2, NULL);

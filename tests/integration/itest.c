@@ -44,6 +44,13 @@ int itest_ms(int ms)
     return ms * (mult > 0 ? mult : 1);
 }
 
+long long itest_mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
 int itest_free_port(void)
 {
     struct sockaddr_in sa;

@@ -78,6 +78,9 @@ int itest_http_get(const char *url, char *out, size_t outlen);
 /* Timeout multiplier from IDEMQ_TEST_TIMEOUT_MULT (sanitizer builds). */
 int itest_ms(int ms);
 
+/* Milliseconds of CLOCK_MONOTONIC: deadlines of the tests' polling loops. */
+long long itest_mono_ms(void);
+
 /* A TCP port on 127.0.0.1 that was free a moment ago (the kernel's pick for
  * a bind to port 0), e.g. for metrics.listen. A port derived from the pid
  * can be in use by another session's server or an ephemeral port. */
