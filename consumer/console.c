@@ -501,7 +501,9 @@ static void outbox_groups(struct console *k, struct html *b)
         for (int i = 0; i < PQntuples(r); i++) {
             html_raw(b, "<tr><td class=\"k\">");
             html_text(b, PQgetvalue(r, i, 0));
-            html_printf(b, "</td><td>%s</td><td>", PQgetvalue(r, i, 1));
+            html_raw(b, "</td><td>");
+            html_text(b, PQgetvalue(r, i, 1));
+            html_raw(b, "</td><td>");
             html_text(b, PQgetvalue(r, i, 2));
             html_raw(b, "</td><td>");
             html_text(b, PQgetvalue(r, i, 3));
