@@ -313,6 +313,12 @@ START_TEST(test_unroutable_parked)
         ck_assert_msg(strstr(out, "outbox rows parked") && strstr(out, "NOT_FOUND") &&
                           strstr(out, " outbox=1"),
                       "%s", out);
+        /* and in `parked groups`, by exchange and reason */
+        snprintf(args, sizeof args, "parked groups --key %s:nox", t.name);
+        ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+        ck_assert_msg(strstr(out, "outbox exchange ") && strstr(out, ": 1 row parked\n") &&
+                          strstr(out, "NOT_FOUND") && strstr(out, "1 outbox row parked"),
+                      "%s", out);
     }
     itest_teardown(&t);
 }
