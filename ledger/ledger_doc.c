@@ -6,6 +6,8 @@
  */
 #include "ledger_doc.h"
 
+#include "trace.h"
+
 #include <arpa/inet.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -172,6 +174,19 @@ static void add_meta(struct ledger_doc *d, const struct job *j, const struct con
     if (j->has_message_id) {
         adds(d, ",\"message_id\":");
         add_cstring(d, j->message_id);
+    }
+    {
+        /* the producer's trace context, when it is valid (trace.h): the
+         * effect reads it here, idemq.emit from idemq.traceparent */
+        struct trace_ctx tc;
+        if (trace_from_headers(j->headers, &tc)) {
+            adds(d, ",\"traceparent\":");
+            add_cstring(d, tc.parent);
+            if (tc.state[0]) {
+                adds(d, ",\"tracestate\":");
+                add_cstring(d, tc.state);
+            }
+        }
     }
     if (j->meta_extra) { /* a Celery task's facts */
         adds(d, ",\"celery\":");
