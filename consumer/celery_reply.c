@@ -132,16 +132,17 @@ static idemq_err_t send(struct broker *b, const struct job *j, const char *body)
     json_t *orig = json_pack("{s:s, s:s}", "correlation_id", j->correlation_id,
                              "content_encoding", "utf-8");
     struct broker_props props = {NULL, "application/json", NULL, false, NULL, orig};
-    struct trace_ctx tc;
+    char tp[TRACE_PARENT_LEN + 1];
     json_t *hdr = NULL;
     idemq_err_t err;
     if (!orig)
         return IDEMQ_ERR_NOMEM;
-    /* the task's trace context (when valid) continues in its result */
-    if (trace_from_headers(j->headers, &tc)) {
-        hdr = tc.state[0] ? json_pack("{s:s, s:s}", "traceparent", tc.parent, "tracestate",
-                                      tc.state)
-                          : json_pack("{s:s}", "traceparent", tc.parent);
+    /* the task's trace context continues in its result */
+    trace_job_parent(&j->trace, tp);
+    if (tp[0]) {
+        hdr = j->trace.in.state[0] ? json_pack("{s:s, s:s}", "traceparent", tp, "tracestate",
+                                               j->trace.in.state)
+                                   : json_pack("{s:s}", "traceparent", tp);
         if (!hdr) {
             json_decref(orig);
             return IDEMQ_ERR_NOMEM;

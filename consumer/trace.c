@@ -5,7 +5,9 @@
  */
 #include "trace.h"
 
+#include <stdio.h>
 #include <string.h>
+#include <sys/random.h>
 
 static bool lhex(char ch)
 {
@@ -76,4 +78,71 @@ bool trace_from_headers(const json_t *headers, struct trace_ctx *c)
     if (json_is_string(st) && trace_state_valid(json_string_value(st), json_string_length(st)))
         memcpy(c->state, json_string_value(st), json_string_length(st) + 1);
     return true;
+}
+
+static int unhex(char ch)
+{
+    return ch <= '9' ? ch - '0' : ch - 'a' + 10;
+}
+
+static void from_hex(const char *s, unsigned char *b, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        b[i] = (unsigned char)(unhex(s[2 * i]) << 4 | unhex(s[2 * i + 1]));
+}
+
+void trace_hex(const unsigned char *b, size_t n, char *out)
+{
+    static const char digits[] = "0123456789abcdef";
+    for (size_t i = 0; i < n; i++) {
+        out[2 * i] = digits[b[i] >> 4];
+        out[2 * i + 1] = digits[b[i] & 15];
+    }
+    out[2 * n] = '\0';
+}
+
+/* n random bytes, not all zero (ids of all zeros are invalid) */
+static void random_id(unsigned char *b, size_t n)
+{
+    bool any = false;
+    while (!any) {
+        size_t got = 0;
+        while (got < n) {
+            ssize_t r = getrandom(b + got, n - got, 0);
+            if (r > 0)
+                got += (size_t)r;
+        }
+        for (size_t i = 0; i < n; i++)
+            any = any || b[i];
+    }
+}
+
+void trace_job_begin(struct trace_job *t, const json_t *headers, bool span)
+{
+    bool have = trace_from_headers(headers, &t->in);
+    t->span = span;
+    t->flags = 1;
+    if (!span)
+        return;
+    if (have) {
+        from_hex(t->in.parent + 3, t->trace_id, 16);
+        from_hex(t->in.parent + 36, t->parent_id, 8);
+        from_hex(t->in.parent + 53, &t->flags, 1);
+    } else {
+        random_id(t->trace_id, sizeof t->trace_id);
+        memset(t->parent_id, 0, sizeof t->parent_id);
+    }
+    random_id(t->span_id, sizeof t->span_id);
+}
+
+void trace_job_parent(const struct trace_job *t, char *out)
+{
+    char tid[33], sid[17];
+    if (!t->span) {
+        memcpy(out, t->in.parent, sizeof t->in.parent);
+        return;
+    }
+    trace_hex(t->trace_id, 16, tid);
+    trace_hex(t->span_id, 8, sid);
+    snprintf(out, TRACE_PARENT_LEN + 1, "00-%s-%s-%02x", tid, sid, t->flags);
 }

@@ -24,6 +24,30 @@ struct trace_ctx {
     char state[TRACE_STATE_MAX + 1];   /* "" when none, or dropped */
 };
 
+/* A job's trace: the producer's context, and, when spans are exported,
+ * idemq's own span (a child of the producer's, or the root of a new trace
+ * when the producer sent none). */
+struct trace_job {
+    struct trace_ctx in;          /* what the producer sent (valid or "") */
+    bool span;                    /* idemq exports a span for this job */
+    unsigned char trace_id[16];   /* span: the trace (the producer's, or new) */
+    unsigned char span_id[8];     /* span: idemq's process span */
+    unsigned char parent_id[8];   /* span with in.parent: the producer's span */
+    unsigned char flags;          /* trace flags (01 = sampled) */
+};
+
+/* Sets t from headers; with span set, gives the job a span of its own
+ * (random ids from the kernel). */
+void trace_job_begin(struct trace_job *t, const json_t *headers, bool span);
+
+/* The traceparent a job's downstream work continues (the effect's meta,
+ * what it emits, a Celery result): idemq's span when it has one, else the
+ * producer's context as it came; "" when neither. out: TRACE_PARENT_LEN + 1. */
+void trace_job_parent(const struct trace_job *t, char *out);
+
+/* Lowercase hex of n bytes into out (2n + 1 bytes). */
+void trace_hex(const unsigned char *b, size_t n, char *out);
+
 /* true when s (n bytes) is a traceparent a version-00 reader accepts:
  * lowercase hex, a trace id and a parent id not all zeros, version not ff;
  * a later version may be longer, and only its first 55 characters are kept. */

@@ -176,15 +176,17 @@ static void add_meta(struct ledger_doc *d, const struct job *j, const struct con
         add_cstring(d, j->message_id);
     }
     {
-        /* the producer's trace context, when it is valid (trace.h): the
-         * effect reads it here, idemq.emit from idemq.traceparent */
-        struct trace_ctx tc;
-        if (trace_from_headers(j->headers, &tc)) {
+        /* the job's trace context (trace.h): idemq's span when spans are
+         * exported, else the producer's when it is valid; the effect reads
+         * it here, idemq.emit from idemq.traceparent */
+        char tp[TRACE_PARENT_LEN + 1];
+        trace_job_parent(&j->trace, tp);
+        if (tp[0]) {
             adds(d, ",\"traceparent\":");
-            add_cstring(d, tc.parent);
-            if (tc.state[0]) {
+            add_cstring(d, tp);
+            if (j->trace.in.state[0]) {
                 adds(d, ",\"tracestate\":");
-                add_cstring(d, tc.state);
+                add_cstring(d, j->trace.in.state);
             }
         }
     }
