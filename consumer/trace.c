@@ -128,6 +128,10 @@ void trace_job_begin(struct trace_job *t, const json_t *headers, bool span)
         from_hex(t->in.parent + 3, t->trace_id, 16);
         from_hex(t->in.parent + 36, t->parent_id, 8);
         from_hex(t->in.parent + 53, &t->flags, 1);
+        if (!(t->flags & 1)) { /* the producer did not sample it: neither does idemq */
+            t->span = false;
+            return;
+        }
     } else {
         random_id(t->trace_id, sizeof t->trace_id);
         memset(t->parent_id, 0, sizeof t->parent_id);

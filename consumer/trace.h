@@ -37,7 +37,8 @@ struct trace_job {
 };
 
 /* Sets t from headers; with span set, gives the job a span of its own
- * (random ids from the kernel). */
+ * (random ids from the kernel), unless the producer's context says it is
+ * not sampled (then its context is passed on as it came). */
 void trace_job_begin(struct trace_job *t, const json_t *headers, bool span);
 
 /* The traceparent a job's downstream work continues (the effect's meta,

@@ -113,21 +113,21 @@ static json_t *span_json(const struct conf *c, const struct trace_span *s)
                       attr_str("idemq.outcome", outcome_name(s->outcome)));
     if (attrs && s->attempt > 0)
         json_array_append_new(attrs, attr_int("idemq.attempt", s->attempt));
-    /* kind 5: SPAN_KIND_CONSUMER; status 2: ERROR (parked), else 0: UNSET */
-    o = json_pack("{s:s, s:s, s:s, s:i, s:s, s:s, s:o, s:{s:i}}", "traceId", tid, "spanId", sid,
-                  "name", name, "kind", 5, "startTimeUnixNano", t0, "endTimeUnixNano", t1,
-                  "attributes", attrs, "status", "code", s->outcome == TRACE_PARKED ? 2 : 0);
+    /* kind 5: SPAN_KIND_CONSUMER */
+    o = json_pack("{s:s, s:s, s:s, s:i, s:s, s:s, s:o}", "traceId", tid, "spanId", sid, "name",
+                  name, "kind", 5, "startTimeUnixNano", t0, "endTimeUnixNano", t1, "attributes",
+                  attrs);
+    /* status: ERROR for a parked job; else left unset (the default) */
+    if (o && s->outcome == TRACE_PARKED)
+        json_object_set_new(o, "status", json_pack("{s:i, s:s}", "code", 2, "message", "parked"));
     if (o && s->t.in.parent[0]) {
         trace_hex(s->t.parent_id, 8, pid);
         json_object_set_new(o, "parentSpanId", json_string(pid));
         if (s->t.in.state[0])
             json_object_set_new(o, "traceState", json_string(s->t.in.state));
     }
-    /* flags: the W3C trace flags, 0x100 "is-remote known", 0x200 "the
-     * parent is remote" (the producer's span, in another process) */
-    if (o)
-        json_object_set_new(o, "flags",
-                            json_integer(s->t.flags | 0x100 | (s->t.in.parent[0] ? 0x200 : 0)));
+    /* Span.flags (trace flags, parent is remote) is left out: collectors
+     * built on the protocol before 1.1 do not know it */
     return o;
 }
 

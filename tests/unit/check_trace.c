@@ -96,6 +96,49 @@ START_TEST(test_from_headers)
 }
 END_TEST
 
+/* idemq's own span: a child of the producer's sampled span, a new trace
+ * without one, none under an unsampled parent; what continues downstream. */
+START_TEST(test_job_span)
+{
+    struct trace_job t;
+    char tp[TRACE_PARENT_LEN + 1], hex[33];
+    json_t *h = json_pack("{s:s}", "traceparent", TP);
+    trace_job_begin(&t, h, true);
+    ck_assert(t.span);
+    trace_hex(t.trace_id, 16, hex);
+    ck_assert_str_eq(hex, "4bf92f3577b34da6a3ce929d0e0e4736");
+    trace_hex(t.parent_id, 8, hex);
+    ck_assert_str_eq(hex, "00f067aa0ba902b7");
+    trace_job_parent(&t, tp);
+    ck_assert_int_eq(strlen(tp), TRACE_PARENT_LEN);
+    ck_assert(strncmp(tp, "00-4bf92f3577b34da6a3ce929d0e0e4736-", 36) == 0);
+    ck_assert(strcmp(tp + 36, "00f067aa0ba902b7-01") != 0); /* idemq's span, not the parent */
+    ck_assert(trace_parent_valid(tp, strlen(tp)));
+    /* without spans: the producer's context as it came */
+    trace_job_begin(&t, h, false);
+    ck_assert(!t.span);
+    trace_job_parent(&t, tp);
+    ck_assert_str_eq(tp, TP);
+    json_decref(h);
+    /* not sampled by the producer: no span, its context passed on */
+    h = json_pack("{s:s}", "traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00");
+    trace_job_begin(&t, h, true);
+    ck_assert(!t.span);
+    trace_job_parent(&t, tp);
+    ck_assert_str_eq(tp, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00");
+    json_decref(h);
+    /* no context: a new trace, sampled */
+    trace_job_begin(&t, NULL, true);
+    ck_assert(t.span);
+    trace_job_parent(&t, tp);
+    ck_assert(trace_parent_valid(tp, strlen(tp)));
+    ck_assert(strcmp(tp + 53, "01") == 0);
+    trace_job_begin(&t, NULL, false);
+    trace_job_parent(&t, tp);
+    ck_assert_str_eq(tp, "");
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("trace");
@@ -103,6 +146,7 @@ int main(void)
     tcase_add_test(tc, test_parent_shapes);
     tcase_add_test(tc, test_state_shapes);
     tcase_add_test(tc, test_from_headers);
+    tcase_add_test(tc, test_job_span);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
