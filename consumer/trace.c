@@ -5,6 +5,7 @@
  */
 #include "trace.h"
 
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/random.h>
@@ -101,16 +102,36 @@ void trace_hex(const unsigned char *b, size_t n, char *out)
     out[2 * n] = '\0';
 }
 
-/* n random bytes, not all zero (ids of all zeros are invalid) */
+/* splitmix64: a thread's id stream, seeded once from the kernel (ids must
+ * be unique, not secret; a system call per id costs more than the span) */
+static uint64_t next_u64(void)
+{
+    static __thread uint64_t state;
+    static __thread bool seeded;
+    uint64_t z;
+    if (!seeded) {
+        size_t got = 0;
+        while (got < sizeof state) {
+            ssize_t r = getrandom((unsigned char *)&state + got, sizeof state - got, 0);
+            if (r > 0)
+                got += (size_t)r;
+        }
+        seeded = true;
+    }
+    z = (state += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+/* n random bytes (8 or 16), not all zero (ids of all zeros are invalid) */
 static void random_id(unsigned char *b, size_t n)
 {
     bool any = false;
     while (!any) {
-        size_t got = 0;
-        while (got < n) {
-            ssize_t r = getrandom(b + got, n - got, 0);
-            if (r > 0)
-                got += (size_t)r;
+        for (size_t i = 0; i < n; i += 8) {
+            uint64_t v = next_u64();
+            memcpy(b + i, &v, n - i < 8 ? n - i : 8);
         }
         for (size_t i = 0; i < n; i++)
             any = any || b[i];

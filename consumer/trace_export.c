@@ -9,7 +9,6 @@
 #include "trace_export.h"
 
 #include <curl/curl.h>
-#include <jansson.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -19,11 +18,35 @@
 
 #include "log.h"
 
+/* A queued span, compact: the ring is touched by every job. */
+struct slot {
+    unsigned char trace_id[16], span_id[8], parent_id[8];
+    bool has_parent;
+    char *state; /* the producer's tracestate (malloc'd), or NULL */
+    long long start_ns, end_ns;
+    int input, attempt;
+    enum trace_outcome outcome;
+};
+
+static void slot_of(struct slot *o, const struct trace_span *s)
+{
+    memcpy(o->trace_id, s->t.trace_id, sizeof o->trace_id);
+    memcpy(o->span_id, s->t.span_id, sizeof o->span_id);
+    memcpy(o->parent_id, s->t.parent_id, sizeof o->parent_id);
+    o->has_parent = s->t.in.parent[0] != '\0';
+    o->state = o->has_parent && s->t.in.state[0] ? strdup(s->t.in.state) : NULL;
+    o->start_ns = s->start_ns;
+    o->end_ns = s->end_ns;
+    o->input = s->input;
+    o->attempt = s->attempt;
+    o->outcome = s->outcome;
+}
+
 struct exporter {
     const struct conf *c;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    struct trace_span *ring;
+    struct slot *ring;
     size_t cap, head, n;
     bool stop;
     pthread_t thread;
@@ -49,17 +72,21 @@ void trace_export_counts(struct trace_export_counts *out)
 void trace_export_span(const struct trace_span *s)
 {
     bool full;
+    struct slot o;
     if (!trace_export_on() || !s->t.span)
         return;
+    slot_of(&o, s);
     pthread_mutex_lock(&ex.mu);
     full = ex.n == ex.cap;
     if (!full) {
-        ex.ring[(ex.head + ex.n) % ex.cap] = *s;
+        ex.ring[(ex.head + ex.n) % ex.cap] = o;
+        o.state = NULL;
         ex.n++;
         if (ex.n == (size_t)ex.c->tracing_batch_max)
             pthread_cond_signal(&ex.cv);
     }
     pthread_mutex_unlock(&ex.mu);
+    free(o.state);
     if (full)
         atomic_fetch_add(&ex.dropped, 1);
 }
@@ -83,72 +110,157 @@ static const char *outcome_name(enum trace_outcome o)
     return "unknown";
 }
 
-static json_t *attr_str(const char *k, const char *v)
+/* The request body is written directly (jansson objects per span cost
+ * several times the rest of a job's CPU in idemq): a growable buffer. */
+struct buf {
+    char *p;
+    size_t len, cap;
+    bool nomem;
+};
+
+static void put(struct buf *b, const char *s, size_t n)
 {
-    return json_pack("{s:s, s:{s:s}}", "key", k, "value", "stringValue", v);
+    if (b->nomem)
+        return;
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 4096;
+        char *p;
+        while (cap < b->len + n + 1)
+            cap *= 2;
+        if (!(p = realloc(b->p, cap))) {
+            b->nomem = true;
+            return;
+        }
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
 }
 
-static json_t *attr_int(const char *k, long long v)
+static void puts_(struct buf *b, const char *s)
 {
-    char num[24];
-    snprintf(num, sizeof num, "%lld", v); /* int64 travels as a string in OTLP JSON */
-    return json_pack("{s:s, s:{s:s}}", "key", k, "value", "intValue", num);
+    put(b, s, strlen(s));
 }
 
-static json_t *span_json(const struct conf *c, const struct trace_span *s)
+/* s as a JSON string (quotes, backslashes and controls escaped) */
+static void put_str(struct buf *b, const char *s)
+{
+    put(b, "\"", 1);
+    for (const char *run = s;; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch && ch >= 0x20 && ch != '"' && ch != '\\')
+            continue;
+        put(b, run, (size_t)(s - run));
+        if (!ch)
+            break;
+        if (ch == '"' || ch == '\\') {
+            char e[2] = {'\\', (char)ch};
+            put(b, e, 2);
+        } else {
+            char e[8];
+            snprintf(e, sizeof e, "\\u%04x", ch);
+            put(b, e, 6);
+        }
+        run = s + 1;
+    }
+    put(b, "\"", 1);
+}
+
+static void attr_str(struct buf *b, bool first, const char *k, const char *v)
+{
+    puts_(b, first ? "{\"key\":\"" : ",{\"key\":\"");
+    puts_(b, k); /* keys are constants of this file */
+    puts_(b, "\",\"value\":{\"stringValue\":");
+    put_str(b, v);
+    puts_(b, "}}");
+}
+
+static void span_json(struct buf *b, const struct conf *c, const struct slot *s, bool first)
 {
     const struct conf_input *in = &c->inputs[s->input];
-    char tid[33], sid[17], pid[17], t0[24], t1[24], name[300];
-    json_t *o, *attrs;
-    trace_hex(s->t.trace_id, 16, tid);
-    trace_hex(s->t.span_id, 8, sid);
-    snprintf(t0, sizeof t0, "%lld", s->start_ns);
-    snprintf(t1, sizeof t1, "%lld", s->end_ns);
-    snprintf(name, sizeof name, "process %s", in->queue);
-    attrs = json_pack("[o, o, o, o, o, o]", attr_str("messaging.system", "rabbitmq"),
-                      attr_str("messaging.operation.type", "process"),
-                      attr_str("messaging.operation.name", "process"),
-                      attr_str("messaging.destination.name", in->queue),
-                      attr_str("idemq.input", in->name),
-                      attr_str("idemq.outcome", outcome_name(s->outcome)));
-    if (attrs && s->attempt > 0)
-        json_array_append_new(attrs, attr_int("idemq.attempt", s->attempt));
-    /* kind 5: SPAN_KIND_CONSUMER */
-    o = json_pack("{s:s, s:s, s:s, s:i, s:s, s:s, s:o}", "traceId", tid, "spanId", sid, "name",
-                  name, "kind", 5, "startTimeUnixNano", t0, "endTimeUnixNano", t1, "attributes",
-                  attrs);
-    /* status: ERROR for a parked job; else left unset (the default) */
-    if (o && s->outcome == TRACE_PARKED)
-        json_object_set_new(o, "status", json_pack("{s:i, s:s}", "code", 2, "message", "parked"));
-    if (o && s->t.in.parent[0]) {
-        trace_hex(s->t.parent_id, 8, pid);
-        json_object_set_new(o, "parentSpanId", json_string(pid));
-        if (s->t.in.state[0])
-            json_object_set_new(o, "traceState", json_string(s->t.in.state));
+    char hex[33], num[64];
+    puts_(b, first ? "{\"traceId\":\"" : ",{\"traceId\":\"");
+    trace_hex(s->trace_id, 16, hex);
+    put(b, hex, 32);
+    puts_(b, "\",\"spanId\":\"");
+    trace_hex(s->span_id, 8, hex);
+    put(b, hex, 16);
+    put(b, "\"", 1);
+    if (s->has_parent) {
+        puts_(b, ",\"parentSpanId\":\"");
+        trace_hex(s->parent_id, 8, hex);
+        put(b, hex, 16);
+        put(b, "\"", 1);
+        if (s->state) {
+            puts_(b, ",\"traceState\":");
+            put_str(b, s->state);
+        }
     }
-    /* Span.flags (trace flags, parent is remote) is left out: collectors
-     * built on the protocol before 1.1 do not know it */
-    return o;
+    puts_(b, ",\"name\":");
+    {
+        char name[300];
+        snprintf(name, sizeof name, "process %s", in->queue);
+        put_str(b, name);
+    }
+    /* kind 5: SPAN_KIND_CONSUMER; 64-bit times travel as strings */
+    snprintf(num, sizeof num, ",\"kind\":5,\"startTimeUnixNano\":\"%lld\"", s->start_ns);
+    puts_(b, num);
+    snprintf(num, sizeof num, ",\"endTimeUnixNano\":\"%lld\"", s->end_ns);
+    puts_(b, num);
+    puts_(b, ",\"attributes\":[");
+    attr_str(b, true, "messaging.system", "rabbitmq");
+    attr_str(b, false, "messaging.operation.type", "process");
+    attr_str(b, false, "messaging.operation.name", "process");
+    attr_str(b, false, "messaging.destination.name", in->queue);
+    attr_str(b, false, "idemq.input", in->name);
+    attr_str(b, false, "idemq.outcome", outcome_name(s->outcome));
+    if (s->attempt > 0) {
+        snprintf(num, sizeof num,
+                 ",{\"key\":\"idemq.attempt\",\"value\":{\"intValue\":\"%d\"}}", s->attempt);
+        puts_(b, num);
+    }
+    put(b, "]", 1);
+    /* status: ERROR for a parked job; else left unset (the default).
+     * Span.flags is left out: collectors built on the protocol before 1.1
+     * do not know it. */
+    if (s->outcome == TRACE_PARKED)
+        puts_(b, ",\"status\":{\"code\":2,\"message\":\"parked\"}");
+    put(b, "}", 1);
+}
+
+static char *body_of(const struct conf *c, const struct slot *s, size_t n)
+{
+    struct buf b = {NULL, 0, 0, false};
+    puts_(&b, "{\"resourceSpans\":[{\"resource\":{\"attributes\":[");
+    attr_str(&b, true, "service.name", c->tracing_service_name);
+    puts_(&b, "]},\"scopeSpans\":[{\"scope\":{\"name\":\"idemq\",\"version\":");
+    put_str(&b, IDEMQ_VERSION);
+    puts_(&b, "},\"spans\":[");
+    for (size_t i = 0; i < n; i++)
+        span_json(&b, c, &s[i], i == 0);
+    puts_(&b, "]}]}]}");
+    if (b.nomem) {
+        free(b.p);
+        return NULL;
+    }
+    return b.p;
 }
 
 char *trace_export_body(const struct conf *c, const struct trace_span *s, size_t n)
 {
-    json_t *spans = json_array(), *root;
-    char *out;
-    for (size_t i = 0; spans && i < n; i++)
-        if (json_array_append_new(spans, span_json(c, &s[i])) != 0) {
-            json_decref(spans);
-            return NULL;
-        }
-    root = json_pack("{s:[{s:{s:[o]}, s:[{s:{s:s, s:s}, s:o}]}]}", "resourceSpans", "resource",
-                     "attributes", attr_str("service.name", c->tracing_service_name),
-                     "scopeSpans", "scope", "name", "idemq", "version", IDEMQ_VERSION, "spans",
-                     spans);
-    if (!root)
-        return NULL;
-    out = json_dumps(root, JSON_COMPACT);
-    json_decref(root);
-    return out;
+    struct slot *o = calloc(n ? n : 1, sizeof *o);
+    char *body = NULL;
+    if (o) {
+        for (size_t i = 0; i < n; i++)
+            slot_of(&o[i], &s[i]);
+        body = body_of(c, o, n);
+        for (size_t i = 0; i < n; i++)
+            free(o[i].state);
+        free(o);
+    }
+    return body;
 }
 
 static size_t discard(char *p, size_t size, size_t n, void *arg)
@@ -159,9 +271,9 @@ static size_t discard(char *p, size_t size, size_t n, void *arg)
 }
 
 /* One request of spans s[0..n); returns true when the collector took it. */
-static bool post(CURL *h, const struct trace_span *s, size_t n)
+static bool post(CURL *h, const struct slot *s, size_t n)
 {
-    char *body = trace_export_body(ex.c, s, n);
+    char *body = body_of(ex.c, s, n);
     struct curl_slist *hdr = curl_slist_append(NULL, "Content-Type: application/json");
     long status = 0;
     CURLcode rc = CURLE_OUT_OF_MEMORY;
@@ -203,7 +315,7 @@ static void *run(void *arg)
 {
     CURL *h = curl_easy_init();
     size_t max = (size_t)ex.c->tracing_batch_max;
-    struct trace_span *batch = calloc(max, sizeof *batch);
+    struct slot *batch = calloc(max, sizeof *batch);
     bool failing = false;
     long long stop_at = 0;
     (void)arg;
@@ -228,7 +340,8 @@ static void *run(void *arg)
         if (stop && mono_ms() - stop_at > ex.c->tracing_timeout_ms) {
             /* stopping, and the collector is slow: the rest is dropped */
             atomic_fetch_add(&ex.failed, (long)ex.n);
-            ex.n = 0;
+            for (; ex.n > 0; ex.n--, ex.head = (ex.head + 1) % ex.cap)
+                free(ex.ring[ex.head].state);
         }
         while (batch && n < max && ex.n > 0) {
             batch[n++] = ex.ring[ex.head];
@@ -247,9 +360,15 @@ static void *run(void *arg)
         } else if (n) {
             atomic_fetch_add(&ex.failed, (long)n);
         }
-        if (stop && n < max) /* the queue is empty (or the last pass ran) */
+        for (size_t i = 0; i < n; i++)
+            free(batch[i].state);
+        if (stop && (n < max || !batch)) /* the queue is empty (or cannot be read) */
             break;
     }
+    pthread_mutex_lock(&ex.mu);
+    for (; ex.n > 0; ex.n--, ex.head = (ex.head + 1) % ex.cap) /* only without a batch */
+        free(ex.ring[ex.head].state);
+    pthread_mutex_unlock(&ex.mu);
     free(batch);
     curl_easy_cleanup(h);
     return NULL;

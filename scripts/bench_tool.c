@@ -7,7 +7,7 @@
  * reads a queue's message count. It reuses idemq's own AMQP adapter
  * (adapters/broker.h) and config loader.
  *
- *   idemq-bench publish -c CFG -n N --run ID [--dup-pct P] [--rate R]
+ *   idemq-bench publish -c CFG -n N --run ID [--dup-pct P] [--rate R] [--traced]
  *                       [--soak-window S] [--transient-permille T] [--permanent-permille P]
  *                       [--old-keys K --old-pct Q]
  *   idemq-bench drain   -c CFG -n N [--batch B]
@@ -58,6 +58,7 @@ struct opts {
     const char *input;   /* --input NAME: the input acted on (NULL: the first) */
     long old_keys;       /* keys scripts/ledger-fill wrote (payout:inv-0 .. K-1) */
     int old_pct;         /* per cent of jobs that are copies of one of them */
+    bool traced;         /* a W3C traceparent header on each message */
 };
 
 static int sel_input; /* index of the input acted on (main, from --input) */
@@ -81,6 +82,7 @@ static void sleep_until(double t)
 static void usage(void)
 {
     fprintf(stderr, "usage: idemq-bench publish -c CFG -n N --run ID [--dup-pct P] [--rate R]\n"
+                    "                           [--traced] (a W3C traceparent header each)\n"
                     "                           [--old-keys K --old-pct Q]\n"
                     "       idemq-bench drain -c CFG -n N [--batch B]\n"
                     "       idemq-bench lean -c CFG -n N [--batch B] [--workers W]\n"
@@ -100,6 +102,7 @@ static int parse(int argc, char **argv, struct opts *o)
         {"permanent-permille", required_argument, NULL, 'p'},
         {"input", required_argument, NULL, 'i'},
         {"old-keys", required_argument, NULL, 'K'}, {"old-pct", required_argument, NULL, 'Q'},
+        {"traced", no_argument, NULL, 'T'},
         {NULL, 0, NULL, 0}};
     int c;
     char *end;
@@ -124,6 +127,7 @@ static int parse(int argc, char **argv, struct opts *o)
         case 'i': o->input = optarg; break;
         case 'K': o->old_keys = strtol(optarg, &end, 10); break;
         case 'Q': o->old_pct = (int)strtol(optarg, &end, 10); break;
+        case 'T': o->traced = true; end = (char *)""; break;
         default: return -1;
         }
         if (c != 'c' && c != 'r' && c != 'i' && (errno || *end))
@@ -255,8 +259,15 @@ static int cmd_publish(const struct conf *c, const struct opts *o)
     for (long i = 0; i < o->n; i++) {
         struct job_kind kind;
         int len = body_for(o, i, &unique, body, sizeof body, &kind);
-        json_t *orig = NULL;
+        json_t *orig = NULL, *hdr = NULL;
         struct broker_props props = {NULL, "application/json", NULL, true, NULL, NULL};
+        if (o->traced) { /* a W3C traceparent per message, as an instrumented producer's */
+            char tp[64];
+            snprintf(tp, sizeof tp, "00-%016lx%016lx-%016lx-01", (unsigned long)wall0,
+                     (unsigned long)i + 1, (unsigned long)i + 1);
+            hdr = json_pack("{s:s}", "traceparent", tp);
+            props.headers = hdr;
+        }
         if (kind.prefilled)
             prefilled++;
         else if (kind.dup) {
@@ -278,9 +289,11 @@ static int cmd_publish(const struct conf *c, const struct opts *o)
             sleep_until(t0 + (double)i / o->rate);
         if (broker_publish(b, in->exchange, in->routing_key, body, (size_t)len, &props)) {
             json_decref(orig);
+            json_decref(hdr);
             goto fail;
         }
         json_decref(orig);
+        json_decref(hdr);
         /* Flat out: wait for the confirms every CONFIRM_WINDOW messages. At
          * a fixed rate: every 10 ms worth of messages, take the confirms that
          * have arrived without blocking on the rest, so the offered load

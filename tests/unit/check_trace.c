@@ -7,9 +7,11 @@
 #include <check.h>
 
 #include "check_run.h"
+#include <stdlib.h>
 #include <string.h>
 
 #include "trace.h"
+#include "trace_export.h"
 
 #define TP "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -139,6 +141,56 @@ START_TEST(test_job_span)
 }
 END_TEST
 
+/* The OTLP JSON body: valid JSON whatever a name holds, ids in hex, the
+ * producer's span as the parent, times as strings, ERROR for a park. */
+START_TEST(test_export_body)
+{
+    struct conf c;
+    struct conf_input in;
+    struct trace_span sp[2];
+    json_t *h = json_pack("{s:s, s:s}", "traceparent", TP, "tracestate", "a=\"b\\c");
+    json_t *root, *spans, *s0;
+    char *body;
+    memset(&c, 0, sizeof c);
+    memset(&in, 0, sizeof in);
+    memset(sp, 0, sizeof sp);
+    in.queue = "q\"uote\x01\\";
+    in.name = "in";
+    c.inputs = &in;
+    c.n_inputs = 1;
+    c.tracing_service_name = "svc";
+    trace_job_begin(&sp[0].t, h, true);
+    sp[0].start_ns = 1000000000000000001LL;
+    sp[0].end_ns = 1000000000000000002LL;
+    sp[0].attempt = 2;
+    sp[0].outcome = TRACE_PARKED;
+    trace_job_begin(&sp[1].t, NULL, true);
+    sp[1].outcome = TRACE_APPLIED;
+    body = trace_export_body(&c, sp, 2);
+    ck_assert_ptr_nonnull(body);
+    root = json_loads(body, 0, NULL);
+    ck_assert_msg(root != NULL, "not JSON: %s", body);
+    spans = json_object_get(json_array_get(json_object_get(json_array_get(json_object_get(root,
+        "resourceSpans"), 0), "scopeSpans"), 0), "spans");
+    ck_assert_int_eq(json_array_size(spans), 2);
+    s0 = json_array_get(spans, 0);
+    ck_assert_str_eq(json_string_value(json_object_get(s0, "name")), "process q\"uote\x01\\");
+    ck_assert_str_eq(json_string_value(json_object_get(s0, "traceId")),
+                     "4bf92f3577b34da6a3ce929d0e0e4736");
+    ck_assert_str_eq(json_string_value(json_object_get(s0, "parentSpanId")), "00f067aa0ba902b7");
+    ck_assert_int_eq(strlen(json_string_value(json_object_get(s0, "spanId"))), 16);
+    ck_assert_str_eq(json_string_value(json_object_get(s0, "traceState")), "a=\"b\\c");
+    ck_assert_str_eq(json_string_value(json_object_get(s0, "startTimeUnixNano")),
+                     "1000000000000000001");
+    ck_assert_int_eq(json_integer_value(json_object_get(json_object_get(s0, "status"), "code")), 2);
+    ck_assert_ptr_null(json_object_get(json_array_get(spans, 1), "parentSpanId"));
+    ck_assert_ptr_null(json_object_get(json_array_get(spans, 1), "status"));
+    json_decref(root);
+    json_decref(h);
+    free(body);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("trace");
@@ -147,6 +199,7 @@ int main(void)
     tcase_add_test(tc, test_state_shapes);
     tcase_add_test(tc, test_from_headers);
     tcase_add_test(tc, test_job_span);
+    tcase_add_test(tc, test_export_body);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
