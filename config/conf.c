@@ -20,6 +20,7 @@
 #include "backoff.h"
 #include "classify.h"
 #include "log.h"
+#include "mask.h"
 
 /* CT_DAYS: a number of days, integer or fractional (libconfig has no
  * duration type), stored as a double; its row's min, max and default are in
@@ -64,6 +65,9 @@ static const struct conf_key global_keys[] = {
      "libpq connection string; IDEMQ_PG_DSN overrides"},
     {"database.statement_timeout_ms", CT_INT, G(statement_timeout_ms), 0, 3600000, NULL, 10000, 0,
      "statement_timeout of each worker session (0 = none)"},
+    {"database.keep_error_detail", CT_BOOL, G(keep_error_detail), 0, 1, NULL, 0, 0,
+     "log the DETAIL of PostgreSQL notices and warnings (it may quote row values, such as "
+     "a constraint's key); stored error texts keep only the primary message"},
     {"database.client_timeout_ms", CT_INT, G(client_timeout_ms), 0, 3600000, NULL, 0, 0,
      "client-side deadline of each database call: past it the worker abandons the connection "
      "(a frozen or vanished server); 0 = statement_timeout_ms + 5000 (none if that is 0)"},
@@ -215,6 +219,10 @@ static const struct conf_key input_keys[] = {
      "key's stored result or park reason (result), or only with its status (status: SUCCESS "
      "with a null result, FAILURE naming the park code alone), where producers that share "
      "keys do not trust each other"},
+    {"sensitive", CT_STRLIST, I(sensitive), 0, 64, "", 0, 0,
+     "payload fields to mask in everything idemq shows or logs (jobs show, parked list and "
+     "show, the console, failure groups, error texts): dotted JSON paths such as "
+     "\"card.number\"; a path through an array applies to each element"},
     {"deferred_report_after_s", CT_INT, I(deferred_report_after_s), 1, 86400 * 30, NULL, 300, 0,
      "deferred jobs (waiting for a predecessor) older than this are reported"},
     /* provider effects: keep these rows together */
@@ -791,6 +799,16 @@ static idemq_err_t validate_input(struct conf_input *in, int line, const char *f
         errf(errbuf, errlen, "%s:%d: input %s: exchange_type must be direct, topic or fanout",
              file, line, in->name);
         return IDEMQ_ERR_CONFIG;
+    }
+    for (int i = 0; i < in->sensitive.n; i++) {
+        char why[128];
+        if (!in->sensitive.v[i][0] && in->sensitive.n == 1)
+            break; /* the default: none */
+        if (!mask_path_check(in->sensitive.v[i], why, sizeof why)) {
+            errf(errbuf, errlen, "%s:%d: input %s: sensitive[%d] \"%s\" %s", file, line,
+                 in->name, i, in->sensitive.v[i], why);
+            return IDEMQ_ERR_CONFIG;
+        }
     }
     if (strcmp(in->protocol, "native") && strcmp(in->protocol, "celery")) {
         errf(errbuf, errlen, "%s:%d: input %s: protocol must be \"native\" or \"celery\", "

@@ -126,6 +126,7 @@ struct conf_input {
     /* Celery producers */
     char *protocol;                   /* "native" or "celery" */
     struct conf_strlist celery_tasks; /* "task.name=schema.fn" entries */
+    struct conf_strlist sensitive;    /* payload fields masked when shown (mask.h) */
     bool celery;                      /* derived: protocol = "celery" */
     int key_arg;                      /* CONF_KEY_CELERY_ARG: the argument's index */
     struct conf_celery_route *routes; /* derived from celery_tasks */
@@ -157,6 +158,7 @@ struct conf {
     /* database */
     char *dsn;
     int statement_timeout_ms;
+    bool keep_error_detail; /* log PostgreSQL notices' DETAIL */
     int client_timeout_ms; /* as configured; 0 = derived */
     int call_timeout_ms;   /* derived: client-side deadline of each database call
                             * (statement_timeout_ms + 5000 by default; 0 = none) */

@@ -877,6 +877,7 @@ int main(int argc, char **argv)
     }
     log_current_level = log_level_parse(c->log_level);
     log_configure(strcmp(c->log_format, "json") == 0, c->consumer_id);
+    ledger_db_keep_error_detail(c->keep_error_detail);
     sig_install();
     if (strcmp(o.cmd, "run") == 0 || strcmp(o.cmd, "check-config") == 0) {
         for (int i = 0; i < c->n_inputs; i++) { /* insecure provider transport */
