@@ -2341,3 +2341,34 @@ int conf_lint(const struct conf *c, FILE *out)
     }
     return errors;
 }
+
+const char **conf_sensitive_paths(const struct conf *c, const char *queue, int *n)
+{
+    const struct conf_input *only = NULL;
+    const char **v;
+    int total = 0;
+
+    *n = 0;
+    for (int i = 0; i < c->n_inputs && queue; i++)
+        if (strcmp(c->inputs[i].queue, queue) == 0)
+            only = &c->inputs[i];
+    for (int i = 0; i < c->n_inputs; i++)
+        if (!only || only == &c->inputs[i])
+            total += c->inputs[i].sensitive.n;
+    if (total == 0)
+        return NULL;
+    if (!(v = calloc((size_t)total, sizeof *v))) {
+        *n = -1;
+        return NULL;
+    }
+    for (int i = 0; i < c->n_inputs; i++)
+        if (!only || only == &c->inputs[i])
+            for (int k = 0; k < c->inputs[i].sensitive.n; k++)
+                if (c->inputs[i].sensitive.v[k][0])
+                    v[(*n)++] = c->inputs[i].sensitive.v[k];
+    if (*n == 0) {
+        free(v);
+        return NULL;
+    }
+    return v;
+}

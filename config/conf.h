@@ -348,4 +348,13 @@ struct conf_key_info {
  * strings are the table's (static). Pure. */
 bool conf_key_describe(int i, struct conf_key_info *out);
 
+/*
+ * The sensitive payload paths that apply to a copy taken from queue: its
+ * input's, or, when no input consumes queue (renamed since), every input's.
+ * Returns a malloc'd array of *n pointers into c (the caller frees the
+ * array only; NULL with *n = 0 when there are none or memory ran out,
+ * *n = -1 then). Any thread.
+ */
+const char **conf_sensitive_paths(const struct conf *c, const char *queue, int *n);
+
 #endif

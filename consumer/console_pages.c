@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "log.h"
+#include "mask.h"
 
 /* A query; NULL (logged) on failure or without a session. */
 static PGresult *query(PGconn *db, const char *sql, int np, const char *const *params)
@@ -88,23 +89,36 @@ static void row(struct html *b, const char *name, const char *v)
     html_raw(b, "</td></tr>");
 }
 
-/* The body: pretty JSON when it is JSON, else the text; capped. */
-static void show_body(struct html *b, const char *hex, long long size)
+/* The body: pretty JSON when it is JSON, else the text; capped. When its
+ * input declares sensitive fields, only the masked form (mask.h). */
+static void show_body(struct html *b, const struct conf *c, const char *queue, const char *hex,
+                      long long size)
 {
     size_t n = 0;
     unsigned char *raw = PQunescapeBytea((const unsigned char *)hex, &n);
     json_t *j;
     char *pretty = NULL;
-    if (!raw) {
+    int np = 0;
+    const char **paths = conf_sensitive_paths(c, queue, &np);
+
+    if (!raw || np < 0) {
         html_raw(b, "<p class=\"bad\">out of memory</p>");
+        PQfreemem(raw);
         return;
     }
-    if ((j = json_loadb((const char *)raw, n, JSON_DECODE_ANY, NULL)) != NULL) {
+    if (np > 0) {
+        /* a stored prefix is not a whole document: hidden */
+        pretty = (long long)n < size ? strdup("(body hidden: only a prefix is stored, and its "
+                                              "input declares sensitive fields)")
+                                     : mask_body(paths, np, raw, n, true);
+    } else if ((j = json_loadb((const char *)raw, n, JSON_DECODE_ANY, NULL)) != NULL) {
         pretty = json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
         json_decref(j);
     }
     html_raw(b, "<pre id=\"body\" class=\"body\">");
-    if (pretty && strlen(pretty) <= CONSOLE_PAGES_BODY_SHOWN)
+    if (np > 0)
+        html_text_capped(b, pretty ? pretty : "(body hidden)", CONSOLE_PAGES_BODY_SHOWN);
+    else if (pretty && strlen(pretty) <= CONSOLE_PAGES_BODY_SHOWN)
         html_text(b, pretty);
     else
         html_text_n(b, (const char *)raw, n);
@@ -112,6 +126,7 @@ static void show_body(struct html *b, const char *hex, long long size)
     if (size > (long long)n)
         html_printf(b, "<p class=\"mut\">the first %zu of %lld bytes</p>", n, size);
     free(pretty);
+    free(paths);
     PQfreemem(raw);
 }
 
@@ -242,7 +257,7 @@ unsigned console_pages_park(PGconn *db, const struct conf *c, const char *id, co
     html_raw(b, "</table>");
     console_pages_actions(b, csrf, "park", id);
     html_raw(b, "</div></div><h2>Body</h2>");
-    show_body(b, PQgetvalue(r, 0, 4), atoll(PQgetvalue(r, 0, 5)));
+    show_body(b, c, PQgetvalue(r, 0, 1), PQgetvalue(r, 0, 4), atoll(PQgetvalue(r, 0, 5)));
     html_raw(b, "<div class=\"cards\"><div class=\"card\"><h2>Headers</h2><pre id=\"headers\">");
     html_text(b, PQgetisnull(r, 0, 6) ? "(none)" : PQgetvalue(r, 0, 6));
     html_raw(b, "</pre></div><div class=\"card\"><h2>Properties</h2><pre id=\"properties\">");

@@ -15,6 +15,7 @@
 #include "ledger_doc.h"
 #include "ledger_plain.h"
 #include "log.h"
+#include "mask.h"
 #include "seal.h"
 
 struct ledger_txn {
@@ -298,6 +299,22 @@ static bool is_old(const struct ledger_txn *lt, const struct job *j, time_t now)
     return age >= 0 && (double)age > lt->window_s;
 }
 
+/* msg (NUL-terminated, in cap bytes) with each sensitive value of j's body
+ * replaced (mask.h): what idemq stores, logs and replies quotes no such
+ * value. */
+static void mask_message(const struct conf_input *in, const struct job *j, char *msg,
+                         size_t cap)
+{
+    char *m;
+    if (in->sensitive.n == 0 || !msg[0] || !j->body)
+        return;
+    if ((m = mask_text((const char *const *)in->sensitive.v, in->sensitive.n, j->body,
+                       j->body_len, msg))) {
+        snprintf(msg, cap, "%s", m);
+        free(m);
+    }
+}
+
 idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int n,
                              struct ledger_result *res, struct ledger_db_error *e)
 {
@@ -397,6 +414,8 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
             copy_field(x->prior_state, sizeof x->prior_state, r, row, 5);
         else
             copy_field(x->message, sizeof x->message, r, row, 5);
+        mask_message(&lt->conf->inputs[jobs[idx]->input], jobs[idx], x->message,
+                     sizeof x->message);
         copy_field(x->started_at, sizeof x->started_at, r, row, 6);
         copy_field(x->finished_at, sizeof x->finished_at, r, row, 7);
         x->delay_ms = PQgetisnull(r, row, 8) ? 0 : atol(PQgetvalue(r, row, 8));
@@ -553,6 +572,7 @@ idemq_err_t ledger_txn_record_failure(struct ledger_txn *lt, const struct job *j
         e->conn_lost = false;
         return IDEMQ_ERR_NOMEM;
     }
+    mask_message(in, j, r->message, sizeof r->message);
     snprintf(attempt, sizeof attempt, "%d", r->attempt);
     snprintf(delay, sizeof delay, "%ld", delay_ms);
     vals[0] = j->key;
@@ -596,6 +616,9 @@ idemq_err_t ledger_txn_park_message(struct ledger_txn *lt, const struct job *j, 
     const struct conf_input *in = &lt->conf->inputs[j->input];
     char *headers = with_headers ? dump(j->headers) : NULL, *props = dump(j->props);
     char size[24];
+    char *shown = reason && j->body ? mask_text((const char *const *)in->sensitive.v,
+                                                in->sensitive.n, j->body, j->body_len, reason)
+                                    : NULL;
     bool whole = j->body_size <= j->body_len && j->wire_err != IDEMQ_ERR_UNDECODABLE;
     const char *vals[13];
     int lens[13] = {0}, fmts[13] = {0};
@@ -612,7 +635,7 @@ idemq_err_t ledger_txn_park_message(struct ledger_txn *lt, const struct job *j, 
     vals[5] = headers;
     vals[6] = props;
     vals[7] = code;
-    vals[8] = reason;
+    vals[8] = shown ? shown : reason;
     vals[9] = lt->conf->consumer_id;
     vals[10] = j->sha256_hex[0] ? j->sha256_hex : NULL;
     vals[11] = size;
@@ -622,6 +645,7 @@ idemq_err_t ledger_txn_park_message(struct ledger_txn *lt, const struct job *j, 
                       "$12, $13)",
                       13, vals, lens, fmts, park, e);
     free(headers);
+    free(shown);
     free(props);
     return err;
 }

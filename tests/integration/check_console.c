@@ -691,6 +691,79 @@ START_TEST(test_console_least_privilege)
 }
 END_TEST
 
+/*
+ * An input's sensitive fields never show: a job parks with an error text
+ * that quotes its card number; the stored reason and last error, `idemq
+ * jobs show`, `idemq parked list` and the console's park page (body and
+ * reason) show "***" in its place, while the other fields stay readable.
+ */
+START_TEST(test_console_masks_sensitive)
+{
+    struct itest t;
+    char extra[1024], tokfile[256], url[160], sql[1024], effect[200], key[200], body[512];
+    char id[32], out[1 << 16], buf[600];
+    static char page[1 << 21];
+    int port = itest_free_port(), rc;
+    pid_t pid;
+    const char *card = "4111111111111111";
+
+    token_file(tokfile, sizeof tokfile, "masktok", "ops " TOKEN_ALICE "\n");
+    snprintf(extra, sizeof extra,
+             "console: { listen = \"127.0.0.1:%d\"; token_file = \"%s\"; };", port, tokfile);
+    itest_extra_conf = extra;
+    itest_setup(&t, "console_mask", "idemq_test.record", "", "");
+    snprintf(sql, sizeof sql,
+             "CREATE FUNCTION idemq_test.%s_fx(p_key text, p_payload jsonb, p_meta jsonb) "
+             "RETURNS jsonb LANGUAGE plpgsql AS $fn$ BEGIN "
+             "RAISE EXCEPTION 'card %% declined', p_payload->'card'->>'number' "
+             "USING ERRCODE = 'IP001'; END $fn$",
+             t.name);
+    itest_sql(&t, sql);
+    snprintf(effect, sizeof effect, "idemq_test.%s_fx", t.name);
+    itest_write_config(&t, t.cfg_path, t.name, effect, "",
+                       "sensitive = [ \"card.number\", \"account.iban\" ];");
+    snprintf(key, sizeof key, "%s:k1", t.name);
+    snprintf(body, sizeof body,
+             "{\"job_id\":\"%s\",\"card\":{\"number\":\"%s\",\"brand\":\"visa\"},"
+             "\"account\":{\"iban\":\"DE89370400440532013000\"}}",
+             key, card);
+    itest_publish(&t, (const char *[]){body}, 1);
+    itest_run_until_idle(&t, 2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", key), 1);
+    itest_text(&t, "SELECT reason FROM idemq.parked WHERE key = $1", key, buf, sizeof buf);
+    ck_assert_msg(strstr(buf, "card *** declined") && !strstr(buf, card), "%s", buf);
+    itest_text(&t, "SELECT coalesce(last_error, '') FROM idemq.job_info($1)", key, buf,
+               sizeof buf);
+    ck_assert_msg(!strstr(buf, card), "%s", buf);
+    snprintf(sql, sizeof sql, "jobs show '%s'", key);
+    ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "***") && !strstr(out, card), "%s", out);
+    ck_assert_int_eq(itest_idemq(&t, "parked list", out, sizeof out), 0);
+    ck_assert_msg(strstr(out, key) && !strstr(out, card), "%s", out);
+    itest_text(&t, "SELECT id FROM idemq.parked WHERE key = $1", key, id, sizeof id);
+
+    pid = itest_spawn(&t, t.cfg_path, 60, NULL);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/groups", port);
+    wait_console(url);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/park?id=%s", port, id);
+    ck_assert_int_eq(curl_page(url, NULL, NULL, page, sizeof page), 200);
+    ck_assert_msg(!strstr(page, card) && !strstr(page, "DE89370400440532013000"), "%s", page);
+    ck_assert_msg(strstr(page, "&quot;number&quot;: &quot;***&quot;") ||
+                      strstr(page, "\"number\": \"***\""),
+                  "%s", page);
+    ck_assert_msg(strstr(page, "visa"), "%s", page);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/groups", port);
+    ck_assert_int_eq(curl_page(url, NULL, NULL, page, sizeof page), 200);
+    ck_assert_msg(!strstr(page, card), "%s", page);
+    kill(pid, SIGTERM);
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);
+    itest_extra_conf = NULL;
+    itest_teardown(&t);
+    unlink(tokfile);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("console");
@@ -707,6 +780,10 @@ int main(void)
     tcase_add_test(tc, test_console_operator_broker_url);
     tcase_add_test(tc, test_console_slow_clients);
     tcase_add_test(tc, test_console_least_privilege);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("mask");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, test_console_masks_sensitive);
     suite_add_tcase(s, tc);
     /* least-privilege mode (scripts/test): these again, as the deployment's roles */
     itest_lp_tcase(s, (const TTest *const[]){test_console_browser, NULL});
