@@ -126,6 +126,14 @@ static const struct conf_key global_keys[] = {
      "every request, loopback ones too, needs a token of token_file (HTTP Basic: the token's "
      "name and the token); set it when a reverse proxy or tunnel on the same host makes every "
      "client loopback"},
+    {"protection.keys", CT_STRLIST, G(protection_keys), 0, 32, "", 0, 0,
+     "keys that seal and open stored payload copies (parked bodies), as \"id=/path\": each "
+     "file holds 32 bytes (raw or 64 hex digits) and only its owner may read it; the key "
+     "bytes are never in this file; keep old keys listed to open copies sealed with them "
+     "(see docs/data-protection.md)"},
+    {"protection.active", CT_STR, G(protection_active), 0, 32, "", 0, 0,
+     "id of the key new copies are sealed with (AES-256-GCM); empty = new copies are stored "
+     "as they are, listed keys still open old ones"},
     {"log.level", CT_STR, G(log_level), 1, 10, "info", 0, 0, "error, warn, info or debug"},
     /* operations: TLS, least privilege, logs, liveness */
     {"broker.tls.ca_file", CT_STR, G(tls_ca_file), 0, 4096, "/etc/ssl/certs/ca-certificates.crt",
@@ -1301,6 +1309,46 @@ static idemq_err_t apply_env(struct conf *c, char *errbuf, size_t errlen)
     return IDEMQ_OK;
 }
 
+/* protection.keys entries are id=/absolute/path with unique ids of
+ * letters, digits, '-' and '_'; protection.active names one of them. The
+ * files are read by protect_load (consumer/protect.h), not here. */
+static idemq_err_t validate_protection(const struct conf *c, const char *file, char *errbuf,
+                                       size_t errlen)
+{
+    bool active_found = !c->protection_active[0];
+    for (int i = 0; i < c->protection_keys.n; i++) {
+        const char *e = c->protection_keys.v[i], *eq = strchr(e, '=');
+        size_t idlen = eq ? (size_t)(eq - e) : 0;
+        if (!e[0] && c->protection_keys.n == 1)
+            break; /* the default: none */
+        if (!eq || idlen == 0 || idlen > 32 || strspn(e, "abcdefghijklmnopqrstuvwxyz"
+                                                     "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_") !=
+                                                   idlen ||
+            eq[1] != '/') {
+            errf(errbuf, errlen,
+                 "%s: protection.keys[%d] must be \"id=/absolute/path\" (an id of 1 to 32 "
+                 "letters, digits, - or _), not \"%s\"",
+                 file, i, e);
+            return IDEMQ_ERR_CONFIG;
+        }
+        for (int k = 0; k < i; k++)
+            if (strncmp(c->protection_keys.v[k], e, idlen + 1) == 0) {
+                errf(errbuf, errlen, "%s: protection.keys names key %.*s twice", file,
+                     (int)idlen, e);
+                return IDEMQ_ERR_CONFIG;
+            }
+        if (!active_found && strlen(c->protection_active) == idlen &&
+            strncmp(c->protection_active, e, idlen) == 0)
+            active_found = true;
+    }
+    if (!active_found) {
+        errf(errbuf, errlen, "%s: protection.active names key \"%s\", which protection.keys "
+             "does not list", file, c->protection_active);
+        return IDEMQ_ERR_CONFIG;
+    }
+    return IDEMQ_OK;
+}
+
 static idemq_err_t validate_retry(struct conf *c, const config_t *cfg, const char *file,
                                   char *errbuf, size_t errlen)
 {
@@ -1553,9 +1601,10 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
             (strcmp(name, "broker") && strcmp(name, "database") && strcmp(name, "consumer") &&
              strcmp(name, "retry") && strcmp(name, "metrics") && strcmp(name, "log") &&
              strcmp(name, "topology") && strcmp(name, "ledger") && strcmp(name, "outbox") &&
-             strcmp(name, "console"))) {
+             strcmp(name, "console") && strcmp(name, "protection"))) {
             errf(errbuf, errlen, "%s:%d: unknown setting %s (top level holds broker, database, "
-                 "consumer, retry, metrics, log, topology, ledger, outbox, console and inputs)", file,
+                 "consumer, retry, metrics, log, topology, ledger, outbox, console, protection "
+                 "and inputs)", file,
                  config_setting_source_line(s), name);
             err = IDEMQ_ERR_CONFIG;
             goto fail;
@@ -1584,6 +1633,8 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
     if ((err = validate_retry(c, cfg, file, errbuf, errlen)) != IDEMQ_OK)
         goto fail;
     if ((err = validate_ledger(c, cfg, file, errbuf, errlen)) != IDEMQ_OK)
+        goto fail;
+    if ((err = validate_protection(c, file, errbuf, errlen)) != IDEMQ_OK)
         goto fail;
     if ((err = read_inputs(cfg, c, file, errbuf, errlen)) != IDEMQ_OK)
         goto fail;

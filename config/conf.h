@@ -187,6 +187,9 @@ struct conf {
     char *console_token_file;        /* "" = read-only */
     int console_statement_timeout_ms;
     struct conf_strlist console_hosts; /* extra Host values answered */
+    /* stored payload copies (consumer/protect.h) */
+    struct conf_strlist protection_keys; /* "id=/path" entries */
+    char *protection_active;             /* "" = new copies not sealed */
     bool console_reads_need_token;     /* loopback reads need a token too */
     char *console_operator_broker_url; /* redrives of the console, "" = urls */
     /* log */

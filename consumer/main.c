@@ -15,6 +15,7 @@
 #include "job.h"
 #include "conf.h"
 #include "ledger_db.h"
+#include "protect.h"
 #include "ledger_grants.h"
 #include "ledger_migrate.h"
 #include "lifecycle.h"
@@ -855,6 +856,7 @@ int main(int argc, char **argv)
 {
     struct opts o;
     struct conf *c = NULL;
+    struct protect *keys = NULL;
     char err[1024];
     int rc;
 
@@ -878,6 +880,12 @@ int main(int argc, char **argv)
     log_current_level = log_level_parse(c->log_level);
     log_configure(strcmp(c->log_format, "json") == 0, c->consumer_id);
     ledger_db_keep_error_detail(c->keep_error_detail);
+    if (protect_load(c, &keys, err, sizeof err) != IDEMQ_OK) {
+        fprintf(stderr, "idemq: %s\n", err);
+        conf_free(c);
+        return EXIT_CONFIG;
+    }
+    protect_set_global(keys);
     sig_install();
     if (strcmp(o.cmd, "run") == 0 || strcmp(o.cmd, "check-config") == 0) {
         for (int i = 0; i < c->n_inputs; i++) { /* insecure provider transport */
@@ -937,6 +945,8 @@ int main(int argc, char **argv)
     } else {
         rc = cmd_run(c, o.until_idle_s);
     }
+    protect_set_global(NULL);
+    protect_free(keys);
     conf_free(c);
     return rc;
 }

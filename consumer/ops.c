@@ -355,6 +355,38 @@ static int list_broker_dead(const struct conf *c, const struct ops_filter *f,
     return rc;
 }
 
+/* Parks (open ones, and resolved ones of the hot history) whose body is
+ * sealed with a key c does not list: they cannot be opened until that key
+ * is listed again. Returns the count, or -1 when the ledger did not answer. */
+static long unreadable_parks(PGconn *db, const struct conf *c)
+{
+    char ids[32 * 40 + 3];
+    size_t off = 0;
+    const char *params[1] = {ids};
+    PGresult *r;
+    long n = -1;
+
+    ids[off++] = '{';
+    for (int i = 0; i < c->protection_keys.n; i++) {
+        const char *e = c->protection_keys.v[i], *eq = strchr(e, '=');
+        if (eq && off + (size_t)(eq - e) + 2 < sizeof ids) /* ids are [A-Za-z0-9_-] */
+            off += (size_t)snprintf(ids + off, sizeof ids - off, "%s%.*s", off > 1 ? "," : "",
+                                    (int)(eq - e), e);
+    }
+    ids[off++] = '}';
+    ids[off] = '\0';
+    r = PQexecParams(db,
+                     "SELECT (SELECT count(*) FROM idemq.parked WHERE body_key IS NOT NULL"
+                     " AND NOT body_key = ANY ($1::text[])) + (SELECT count(*) FROM"
+                     " idemq.park_history WHERE park->>'body_key' IS NOT NULL AND NOT"
+                     " (park->>'body_key') = ANY ($1::text[]))",
+                     1, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1)
+        n = atol(PQgetvalue(r, 0, 0));
+    PQclear(r);
+    return n;
+}
+
 int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
 {
     char limit[24], queue[300] = "";
@@ -441,6 +473,15 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
         if (n_outbox > 0)
             fprintf(out, " outbox=%d", n_outbox);
         fprintf(out, "\n");
+        {
+            long sealed = unreadable_parks(db, c);
+            if (sealed > 0) {
+                fprintf(out, "bodies sealed with a key protection.keys does not list "
+                             "(cannot be opened): %ld\n", sealed);
+                log_error("%ld parked bodies are sealed with a key protection.keys does not list",
+                          sealed);
+            }
+        }
     }
 out:
     PQclear(rows);
