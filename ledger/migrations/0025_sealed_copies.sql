@@ -8,3 +8,9 @@
 ALTER TABLE idemq.parked ADD COLUMN body_key text;
 COMMENT ON COLUMN idemq.parked.body_key IS
   'id of the key (protection.keys) whose AES-256-GCM sealed body; NULL = body stored as sent';
+
+-- `idemq erase KEY --why TEXT` removes a key's stored payload copies and is
+-- recorded like the other operator actions (who, why, when, which parks).
+ALTER TABLE idemq.operator_actions DROP CONSTRAINT IF EXISTS operator_actions_action_check;
+ALTER TABLE idemq.operator_actions ADD CONSTRAINT operator_actions_action_check
+    CHECK (action IN ('redrive', 'discard', 'archive', 'erase'));

@@ -888,7 +888,8 @@ START_TEST(test_sealed_parks)
              "protection: { keys = [ \"k2=%s\" ]; active = \"k2\"; };",
              port, k2);
     itest_write_config(&t, t.cfg_path, t.name, "idemq_test.record", "", "");
-    ck_assert_int_eq(itest_idemq(&t, "parked list", out, sizeof out), 0);
+    snprintf(buf, sizeof buf, "parked list --key '%s'", key1);
+    ck_assert_int_eq(itest_idemq(&t, buf, out, sizeof out), 0);
     ck_assert_msg(strstr(out, "cannot be opened): 1"), "%s", out);
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.park_history WHERE key = $1 "
                                     "AND park->>'body_key' = 'k1'", key1), 1);
@@ -908,17 +909,81 @@ START_TEST(test_sealed_parks)
     kill(pid, SIGTERM);
     rc = itest_wait(pid, itest_ms(15000));
     ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);
-    ck_assert_int_eq(itest_idemq(&t, "parked list", out, sizeof out), 0);
-    ck_assert_msg(strstr(out, "cannot be opened): 2"), "%s", out);
+    snprintf(buf, sizeof buf, "parked list --key '%s'", key2);
+    ck_assert_int_eq(itest_idemq(&t, buf, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "cannot be opened): 1"), "%s", out);
 
     /* a key file others may read: refused, naming the file, not the key */
     ck_assert_int_eq(chmod(k2, 0644), 0);
     rc = itest_idemq(&t, "check-config", out, sizeof out);
     ck_assert_msg(rc != 0 && strstr(out, "chmod 600") && strstr(out, k2), "%d %s", rc, out);
+    /* the copies no listed key opens would show in other tests' lists */
+    snprintf(buf, sizeof buf, "DELETE FROM idemq.parked WHERE key LIKE '%s:%%'", t.name);
+    itest_sql(&t, buf);
+    snprintf(buf, sizeof buf, "DELETE FROM idemq.park_history WHERE key LIKE '%s:%%'", t.name);
+    itest_sql(&t, buf);
     itest_extra_conf = NULL;
     itest_teardown(&t);
     unlink(k1);
     unlink(k2);
+}
+END_TEST
+
+/*
+ * idemq erase KEY --why TEXT: the park's body, headers and properties are
+ * gone from the ledger (open and resolved parks), the audit facts stay
+ * (hash, size, state, reason), the park is no longer redrivable from the
+ * ledger, and the action is recorded (who, why) and shown by jobs show. A
+ * key still in flight is refused.
+ */
+START_TEST(test_erase_key)
+{
+    struct itest t;
+    char key[200], body[512], out[1 << 16], args[400], sha[80], sql[512];
+
+    itest_setup(&t, "erase", "idemq_test.record", "", "");
+    snprintf(key, sizeof key, "%s:e1", t.name);
+    snprintf(body, sizeof body,
+             "{\"job_id\":\"%s\",\"raise\":\"IP001\",\"name\":\"Erika Mustermann\"}", key);
+    itest_publish(&t, (const char *[]){body}, 1);
+    itest_run_until_idle(&t, 2);
+    itest_text(&t, "SELECT payload_sha256 FROM idemq.parked WHERE key = $1", key, sha,
+               sizeof sha);
+    ck_assert_int_eq(strlen(sha), 64);
+    snprintf(args, sizeof args, "erase '%s' --why 'data subject request 42'", key);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "1 open park(s)"), "%s", out);
+    snprintf(sql, sizeof sql,
+             "SELECT count(*) FROM idemq.parked WHERE key = $1 AND octet_length(body) = 0 AND "
+             "headers IS NULL AND properties IS NULL AND NOT redrivable AND body_size = %zu "
+             "AND payload_sha256 = '%s' AND reason LIKE '%%requested failure%%'",
+             strlen(body), sha);
+    ck_assert_int_eq(itest_long(&t, sql, key), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND "
+                                    "state = 'parked'", key), 1);
+    ck_assert_int_eq(itest_long(&t,
+                                "SELECT count(*) FROM idemq.operator_actions a JOIN "
+                                "idemq.operator_action_keys k ON k.action_id = a.id WHERE "
+                                "k.key = $1 AND a.action = 'erase' AND a.reason = "
+                                "'data subject request 42' AND a.actor LIKE 'idemq erase (%'",
+                                key),
+                     1);
+    snprintf(args, sizeof args, "jobs show '%s'", key);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, ": erase, park #") && strstr(out, "data subject request 42"), "%s",
+                  out);
+    /* a key in flight is refused, and nothing is recorded */
+    snprintf(sql, sizeof sql, "UPDATE idemq.jobs SET state = 'retrying' WHERE key = '%s'", key);
+    itest_sql(&t, sql);
+    snprintf(args, sizeof args, "erase '%s' --why again", key);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 2);
+    ck_assert_msg(strstr(out, "is retrying"), "%s", out);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.operator_actions WHERE "
+                                    "action = 'erase' AND selection = 'key ' || $1", key), 1);
+    /* --why is required */
+    snprintf(args, sizeof args, "erase '%s'", key);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 2);
+    itest_teardown(&t);
 }
 END_TEST
 
@@ -943,6 +1008,7 @@ int main(void)
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, test_console_masks_sensitive);
     tcase_add_test(tc, test_sealed_parks);
+    tcase_add_test(tc, test_erase_key);
     suite_add_tcase(s, tc);
     /* least-privilege mode (scripts/test): these again, as the deployment's roles */
     itest_lp_tcase(s, (const TTest *const[]){test_console_browser, NULL});
