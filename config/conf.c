@@ -176,6 +176,20 @@ static const struct conf_key global_keys[] = {
      "nacked publishes of a row before it is parked (a returned, unroutable row parks at once)"},
     {"outbox.stuck_s", CT_INT, G(outbox_stuck_s), 1, 86400 * 30, NULL, 60, 0,
      "GET /ready fails while the oldest unsent row is older than this (outbox.relay = 1)"},
+    /* tracing (OpenTelemetry) */
+    {"tracing.endpoint", CT_STR, G(tracing_endpoint), 0, 2048, "", 0, CF_SENSITIVE,
+     "OTLP/HTTP JSON traces URL of a collector, e.g. http://127.0.0.1:4318/v1/traces; empty = "
+     "no spans are exported (a producer's trace context is still passed on)"},
+    {"tracing.service_name", CT_STR, G(tracing_service_name), 1, 128, "idemq", 0, 0,
+     "service.name of the spans' resource"},
+    {"tracing.queue_max", CT_INT, G(tracing_queue_max), 16, 1000000, NULL, 8192, 0,
+     "spans waiting for export; beyond it a span is dropped and counted, never waited for"},
+    {"tracing.batch_max", CT_INT, G(tracing_batch_max), 1, 10000, NULL, 512, 0,
+     "spans per export request"},
+    {"tracing.flush_ms", CT_INT, G(tracing_flush_ms), 10, 60000, NULL, 1000, 0,
+     "a partial batch is exported after this long"},
+    {"tracing.timeout_ms", CT_INT, G(tracing_timeout_ms), 100, 60000, NULL, 3000, 0,
+     "one export request, connect to answer; a request that fails drops its spans (counted)"},
 };
 
 static const struct conf_key input_keys[] = {
@@ -1535,6 +1549,19 @@ static idemq_err_t validate_ops(struct conf *c, const config_t *cfg, const char 
             return IDEMQ_ERR_CONFIG;
         }
     }
+    if (c->tracing_endpoint[0] && strncmp(c->tracing_endpoint, "http://", 7) != 0 &&
+        strncmp(c->tracing_endpoint, "https://", 8) != 0) {
+        errf(errbuf, errlen, "%s: tracing.endpoint must be an http:// or https:// URL (OTLP/HTTP, "
+             "e.g. http://127.0.0.1:4318/v1/traces); empty = off",
+             where(at, sizeof at, file, cfg, "tracing.endpoint"));
+        return IDEMQ_ERR_CONFIG;
+    }
+    if (c->tracing_batch_max > c->tracing_queue_max) {
+        errf(errbuf, errlen, "%s: tracing.batch_max (%d) must not exceed tracing.queue_max (%d)",
+             where(at, sizeof at, file, cfg, "tracing.batch_max"), c->tracing_batch_max,
+             c->tracing_queue_max);
+        return IDEMQ_ERR_CONFIG;
+    }
     if (strcmp(c->log_format, "text") && strcmp(c->log_format, "json")) {
         errf(errbuf, errlen, "%s: log.format must be \"text\" or \"json\", not \"%s\"", where(at, sizeof at, file, cfg, "log.format"),
              c->log_format);
@@ -1601,10 +1628,11 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
             (strcmp(name, "broker") && strcmp(name, "database") && strcmp(name, "consumer") &&
              strcmp(name, "retry") && strcmp(name, "metrics") && strcmp(name, "log") &&
              strcmp(name, "topology") && strcmp(name, "ledger") && strcmp(name, "outbox") &&
-             strcmp(name, "console") && strcmp(name, "protection"))) {
+             strcmp(name, "console") && strcmp(name, "tracing") &&
+             strcmp(name, "protection"))) {
             errf(errbuf, errlen, "%s:%d: unknown setting %s (top level holds broker, database, "
-                 "consumer, retry, metrics, log, topology, ledger, outbox, console, protection "
-                 "and inputs)", file,
+                 "consumer, retry, metrics, log, topology, ledger, outbox, console, tracing, "
+                 "protection and inputs)", file,
                  config_setting_source_line(s), name);
             err = IDEMQ_ERR_CONFIG;
             goto fail;

@@ -218,6 +218,13 @@ struct conf {
     int outbox_lease_s;         /* a claimed row's lease */
     int outbox_max_attempts;    /* nacks before a row is parked */
     int outbox_stuck_s;         /* /ready fails while a row waits longer */
+    /* tracing: OTLP/HTTP JSON export of spans (consumer/trace_export.h) */
+    char *tracing_endpoint;     /* "" = off */
+    char *tracing_service_name;
+    int tracing_queue_max;      /* spans waiting for export; beyond, dropped */
+    int tracing_batch_max;      /* spans per request */
+    int tracing_flush_ms;       /* a partial batch waits at most this long */
+    int tracing_timeout_ms;     /* one export request, whole */
     /* inputs: the broker's (transport = "rabbitmq"); a configuration may
      * hold none when every input is a PostgreSQL queue input */
     struct conf_input *inputs;

@@ -15,6 +15,7 @@
 #include "ledger_db.h"
 #include "ledger_txn.h"
 #include "log.h"
+#include "trace.h"
 
 static long long mono_ms(void)
 {
@@ -131,13 +132,28 @@ static idemq_err_t send(struct broker *b, const struct job *j, const char *body)
     json_t *orig = json_pack("{s:s, s:s}", "correlation_id", j->correlation_id,
                              "content_encoding", "utf-8");
     struct broker_props props = {NULL, "application/json", NULL, false, NULL, orig};
+    char tp[TRACE_PARENT_LEN + 1];
+    json_t *hdr = NULL;
     idemq_err_t err;
     if (!orig)
         return IDEMQ_ERR_NOMEM;
+    /* the task's trace context continues in its result */
+    trace_job_parent(&j->trace, tp);
+    if (tp[0]) {
+        hdr = j->trace.in.state[0] ? json_pack("{s:s, s:s}", "traceparent", tp, "tracestate",
+                                               j->trace.in.state)
+                                   : json_pack("{s:s}", "traceparent", tp);
+        if (!hdr) {
+            json_decref(orig);
+            return IDEMQ_ERR_NOMEM;
+        }
+        props.headers = hdr;
+    }
     /* on the side channel: a refusal (403, 404) closes that one, never the
      * channel that holds the consumers' deliveries */
     err = broker_side_publish(b, CELERY_REPLIES_EXCHANGE, j->reply_to, body, strlen(body),
                               &props, false);
+    json_decref(hdr);
     json_decref(orig);
     return err;
 }

@@ -65,6 +65,45 @@ PGresult *groups_select(PGconn *db, const char *key, const char *error_class, co
                         6, NULL, params, NULL, NULL, 0);
 }
 
+/* The outbox rows parked (refused by the broker, or not encodable), by
+ * exchange and masked reason, as the console's groups page shows them; the
+ * rows themselves are in `idemq parked list`. Returns 0, or 2 / 4 as
+ * groups_list does. */
+static int outbox_groups(PGconn *db, const struct ops_filter *f, FILE *out)
+{
+    char b1[512], b2[1024];
+    const char *params[2] = {f->key, f->since};
+    long rows = 0;
+    PGresult *r = PQexecParams(db,
+                               "SELECT exchange, count(*), min(parked_at), max(parked_at),"
+                               " idemq.mask_reason(last_error, key) FROM idemq.outbox"
+                               " WHERE state = 'parked' AND ($1::text IS NULL OR key = $1)"
+                               " AND ($2::timestamptz IS NULL OR parked_at >= $2)"
+                               " GROUP BY 1, 5 ORDER BY 2 DESC, 1, 5 LIMIT 200",
+                               2, NULL, params, NULL, NULL, 0);
+    int rc = 0;
+    if (PQresultStatus(r) != PGRES_TUPLES_OK) {
+        log_error("cannot group the outbox rows parked: %s", PQerrorMessage(db));
+        rc = PQstatus(db) == CONNECTION_OK ? 2 : 4;
+    } else {
+        for (int i = 0; i < PQntuples(r); i++) {
+            rows += atol(PQgetvalue(r, i, 1));
+            fprintf(out, "outbox exchange %s: %s row%s parked\n",
+                    esc(PQgetvalue(r, i, 0), b1, sizeof b1), PQgetvalue(r, i, 1),
+                    strcmp(PQgetvalue(r, i, 1), "1") == 0 ? "" : "s");
+            fprintf(out, "  first park %s, last park %s\n", PQgetvalue(r, i, 2),
+                    PQgetvalue(r, i, 3));
+            fprintf(out, "  reason: %s\n", esc(PQgetvalue(r, i, 4), b2, sizeof b2));
+        }
+        if (rows > 0)
+            fprintf(out, "%d outbox group%s, %ld outbox row%s parked (`idemq parked list` "
+                         "shows each row)\n",
+                    PQntuples(r), PQntuples(r) == 1 ? "" : "s", rows, rows == 1 ? "" : "s");
+    }
+    PQclear(r);
+    return rc;
+}
+
 int groups_list(const struct conf *c, const struct ops_filter *f, FILE *out)
 {
     char queue[300], b1[512], b2[512], b3[512], b4[1024];
@@ -115,6 +154,8 @@ int groups_list(const struct conf *c, const struct ops_filter *f, FILE *out)
     fprintf(out, "%d group%s, %ld open park%s (messages the broker dead-lettered by itself "
                  "join a group once `idemq redrive` records them)\n",
             PQntuples(r), PQntuples(r) == 1 ? "" : "s", parks, parks == 1 ? "" : "s");
+    if (!f->input && !f->error_class)
+        rc = outbox_groups(db, f, out);
 out:
     PQclear(r);
     PQfinish(db);

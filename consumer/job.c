@@ -5,6 +5,8 @@
  */
 #include "job.h"
 
+#include "trace_export.h"
+
 #include "celery.h"
 #include "seal.h"
 
@@ -375,6 +377,7 @@ idemq_err_t job_decode(struct job *j, const struct conf_input *in)
 
     j->has_key = false;
     j->key[0] = '\0';
+    trace_job_begin(&j->trace, j->headers, trace_export_on());
     if (!j->sha256_hex[0])
         sha256_hex(j->body, j->body_len, j->sha256_hex);
     if (j->body_size < j->body_len)

@@ -17,6 +17,7 @@
 
 #include "conf.h"
 #include "idemq_err.h"
+#include "trace.h"
 
 #define JOB_SHORTSTR 256 /* AMQP short strings hold at most 255 bytes */
 
@@ -72,6 +73,8 @@ struct job {
     char task_id[JOB_SHORTSTR];
     char reply_to[JOB_SHORTSTR];
     char correlation_id[JOB_SHORTSTR];
+    /* the producer's trace context and idemq's span (set by job_decode) */
+    struct trace_job trace;
 };
 
 /* Prepares an empty job. Cannot fail: buffers are allocated on demand. */

@@ -36,6 +36,7 @@
 #include "groups.h"
 #include "topology.h"
 #include "sig.h"
+#include "trace_export.h"
 #include "worker.h"
 
 /* Worker thread stack (see cmd_run): 16 MiB of address space, touched only
@@ -688,6 +689,14 @@ static int cmd_run(const struct conf *c, long until_idle_s)
     /* A known stack size: librabbitmq-c 0.11 decodes nested header tables
      * recursively (fixed in 0.14); a header frame is bounded by frame_max
      * (128 KiB), which bounds that depth to what this stack holds. */
+    {
+        char err[256];
+        /* before the workers: job_decode gives jobs spans only while it is on */
+        if (trace_export_start(c, err, sizeof err) != IDEMQ_OK)
+            log_error("%s (running without exporting spans)", err);
+        else if (trace_export_on())
+            log_info("tracing: exporting spans over OTLP/HTTP (tracing.endpoint)");
+    }
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setstacksize(&attr, WORKER_STACK_BYTES);
@@ -702,6 +711,7 @@ static int cmd_run(const struct conf *c, long until_idle_s)
                 pthread_join(ws[k].thread, NULL);
             free(ws);
             rate_gate_free(gate);
+            trace_export_stop();
             return EXIT_RUNTIME;
         }
     }
@@ -782,6 +792,7 @@ static int cmd_run(const struct conf *c, long until_idle_s)
                  "observe mode %ld", rs[0], rs[1], rs[2], rs[3]);
     }
     run_report_log(ws, nw);
+    trace_export_stop();
     console_stop(console);
     metrics_stop(metrics);
     gauges_stop(gauges);

@@ -14,6 +14,7 @@
 #include "reconcile.h"
 #include "liveness.h"
 #include "observe.h"
+#include "trace_export.h"
 
 #define CONN_TIMEOUT_S 5 /* a connection idle this long is closed */
 #define CONN_MAX 64       /* connections at a time */
@@ -64,6 +65,20 @@ size_t metrics_render(struct worker *ws, int n, char *buf, size_t len)
             sum += atomic_load((atomic_long *)((char *)&ws[i].stats + counters[c].off));
         ADD("# HELP %s %s\n# TYPE %s counter\n%s %ld\n", counters[c].name, counters[c].help,
             counters[c].name, counters[c].name, sum);
+    }
+    if (trace_export_on()) { /* tracing.endpoint */
+        struct trace_export_counts k;
+        trace_export_counts(&k);
+        ADD("# HELP idemq_trace_spans_total spans by fate: exported (the collector took them), "
+            "dropped (the queue was full), failed (their request failed)\n"
+            "# TYPE idemq_trace_spans_total counter\n"
+            "idemq_trace_spans_total{outcome=\"exported\"} %ld\n"
+            "idemq_trace_spans_total{outcome=\"dropped\"} %ld\n"
+            "idemq_trace_spans_total{outcome=\"failed\"} %ld\n"
+            "# HELP idemq_trace_export_requests_total OTLP export requests made\n"
+            "# TYPE idemq_trace_export_requests_total counter\n"
+            "idemq_trace_export_requests_total %ld\n",
+            k.exported, k.dropped, k.failed, k.requests);
     }
     ADD("%s", "# HELP idemq_attempts_total failed attempts and pauses by error class\n"
               "# TYPE idemq_attempts_total counter\n");

@@ -38,6 +38,7 @@
 #include "settle.h"
 #include "sig.h"
 #include "topology.h"
+#include "trace_export.h"
 
 #define POLL_MS 200       /* longest wait between stop/idle checks */
 #define PAUSE_MIN_MS 250  /* first reconnect backoff */
@@ -746,6 +747,31 @@ static enum step lanes_housekeeping(struct session *s)
 
 /* Records delivery -> settlement (the ack, or the requeue of a transient
  * failure) of a batch s->bt.jobs[0..n) that was settled. */
+/* The span of a settled job (trace_export.h): from its delivery to now. */
+static void export_span(const struct job *j, const struct plan *p, long long now_mono)
+{
+    struct trace_span sp;
+    struct timespec wall;
+    long long wall_ns;
+    if (!j->trace.span)
+        return;
+    clock_gettime(CLOCK_REALTIME, &wall);
+    wall_ns = (long long)wall.tv_sec * 1000000000LL + wall.tv_nsec;
+    sp.t = j->trace;
+    sp.end_ns = wall_ns;
+    sp.start_ns = wall_ns - (now_mono - j->received_ns);
+    sp.input = j->input;
+    sp.attempt = p->attempt;
+    sp.outcome = p->observed                           ? TRACE_OBSERVED
+                 : p->how == SETTLE_DEAD || p->how == SETTLE_REJECT ? TRACE_PARKED
+                 : p->how == SETTLE_DELAY                           ? TRACE_RETRY
+                 : p->how != SETTLE_ACK                             ? TRACE_HELD
+                 : p->outcome == LEDGER_APPLIED                     ? TRACE_APPLIED
+                 : p->outcome == LEDGER_DUPLICATE                   ? TRACE_DUPLICATE
+                                                                    : TRACE_HELD;
+    trace_export_span(&sp);
+}
+
 static void note_acked(struct session *s)
 {
     long long now = now_ns();
@@ -754,6 +780,7 @@ static void note_acked(struct session *s)
         if (jobs[i].received_ns) { /* 0: held in its lane (moved out), not settled yet */
             latency_record(&s->w->latency, (uint64_t)(now - jobs[i].received_ns) / 1000u);
             latency_record(&s->w->interval, (uint64_t)(now - jobs[i].received_ns) / 1000u);
+            export_span(&jobs[i], &s->bt.plans[i], now);
         }
     if (jobs[0].received_ns &&
         (!s->w->first_delivery_ns || jobs[0].received_ns < s->w->first_delivery_ns))

@@ -62,6 +62,21 @@ AS $fn$
         p_consumer, p_delay_ms, p_message);
 $fn$;
 
+-- The job's trace context for the effect that runs next, in this
+-- transaction's settings idemq.traceparent and idemq.tracestate (idemq.emit
+-- copies them into the messages the effect emits; tracing extensions can
+-- read them): m's values, checked by idemq (consumer/trace.h), or '' for a
+-- job without one. Returns m, so that the plain path sets them in the
+-- effect call's own argument list, row by row.
+CREATE OR REPLACE FUNCTION idemq.trace_meta(m jsonb)
+RETURNS jsonb
+LANGUAGE sql VOLATILE
+AS $fn$
+    SELECT CASE WHEN set_config('idemq.traceparent', coalesce(m->>'traceparent', ''), true)
+                     || set_config('idemq.tracestate', coalesce(m->>'tracestate', ''), true)
+                     IS NULL THEN NULL ELSE m END;
+$fn$;
+
 -- Applies a batch in one call. p_effects[i] is input i's effect as a
 -- regprocedure text: its OID (what the worker sends, resolved in its own
 -- session) or its signature, e.g. 'public.apply_payout(text,jsonb,jsonb)';
@@ -138,6 +153,7 @@ DECLARE
     v_redriven boolean;
     v_why    text;
     v_parked_at timestamptz;
+    v_traced boolean := false;
 BEGIN
     FOR n IN 1 .. coalesce(array_length(p_effects, 1), 0) LOOP
         calls[n] := (SELECT format('SELECT %I.%I($1, $2, $3)', ns.nspname, pr.proname)
@@ -420,6 +436,12 @@ BEGIN
         END IF;
         v_att := v_att + 1;
         r_attempt := v_att; r_base := v_base;
+        -- the producer's trace context (checked by idemq, trace.h), for
+        -- idemq.emit and tracing extensions; cleared for a job without one
+        IF v_traced OR v_meta ? 'traceparent' THEN
+            PERFORM idemq.trace_meta(v_meta);
+            v_traced := v_meta ? 'traceparent';
+        END IF;
         BEGIN
             EXECUTE calls[(j->>'i')::integer] INTO v_result
               USING v_key, j->'p',

@@ -121,6 +121,8 @@ CREATE OR REPLACE FUNCTION idemq.emit(p_exchange text, p_routing_key text, p_bod
 RETURNS bigint LANGUAGE plpgsql SECURITY DEFINER AS $fn$
 DECLARE
     v_id bigint;
+    v_tp text := current_setting('idemq.traceparent', true);
+    v_ts text := current_setting('idemq.tracestate', true);
 BEGIN
     IF p_exchange IS NULL OR p_routing_key IS NULL OR p_body IS NULL THEN
         RAISE EXCEPTION 'idemq.emit: exchange, routing_key and body are required'
@@ -128,6 +130,17 @@ BEGIN
     END IF;
     IF p_headers IS NOT NULL AND jsonb_typeof(p_headers) <> 'object' THEN
         RAISE EXCEPTION 'idemq.emit: headers must be a JSON object' USING ERRCODE = '22023';
+    END IF;
+    -- The trace continues downstream: the job's trace context (set by
+    -- idemq.apply_batch for the effect running now) goes into the message's
+    -- headers unless the caller set a traceparent itself. Only the shape of
+    -- a version-00 traceparent is copied; anything else is ignored.
+    IF v_tp ~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'
+       AND NOT coalesce(p_headers ? 'traceparent', false) THEN
+        p_headers := coalesce(p_headers, '{}'::jsonb) || jsonb_build_object('traceparent', v_tp);
+        IF v_ts <> '' AND octet_length(v_ts) <= 512 AND v_ts !~ '[^\x20-\x7e]' THEN
+            p_headers := p_headers || jsonb_build_object('tracestate', v_ts);
+        END IF;
     END IF;
     PERFORM idemq.outbox_check(p_exchange, p_routing_key, octet_length(p_body), p_headers);
     INSERT INTO idemq.outbox (key, exchange, routing_key, body, headers, order_key)

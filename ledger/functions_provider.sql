@@ -240,6 +240,8 @@ BEGIN
             'first_request_at', v_int.first_request_at, 'confirmed_at', v_int.confirmed_at,
             'latency_ms', (extract(epoch FROM v_int.confirmed_at - v_int.first_request_at)
                            * 1000)::bigint));
+    -- the producer's trace context, as idemq.apply_batch sets it
+    PERFORM idemq.trace_meta(coalesce(p_meta, '{}'::jsonb));
     IF p_opts->>'effect' IS NOT NULL THEN
         SELECT format('SELECT %I.%I($1, $2, $3)', ns.nspname, pr.proname) INTO v_call
           FROM pg_proc pr JOIN pg_namespace ns ON ns.oid = pr.pronamespace

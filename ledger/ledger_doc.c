@@ -6,6 +6,8 @@
  */
 #include "ledger_doc.h"
 
+#include "trace.h"
+
 #include <arpa/inet.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -172,6 +174,21 @@ static void add_meta(struct ledger_doc *d, const struct job *j, const struct con
     if (j->has_message_id) {
         adds(d, ",\"message_id\":");
         add_cstring(d, j->message_id);
+    }
+    {
+        /* the job's trace context (trace.h): idemq's span when spans are
+         * exported, else the producer's when it is valid; the effect reads
+         * it here, idemq.emit from idemq.traceparent */
+        char tp[TRACE_PARENT_LEN + 1];
+        trace_job_parent(&j->trace, tp);
+        if (tp[0]) {
+            adds(d, ",\"traceparent\":");
+            add_cstring(d, tp);
+            if (j->trace.in.state[0]) {
+                adds(d, ",\"tracestate\":");
+                add_cstring(d, j->trace.in.state);
+            }
+        }
     }
     if (j->meta_extra) { /* a Celery task's facts */
         adds(d, ",\"celery\":");

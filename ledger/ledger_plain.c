@@ -31,7 +31,8 @@
  *          applied with another body (a reused key: apply_batch records it;
  *          the first 8 bytes decide, see migration 19).
  *  eff:    the effects of the claimed keys, in delivery order (the call is
- *          evaluated after the sort), only when plain.
+ *          evaluated after the sort), only when plain; idemq.trace_meta in
+ *          the call's arguments sets the job's trace context first.
  *  dup:    an attempt row per delivery of a key applied before.
  *  agg:    one pass over eff: results, which job was applied, the later
  *          copies of a key (duplicates), the positions not applied and the
@@ -79,7 +80,8 @@ static const char plain_sql[] =
     "       AS plain"
     "), eff AS MATERIALIZED ("
     "  SELECT x.o, x.k, x.f, c.key IS NOT NULL AS claimed,"
-    "         CASE WHEN x.f AND c.key IS NOT NULL THEN %s(x.k, x.p, ($4::jsonb[])[x.mi]) END AS r"
+    "         CASE WHEN x.f AND c.key IS NOT NULL THEN %s(x.k, x.p,"
+    "                                   idemq.trace_meta(($4::jsonb[])[x.mi])) END AS r"
     "    FROM unnest($1::text[], $6::jsonb[], $5::integer[], $2::boolean[])"
     "         WITH ORDINALITY AS x(k, p, mi, f, o)"
     "    LEFT JOIN ins c ON c.key = x.k"

@@ -63,11 +63,14 @@ static void ctl(const char *fmt, ...)
  * body [args, kwargs, embed]), shop.charge of order key, answered to
  * reply_to (NULL: none), through the raw publisher. extra_header: one more
  * integer header (e.g. x-delivery-count), or NULL. */
+/* When set, raw_task adds it as the task's traceparent header. */
+static const char *task_traceparent;
+
 static void raw_task(struct itest_raw *raw, struct itest *t, const char *id, const char *key,
                      const char *reply_to, const char *extra_header, int extra_value)
 {
     amqp_basic_properties_t p;
-    amqp_table_entry_t h[3];
+    amqp_table_entry_t h[4];
     char body[512];
     int nh = 2;
 
@@ -83,6 +86,12 @@ static void raw_task(struct itest_raw *raw, struct itest *t, const char *id, con
         h[2].value.kind = AMQP_FIELD_KIND_I32;
         h[2].value.value.i32 = extra_value;
         nh = 3;
+    }
+    if (task_traceparent) {
+        h[nh].key = amqp_cstring_bytes("traceparent");
+        h[nh].value.kind = AMQP_FIELD_KIND_UTF8;
+        h[nh].value.value.bytes = amqp_cstring_bytes(task_traceparent);
+        nh++;
     }
     p._flags = AMQP_BASIC_HEADERS_FLAG | AMQP_BASIC_CONTENT_TYPE_FLAG |
                AMQP_BASIC_CONTENT_ENCODING_FLAG | AMQP_BASIC_CORRELATION_ID_FLAG;
@@ -106,6 +115,9 @@ static void uuid_name(char *buf, size_t len, unsigned seed)
              (unsigned)getpid() & 0xfff, seed & 0xfff, (unsigned)time(NULL));
 }
 
+/* The traceparent header of the last message take_one took ("" if none). */
+static char taken_traceparent[64];
+
 /* One message off queue (auto-ack) into body; false when it is empty. */
 static bool take_one(struct itest *t, const char *queue, char *body, size_t len, char *corr,
                      size_t corrlen)
@@ -119,6 +131,8 @@ static bool take_one(struct itest *t, const char *queue, char *body, size_t len,
     r = broker_get(b, queue, &j, true);
     if (r == IDEMQ_OK) {
         const char *c = json_string_value(json_object_get(j.props, "correlation_id"));
+        const char *tp = json_string_value(json_object_get(j.headers, "traceparent"));
+        snprintf(taken_traceparent, sizeof taken_traceparent, "%s", tp ? tp : "");
         snprintf(body, len, "%.*s", (int)j.body_len, (const char *)j.body);
         snprintf(corr, corrlen, "%s", c ? c : "");
     }
@@ -395,7 +409,8 @@ END_TEST
  * (the broker nacks: x-max-length 0, reject-publish), or one that is gone
  * (the bind is refused, on a channel of its own), costs that reply only.
  * The batch's deliveries are acknowledged, nothing is redelivered or
- * answered twice, the queue drains, and the failure is counted.
+ * answered twice, the queue drains, and the failure is counted. The
+ * answered task's traceparent continues on its result.
  */
 START_TEST(test_refused_reply_holds_nothing)
 {
@@ -420,7 +435,10 @@ START_TEST(test_refused_reply_holds_nothing)
     raw = itest_raw_open();
     raw_task(raw, &t, id, key, full, NULL, 0);
     raw_task(raw, &t, id3, key3, gone, NULL, 0);
+    /* the answered task carries a trace context: its result continues it */
+    task_traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
     raw_task(raw, &t, id2, key2, good, NULL, 0);
+    task_traceparent = NULL;
     itest_raw_close(raw);
     snprintf(log, sizeof log, "/tmp/%s.log", t.name);
     st = itest_wait(itest_spawn_log(t.cfg_path, 2, NULL, log), itest_ms(30000));
@@ -436,6 +454,7 @@ START_TEST(test_refused_reply_holds_nothing)
     ck_assert_msg(take_one(&t, good, body, sizeof body, corr, sizeof corr), "no reply (log %s)",
                   log);
     ck_assert_str_eq(corr, id2);
+    ck_assert_str_eq(taken_traceparent, "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01");
     ck_assert_msg(!take_one(&t, good, body, sizeof body, corr, sizeof corr),
                   "answered twice: %s", body);
     ck_assert_msg(itest_count_lines(log, "celery replies: sent 1, refused reply_to 0, failed 2") ==

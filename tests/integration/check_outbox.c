@@ -177,6 +177,63 @@ START_TEST(test_effect_emits_once)
 }
 END_TEST
 
+/* The producer's W3C trace context continues downstream: a job published
+ * with a valid traceparent (and tracestate) emits a message carrying the
+ * same; in the same batch, a job with a malformed traceparent (upper-case
+ * hex) and one with none emit messages with no trace context (the first
+ * job's does not leak into them), and all three apply. */
+START_TEST(test_trace_context_continues)
+{
+    struct itest t;
+    struct broker *b;
+    struct job j;
+    char q[200], body[512], key[3][128], err[512];
+    const char *tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    const char *bad = "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01";
+    int n = 0, traced = 0, plain = 0;
+
+    setup(&t, "obtrace", "emits = true;");
+    declare_out(&t, q, sizeof q);
+    for (int i = 0; i < 3; i++) {
+        json_t *h = i == 0   ? json_pack("{s:s, s:s}", "traceparent", tp, "tracestate", "rojo=1")
+                    : i == 1 ? json_pack("{s:s}", "traceparent", bad)
+                             : NULL;
+        snprintf(key[i], sizeof key[i], "%s:%d", t.name, i);
+        snprintf(body, sizeof body, "{\"job_id\":\"%s\",\"rk\":\"%s\",\"ex\":\"%s\"}",
+                 key[i], q, out_ex);
+        itest_publish_to(&t, t.name, t.name, body, h, NULL);
+        json_decref(h);
+    }
+    itest_run_until_idle(&t, 1);
+
+    ck_assert_msg(broker_open(t.conf, "outbox test", false, &b, err, sizeof err) == IDEMQ_OK,
+                  "%s", err);
+    job_init(&j);
+    while (n < 4 && broker_get(b, q, &j, true) == IDEMQ_OK) {
+        json_t *k = json_object_get(j.headers, "x-idemq-key");
+        json_t *p = json_object_get(j.headers, "traceparent");
+        json_t *st = json_object_get(j.headers, "tracestate");
+        ck_assert(json_is_string(k));
+        if (strcmp(json_string_value(k), key[0]) == 0) {
+            ck_assert_msg(json_is_string(p) && strcmp(json_string_value(p), tp) == 0 &&
+                              json_is_string(st) && strcmp(json_string_value(st), "rojo=1") == 0,
+                          "the first job's message lost its trace context");
+            traced++;
+        } else {
+            ck_assert_msg(!p && !st, "%s carries a trace context", json_string_value(k));
+            plain++;
+        }
+        n++;
+        job_reset(&j);
+    }
+    job_destroy(&j);
+    broker_close(b);
+    ck_assert_int_eq(traced, 1);
+    ck_assert_int_eq(plain, 2);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* A rolled-back application transaction emits nothing; a committed one
  * (plain SQL, no idemq effect) is relayed by the recovery poll. */
 START_TEST(test_application_emit)
@@ -312,6 +369,12 @@ START_TEST(test_unroutable_parked)
         ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
         ck_assert_msg(strstr(out, "outbox rows parked") && strstr(out, "NOT_FOUND") &&
                           strstr(out, " outbox=1"),
+                      "%s", out);
+        /* and in `parked groups`, by exchange and reason */
+        snprintf(args, sizeof args, "parked groups --key %s:nox", t.name);
+        ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+        ck_assert_msg(strstr(out, "outbox exchange ") && strstr(out, ": 1 row parked\n") &&
+                          strstr(out, "NOT_FOUND") && strstr(out, "1 outbox row parked"),
                       "%s", out);
     }
     itest_teardown(&t);
@@ -1602,6 +1665,7 @@ int main(void)
     TCase *tc = tcase_create("outbox");
     tcase_set_timeout(tc, itest_ms(120));
     tcase_add_test(tc, test_effect_emits_once);
+    tcase_add_test(tc, test_trace_context_continues);
     tcase_add_test(tc, test_application_emit);
     tcase_add_test(tc, test_commit_order);
     tcase_add_test(tc, test_unroutable_parked);
@@ -1632,6 +1696,7 @@ int main(void)
     tcase_add_test(tc, test_show_escaped);
     suite_add_tcase(s, tc);
     /* least-privilege mode (scripts/test): these again, as the deployment's roles */
-    itest_lp_tcase(s, (const TTest *const[]){test_effect_emits_once, test_application_emit, NULL});
+    itest_lp_tcase(s, (const TTest *const[]){test_effect_emits_once, test_trace_context_continues,
+                                          test_application_emit, NULL});
     return check_run(s);
 }

@@ -51,20 +51,35 @@ long long itest_mono_ms(void)
     return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+/* Test ports come from 17000-24999: below the kernel's ephemeral range
+ * (32768 and up), so no client socket holds one, and clear of what
+ * scripts/services derives from its ports (AMQP + 10000/20000/21000/22000,
+ * PostgreSQL at 14xxx-15xxx). A process walks the range from a point its
+ * pid picks, one step per call, so two calls never answer the same port. */
+#define ITEST_PORT_LO 17000
+#define ITEST_PORT_SPAN 8000
+
 int itest_free_port(void)
 {
-    struct sockaddr_in sa;
-    socklen_t len = sizeof sa;
-    int fd = socket(AF_INET, SOCK_STREAM, 0), port;
-    ck_assert_int_ge(fd, 0);
-    memset(&sa, 0, sizeof sa);
-    sa.sin_family = AF_INET;
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ck_assert_int_eq(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
-    ck_assert_int_eq(getsockname(fd, (struct sockaddr *)&sa, &len), 0);
-    port = ntohs(sa.sin_port);
-    close(fd);
-    return port;
+    static int step = -1;
+    if (step < 0)
+        step = (int)(((unsigned)getpid() * 2654435761u) % ITEST_PORT_SPAN);
+    for (int tries = 0; tries < ITEST_PORT_SPAN; tries++) {
+        struct sockaddr_in sa;
+        int port = ITEST_PORT_LO + step, fd = socket(AF_INET, SOCK_STREAM, 0), ok;
+        step = (step + 1) % ITEST_PORT_SPAN;
+        ck_assert_int_ge(fd, 0);
+        memset(&sa, 0, sizeof sa);
+        sa.sin_family = AF_INET;
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        sa.sin_port = htons((uint16_t)port);
+        ok = bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
+        close(fd);
+        if (ok)
+            return port;
+    }
+    ck_abort_msg("no free port in %d-%d", ITEST_PORT_LO, ITEST_PORT_LO + ITEST_PORT_SPAN - 1);
+    return -1;
 }
 
 static char *slurp(const char *path)

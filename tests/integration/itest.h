@@ -81,9 +81,9 @@ int itest_ms(int ms);
 /* Milliseconds of CLOCK_MONOTONIC: deadlines of the tests' polling loops. */
 long long itest_mono_ms(void);
 
-/* A TCP port on 127.0.0.1 that was free a moment ago (the kernel's pick for
- * a bind to port 0), e.g. for metrics.listen. A port derived from the pid
- * can be in use by another session's server or an ephemeral port. */
+/* A TCP port on 127.0.0.1 that was free a moment ago, below the kernel's
+ * ephemeral range, e.g. for metrics.listen (a bind to port 0 would answer an
+ * ephemeral port, which a client socket may take before the test binds it). */
 int itest_free_port(void);
 
 /*

@@ -1,0 +1,65 @@
+/*
+ * trace_export: idemq's spans, exported to an OpenTelemetry collector over
+ * OTLP/HTTP with JSON bodies (libcurl, jansson). Workers hand finished
+ * spans to a bounded queue and never wait: a full queue drops the span,
+ * and a collector that is down or slow costs the spans of the requests
+ * that failed (counted), not throughput. One exporter thread per process,
+ * off unless tracing.endpoint is set.
+ */
+#ifndef IDEMQ_TRACE_EXPORT_H
+#define IDEMQ_TRACE_EXPORT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "conf.h"
+#include "idemq_err.h"
+#include "trace.h"
+
+/* Span outcomes (the attribute idemq.outcome). */
+enum trace_outcome {
+    TRACE_APPLIED = 0, /* committed, acknowledged */
+    TRACE_DUPLICATE,   /* its key was applied before: acknowledged, no effect */
+    TRACE_RETRY,       /* a transient failure: held for a retry */
+    TRACE_PARKED,      /* parked (dead-lettered) */
+    TRACE_HELD,        /* waits its turn (an ordered lane, an early retry) */
+    TRACE_OBSERVED,    /* observe mode: recorded, not applied */
+};
+
+/* One finished span of a job (times: CLOCK_REALTIME, ns since the epoch). */
+struct trace_span {
+    struct trace_job t;
+    long long start_ns, end_ns;
+    int input;              /* index into conf->inputs */
+    int attempt;
+    enum trace_outcome outcome;
+};
+
+/* Starts the exporter when c->tracing_endpoint is set (else does nothing
+ * and returns IDEMQ_OK). */
+idemq_err_t trace_export_start(const struct conf *c, char *errbuf, size_t errlen)
+    IDEMQ_MUSTCHECK;
+
+/* Exports what is queued (within tracing.timeout_ms) and stops the thread. */
+void trace_export_stop(void);
+
+/* true between trace_export_start (with an endpoint) and trace_export_stop. */
+bool trace_export_on(void);
+
+/* Queues a finished span; never blocks on the collector. */
+void trace_export_span(const struct trace_span *s);
+
+/* Counters since start (metrics). */
+struct trace_export_counts {
+    long exported;  /* spans a collector accepted (2xx) */
+    long dropped;   /* spans never sent: the queue was full */
+    long failed;    /* spans of requests that failed (no answer, not 2xx) */
+    long requests;  /* export requests made */
+};
+void trace_export_counts(struct trace_export_counts *out);
+
+/* The OTLP JSON request body of spans s[0..n) (malloc'd, or NULL for no
+ * memory); for the exporter and its tests. */
+char *trace_export_body(const struct conf *c, const struct trace_span *s, size_t n);
+
+#endif

@@ -1,0 +1,257 @@
+/*
+ * Integration tests of tracing, with OpenTelemetry's own parts: a producer
+ * instrumented with the JavaScript SDK publishes (its traceparent injected
+ * by the W3C propagator); idemq applies the job, whose effect emits a
+ * message through the outbox; a downstream consumer, also the SDK,
+ * extracts the context of that message. An OTLP/HTTP receiver checks every
+ * request idemq exports against OpenTelemetry's protocol definitions
+ * (tests/trace/otel.mjs). Asserted end to end: producer -> idemq's process
+ * span -> the emitted message -> the downstream consumer. And a collector
+ * that is down costs spans (counted), never a job.
+ */
+#include <check.h>
+
+#include "check_run.h"
+#include <jansson.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "broker.h"
+#include "broker_admin.h"
+#include "itest.h"
+
+#define OTEL_DIR IDEMQ_SOURCE_DIR "/tests/trace"
+
+/* The test effect: emits {key} to the default exchange with the payload's
+ * routing key "rk", then records the meta it was given. */
+#define EMIT_EFFECT                                                                          \
+    "CREATE OR REPLACE FUNCTION idemq_test.trace_emit(p_key text, p_payload jsonb, p_meta "  \
+    "jsonb) RETURNS jsonb LANGUAGE plpgsql AS $fn$ DECLARE v_id bigint; BEGIN "               \
+    "v_id := idemq.emit('', p_payload->>'rk', jsonb_build_object('key', p_key)::text, NULL, " \
+    "NULL, p_key); "                                                                         \
+    "INSERT INTO idemq_test.effects (key, payload, meta) VALUES (p_key, p_payload, p_meta); " \
+    "RETURN jsonb_build_object('outbox_id', v_id); END $fn$"
+
+static void need_modules(void)
+{
+    ck_assert_msg(access(OTEL_DIR "/node_modules/@opentelemetry/otlp-transformer", R_OK) == 0,
+                  "the tracing test needs tests/trace/node_modules: run scripts/setup");
+}
+
+/* Runs `node otel.mjs ARGS` and returns its first output line (JSON), or
+ * NULL when it failed. */
+static json_t *otel(const char *args)
+{
+    char cmd[4096], line[1024] = "";
+    FILE *p;
+    snprintf(cmd, sizeof cmd, "cd '%s' && timeout 60 node otel.mjs %s", OTEL_DIR, args);
+    p = popen(cmd, "r");
+    ck_assert_ptr_nonnull(p);
+    if (!fgets(line, sizeof line, p))
+        line[0] = '\0';
+    ck_assert_msg(pclose(p) == 0, "node otel.mjs %s failed", args);
+    return json_loads(line, 0, NULL);
+}
+
+static pid_t start_receiver(int port, const char *out)
+{
+    char portbuf[16];
+    pid_t pid;
+    unlink(out);
+    snprintf(portbuf, sizeof portbuf, "%d", port);
+    pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        if (chdir(OTEL_DIR) != 0)
+            _exit(127);
+        execlp("node", "node", "otel.mjs", "receive", portbuf, out, (char *)NULL);
+        _exit(127);
+    }
+    /* listening once it has created its output file */
+    for (int i = 0; i < itest_ms(15000) / 50 && access(out, F_OK) != 0; i++)
+        usleep(50 * 1000);
+    ck_assert_msg(access(out, F_OK) == 0, "the OTLP receiver did not start");
+    return pid;
+}
+
+static void stop_receiver(pid_t pid)
+{
+    int st;
+    kill(pid, SIGTERM);
+    st = itest_wait(pid, itest_ms(10000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "receiver status 0x%x", st);
+}
+
+static const char *attr(json_t *span, const char *key)
+{
+    size_t i;
+    json_t *a;
+    json_array_foreach(json_object_get(span, "attributes"), i, a) {
+        if (strcmp(json_string_value(json_object_get(a, "key")), key) == 0)
+            return json_string_value(json_object_get(json_object_get(a, "value"), "stringValue"));
+    }
+    return NULL;
+}
+
+START_TEST(test_trace_end_to_end)
+{
+    struct itest t;
+    char conf[512], out[256], q[200], args[2048], body[512];
+    int port = itest_free_port();
+    json_t *prod, *cons, *mine = NULL, *line;
+    FILE *f;
+    pid_t recv;
+    int invalid = 0, spans = 0;
+
+    need_modules();
+    snprintf(conf, sizeof conf,
+             "outbox: { relay = 1; poll_ms = 200; };\n"
+             "tracing: { endpoint = \"http://127.0.0.1:%d/v1/traces\"; flush_ms = 100; "
+             "service_name = \"idemq-test\"; };",
+             port);
+    itest_extra_conf = conf;
+    itest_setup(&t, "trace", "idemq_test.trace_emit", "", "emits = true;");
+    itest_extra_conf = NULL;
+    itest_sql(&t, EMIT_EFFECT);
+    {
+        struct broker *b;
+        char err[512];
+        snprintf(q, sizeof q, "%s.out", t.name);
+        ck_assert_msg(broker_open(t.conf, "trace test", false, &b, err, sizeof err) == IDEMQ_OK,
+                      "%s", err);
+        ck_assert(broker_admin_declare_queue(b, q, NULL, false) == IDEMQ_OK);
+        ck_assert(broker_admin_purge(b, q) == IDEMQ_OK);
+        broker_close(b);
+    }
+    snprintf(out, sizeof out, "/tmp/%s.otlp.jsonl", t.name);
+    recv = start_receiver(port, out);
+
+    /* the producer: the SDK's span, its context in the headers */
+    snprintf(body, sizeof body, "{\"job_id\":\"%s:1\",\"rk\":\"%s\"}", t.name, q);
+    snprintf(args, sizeof args, "produce '%s' '%s' '%s' '%s'", getenv("IDEMQ_AMQP_URL"), t.name,
+             t.name, body);
+    prod = otel(args);
+    ck_assert_ptr_nonnull(prod);
+    itest_run_until_idle(&t, 1);
+    /* the downstream consumer of the emitted message */
+    snprintf(args, sizeof args, "consume '%s' '%s'", getenv("IDEMQ_AMQP_URL"), q);
+    cons = otel(args);
+    ck_assert_ptr_nonnull(cons);
+    stop_receiver(recv);
+
+    f = fopen(out, "r");
+    ck_assert_ptr_nonnull(f);
+    {
+        char buf[65536];
+        while (fgets(buf, sizeof buf, f)) {
+            line = json_loads(buf, 0, NULL);
+            ck_assert_msg(line != NULL, "receiver line: %s", buf);
+            if (json_object_get(line, "invalid")) {
+                fprintf(stderr, "invalid OTLP request: %s\n",
+                        json_string_value(json_object_get(line, "invalid")));
+                invalid++;
+                json_decref(line);
+                continue;
+            }
+            spans++;
+            if (strcmp(json_string_value(json_object_get(line, "traceId")),
+                       json_string_value(json_object_get(prod, "traceId"))) == 0 &&
+                !mine)
+                mine = line;
+            else
+                json_decref(line);
+        }
+    }
+    fclose(f);
+    ck_assert_int_eq(invalid, 0);
+    ck_assert_int_ge(spans, 1);
+    ck_assert_msg(mine != NULL, "no span of the producer's trace was exported");
+    /* idemq's process span: a child of the producer's, a consumer span */
+    ck_assert_str_eq(json_string_value(json_object_get(mine, "parentSpanId")),
+                     json_string_value(json_object_get(prod, "spanId")));
+    ck_assert_int_eq(json_integer_value(json_object_get(mine, "kind")), 5);
+    ck_assert_str_eq(json_string_value(json_object_get(mine, "service")), "idemq-test");
+    ck_assert_str_eq(attr(mine, "messaging.system"), "rabbitmq");
+    ck_assert_str_eq(attr(mine, "messaging.operation.type"), "process");
+    ck_assert_str_eq(attr(mine, "idemq.outcome"), "applied");
+    /* the business key and the routing key are left out */
+    ck_assert_ptr_null(attr(mine, "messaging.rabbitmq.destination.routing_key"));
+    ck_assert_ptr_null(attr(mine, "idemq.key"));
+    {
+        char *text = json_dumps(mine, JSON_COMPACT);
+        ck_assert_ptr_nonnull(text);
+        ck_assert_msg(strstr(text, ":1\"") == NULL, "the key is in the span: %s", text);
+        free(text);
+    }
+    /* the effect saw idemq's span as its parent, and so did the downstream
+     * consumer, through the message the effect emitted */
+    {
+        char want[64];
+        snprintf(want, sizeof want, "00-%s-%s-01",
+                 json_string_value(json_object_get(prod, "traceId")),
+                 json_string_value(json_object_get(mine, "spanId")));
+        ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE "
+                                        "meta->>'traceparent' = $1", want),
+                         1);
+    }
+    ck_assert_str_eq(json_string_value(json_object_get(cons, "traceId")),
+                     json_string_value(json_object_get(prod, "traceId")));
+    ck_assert_str_eq(json_string_value(json_object_get(cons, "parentSpanId")),
+                     json_string_value(json_object_get(mine, "spanId")));
+    json_decref(mine);
+    json_decref(prod);
+    json_decref(cons);
+    unlink(out);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* A collector that is down: every job is applied, the spans are counted as
+ * failed, and the run ends on time. */
+START_TEST(test_collector_down)
+{
+    struct itest t;
+    char conf[300], log[300], body[20][128];
+    const char *bodies[20];
+    int port = itest_free_port(), st;
+    snprintf(conf, sizeof conf,
+             "tracing: { endpoint = \"http://127.0.0.1:%d/v1/traces\"; flush_ms = 50; "
+             "timeout_ms = 200; batch_max = 4; };",
+             port);
+    itest_extra_conf = conf;
+    itest_setup(&t, "trace_down", "idemq_test.record", "", "");
+    itest_extra_conf = NULL;
+    for (int i = 0; i < 20; i++) {
+        snprintf(body[i], sizeof body[i], "{\"job_id\":\"%s:%d\"}", t.name, i);
+        bodies[i] = body[i];
+    }
+    itest_publish(&t, bodies, 20);
+    snprintf(log, sizeof log, "/tmp/%s.log", t.name);
+    st = itest_wait(itest_spawn_log(t.cfg_path, 1, NULL, log), itest_ms(30000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "status 0x%x (log %s)", st,
+                  log);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE "
+                                    "$1 || ':%'", t.name),
+                     20);
+    ck_assert_msg(itest_count_lines(log, "tracing: spans exported 0, dropped 0 (queue full), failed 20") == 1,
+                  "no span summary (log %s)", log);
+    ck_assert_msg(itest_count_lines(log, "the collector did not take") == 1, "log %s", log);
+    unlink(log);
+    itest_teardown(&t);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("tracing");
+    TCase *tc = tcase_create("tracing");
+    tcase_set_timeout(tc, itest_ms(180));
+    tcase_add_test(tc, test_trace_end_to_end);
+    tcase_add_test(tc, test_collector_down);
+    suite_add_tcase(s, tc);
+    return check_run(s);
+}

@@ -1,0 +1,152 @@
+/*
+ * Unit tests of trace: which W3C traceparent and tracestate values a
+ * producer sends are passed on (the spec's version-00 shape, a later
+ * version cut to it), and which are dropped (case, zeros, version ff,
+ * lengths, non-strings, controls, too many members).
+ */
+#include <check.h>
+
+#include "check_run.h"
+#include <string.h>
+
+#include "trace.h"
+
+#define TP "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+static bool tp(const char *s)
+{
+    return trace_parent_valid(s, strlen(s));
+}
+
+START_TEST(test_parent_shapes)
+{
+    ck_assert(tp(TP));
+    ck_assert(tp("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"));
+    /* a later version: the version-00 fields, then '-' and more */
+    ck_assert(tp("cc-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-what-the-future"));
+    ck_assert(!tp("cc-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01x"));
+    ck_assert(!tp("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-"));
+    ck_assert(!tp("ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"));
+    ck_assert(!tp("00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01"));
+    ck_assert(!tp("00-00000000000000000000000000000000-00f067aa0ba902b7-01"));
+    ck_assert(!tp("00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01"));
+    ck_assert(!tp("00-4bf92f3577b34da6a3ce929d0e0e473-600f067aa0ba902b7-01"));
+    ck_assert(!tp("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-1"));
+    ck_assert(!tp(""));
+    ck_assert(!trace_parent_valid(NULL, 0));
+    ck_assert(!trace_parent_valid(TP "\0", sizeof TP)); /* a NUL inside the value */
+}
+END_TEST
+
+static bool ts(const char *s)
+{
+    return trace_state_valid(s, strlen(s));
+}
+
+START_TEST(test_state_shapes)
+{
+    char big[600];
+    ck_assert(ts("rojo=00f067aa0ba902b7,congo=t61rcWkgMzE"));
+    ck_assert(!ts(""));
+    ck_assert(!ts("a=1\nb=2"));
+    ck_assert(!ts("=novalue"));
+    ck_assert(!ts("a=\xc3\xa9"));
+    memset(big, 'a', sizeof big - 1);
+    big[sizeof big - 1] = '\0';
+    ck_assert(!ts(big));
+    big[512] = '\0';
+    ck_assert(ts(big));
+    /* 33 members */
+    big[0] = '\0';
+    for (int i = 0; i < 33; i++)
+        strcat(big, i ? ",k=v" : "k=v");
+    ck_assert(!ts(big));
+}
+END_TEST
+
+START_TEST(test_from_headers)
+{
+    struct trace_ctx c;
+    json_t *h = json_pack("{s:s, s:s}", "traceparent", TP, "tracestate", "rojo=1");
+    ck_assert(trace_from_headers(h, &c));
+    ck_assert_str_eq(c.parent, TP);
+    ck_assert_str_eq(c.state, "rojo=1");
+    json_decref(h);
+    /* a later version is cut to the version-00 fields */
+    h = json_pack("{s:s}", "traceparent",
+                  "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra");
+    ck_assert(trace_from_headers(h, &c));
+    ck_assert_str_eq(c.parent, "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+    ck_assert_str_eq(c.state, "");
+    json_decref(h);
+    /* not a string, or invalid: nothing, and no tracestate without it */
+    h = json_pack("{s:i, s:s}", "traceparent", 7, "tracestate", "rojo=1");
+    ck_assert(!trace_from_headers(h, &c));
+    ck_assert_str_eq(c.parent, "");
+    ck_assert_str_eq(c.state, "");
+    json_decref(h);
+    h = json_pack("{s:s, s:s}", "traceparent", TP, "tracestate", "a=1\r\nb=2");
+    ck_assert(trace_from_headers(h, &c));
+    ck_assert_str_eq(c.state, "");
+    json_decref(h);
+    ck_assert(!trace_from_headers(NULL, &c));
+    h = json_array();
+    ck_assert(!trace_from_headers(h, &c));
+    json_decref(h);
+}
+END_TEST
+
+/* idemq's own span: a child of the producer's sampled span, a new trace
+ * without one, none under an unsampled parent; what continues downstream. */
+START_TEST(test_job_span)
+{
+    struct trace_job t;
+    char tp[TRACE_PARENT_LEN + 1], hex[33];
+    json_t *h = json_pack("{s:s}", "traceparent", TP);
+    trace_job_begin(&t, h, true);
+    ck_assert(t.span);
+    trace_hex(t.trace_id, 16, hex);
+    ck_assert_str_eq(hex, "4bf92f3577b34da6a3ce929d0e0e4736");
+    trace_hex(t.parent_id, 8, hex);
+    ck_assert_str_eq(hex, "00f067aa0ba902b7");
+    trace_job_parent(&t, tp);
+    ck_assert_int_eq(strlen(tp), TRACE_PARENT_LEN);
+    ck_assert(strncmp(tp, "00-4bf92f3577b34da6a3ce929d0e0e4736-", 36) == 0);
+    ck_assert(strcmp(tp + 36, "00f067aa0ba902b7-01") != 0); /* idemq's span, not the parent */
+    ck_assert(trace_parent_valid(tp, strlen(tp)));
+    /* without spans: the producer's context as it came */
+    trace_job_begin(&t, h, false);
+    ck_assert(!t.span);
+    trace_job_parent(&t, tp);
+    ck_assert_str_eq(tp, TP);
+    json_decref(h);
+    /* not sampled by the producer: no span, its context passed on */
+    h = json_pack("{s:s}", "traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00");
+    trace_job_begin(&t, h, true);
+    ck_assert(!t.span);
+    trace_job_parent(&t, tp);
+    ck_assert_str_eq(tp, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00");
+    json_decref(h);
+    /* no context: a new trace, sampled */
+    trace_job_begin(&t, NULL, true);
+    ck_assert(t.span);
+    trace_job_parent(&t, tp);
+    ck_assert(trace_parent_valid(tp, strlen(tp)));
+    ck_assert(strcmp(tp + 53, "01") == 0);
+    trace_job_begin(&t, NULL, false);
+    trace_job_parent(&t, tp);
+    ck_assert_str_eq(tp, "");
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("trace");
+    TCase *tc = tcase_create("trace");
+    tcase_add_test(tc, test_parent_shapes);
+    tcase_add_test(tc, test_state_shapes);
+    tcase_add_test(tc, test_from_headers);
+    tcase_add_test(tc, test_job_span);
+    suite_add_tcase(s, tc);
+    return check_run(s);
+}
