@@ -20,6 +20,7 @@
 #include "backoff.h"
 #include "classify.h"
 #include "log.h"
+#include "mask.h"
 
 /* CT_DAYS: a number of days, integer or fractional (libconfig has no
  * duration type), stored as a double; its row's min, max and default are in
@@ -64,6 +65,9 @@ static const struct conf_key global_keys[] = {
      "libpq connection string; IDEMQ_PG_DSN overrides"},
     {"database.statement_timeout_ms", CT_INT, G(statement_timeout_ms), 0, 3600000, NULL, 10000, 0,
      "statement_timeout of each worker session (0 = none)"},
+    {"database.keep_error_detail", CT_BOOL, G(keep_error_detail), 0, 1, NULL, 0, 0,
+     "log the DETAIL of PostgreSQL notices and warnings (it may quote row values, such as "
+     "a constraint's key); stored error texts keep only the primary message"},
     {"database.client_timeout_ms", CT_INT, G(client_timeout_ms), 0, 3600000, NULL, 0, 0,
      "client-side deadline of each database call: past it the worker abandons the connection "
      "(a frozen or vanished server); 0 = statement_timeout_ms + 5000 (none if that is 0)"},
@@ -122,6 +126,14 @@ static const struct conf_key global_keys[] = {
      "every request, loopback ones too, needs a token of token_file (HTTP Basic: the token's "
      "name and the token); set it when a reverse proxy or tunnel on the same host makes every "
      "client loopback"},
+    {"protection.keys", CT_STRLIST, G(protection_keys), 0, 32, "", 0, 0,
+     "keys that seal and open stored payload copies (parked bodies), as \"id=/path\": each "
+     "file holds 32 bytes (raw or 64 hex digits) and only its owner may read it; the key "
+     "bytes are never in this file; keep old keys listed to open copies sealed with them "
+     "(see docs/data-protection.md)"},
+    {"protection.active", CT_STR, G(protection_active), 0, 32, "", 0, 0,
+     "id of the key new copies are sealed with (AES-256-GCM); empty = new copies are stored "
+     "as they are, listed keys still open old ones"},
     {"log.level", CT_STR, G(log_level), 1, 10, "info", 0, 0, "error, warn, info or debug"},
     /* operations: TLS, least privilege, logs, liveness */
     {"broker.tls.ca_file", CT_STR, G(tls_ca_file), 0, 4096, "/etc/ssl/certs/ca-certificates.crt",
@@ -229,6 +241,10 @@ static const struct conf_key input_keys[] = {
      "key's stored result or park reason (result), or only with its status (status: SUCCESS "
      "with a null result, FAILURE naming the park code alone), where producers that share "
      "keys do not trust each other"},
+    {"sensitive", CT_STRLIST, I(sensitive), 0, 64, "", 0, 0,
+     "payload fields to mask in everything idemq shows or logs (jobs show, parked list and "
+     "show, the console, failure groups, error texts): dotted JSON paths such as "
+     "\"card.number\"; a path through an array applies to each element"},
     {"deferred_report_after_s", CT_INT, I(deferred_report_after_s), 1, 86400 * 30, NULL, 300, 0,
      "deferred jobs (waiting for a predecessor) older than this are reported"},
     /* provider effects: keep these rows together */
@@ -806,6 +822,16 @@ static idemq_err_t validate_input(struct conf_input *in, int line, const char *f
              file, line, in->name);
         return IDEMQ_ERR_CONFIG;
     }
+    for (int i = 0; i < in->sensitive.n; i++) {
+        char why[128];
+        if (!in->sensitive.v[i][0] && in->sensitive.n == 1)
+            break; /* the default: none */
+        if (!mask_path_check(in->sensitive.v[i], why, sizeof why)) {
+            errf(errbuf, errlen, "%s:%d: input %s: sensitive[%d] \"%s\" %s", file, line,
+                 in->name, i, in->sensitive.v[i], why);
+            return IDEMQ_ERR_CONFIG;
+        }
+    }
     if (strcmp(in->protocol, "native") && strcmp(in->protocol, "celery")) {
         errf(errbuf, errlen, "%s:%d: input %s: protocol must be \"native\" or \"celery\", "
              "not \"%s\"", file, line, in->name, in->protocol);
@@ -1297,6 +1323,46 @@ static idemq_err_t apply_env(struct conf *c, char *errbuf, size_t errlen)
     return IDEMQ_OK;
 }
 
+/* protection.keys entries are id=/absolute/path with unique ids of
+ * letters, digits, '-' and '_'; protection.active names one of them. The
+ * files are read by protect_load (consumer/protect.h), not here. */
+static idemq_err_t validate_protection(const struct conf *c, const char *file, char *errbuf,
+                                       size_t errlen)
+{
+    bool active_found = !c->protection_active[0];
+    for (int i = 0; i < c->protection_keys.n; i++) {
+        const char *e = c->protection_keys.v[i], *eq = strchr(e, '=');
+        size_t idlen = eq ? (size_t)(eq - e) : 0;
+        if (!e[0] && c->protection_keys.n == 1)
+            break; /* the default: none */
+        if (!eq || idlen == 0 || idlen > 32 || strspn(e, "abcdefghijklmnopqrstuvwxyz"
+                                                     "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_") !=
+                                                   idlen ||
+            eq[1] != '/') {
+            errf(errbuf, errlen,
+                 "%s: protection.keys[%d] must be \"id=/absolute/path\" (an id of 1 to 32 "
+                 "letters, digits, - or _), not \"%s\"",
+                 file, i, e);
+            return IDEMQ_ERR_CONFIG;
+        }
+        for (int k = 0; k < i; k++)
+            if (strncmp(c->protection_keys.v[k], e, idlen + 1) == 0) {
+                errf(errbuf, errlen, "%s: protection.keys names key %.*s twice", file,
+                     (int)idlen, e);
+                return IDEMQ_ERR_CONFIG;
+            }
+        if (!active_found && strlen(c->protection_active) == idlen &&
+            strncmp(c->protection_active, e, idlen) == 0)
+            active_found = true;
+    }
+    if (!active_found) {
+        errf(errbuf, errlen, "%s: protection.active names key \"%s\", which protection.keys "
+             "does not list", file, c->protection_active);
+        return IDEMQ_ERR_CONFIG;
+    }
+    return IDEMQ_OK;
+}
+
 static idemq_err_t validate_retry(struct conf *c, const config_t *cfg, const char *file,
                                   char *errbuf, size_t errlen)
 {
@@ -1562,10 +1628,11 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
             (strcmp(name, "broker") && strcmp(name, "database") && strcmp(name, "consumer") &&
              strcmp(name, "retry") && strcmp(name, "metrics") && strcmp(name, "log") &&
              strcmp(name, "topology") && strcmp(name, "ledger") && strcmp(name, "outbox") &&
-             strcmp(name, "console") && strcmp(name, "tracing"))) {
+             strcmp(name, "console") && strcmp(name, "tracing") &&
+             strcmp(name, "protection"))) {
             errf(errbuf, errlen, "%s:%d: unknown setting %s (top level holds broker, database, "
-                 "consumer, retry, metrics, log, topology, ledger, outbox, console, tracing and "
-                 "inputs)", file,
+                 "consumer, retry, metrics, log, topology, ledger, outbox, console, tracing, "
+                 "protection and inputs)", file,
                  config_setting_source_line(s), name);
             err = IDEMQ_ERR_CONFIG;
             goto fail;
@@ -1594,6 +1661,8 @@ static idemq_err_t load(config_t *cfg, const char *file, struct conf **out, char
     if ((err = validate_retry(c, cfg, file, errbuf, errlen)) != IDEMQ_OK)
         goto fail;
     if ((err = validate_ledger(c, cfg, file, errbuf, errlen)) != IDEMQ_OK)
+        goto fail;
+    if ((err = validate_protection(c, file, errbuf, errlen)) != IDEMQ_OK)
         goto fail;
     if ((err = read_inputs(cfg, c, file, errbuf, errlen)) != IDEMQ_OK)
         goto fail;
@@ -2350,4 +2419,35 @@ int conf_lint(const struct conf *c, FILE *out)
         }
     }
     return errors;
+}
+
+const char **conf_sensitive_paths(const struct conf *c, const char *queue, int *n)
+{
+    const struct conf_input *only = NULL;
+    const char **v;
+    int total = 0;
+
+    *n = 0;
+    for (int i = 0; i < c->n_inputs && queue; i++)
+        if (strcmp(c->inputs[i].queue, queue) == 0)
+            only = &c->inputs[i];
+    for (int i = 0; i < c->n_inputs; i++)
+        if (!only || only == &c->inputs[i])
+            total += c->inputs[i].sensitive.n;
+    if (total == 0)
+        return NULL;
+    if (!(v = calloc((size_t)total, sizeof *v))) {
+        *n = -1;
+        return NULL;
+    }
+    for (int i = 0; i < c->n_inputs; i++)
+        if (!only || only == &c->inputs[i])
+            for (int k = 0; k < c->inputs[i].sensitive.n; k++)
+                if (c->inputs[i].sensitive.v[k][0])
+                    v[(*n)++] = c->inputs[i].sensitive.v[k];
+    if (*n == 0) {
+        free(v);
+        return NULL;
+    }
+    return v;
 }

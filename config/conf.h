@@ -126,6 +126,7 @@ struct conf_input {
     /* Celery producers */
     char *protocol;                   /* "native" or "celery" */
     struct conf_strlist celery_tasks; /* "task.name=schema.fn" entries */
+    struct conf_strlist sensitive;    /* payload fields masked when shown (mask.h) */
     bool celery;                      /* derived: protocol = "celery" */
     int key_arg;                      /* CONF_KEY_CELERY_ARG: the argument's index */
     struct conf_celery_route *routes; /* derived from celery_tasks */
@@ -157,6 +158,7 @@ struct conf {
     /* database */
     char *dsn;
     int statement_timeout_ms;
+    bool keep_error_detail; /* log PostgreSQL notices' DETAIL */
     int client_timeout_ms; /* as configured; 0 = derived */
     int call_timeout_ms;   /* derived: client-side deadline of each database call
                             * (statement_timeout_ms + 5000 by default; 0 = none) */
@@ -185,6 +187,9 @@ struct conf {
     char *console_token_file;        /* "" = read-only */
     int console_statement_timeout_ms;
     struct conf_strlist console_hosts; /* extra Host values answered */
+    /* stored payload copies (consumer/protect.h) */
+    struct conf_strlist protection_keys; /* "id=/path" entries */
+    char *protection_active;             /* "" = new copies not sealed */
     bool console_reads_need_token;     /* loopback reads need a token too */
     char *console_operator_broker_url; /* redrives of the console, "" = urls */
     /* log */
@@ -352,5 +357,14 @@ struct conf_key_info {
  * global rows, then the input rows); false if i is out of range. The
  * strings are the table's (static). Pure. */
 bool conf_key_describe(int i, struct conf_key_info *out);
+
+/*
+ * The sensitive payload paths that apply to a copy taken from queue: its
+ * input's, or, when no input consumes queue (renamed since), every input's.
+ * Returns a malloc'd array of *n pointers into c (the caller frees the
+ * array only; NULL with *n = 0 when there are none or memory ran out,
+ * *n = -1 then). Any thread.
+ */
+const char **conf_sensitive_paths(const struct conf *c, const char *queue, int *n);
 
 #endif

@@ -10,6 +10,8 @@
 #include <string.h>
 
 #include "log.h"
+#include "mask.h"
+#include "protect.h"
 
 /* A query; NULL (logged) on failure or without a session. */
 static PGresult *query(PGconn *db, const char *sql, int np, const char *const *params)
@@ -88,23 +90,28 @@ static void row(struct html *b, const char *name, const char *v)
     html_raw(b, "</td></tr>");
 }
 
-/* The body: pretty JSON when it is JSON, else the text; capped. */
-static void show_body(struct html *b, const char *hex, long long size)
+/* The body raw[0..n) (of size bytes on the wire): pretty JSON when it is
+ * JSON, else the text; capped. When its input declares sensitive fields
+ * (np > 0), only the masked form (mask.h). */
+static void show_plain(struct html *b, const char **paths, int np, const unsigned char *raw,
+                       size_t n, long long size)
 {
-    size_t n = 0;
-    unsigned char *raw = PQunescapeBytea((const unsigned char *)hex, &n);
     json_t *j;
     char *pretty = NULL;
-    if (!raw) {
-        html_raw(b, "<p class=\"bad\">out of memory</p>");
-        return;
-    }
-    if ((j = json_loadb((const char *)raw, n, JSON_DECODE_ANY, NULL)) != NULL) {
+
+    if (np > 0) {
+        /* a stored prefix is not a whole document: hidden */
+        pretty = (long long)n < size ? strdup("(body hidden: only a prefix is stored, and its "
+                                              "input declares sensitive fields)")
+                                     : mask_body(paths, np, raw, n, true);
+    } else if ((j = json_loadb((const char *)raw, n, JSON_DECODE_ANY, NULL)) != NULL) {
         pretty = json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
         json_decref(j);
     }
     html_raw(b, "<pre id=\"body\" class=\"body\">");
-    if (pretty && strlen(pretty) <= CONSOLE_PAGES_BODY_SHOWN)
+    if (np > 0)
+        html_text_capped(b, pretty ? pretty : "(body hidden)", CONSOLE_PAGES_BODY_SHOWN);
+    else if (pretty && strlen(pretty) <= CONSOLE_PAGES_BODY_SHOWN)
         html_text(b, pretty);
     else
         html_text_n(b, (const char *)raw, n);
@@ -112,6 +119,36 @@ static void show_body(struct html *b, const char *hex, long long size)
     if (size > (long long)n)
         html_printf(b, "<p class=\"mut\">the first %zu of %lld bytes</p>", n, size);
     free(pretty);
+}
+
+/* The body of a park from queue, as stored (hex: bytea text), sealed with
+ * key_id (protect.h) or NULL when stored as sent. A copy that cannot be
+ * opened is said so, with the key it names. */
+static void show_body(struct html *b, const struct conf *c, const char *queue, const char *hex,
+                      long long size, const char *key_id)
+{
+    size_t n = 0;
+    unsigned char *raw = PQunescapeBytea((const unsigned char *)hex, &n), *plain = NULL;
+    size_t pn = 0;
+    int np = 0;
+    const char **paths = conf_sensitive_paths(c, queue, &np);
+    enum protect_open_result r = PROTECT_OPENED;
+
+    if (!raw || np < 0)
+        html_raw(b, "<p class=\"bad\">out of memory</p>");
+    else if (!key_id)
+        show_plain(b, paths, np, raw, n, size);
+    else if ((r = protect_open(protect_global(), key_id, raw, n, &plain, &pn)) == PROTECT_OPENED)
+        show_plain(b, paths, np, plain, pn, size);
+    else {
+        html_raw(b, "<p class=\"bad\" id=\"body-sealed\">the body is sealed with key ");
+        html_text(b, key_id);
+        html_raw(b, " and cannot be opened: ");
+        html_text(b, protect_open_str(r));
+        html_raw(b, "</p>");
+    }
+    free(plain);
+    free(paths);
     PQfreemem(raw);
 }
 
@@ -176,11 +213,12 @@ unsigned console_pages_park(PGconn *db, const struct conf *c, const char *id, co
     html_raw(b, "</code></h1>");
     r = query(db,
               "SELECT key, source_queue, exchange, routing_key,"
-              " substring(body FROM 1 FOR " "65536" "), coalesce(body_size, octet_length(body)),"
+              " CASE WHEN body_key IS NULL THEN substring(body FROM 1 FOR " "65536" ") ELSE body END,"
+              " coalesce(body_size, octet_length(body)),"
               " jsonb_pretty(headers), jsonb_pretty(properties), payload_sha256, error_class,"
               " error_code, coalesce(sqlstate, '-'), reason, attempts, first_attempt_at,"
               " last_attempt_at, parked_at, consumer_id, redrivable, generation,"
-              " coalesce(dlq_published_at::text, 'not confirmed yet')"
+              " coalesce(dlq_published_at::text, 'not confirmed yet'), body_key"
               " FROM idemq.parked WHERE id = $1::bigint",
               1, p);
     if (!r) {
@@ -242,7 +280,8 @@ unsigned console_pages_park(PGconn *db, const struct conf *c, const char *id, co
     html_raw(b, "</table>");
     console_pages_actions(b, csrf, "park", id);
     html_raw(b, "</div></div><h2>Body</h2>");
-    show_body(b, PQgetvalue(r, 0, 4), atoll(PQgetvalue(r, 0, 5)));
+    show_body(b, c, PQgetvalue(r, 0, 1), PQgetvalue(r, 0, 4), atoll(PQgetvalue(r, 0, 5)),
+              PQgetisnull(r, 0, 21) ? NULL : PQgetvalue(r, 0, 21));
     html_raw(b, "<div class=\"cards\"><div class=\"card\"><h2>Headers</h2><pre id=\"headers\">");
     html_text(b, PQgetisnull(r, 0, 6) ? "(none)" : PQgetvalue(r, 0, 6));
     html_raw(b, "</pre></div><div class=\"card\"><h2>Properties</h2><pre id=\"properties\">");

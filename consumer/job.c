@@ -412,6 +412,11 @@ idemq_err_t job_decode(struct job *j, const struct conf_input *in)
                                    JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr))) {
         body_err = json_error_code(&jerr) == json_error_duplicate_key ? IDEMQ_ERR_DUPLICATE_FIELD
                                                                       : IDEMQ_ERR_BAD_JSON;
+        /* jansson quotes the token it stopped at ("near '...'"): a piece
+         * of a body that cannot be masked by path (mask.h) */
+        for (int k = 0; k < in->sensitive.n; k++)
+            if (in->sensitive.v[k][0] && strstr(jerr.text, " near '"))
+                *strstr(jerr.text, " near '") = '\0';
         snprintf(body_reason, sizeof body_reason, "%s at byte %d: %s",
                  body_err == IDEMQ_ERR_BAD_JSON ? "invalid JSON" : "duplicate field name",
                  jerr.position, jerr.text);

@@ -15,6 +15,7 @@
 #include "job.h"
 #include "conf.h"
 #include "ledger_db.h"
+#include "protect.h"
 #include "ledger_grants.h"
 #include "ledger_migrate.h"
 #include "lifecycle.h"
@@ -104,6 +105,9 @@ static void usage(FILE *out)
             "  resolve KEY (--applied REF | --not-applied | --discard) --reason TEXT\n"
             "                              settle a parked provider key by hand (records the\n"
             "                              OS user and the reason)\n"
+            "  erase KEY --why TEXT        remove the payload copies the ledger holds of KEY\n"
+            "                              (park bodies, headers, a provider request), keep\n"
+            "                              its audit facts; recorded as an operator action\n"
             "  maintain [--now TIMESTAMP]  ledger maintenance now: partitions ahead, pruning past\n"
             "                              the dedup window, archive, drops (see README)\n"
             "  archive list                history partitions: hot, archived, dropped\n"
@@ -190,7 +194,7 @@ static int parse_args(int argc, char **argv, struct opts *o)
         /* provider effects: reconcile and resolve */
         {"age", required_argument, NULL, 'A'},     {"applied", required_argument, NULL, 'P'},
         {"not-applied", no_argument, NULL, 'N'},   {"discard", no_argument, NULL, 'D'},
-        {"reason", required_argument, NULL, 'W'},
+        {"reason", required_argument, NULL, 'W'},  {"why", required_argument, NULL, 'W'},
         {"grant", required_argument, NULL, 'G'},   {"print-grants", required_argument, NULL, 'Q'},
         {"grant-operator", required_argument, NULL, OPT_GRANT_OPERATOR},
         {"grant-app", required_argument, NULL, OPT_GRANT_APP},
@@ -299,6 +303,12 @@ static int parse_args(int argc, char **argv, struct opts *o)
                             "--discard, and --reason TEXT\n");
             return -1;
         }
+    } else if (strcmp(o->cmd, "erase") == 0) {
+        if (optind >= argc || !o->reason || !*o->reason) {
+            fprintf(stderr, "idemq: erase needs a KEY and --why TEXT\n");
+            return -1;
+        }
+        o->arg = argv[optind++];
     } else if (o->resolution || (o->reason && !PARKED_ACTION(o))) {
         fprintf(stderr, "idemq: --applied, --not-applied, --discard and --reason go with "
                         "resolve\n");
@@ -866,6 +876,7 @@ int main(int argc, char **argv)
 {
     struct opts o;
     struct conf *c = NULL;
+    struct protect *keys = NULL;
     char err[1024];
     int rc;
 
@@ -877,7 +888,7 @@ int main(int argc, char **argv)
         strcmp(o.cmd, "check-config") && strcmp(o.cmd, "publish") && strcmp(o.cmd, "jobs") &&
         strcmp(o.cmd, "parked") && strcmp(o.cmd, "redrive") && strcmp(o.cmd, "reconcile") &&
         strcmp(o.cmd, "resolve") && strcmp(o.cmd, "maintain") && strcmp(o.cmd, "archive") &&
-        strcmp(o.cmd, "observe")) {
+        strcmp(o.cmd, "observe") && strcmp(o.cmd, "erase")) {
         fprintf(stderr, "idemq: unknown command '%s'\n", o.cmd);
         usage(stderr);
         return EXIT_USAGE;
@@ -888,6 +899,13 @@ int main(int argc, char **argv)
     }
     log_current_level = log_level_parse(c->log_level);
     log_configure(strcmp(c->log_format, "json") == 0, c->consumer_id);
+    ledger_db_keep_error_detail(c->keep_error_detail);
+    if (protect_load(c, &keys, err, sizeof err) != IDEMQ_OK) {
+        fprintf(stderr, "idemq: %s\n", err);
+        conf_free(c);
+        return EXIT_CONFIG;
+    }
+    protect_set_global(keys);
     sig_install();
     if (strcmp(o.cmd, "run") == 0 || strcmp(o.cmd, "check-config") == 0) {
         for (int i = 0; i < c->n_inputs; i++) { /* insecure provider transport */
@@ -936,6 +954,8 @@ int main(int argc, char **argv)
         rc = reconcile_cmd(c, (int)o.age_s, stdout);
     } else if (strcmp(o.cmd, "resolve") == 0) {
         rc = resolve_cmd(c, o.arg, o.resolution, o.reference, o.reason, stdout);
+    } else if (strcmp(o.cmd, "erase") == 0) {
+        rc = ops_erase(c, o.arg, o.reason, stdout);
     } else if (strcmp(o.cmd, "maintain") == 0) {
         rc = lifecycle_maintain(c, o.now, stdout);
     } else if (strcmp(o.cmd, "observe") == 0) {
@@ -947,6 +967,8 @@ int main(int argc, char **argv)
     } else {
         rc = cmd_run(c, o.until_idle_s);
     }
+    protect_set_global(NULL);
+    protect_free(keys);
     conf_free(c);
     return rc;
 }

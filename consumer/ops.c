@@ -355,6 +355,42 @@ static int list_broker_dead(const struct conf *c, const struct ops_filter *f,
     return rc;
 }
 
+/* Parks matching the list's filters (params: key, class, since, queue), open
+ * ones and resolved ones of the hot history, whose body is sealed with a
+ * key c does not list: they cannot be opened until that key is listed
+ * again. Returns the count, or -1 when the ledger did not answer. */
+static long unreadable_parks(PGconn *db, const struct conf *c, const char *const *filter)
+{
+    char ids[32 * 40 + 3];
+    size_t off = 0;
+    const char *params[5] = {filter[0], filter[1], filter[2], filter[3], ids};
+    PGresult *r;
+    long n = -1;
+
+    ids[off++] = '{';
+    for (int i = 0; i < c->protection_keys.n; i++) {
+        const char *e = c->protection_keys.v[i], *eq = strchr(e, '=');
+        if (eq && off + (size_t)(eq - e) + 2 < sizeof ids) /* ids are [A-Za-z0-9_-] */
+            off += (size_t)snprintf(ids + off, sizeof ids - off, "%s%.*s", off > 1 ? "," : "",
+                                    (int)(eq - e), e);
+    }
+    ids[off++] = '}';
+    ids[off] = '\0';
+    r = PQexecParams(db,
+                     "SELECT count(*) FROM (SELECT key, error_class, parked_at, source_queue,"
+                     " body_key FROM idemq.parked UNION ALL SELECT key, park->>'error_class',"
+                     " parked_at, source_queue, park->>'body_key' FROM idemq.park_history) p"
+                     " WHERE body_key IS NOT NULL AND NOT body_key = ANY ($5::text[])"
+                     " AND ($1::text IS NULL OR key = $1) AND ($2::text IS NULL OR"
+                     " error_class = $2) AND ($3::timestamptz IS NULL OR parked_at >= $3)"
+                     " AND ($4::text IS NULL OR source_queue = $4)",
+                     5, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1)
+        n = atol(PQgetvalue(r, 0, 0));
+    PQclear(r);
+    return n;
+}
+
 int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
 {
     char limit[24], queue[300] = "";
@@ -441,6 +477,12 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
         if (n_outbox > 0)
             fprintf(out, " outbox=%d", n_outbox);
         fprintf(out, "\n");
+        {
+            long sealed = unreadable_parks(db, c, params);
+            if (sealed > 0)
+                fprintf(out, "bodies sealed with a key protection.keys does not list "
+                             "(cannot be opened): %ld\n", sealed);
+        }
     }
 out:
     PQclear(rows);
@@ -835,5 +877,50 @@ int ops_redrive(const struct conf *c, const struct ops_filter *f, FILE *out)
             f->dry_run ? "stay" : "left", f->input ? " of input " : "s",
             f->input ? f->input : "", f->input ? " (other inputs not looked at)" : "",
             f->dry_run ? " (dry run: nothing was moved)" : "");
+    return rc;
+}
+
+int ops_erase(const struct conf *c, const char *key, const char *why, FILE *out)
+{
+    char by[128];
+    const char *params[3];
+    PGconn *db = connect(c);
+    PGresult *r;
+    struct ops_strs a = {NULL, 0, 0};
+    int rc = 0;
+
+    if (!db)
+        return 4;
+    {
+        char host[128] = "host";
+        struct passwd *pw = getpwuid(getuid());
+        gethostname(host, sizeof host - 1);
+        snprintf(by, sizeof by, "idemq erase (%s@%s)", pw ? pw->pw_name : "?", host);
+    }
+    params[0] = key;
+    params[1] = by;
+    params[2] = why;
+    r = PQexecParams(db,
+                     "SELECT r_action, r_parks, r_history, r_intents"
+                     " FROM idemq.erase_key($1, $2, $3)",
+                     3, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(r) != PGRES_TUPLES_OK || PQntuples(r) != 1) {
+        fprintf(stderr, "idemq: not erased: %s\n",
+                ops_text(&a, PQresultErrorField(r, PG_DIAG_MESSAGE_PRIMARY)
+                                 ? PQresultErrorField(r, PG_DIAG_MESSAGE_PRIMARY)
+                                 : PQerrorMessage(db)));
+        rc = PQstatus(db) == CONNECTION_OK ? 2 : 4;
+    } else {
+        fprintf(out,
+                "erased %s: %s open park(s), %s resolved park(s), %s provider request(s); "
+                "hashes, states, times and error texts kept; operator action #%s by %s\n",
+                ops_text(&a, key), PQgetvalue(r, 0, 1), PQgetvalue(r, 0, 2),
+                PQgetvalue(r, 0, 3), PQgetvalue(r, 0, 0), ops_text(&a, by));
+        fprintf(out, "not touched: a dead-letter copy still in the broker (<queue>.dead), "
+                     "and copies outside the ledger\n");
+    }
+    PQclear(r);
+    ops_strs_free(&a);
+    PQfinish(db);
     return rc;
 }

@@ -88,4 +88,14 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
  */
 int ops_redrive(const struct conf *c, const struct ops_filter *f, FILE *out);
 
+/*
+ * idemq erase KEY --why TEXT: removes the payload copies the ledger holds
+ * of key (idemq.erase_key: park bodies and headers, open and resolved; a
+ * provider intent's request) keeping its audit facts, recorded as an
+ * operator action by the OS user with why. Prints what it erased to out.
+ * Returns 0, 2 when the ledger refuses (the key is still in flight), or 4
+ * when the database is unreachable.
+ */
+int ops_erase(const struct conf *c, const char *key, const char *why, FILE *out);
+
 #endif

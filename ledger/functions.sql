@@ -19,6 +19,13 @@ DROP FUNCTION IF EXISTS idemq.park_message(text, text, text, text, bytea, jsonb,
     text, text);
 DROP FUNCTION IF EXISTS idemq.park_message(text, text, text, text, bytea, jsonb, jsonb, text,
     text, text, text, bigint, boolean);
+DROP FUNCTION IF EXISTS idemq.park_message(text, text, text, text, bytea, jsonb, jsonb, text,
+    text, text, text, bigint, boolean, text);
+DROP FUNCTION IF EXISTS idemq.record_failure(text, integer, text, text, text, text, boolean,
+    integer, timestamptz, timestamptz, text, text, text, jsonb, text, bytea, jsonb, jsonb);
+DROP FUNCTION IF EXISTS idemq.record_failure(text, integer, text, text, text, text, boolean,
+    integer, timestamptz, timestamptz, text, text, text, jsonb, text, bytea, jsonb, jsonb, bytea,
+    text);
 
 -- What the worker needs to dead-letter a parked message: the park row's
 -- facts, as the x-idemq-* headers show them.
@@ -478,12 +485,15 @@ $fn$;
 -- the attempt row and the job's last error; then either the durable retry
 -- schedule (state 'retrying', run_after = now + p_delay_ms) or, when p_park,
 -- state 'parked' and a park row holding the raw message and a link to every
--- attempt. Returns the park's facts (idemq.park_info) or NULL.
+-- attempt. Returns the park's facts (idemq.park_info) or NULL. p_sealed and
+-- p_body_key: the body sealed with that key (consumer/protect.h), stored in
+-- the park row instead of p_body (whose hash the row keeps).
 CREATE OR REPLACE FUNCTION idemq.record_failure(
     p_key text, p_attempt integer, p_class text, p_code text, p_sqlstate text,
     p_message text, p_park boolean, p_delay_ms integer, p_started timestamptz,
     p_finished timestamptz, p_queue text, p_exchange text, p_routing_key text,
-    p_meta jsonb, p_consumer text, p_body bytea, p_headers jsonb, p_properties jsonb)
+    p_meta jsonb, p_consumer text, p_body bytea, p_headers jsonb, p_properties jsonb,
+    p_sealed bytea DEFAULT NULL, p_body_key text DEFAULT NULL)
 RETURNS jsonb
 LANGUAGE plpgsql
 SET search_path = pg_catalog, idemq
@@ -534,10 +544,13 @@ BEGIN
       FROM idemq.key_attempts(p_key) a;
     INSERT INTO idemq.parked (key, source_queue, exchange, routing_key, body, headers,
         properties, payload_sha256, error_class, error_code, sqlstate, reason, attempts,
-        first_attempt_at, last_attempt_at, consumer_id, generation, attempt_ids)
-    VALUES (p_key, p_queue, p_exchange, p_routing_key, p_body, p_headers, p_properties,
+        first_attempt_at, last_attempt_at, consumer_id, generation, attempt_ids, body_size,
+        body_key)
+    VALUES (p_key, p_queue, p_exchange, p_routing_key,
+        CASE WHEN p_body_key IS NULL THEN p_body ELSE p_sealed END, p_headers, p_properties,
         encode(sha256(p_body), 'hex'), p_class, p_code, p_sqlstate, p_message, p_attempt,
-        coalesce(v_first, p_started), p_started, p_consumer, v_gen, coalesce(v_ids, '{}'))
+        coalesce(v_first, p_started), p_started, p_consumer, v_gen, coalesce(v_ids, '{}'),
+        octet_length(p_body), p_body_key)
     RETURNING id INTO v_id;
     RETURN idemq.park_info(v_id);
 END
@@ -570,11 +583,13 @@ $fn$;
 -- forged_redrive park is never redrivable, whatever p_redrivable says: its
 -- body is whatever a producer sent with a made-up x-idemq-generation, and
 -- its sealed dead-letter copy, redriven, would be applied as the key's
--- redrive. Returns the park's facts.
+-- redrive. p_body_key: p_body is sealed with that key (consumer/protect.h;
+-- p_sha and p_body_size are then the message's own). Returns the park's
+-- facts.
 CREATE OR REPLACE FUNCTION idemq.park_message(
     p_key text, p_queue text, p_exchange text, p_routing_key text, p_body bytea,
     p_headers jsonb, p_properties jsonb, p_code text, p_reason text, p_consumer text,
-    p_sha text, p_body_size bigint, p_redrivable boolean)
+    p_sha text, p_body_size bigint, p_redrivable boolean, p_body_key text DEFAULT NULL)
 RETURNS jsonb
 LANGUAGE sql
 SET search_path = pg_catalog, idemq
@@ -582,12 +597,12 @@ AS $fn$
     WITH p AS (
         INSERT INTO idemq.parked (key, source_queue, exchange, routing_key, body, headers,
             properties, payload_sha256, error_class, error_code, reason, attempts,
-            first_attempt_at, last_attempt_at, consumer_id, body_size, redrivable)
+            first_attempt_at, last_attempt_at, consumer_id, body_size, redrivable, body_key)
         VALUES (p_key, p_queue, p_exchange, p_routing_key, p_body, p_headers, p_properties,
             coalesce(p_sha, encode(sha256(p_body), 'hex')), 'permanent', p_code, p_reason, 1,
             clock_timestamp(), clock_timestamp(), p_consumer,
             coalesce(p_body_size, octet_length(p_body)),
-            p_redrivable AND p_code IS DISTINCT FROM 'forged_redrive')
+            p_redrivable AND p_code IS DISTINCT FROM 'forged_redrive', p_body_key)
         RETURNING *)
     SELECT jsonb_build_object(
         'park_id', p.id, 'key', p.key, 'error_class', p.error_class,

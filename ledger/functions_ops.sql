@@ -36,3 +36,60 @@ BEGIN
     RETURN NEXT;
 END
 $fn$;
+
+-- `idemq erase KEY --why TEXT`: removes the payload copies the ledger holds
+-- of a key (the body, headers and properties of its parks, open and
+-- resolved in the hot history; the request body and message of its
+-- provider intent) and keeps the audit facts: hashes, sizes, states,
+-- times, error texts. An erased open park is no longer redrivable from the
+-- ledger. Recorded as an operator action ('erase', who, why) with a row
+-- per park (park 0: the intent). Refuses (55000) a key still in flight
+-- (pending, retrying or deferred: its message is needed to finish). Returns
+-- the action id and how many parks, resolved parks and intents it erased.
+CREATE OR REPLACE FUNCTION idemq.erase_key(p_key text, p_by text, p_why text)
+RETURNS TABLE (r_action bigint, r_parks integer, r_history integer, r_intents integer)
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_state text;
+BEGIN
+    SELECT j.state INTO v_state FROM idemq.jobs j WHERE j.key = p_key FOR UPDATE;
+    IF v_state IN ('pending', 'retrying', 'deferred') THEN
+        RAISE EXCEPTION 'key % is %: its message is still needed; erase it once it is applied or parked',
+            p_key, v_state USING ERRCODE = '55000';
+    END IF;
+    INSERT INTO idemq.operator_actions (action, actor, reason, selection)
+    VALUES ('erase', p_by, p_why, 'key ' || p_key)
+    RETURNING id INTO r_action;
+    WITH e AS (
+        UPDATE idemq.parked p SET body = ''::bytea, headers = NULL, properties = NULL,
+               body_key = NULL, redrivable = false,
+               body_size = coalesce(p.body_size, octet_length(p.body))
+         WHERE p.key = p_key
+        RETURNING p.id)
+    INSERT INTO idemq.operator_action_keys (action_id, park_id, key, outcome)
+    SELECT r_action, e.id, p_key, 'erased' FROM e;
+    GET DIAGNOSTICS r_parks = ROW_COUNT;
+    WITH e AS (
+        UPDATE idemq.park_history h SET body = ''::bytea,
+               park = h.park - 'headers' - 'properties' || jsonb_build_object('erased', true)
+         WHERE h.key = p_key
+        RETURNING h.id)
+    INSERT INTO idemq.operator_action_keys (action_id, park_id, key, outcome)
+    SELECT r_action, e.id, p_key, 'erased (resolved park)' FROM e
+    ON CONFLICT DO NOTHING;
+    GET DIAGNOSTICS r_history = ROW_COUNT;
+    UPDATE idemq.intents i SET request_body = ''::bytea, body = ''::bytea, headers = NULL
+     WHERE i.key = p_key;
+    GET DIAGNOSTICS r_intents = ROW_COUNT;
+    IF r_intents > 0 THEN
+        INSERT INTO idemq.operator_action_keys (action_id, park_id, key, outcome)
+        VALUES (r_action, 0, p_key, 'erased (provider intent)')
+        ON CONFLICT DO NOTHING;
+    END IF;
+    UPDATE idemq.operator_actions a
+       SET selected = r_parks + r_history + r_intents, done = r_parks + r_history + r_intents,
+           finished_at = clock_timestamp()
+     WHERE a.id = r_action;
+    RETURN NEXT;
+END
+$fn$;

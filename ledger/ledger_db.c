@@ -27,11 +27,16 @@ static _Thread_local const char *notice_key;
 
 void ledger_db_set_notice_key(const char *key) { notice_key = key; }
 
+/* database.keep_error_detail: written once before the workers start. */
+static bool keep_detail;
+
+void ledger_db_keep_error_detail(bool on) { keep_detail = on; }
+
 static void on_notice(void *arg, const PGresult *r)
 {
     const char *sev = PQresultErrorField(r, PG_DIAG_SEVERITY_NONLOCALIZED);
     const char *msg = PQresultErrorField(r, PG_DIAG_MESSAGE_PRIMARY);
-    const char *detail = PQresultErrorField(r, PG_DIAG_MESSAGE_DETAIL);
+    const char *detail = keep_detail ? PQresultErrorField(r, PG_DIAG_MESSAGE_DETAIL) : NULL;
     const char *hint = PQresultErrorField(r, PG_DIAG_MESSAGE_HINT);
     struct log_fields lf = LOG_FIELDS_NONE;
     int lvl = LOG_LVL_INFO;

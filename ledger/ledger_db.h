@@ -57,6 +57,11 @@ PGconn *ledger_db_connect(const char *dsn, const char *app_name, int statement_t
  */
 void ledger_db_route_notices(PGconn *db);
 
+/* Whether those notice lines carry the notice's DETAIL (it may quote row
+ * values: a constraint's key, a payload field). Off until set; set once at
+ * startup (database.keep_error_detail), before any thread connects. */
+void ledger_db_keep_error_detail(bool on);
+
 /* The job key (or NULL) the calling thread's notices are about until the
  * next call: set while statements run for one known job. The string must
  * outlive that. */

@@ -45,7 +45,7 @@ static const char operator_functions[] =
     "'job_info', 'key_history', 'key_batches', 'key_attempts', 'key_outbox', 'park_group', "
     "'mask_reason', "
     "'adopt_dead_letter', 'ops_close_parks', 'close_park', 'ops_action_begin', 'ops_action_moved', "
-    "'ops_action_finish', "
+    "'ops_action_finish', 'erase_key', "
     "'provider_answer_text', 'provider_resolve', 'provider_sweep', 'provider_result', "
     "'provider_confirmed', 'provider_effect_failed', 'provider_gauges', 'provider_latency', "
     "'archive_exported', 'ledger_settings', 'maintain', 'observe_report'";

@@ -11,10 +11,14 @@
 #include <string.h>
 #include <time.h>
 
+#include <openssl/evp.h>
+
 #include "classify.h"
 #include "ledger_doc.h"
 #include "ledger_plain.h"
 #include "log.h"
+#include "mask.h"
+#include "protect.h"
 #include "seal.h"
 
 struct ledger_txn {
@@ -298,6 +302,22 @@ static bool is_old(const struct ledger_txn *lt, const struct job *j, time_t now)
     return age >= 0 && (double)age > lt->window_s;
 }
 
+/* msg (NUL-terminated, in cap bytes) with each sensitive value of j's body
+ * replaced (mask.h): what idemq stores, logs and replies quotes no such
+ * value. */
+static void mask_message(const struct conf_input *in, const struct job *j, char *msg,
+                         size_t cap)
+{
+    char *m;
+    if (in->sensitive.n == 0 || !msg[0] || !j->body)
+        return;
+    if ((m = mask_text((const char *const *)in->sensitive.v, in->sensitive.n, j->body,
+                       j->body_len, msg))) {
+        snprintf(msg, cap, "%s", m);
+        free(m);
+    }
+}
+
 idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int n,
                              struct ledger_result *res, struct ledger_db_error *e)
 {
@@ -397,6 +417,8 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
             copy_field(x->prior_state, sizeof x->prior_state, r, row, 5);
         else
             copy_field(x->message, sizeof x->message, r, row, 5);
+        mask_message(&lt->conf->inputs[jobs[idx]->input], jobs[idx], x->message,
+                     sizeof x->message);
         copy_field(x->started_at, sizeof x->started_at, r, row, 6);
         copy_field(x->finished_at, sizeof x->finished_at, r, row, 7);
         x->delay_ms = PQgetisnull(r, row, 8) ? 0 : atol(PQgetvalue(r, row, 8));
@@ -523,6 +545,29 @@ static idemq_err_t exec_params(struct ledger_txn *lt, const char *sql, int n,
 
 static char *dump(json_t *v) { return json_dumps(v, JSON_COMPACT); }
 
+/* Seals body[0..n) with the process's active key into *sealed (NULL, and
+ * IDEMQ_OK, when no key is active: stored as sent). A copy that cannot be
+ * sealed is never stored in the clear: the error fails the call. */
+static idemq_err_t seal_body(const unsigned char *body, size_t n, unsigned char **sealed,
+                             size_t *sealed_len, struct ledger_db_error *e)
+{
+    const struct protect *p = protect_global();
+    idemq_err_t err;
+
+    *sealed = NULL;
+    *sealed_len = 0;
+    if (!protect_active(p))
+        return IDEMQ_OK;
+    if ((err = protect_seal(p, body ? body : (const unsigned char *)"", body ? n : 0, sealed,
+                            sealed_len)) != IDEMQ_OK) {
+        snprintf(e->message, sizeof e->message, "cannot seal the parked body: %s",
+                 idemq_err_str(err));
+        e->sqlstate[0] = '\0';
+        e->conn_lost = false;
+    }
+    return err;
+}
+
 idemq_err_t ledger_txn_record_failure(struct ledger_txn *lt, const struct job *j,
                                       struct ledger_result *r, const char *error_class,
                                       const char *error_code, bool park, long delay_ms,
@@ -531,9 +576,11 @@ idemq_err_t ledger_txn_record_failure(struct ledger_txn *lt, const struct job *j
     const struct conf_input *in = &lt->conf->inputs[j->input];
     char attempt[16], delay[24];
     char *headers = dump(j->headers), *props = dump(j->props);
-    const char *vals[18];
-    int lens[18] = {0}, fmts[18] = {0};
+    const char *vals[20];
+    int lens[20] = {0}, fmts[20] = {0};
     idemq_err_t err;
+    unsigned char *sealed = NULL;
+    size_t sealed_len = 0;
     json_t *meta = json_pack("{s:s,s:b}", "routing_key", j->routing_key, "redelivered",
                              j->redelivered);
     char *meta_s;
@@ -553,6 +600,7 @@ idemq_err_t ledger_txn_record_failure(struct ledger_txn *lt, const struct job *j
         e->conn_lost = false;
         return IDEMQ_ERR_NOMEM;
     }
+    mask_message(in, j, r->message, sizeof r->message);
     snprintf(attempt, sizeof attempt, "%d", r->attempt);
     snprintf(delay, sizeof delay, "%ld", delay_ms);
     vals[0] = j->key;
@@ -575,14 +623,26 @@ idemq_err_t ledger_txn_record_failure(struct ledger_txn *lt, const struct job *j
     fmts[15] = 1;
     vals[16] = headers;
     vals[17] = props;
+    vals[18] = NULL;
+    vals[19] = NULL;
     json_decref(r->park);
     r->park = NULL;
+    if (park && (err = seal_body(j->body, j->body_len, &sealed, &sealed_len, e)) != IDEMQ_OK)
+        goto out;
+    if (sealed) {
+        vals[18] = (const char *)sealed;
+        lens[18] = (int)sealed_len;
+        fmts[18] = 1;
+        vals[19] = protect_active(protect_global());
+    }
     err = exec_params(lt,
                       "SELECT idemq.record_failure($1, $2, $3, $4, $5, $6, $7, $8, "
                       "coalesce($9::timestamptz, clock_timestamp()), "
                       "coalesce($10::timestamptz, clock_timestamp()), $11, $12, $13, $14, "
-                      "$15, $16, $17, $18)",
-                      18, vals, lens, fmts, &r->park, e);
+                      "$15, $16, $17, $18, $19, $20)",
+                      20, vals, lens, fmts, &r->park, e);
+out:
+    free(sealed);
     free(headers);
     free(props);
     free(meta_s);
@@ -596,10 +656,16 @@ idemq_err_t ledger_txn_park_message(struct ledger_txn *lt, const struct job *j, 
     const struct conf_input *in = &lt->conf->inputs[j->input];
     char *headers = with_headers ? dump(j->headers) : NULL, *props = dump(j->props);
     char size[24];
+    char *shown = reason && j->body ? mask_text((const char *const *)in->sensitive.v,
+                                                in->sensitive.n, j->body, j->body_len, reason)
+                                    : NULL;
     bool whole = j->body_size <= j->body_len && j->wire_err != IDEMQ_ERR_UNDECODABLE;
-    const char *vals[13];
-    int lens[13] = {0}, fmts[13] = {0};
+    const char *vals[14];
+    int lens[14] = {0}, fmts[14] = {0};
     idemq_err_t err;
+    unsigned char *sealed = NULL;
+    size_t sealed_len = 0;
+    char sha[65];
 
     snprintf(size, sizeof size, "%llu", (unsigned long long)j->body_size);
     vals[0] = j->has_key ? j->key : NULL;
@@ -612,16 +678,42 @@ idemq_err_t ledger_txn_park_message(struct ledger_txn *lt, const struct job *j, 
     vals[5] = headers;
     vals[6] = props;
     vals[7] = code;
-    vals[8] = reason;
+    vals[8] = shown ? shown : reason;
     vals[9] = lt->conf->consumer_id;
     vals[10] = j->sha256_hex[0] ? j->sha256_hex : NULL;
     vals[11] = size;
     vals[12] = whole ? "true" : "false";
+    vals[13] = NULL;
+    if ((err = seal_body(j->body, j->body_len, &sealed, &sealed_len, e)) != IDEMQ_OK)
+        goto out;
+    if (sealed) {
+        if (!vals[10]) { /* the hash of what is held, not of the sealed copy */
+            unsigned char md[EVP_MAX_MD_SIZE];
+            unsigned mdlen = 0;
+            if (EVP_Digest(j->body ? j->body : (const unsigned char *)"",
+                           j->body ? j->body_len : 0, md, &mdlen, EVP_sha256(), NULL) != 1) {
+                snprintf(e->message, sizeof e->message, "cannot hash the parked body");
+                e->sqlstate[0] = '\0';
+                e->conn_lost = false;
+                err = IDEMQ_ERR_INTERNAL;
+                goto out;
+            }
+            for (unsigned i = 0; i < mdlen && i < 32; i++)
+                snprintf(sha + 2 * i, 3, "%02x", md[i]);
+            vals[10] = sha;
+        }
+        vals[4] = (const char *)sealed;
+        lens[4] = (int)sealed_len;
+        vals[13] = protect_active(protect_global());
+    }
     err = exec_params(lt,
                       "SELECT idemq.park_message($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, "
-                      "$12, $13)",
-                      13, vals, lens, fmts, park, e);
+                      "$12, $13, $14)",
+                      14, vals, lens, fmts, park, e);
+out:
+    free(sealed);
     free(headers);
+    free(shown);
     free(props);
     return err;
 }

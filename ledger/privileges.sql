@@ -43,7 +43,7 @@ BEGIN
                -- operator actions on parks, of the CLI and the console:
                -- the audit trail and the closing of parks
                'ops_action_begin', 'ops_action_moved', 'ops_action_finish',
-               'ops_close_parks'])
+               'ops_close_parks', 'erase_key'])
     LOOP
         EXECUTE format('ALTER FUNCTION %s SECURITY DEFINER '
                        'SET search_path = pg_catalog, idemq, pg_temp', f);

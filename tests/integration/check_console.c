@@ -16,6 +16,7 @@
 #include <signal.h>
 #include <stdint.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -691,6 +692,301 @@ START_TEST(test_console_least_privilege)
 }
 END_TEST
 
+/*
+ * An input's sensitive fields never show: a job parks with an error text
+ * that quotes its card number; the stored reason and last error, `idemq
+ * jobs show`, `idemq parked list` and the console's park page (body and
+ * reason) show "***" in its place, while the other fields stay readable.
+ */
+START_TEST(test_console_masks_sensitive)
+{
+    struct itest t;
+    char extra[1024], tokfile[256], url[160], sql[1024], effect[200], key[200], body[512];
+    char id[32], out[1 << 16], buf[600];
+    static char page[1 << 21];
+    int port = itest_free_port(), rc;
+    pid_t pid;
+    const char *card = "4111111111111111";
+
+    token_file(tokfile, sizeof tokfile, "masktok", "ops " TOKEN_ALICE "\n");
+    snprintf(extra, sizeof extra,
+             "console: { listen = \"127.0.0.1:%d\"; token_file = \"%s\"; };", port, tokfile);
+    itest_extra_conf = extra;
+    itest_setup(&t, "console_mask", "idemq_test.record", "", "");
+    snprintf(sql, sizeof sql,
+             "CREATE FUNCTION idemq_test.%s_fx(p_key text, p_payload jsonb, p_meta jsonb) "
+             "RETURNS jsonb LANGUAGE plpgsql AS $fn$ BEGIN "
+             "RAISE EXCEPTION 'card %% declined', p_payload->'card'->>'number' "
+             "USING ERRCODE = 'IP001'; END $fn$",
+             t.name);
+    itest_sql(&t, sql);
+    snprintf(effect, sizeof effect, "idemq_test.%s_fx", t.name);
+    itest_write_config(&t, t.cfg_path, t.name, effect, "",
+                       "sensitive = [ \"card.number\", \"account.iban\" ];");
+    snprintf(key, sizeof key, "%s:k1", t.name);
+    snprintf(body, sizeof body,
+             "{\"job_id\":\"%s\",\"card\":{\"number\":\"%s\",\"brand\":\"visa\"},"
+             "\"account\":{\"iban\":\"DE89370400440532013000\"}}",
+             key, card);
+    itest_publish(&t, (const char *[]){body}, 1);
+    itest_run_until_idle(&t, 2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", key), 1);
+    itest_text(&t, "SELECT reason FROM idemq.parked WHERE key = $1", key, buf, sizeof buf);
+    ck_assert_msg(strstr(buf, "card *** declined") && !strstr(buf, card), "%s", buf);
+    itest_text(&t, "SELECT coalesce(last_error, '') FROM idemq.job_info($1)", key, buf,
+               sizeof buf);
+    ck_assert_msg(!strstr(buf, card), "%s", buf);
+    snprintf(sql, sizeof sql, "jobs show '%s'", key);
+    ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "***") && !strstr(out, card), "%s", out);
+    ck_assert_int_eq(itest_idemq(&t, "parked list", out, sizeof out), 0);
+    ck_assert_msg(strstr(out, key) && !strstr(out, card), "%s", out);
+    itest_text(&t, "SELECT id FROM idemq.parked WHERE key = $1", key, id, sizeof id);
+
+    pid = itest_spawn(&t, t.cfg_path, 60, NULL);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/groups", port);
+    wait_console(url);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/park?id=%s", port, id);
+    ck_assert_int_eq(curl_page(url, NULL, NULL, page, sizeof page), 200);
+    ck_assert_msg(!strstr(page, card) && !strstr(page, "DE89370400440532013000"), "%s", page);
+    ck_assert_msg(strstr(page, "&quot;number&quot;: &quot;***&quot;") ||
+                      strstr(page, "\"number\": \"***\""),
+                  "%s", page);
+    ck_assert_msg(strstr(page, "visa"), "%s", page);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/groups", port);
+    ck_assert_int_eq(curl_page(url, NULL, NULL, page, sizeof page), 200);
+    ck_assert_msg(!strstr(page, card), "%s", page);
+    kill(pid, SIGTERM);
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);
+    itest_extra_conf = NULL;
+    itest_teardown(&t);
+    unlink(tokfile);
+}
+END_TEST
+
+/* Writes a key file of 32 bytes (hex when hex) with mode. */
+static void key_file(char *path, size_t len, const char *tag, unsigned char fill, bool hex,
+                     mode_t mode)
+{
+    FILE *f;
+    snprintf(path, len, "/tmp/idemq-key-%s-%d", tag, (int)getpid());
+    unlink(path);
+    ck_assert_ptr_nonnull(f = fopen(path, "w"));
+    for (int i = 0; i < 32; i++)
+        hex ? fprintf(f, "%02x", fill + i) : fputc(fill + i, f);
+    if (hex)
+        fputc('\n', f);
+    fclose(f);
+    ck_assert_int_eq(chmod(path, mode), 0);
+}
+
+/* The console page of the park of key into page; returns the status. */
+static int park_page(struct itest *t, int port, const char *key, char *page, size_t len)
+{
+    char id[32], url[160];
+    itest_text(t, "SELECT id FROM idemq.parked WHERE key = $1", key, id, sizeof id);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/park?id=%s", port, id);
+    return curl_page(url, NULL, NULL, page, len);
+}
+
+/*
+ * Parked bodies sealed at rest: with protection.active = k1 a parked body
+ * holds no byte of the message in idemq.parked (ciphertext under k1, the
+ * hash and size of the message itself); the console opens it; redrive
+ * applies it once. Rotation: k2 active, k1 still listed: new parks are
+ * sealed with k2, old ones still open. k1 no longer listed: its copy is
+ * reported (console, `parked list` count), never shown or dropped. A key
+ * file others may read is refused at startup.
+ */
+START_TEST(test_sealed_parks)
+{
+    struct itest t;
+    char extra[1024], k1[128], k2[128], url[160], key1[200], key2[200], body[512], out[1 << 16];
+    char buf[256];
+    static char page[1 << 21];
+    int port = itest_free_port(), rc;
+    pid_t pid;
+    const char *card = "4111111111111111";
+
+    key_file(k1, sizeof k1, "k1", 0x10, true, 0600);
+    key_file(k2, sizeof k2, "k2", 0x40, false, 0400);
+    snprintf(extra, sizeof extra,
+             "console: { listen = \"127.0.0.1:%d\"; };\n"
+             "protection: { keys = [ \"k1=%s\" ]; active = \"k1\"; };",
+             port, k1);
+    itest_extra_conf = extra;
+    itest_setup(&t, "sealed", "idemq_test.record", "", "");
+    snprintf(key1, sizeof key1, "%s:k1", t.name);
+    snprintf(body, sizeof body,
+             "{\"job_id\":\"%s\",\"raise\":\"IP001\",\"raise_until\":1,"
+             "\"card\":{\"number\":\"%s\",\"brand\":\"visa\"}}",
+             key1, card);
+    itest_publish(&t, (const char *[]){body}, 1);
+    itest_run_until_idle(&t, 2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                    "body_key = 'k1'", key1), 1);
+    ck_assert_int_eq(itest_long(&t,
+                                "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                "(position('\\x34313131'::bytea IN body) > 0 OR "
+                                "position(convert_to('visa', 'UTF8') IN body) > 0 OR "
+                                "position(convert_to('job_id', 'UTF8') IN body) > 0)",
+                                key1),
+                     0);
+    {
+        char sql[1024];
+        snprintf(sql, sizeof sql,
+                 "SELECT count(*) FROM idemq.parked WHERE key = $1 AND payload_sha256 = "
+                 "encode(sha256(convert_to('%s', 'UTF8')), 'hex') AND body_size = %zu AND "
+                 "octet_length(body) = %zu",
+                 body, strlen(body), strlen(body) + 28);
+        ck_assert_int_eq(itest_long(&t, sql, key1), 1);
+    }
+    pid = itest_spawn(&t, t.cfg_path, 60, NULL);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/groups", port);
+    wait_console(url);
+    ck_assert_int_eq(park_page(&t, port, key1, page, sizeof page), 200);
+    ck_assert_msg(strstr(page, card) && strstr(page, "visa"), "%s", page);
+    kill(pid, SIGTERM);
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);
+
+    /* rotation: k2 seals new parks, k1 still opens the old one */
+    snprintf(extra, sizeof extra,
+             "console: { listen = \"127.0.0.1:%d\"; };\n"
+             "protection: { keys = [ \"k1=%s\", \"k2=%s\" ]; active = \"k2\"; };",
+             port, k1, k2);
+    itest_write_config(&t, t.cfg_path, t.name, "idemq_test.record", "", "");
+    snprintf(key2, sizeof key2, "%s:k2", t.name);
+    snprintf(body, sizeof body,
+             "{\"job_id\":\"%s\",\"raise\":\"IP001\",\"card\":{\"number\":\"%s\"}}", key2, card);
+    itest_publish(&t, (const char *[]){body}, 1);
+    itest_run_until_idle(&t, 2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 AND "
+                                    "body_key = 'k2'", key2), 1);
+    pid = itest_spawn(&t, t.cfg_path, 60, NULL);
+    wait_console(url);
+    ck_assert_int_eq(park_page(&t, port, key1, page, sizeof page), 200);
+    ck_assert_msg(strstr(page, "visa"), "%s", page);
+    ck_assert_int_eq(park_page(&t, port, key2, page, sizeof page), 200);
+    ck_assert_msg(strstr(page, card), "%s", page);
+    kill(pid, SIGTERM);
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);
+
+    /* redrive (from the dead-letter queue): applied once */
+    snprintf(buf, sizeof buf, "redrive --key '%s'", key1);
+    ck_assert_int_eq(itest_idemq(&t, buf, out, sizeof out), 0);
+    itest_run_until_idle(&t, 2);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key1), 1);
+    itest_run_until_idle(&t, 1);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key1), 1);
+
+    /* k1 gone: its copy (now in the history) is reported, k2's still opens */
+    snprintf(extra, sizeof extra,
+             "console: { listen = \"127.0.0.1:%d\"; };\n"
+             "protection: { keys = [ \"k2=%s\" ]; active = \"k2\"; };",
+             port, k2);
+    itest_write_config(&t, t.cfg_path, t.name, "idemq_test.record", "", "");
+    snprintf(buf, sizeof buf, "parked list --key '%s'", key1);
+    ck_assert_int_eq(itest_idemq(&t, buf, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "cannot be opened): 1"), "%s", out);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.park_history WHERE key = $1 "
+                                    "AND park->>'body_key' = 'k1'", key1), 1);
+    /* an open park whose key is gone: said so on its page */
+    {
+        char sql[512];
+        snprintf(sql, sizeof sql, "UPDATE idemq.parked SET body_key = 'k9' WHERE key = '%s'",
+                 key2);
+        itest_sql(&t, sql);
+    }
+    pid = itest_spawn(&t, t.cfg_path, 60, NULL);
+    wait_console(url);
+    ck_assert_int_eq(park_page(&t, port, key2, page, sizeof page), 200);
+    ck_assert_msg(strstr(page, "sealed with key k9") && strstr(page, "not configured") &&
+                      !strstr(page, card),
+                  "%s", page);
+    kill(pid, SIGTERM);
+    rc = itest_wait(pid, itest_ms(15000));
+    ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);
+    snprintf(buf, sizeof buf, "parked list --key '%s'", key2);
+    ck_assert_int_eq(itest_idemq(&t, buf, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "cannot be opened): 1"), "%s", out);
+
+    /* a key file others may read: refused, naming the file, not the key */
+    ck_assert_int_eq(chmod(k2, 0644), 0);
+    rc = itest_idemq(&t, "check-config", out, sizeof out);
+    ck_assert_msg(rc != 0 && strstr(out, "chmod 600") && strstr(out, k2), "%d %s", rc, out);
+    /* the copies no listed key opens would show in other tests' lists */
+    snprintf(buf, sizeof buf, "DELETE FROM idemq.parked WHERE key LIKE '%s:%%'", t.name);
+    itest_sql(&t, buf);
+    snprintf(buf, sizeof buf, "DELETE FROM idemq.park_history WHERE key LIKE '%s:%%'", t.name);
+    itest_sql(&t, buf);
+    itest_extra_conf = NULL;
+    itest_teardown(&t);
+    unlink(k1);
+    unlink(k2);
+}
+END_TEST
+
+/*
+ * idemq erase KEY --why TEXT: the park's body, headers and properties are
+ * gone from the ledger (open and resolved parks), the audit facts stay
+ * (hash, size, state, reason), the park is no longer redrivable from the
+ * ledger, and the action is recorded (who, why) and shown by jobs show. A
+ * key still in flight is refused.
+ */
+START_TEST(test_erase_key)
+{
+    struct itest t;
+    char key[200], body[512], out[1 << 16], args[400], sha[80], sql[512];
+
+    itest_setup(&t, "erase", "idemq_test.record", "", "");
+    snprintf(key, sizeof key, "%s:e1", t.name);
+    snprintf(body, sizeof body,
+             "{\"job_id\":\"%s\",\"raise\":\"IP001\",\"name\":\"Erika Mustermann\"}", key);
+    itest_publish(&t, (const char *[]){body}, 1);
+    itest_run_until_idle(&t, 2);
+    itest_text(&t, "SELECT payload_sha256 FROM idemq.parked WHERE key = $1", key, sha,
+               sizeof sha);
+    ck_assert_int_eq(strlen(sha), 64);
+    snprintf(args, sizeof args, "erase '%s' --why 'data subject request 42'", key);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "1 open park(s)"), "%s", out);
+    snprintf(sql, sizeof sql,
+             "SELECT count(*) FROM idemq.parked WHERE key = $1 AND octet_length(body) = 0 AND "
+             "headers IS NULL AND properties IS NULL AND NOT redrivable AND body_size = %zu "
+             "AND payload_sha256 = '%s' AND reason LIKE '%%requested failure%%'",
+             strlen(body), sha);
+    ck_assert_int_eq(itest_long(&t, sql, key), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key = $1 AND "
+                                    "state = 'parked'", key), 1);
+    ck_assert_int_eq(itest_long(&t,
+                                "SELECT count(*) FROM idemq.operator_actions a JOIN "
+                                "idemq.operator_action_keys k ON k.action_id = a.id WHERE "
+                                "k.key = $1 AND a.action = 'erase' AND a.reason = "
+                                "'data subject request 42' AND a.actor LIKE 'idemq erase (%'",
+                                key),
+                     1);
+    snprintf(args, sizeof args, "jobs show '%s'", key);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, ": erase, park #") && strstr(out, "data subject request 42"), "%s",
+                  out);
+    /* a key in flight is refused, and nothing is recorded */
+    snprintf(sql, sizeof sql, "UPDATE idemq.jobs SET state = 'retrying' WHERE key = '%s'", key);
+    itest_sql(&t, sql);
+    snprintf(args, sizeof args, "erase '%s' --why again", key);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 2);
+    ck_assert_msg(strstr(out, "is retrying"), "%s", out);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.operator_actions WHERE "
+                                    "action = 'erase' AND selection = 'key ' || $1", key), 1);
+    /* --why is required */
+    snprintf(args, sizeof args, "erase '%s'", key);
+    ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 2);
+    itest_teardown(&t);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("console");
@@ -707,6 +1003,12 @@ int main(void)
     tcase_add_test(tc, test_console_operator_broker_url);
     tcase_add_test(tc, test_console_slow_clients);
     tcase_add_test(tc, test_console_least_privilege);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("mask");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, test_console_masks_sensitive);
+    tcase_add_test(tc, test_sealed_parks);
+    tcase_add_test(tc, test_erase_key);
     suite_add_tcase(s, tc);
     /* least-privilege mode (scripts/test): these again, as the deployment's roles */
     itest_lp_tcase(s, (const TTest *const[]){test_console_browser, NULL});

@@ -956,6 +956,55 @@ START_TEST(test_broker_permissions)
 }
 END_TEST
 
+/* sensitive: dotted JSON paths, each checked; the errors name the input,
+ * the entry and what is wrong. */
+START_TEST(test_sensitive_paths)
+{
+    struct conf *c = NULL;
+    char err[512];
+    static const struct {
+        const char *list, *want;
+    } bad[] = {
+        {"[ \"card.number\", \"\" ]", "sensitive[1] \"\" must be 1 to 255 bytes"},
+        {"[ \"card..number\" ]", "sensitive[0] \"card..number\" has an empty segment"},
+        {"[ \".iban\" ]", "has an empty segment"},
+        {"[ \"a.b.c.d.e.f.g.h.i.j.k.l.m.n.o.p.q\" ]", "has 17 segments (at most 16)"},
+        {"[ 3 ]", "sensitive[0] must be a string"},
+    };
+    char text[512];
+
+    ck_assert_msg(conf_load_string("inputs = ( { name = \"a\"; queue = \"q\"; effect_function = "
+                                   "\"app.f\"; sensitive = [ \"card.number\", "
+                                   "\"account.iban\" ]; } );\ndatabase: { keep_error_detail = "
+                                   "true; };",
+                                   &c, err, sizeof err) == IDEMQ_OK,
+                  "%s", err);
+    ck_assert_int_eq(c->inputs[0].sensitive.n, 2);
+    ck_assert_str_eq(c->inputs[0].sensitive.v[1], "account.iban");
+    ck_assert(c->keep_error_detail);
+    conf_free(c);
+    ck_assert_msg(conf_load_string("inputs = ( { name = \"a\"; queue = \"q\"; effect_function = "
+                                   "\"app.f\"; } );",
+                                   &c, err, sizeof err) == IDEMQ_OK,
+                  "%s", err);
+    ck_assert(!c->keep_error_detail);
+    ck_assert(c->inputs[0].sensitive.n == 0 ||
+              (c->inputs[0].sensitive.n == 1 && !c->inputs[0].sensitive.v[0][0]));
+    conf_free(c);
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        snprintf(text, sizeof text,
+                 "inputs = ( { name = \"a\"; queue = \"q\"; effect_function = \"app.f\"; "
+                 "sensitive = %s; } );",
+                 bad[i].list);
+        c = NULL;
+        ck_assert_msg(conf_load_string(text, &c, err, sizeof err) == IDEMQ_ERR_CONFIG, "%s",
+                      bad[i].list);
+        ck_assert_msg(strstr(err, bad[i].want) != NULL,
+                      "%s: %s", bad[i].list, err);
+    }
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("conf");
@@ -981,6 +1030,7 @@ int main(void)
     tcase_add_test(tc, test_consumer_timeout_warning);
     tcase_add_test(tc, test_observe_mode);
     tcase_add_test(tc, test_celery_settings);
+    tcase_add_test(tc, test_sensitive_paths);
     suite_add_tcase(s, tc);
     return check_run(s);
 }

@@ -399,6 +399,29 @@ START_TEST(test_redrive_seal)
 }
 END_TEST
 
+/* The parser's error text quotes the token it stopped at ("near
+ * '4111...'"): for an input with sensitive fields that quote is dropped,
+ * since a body that is not JSON cannot be masked by path. */
+START_TEST(test_bad_json_quotes_nothing_sensitive)
+{
+    struct job j;
+    struct conf_input in = input(CONF_KEY_JSON, "job_id", 1024);
+    char *paths[] = {"card.number"};
+    job_init(&j);
+    ck_assert_int_eq(decode(&j, &in, "{\"card\":{\"number\":\"4111111111111111\\q\"}}"),
+                     IDEMQ_ERR_BAD_JSON);
+    ck_assert_msg(strstr(j.reason, "4111111111111111"), "%s", j.reason); /* as before */
+    job_reset(&j);
+    in.sensitive.v = paths;
+    in.sensitive.n = 1;
+    ck_assert_int_eq(decode(&j, &in, "{\"card\":{\"number\":\"4111111111111111\\q\"}}"),
+                     IDEMQ_ERR_BAD_JSON);
+    ck_assert_msg(strstr(j.reason, "invalid JSON at byte") && !strstr(j.reason, "4111"), "%s",
+                  j.reason);
+    job_destroy(&j);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("job");
@@ -406,6 +429,7 @@ int main(void)
     tcase_add_test(tc, test_json_key);
     tcase_add_test(tc, test_sha256_of_raw_body);
     tcase_add_test(tc, test_bad_bodies);
+    tcase_add_test(tc, test_bad_json_quotes_nothing_sensitive);
     tcase_add_test(tc, test_bad_keys);
     tcase_add_test(tc, test_header_and_message_id_keys);
     tcase_add_test(tc, test_order_key_and_sequence);
