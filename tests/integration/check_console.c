@@ -739,8 +739,9 @@ START_TEST(test_console_masks_sensitive)
     snprintf(sql, sizeof sql, "jobs show '%s'", key);
     ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
     ck_assert_msg(strstr(out, "***") && !strstr(out, card), "%s", out);
-    ck_assert_int_eq(itest_idemq(&t, "parked list", out, sizeof out), 0);
-    ck_assert_msg(strstr(out, key) && !strstr(out, card), "%s", out);
+    snprintf(sql, sizeof sql, "parked list --key '%s'", key);
+    ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, key) && !strstr(out, card), "%.4000s", out);
     itest_text(&t, "SELECT id FROM idemq.parked WHERE key = $1", key, id, sizeof id);
 
     pid = itest_spawn(&t, t.cfg_path, 60, NULL);
