@@ -287,6 +287,13 @@ static int list_broker_dead(const struct conf *c, const struct ops_filter *f,
 
     if (f->error_class && strcmp(f->error_class, "broker") != 0)
         return 0;
+    {   /* only broker inputs have a dead-letter queue: none matches, no broker */
+        int matching = 0;
+        for (int i = 0; i < c->n_inputs; i++)
+            matching += !f->input || strcmp(f->input, c->inputs[i].name) == 0;
+        if (!matching)
+            return 0;
+    }
     if (broker_open(c, "idemq parked list", false, &b, err, sizeof err)) {
         log_error("%s", err);
         fprintf(out, "dead letters made by the broker: not listed (broker unreachable)\n");
@@ -368,6 +375,9 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
         for (int i = 0; i < c->n_inputs; i++)
             if (strcmp(c->inputs[i].name, f->input) == 0)
                 snprintf(queue, sizeof queue, "%s", c->inputs[i].queue);
+        for (int i = 0; i < c->n_pg_inputs; i++) /* PostgreSQL queue inputs */
+            if (strcmp(c->pg_inputs[i].name, f->input) == 0)
+                snprintf(queue, sizeof queue, "%s", c->pg_inputs[i].queue);
         if (!queue[0]) {
             fprintf(stderr, "idemq: no input named %s\n", f->input);
             return 2;

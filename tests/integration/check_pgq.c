@@ -339,6 +339,29 @@ START_TEST(test_effect_enqueues_a_chain)
 }
 END_TEST
 
+/* Runs `idemq ARGS -c cfg` with a broker URL nobody answers (port 1),
+ * capturing stdout and stderr into out; returns the exit code. The
+ * operator commands on parks of postgres inputs must not need a broker. */
+static int idemq_no_broker(const char *cfg, const char *args, char *out, size_t outlen)
+{
+    char cmd[1024];
+    size_t n = 0;
+    FILE *p;
+    int st;
+    snprintf(cmd, sizeof cmd,
+             "IDEMQ_AMQP_URL='amqp://guest:guest@127.0.0.1:1/%%2F' %s %s -c %s 2>&1",
+             IDEMQ_BINARY, args, cfg);
+    p = popen(cmd, "r");
+    ck_assert_ptr_nonnull(p);
+    while (n + 1 < outlen && fgets(out + n, (int)(outlen - n), p))
+        n += strlen(out + n);
+    out[n] = '\0';
+    while (fgetc(p) != EOF) /* drain what did not fit */
+        ;
+    st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
 START_TEST(test_park_and_redrive)
 {
     struct itest t;
@@ -361,6 +384,17 @@ START_TEST(test_park_and_redrive)
                            t.name), 0);
     ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = "
                                "'%s:after'", t.name), 1);
+    /* `parked list` shows it with no broker running: a postgres input has
+     * no dead-letter queue to browse */
+    {
+        static char out[16384];
+        char args[300];
+        int rc;
+        snprintf(args, sizeof args, "parked list --input %s", t.name);
+        rc = idemq_no_broker(cfg, args, out, sizeof out);
+        ck_assert_msg(rc == 0 && strstr(out, "effect_error") && !strstr(out, "unreachable"),
+                      "parked list without a broker: exit %d: %s", rc, out);
+    }
     /* fixed, then redriven into the queue: applied once, the park closed */
     qexec(&t, "DELETE FROM idemq_test.failing WHERE key = '%s:p'", t.name);
     ck_assert_int_gt(qlong(&t, "SELECT idemq.queue_redrive(%ld, 'check_pgq')", park), 0);
