@@ -416,6 +416,47 @@ START_TEST(test_park_and_redrive)
 }
 END_TEST
 
+/* `idemq redrive` on a postgres input: a dry run moves nothing; the redrive
+ * puts the park back through idemq.queue_redrive, with no broker running,
+ * and the job is applied once as the next generation. */
+START_TEST(test_cli_redrive)
+{
+    struct itest t;
+    char cfg[300], args[300];
+    static char out[16384];
+    long park;
+    int rc;
+    setup(&t, "pgq_cli", cfg, sizeof cfg, "", "");
+    qexec(&t, "INSERT INTO idemq_test.failing VALUES ('%s:p', '22012')", t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:p\"}')", t.name, t.name);
+    run_pg(cfg, 1);
+    park = qlong(&t, "SELECT id FROM idemq.parked WHERE key = '%s:p'", t.name);
+    ck_assert_int_gt(park, 0);
+    qexec(&t, "DELETE FROM idemq_test.failing WHERE key = '%s:p'", t.name);
+    snprintf(args, sizeof args, "redrive --input %s --dry-run", t.name);
+    rc = idemq_no_broker(cfg, args, out, sizeof out);
+    ck_assert_msg(rc == 0 && strstr(out, "would redrive park"), "dry run: exit %d: %s", rc, out);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    snprintf(args, sizeof args, "redrive --input %s", t.name);
+    rc = idemq_no_broker(cfg, args, out, sizeof out);
+    ck_assert_msg(rc == 0 && strstr(out, "redrove 1 park"), "redrive: exit %d: %s", rc, out);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s' AND "
+                               "park_id = %ld", t.name, park), 1);
+    run_pg(cfg, 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = '%s:p'",
+                           t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT generation FROM idemq.jobs WHERE key = '%s:p' AND state "
+                               "= 'applied'", t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.parked WHERE id = %ld", park), 0);
+    /* nothing left to redrive */
+    rc = idemq_no_broker(cfg, args, out, sizeof out);
+    ck_assert_msg(rc == 0 && strstr(out, "redrove 0 parks"), "second redrive: exit %d: %s", rc,
+                  out);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* cpu_s of the perf line `run` logs when it stops, or -1. */
 static double cpu_of_log(const char *path)
 {
@@ -791,6 +832,7 @@ int main(void)
     tcase_add_test(tc, test_key_and_error_with_quotes);
     tcase_add_test(tc, test_effect_enqueues_a_chain);
     tcase_add_test(tc, test_park_and_redrive);
+    tcase_add_test(tc, test_cli_redrive);
     tcase_add_test(tc, test_statement_timeout_is_an_attempt);
     tcase_add_test(tc, test_notify_wakes_idle_worker);
     tcase_add_test(tc, test_two_replicas_exactly_once);
