@@ -453,6 +453,22 @@ START_TEST(test_cli_redrive)
     rc = idemq_no_broker(cfg, args, out, sizeof out);
     ck_assert_msg(rc == 0 && strstr(out, "redrove 0 parks"), "second redrive: exit %d: %s", rc,
                   out);
+    /* the park actions (CLI and console): `parked redrive` of a selection,
+     * recorded as an operator action, through the same path */
+    qexec(&t, "INSERT INTO idemq_test.failing VALUES ('%s:q', '22012')", t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:q\"}')", t.name, t.name);
+    run_pg(cfg, 1);
+    park = qlong(&t, "SELECT id FROM idemq.parked WHERE key = '%s:q'", t.name);
+    ck_assert_int_gt(park, 0);
+    qexec(&t, "DELETE FROM idemq_test.failing WHERE key = '%s:q'", t.name);
+    snprintf(args, sizeof args, "parked redrive --input %s --actor check_pgq", t.name);
+    rc = idemq_no_broker(cfg, args, out, sizeof out);
+    ck_assert_msg(rc == 0 && strstr(out, "redrove 1 park"), "parked redrive: exit %d: %s", rc,
+                  out);
+    run_pg(cfg, 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = '%s:q'",
+                           t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.parked WHERE id = %ld", park), 0);
     itest_teardown(&t);
 }
 END_TEST
