@@ -28,6 +28,9 @@ static const char *input_of(const struct conf *c, const char *queue)
     for (int i = 0; i < c->n_inputs; i++)
         if (strcmp(c->inputs[i].queue, queue) == 0)
             return c->inputs[i].name;
+    for (int i = 0; i < c->n_pg_inputs; i++)
+        if (strcmp(c->pg_inputs[i].queue, queue) == 0)
+            return c->pg_inputs[i].name;
     return queue;
 }
 
@@ -40,6 +43,9 @@ static int queue_of(const struct conf *c, const char *input, char *queue, size_t
     for (int i = 0; i < c->n_inputs; i++)
         if (strcmp(c->inputs[i].name, input) == 0)
             snprintf(queue, len, "%s", c->inputs[i].queue);
+    for (int i = 0; i < c->n_pg_inputs; i++) /* PostgreSQL queue inputs */
+        if (strcmp(c->pg_inputs[i].name, input) == 0)
+            snprintf(queue, len, "%s", c->pg_inputs[i].queue);
     if (!queue[0]) {
         fprintf(stderr, "idemq: no input named %s\n", input);
         return -1;

@@ -287,6 +287,13 @@ static int list_broker_dead(const struct conf *c, const struct ops_filter *f,
 
     if (f->error_class && strcmp(f->error_class, "broker") != 0)
         return 0;
+    {   /* only broker inputs have a dead-letter queue: none matches, no broker */
+        int matching = 0;
+        for (int i = 0; i < c->n_inputs; i++)
+            matching += !f->input || strcmp(f->input, c->inputs[i].name) == 0;
+        if (!matching)
+            return 0;
+    }
     if (broker_open(c, "idemq parked list", false, &b, err, sizeof err)) {
         log_error("%s", err);
         fprintf(out, "dead letters made by the broker: not listed (broker unreachable)\n");
@@ -404,6 +411,9 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
         for (int i = 0; i < c->n_inputs; i++)
             if (strcmp(c->inputs[i].name, f->input) == 0)
                 snprintf(queue, sizeof queue, "%s", c->inputs[i].queue);
+        for (int i = 0; i < c->n_pg_inputs; i++) /* PostgreSQL queue inputs */
+            if (strcmp(c->pg_inputs[i].name, f->input) == 0)
+                snprintf(queue, sizeof queue, "%s", c->pg_inputs[i].queue);
         if (!queue[0]) {
             fprintf(stderr, "idemq: no input named %s\n", f->input);
             return 2;
@@ -823,20 +833,102 @@ static int redrive_input(const struct conf *c, PGconn **db, struct redrive *r,
     return rc;
 }
 
+/*
+ * redrive, PostgreSQL queue inputs: each open park of input in that
+ * matches f (and is in f->park_ids, when set) goes back into its queue as a
+ * new row through idemq.queue_redrive, the same path as the SQL call.
+ * Returns 0, or 1 when a statement fails; adds to *moved.
+ */
+static int redrive_pg_input(PGconn *db, const struct conf_input *in, const struct ops_filter *f,
+                            FILE *out, long *moved)
+{
+    char limit[24], *ids = NULL;
+    const char *params[6];
+    PGresult *rows;
+    struct ops_strs a = {NULL, 0, 0};
+    int rc = 0;
+
+    if (f->park_ids) { /* a failure group's parks: "{1,2,...}" */
+        size_t cap = 3 + f->n_park_ids * 21, n = 0;
+        if (!(ids = malloc(cap)))
+            return 1;
+        ids[n++] = '{';
+        for (size_t i = 0; i < f->n_park_ids; i++)
+            n += (size_t)snprintf(ids + n, cap - n, "%s%lld", i ? "," : "", f->park_ids[i]);
+        snprintf(ids + n, cap - n, "}");
+    }
+    snprintf(limit, sizeof limit, "%ld", f->limit > 0 ? f->limit : 1000000000L);
+    params[0] = in->queue;
+    params[1] = f->key;
+    params[2] = f->error_class;
+    params[3] = f->since;
+    params[4] = ids;
+    params[5] = limit;
+    rows = PQexecParams(db,
+                        "SELECT id, coalesce(key, '(no key)'), key FROM idemq.parked"
+                        " WHERE properties->>'transport' = 'postgres'"
+                        " AND properties->>'queue' = $1 AND coalesce(redrivable, true)"
+                        " AND ($2::text IS NULL OR key = $2)"
+                        " AND ($3::text IS NULL OR error_class = $3)"
+                        " AND ($4::timestamptz IS NULL OR parked_at >= $4)"
+                        " AND ($5::bigint[] IS NULL OR id = ANY ($5::bigint[]))"
+                        " ORDER BY id LIMIT $6::bigint",
+                        6, NULL, params, NULL, NULL, 0);
+    free(ids);
+    if (PQresultStatus(rows) != PGRES_TUPLES_OK) {
+        log_error("cannot list the parks of input %s: %s", in->name, PQerrorMessage(db));
+        PQclear(rows);
+        return 1;
+    }
+    for (int i = 0; i < PQntuples(rows) && rc == 0; i++) {
+        const char *p[1] = {ops_val(rows, i, 0)};
+        const char *key = ops_tval(&a, rows, i, 1);
+        if (f->dry_run) {
+            fprintf(out, "would redrive park %s (key %s) into queue %s\n", p[0], key, in->queue);
+            (*moved)++;
+            continue;
+        }
+        PGresult *r = PQexecParams(db, "SELECT idemq.queue_redrive($1::bigint, 'idemq redrive')",
+                                   1, NULL, p, NULL, NULL, 0);
+        if (PQresultStatus(r) == PGRES_TUPLES_OK) {
+            fprintf(out, "redrove park %s (key %s) into queue %s as row %s\n", p[0], key,
+                    in->queue, ops_val(r, 0, 0));
+            (*moved)++;
+            if (f->on_moved)
+                f->on_moved(f->moved_arg, PQgetisnull(rows, i, 2) ? NULL : ops_val(rows, i, 2),
+                            atoll(p[0]));
+        } else {
+            const char *st = PQresultErrorField(r, PG_DIAG_SQLSTATE);
+            if (st && strcmp(st, "P0002") == 0) { /* closed meanwhile: nothing to do */
+                fprintf(out, "park %s is no longer open\n", p[0]);
+            } else {
+                log_error("redriving park %s: %s", p[0], PQerrorMessage(db));
+                rc = 1;
+            }
+        }
+        PQclear(r);
+    }
+    PQclear(rows);
+    ops_strs_free(&a);
+    return rc;
+}
+
 int ops_redrive(const struct conf *c, const struct ops_filter *f, FILE *out)
 {
     struct redrive r;
     char err[512];
     long long since_id = 0, since_epoch = 0;
     long moved = 0, left = 0;
-    int rc = 0, found = 0;
+    int rc = 0, found = 0, pg_found = 0;
     PGconn *db = NULL; /* the ledger: the seal's secret, --since, broker-made dead letters */
 
     memset(&r, 0, sizeof r);
     if (f->input) {
         for (int i = 0; i < c->n_inputs; i++)
             found += strcmp(f->input, c->inputs[i].name) == 0;
-        if (!found) {
+        for (int i = 0; i < c->n_pg_inputs; i++)
+            pg_found += strcmp(f->input, c->pg_inputs[i].name) == 0;
+        if (!found && !pg_found) {
             fprintf(stderr, "idemq: no input named %s\n", f->input);
             return 2;
         }
@@ -856,6 +948,18 @@ int ops_redrive(const struct conf *c, const struct ops_filter *f, FILE *out)
             PQfinish(db);
             return rc;
         }
+    }
+    /* PostgreSQL queue inputs: their parks go back into their queues */
+    for (int i = 0; i < c->n_pg_inputs && rc == 0; i++)
+        if (!f->input || strcmp(f->input, c->pg_inputs[i].name) == 0)
+            rc = redrive_pg_input(db, &c->pg_inputs[i], f, out, &moved);
+    if (c->n_inputs == 0 || (f->input && !found)) { /* no broker input: no broker */
+        PQfinish(db);
+        fprintf(out, "%s %ld park%s into %s%s\n", f->dry_run ? "would redrive" : "redrove",
+                moved, moved == 1 ? "" : "s",
+                f->input ? "the queue of input " : "PostgreSQL queues",
+                f->input ? f->input : "");
+        return rc;
     }
     if (broker_open(c, "idemq redrive", true, &r.b, err, sizeof err)) {
         log_error("%s", err);

@@ -339,6 +339,29 @@ START_TEST(test_effect_enqueues_a_chain)
 }
 END_TEST
 
+/* Runs `idemq ARGS -c cfg` with a broker URL nobody answers (port 1),
+ * capturing stdout and stderr into out; returns the exit code. The
+ * operator commands on parks of postgres inputs must not need a broker. */
+static int idemq_no_broker(const char *cfg, const char *args, char *out, size_t outlen)
+{
+    char cmd[1024];
+    size_t n = 0;
+    FILE *p;
+    int st;
+    snprintf(cmd, sizeof cmd,
+             "IDEMQ_AMQP_URL='amqp://guest:guest@127.0.0.1:1/%%2F' %s %s -c %s 2>&1",
+             IDEMQ_BINARY, args, cfg);
+    p = popen(cmd, "r");
+    ck_assert_ptr_nonnull(p);
+    while (n + 1 < outlen && fgets(out + n, (int)(outlen - n), p))
+        n += strlen(out + n);
+    out[n] = '\0';
+    while (fgetc(p) != EOF) /* drain what did not fit */
+        ;
+    st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
 START_TEST(test_park_and_redrive)
 {
     struct itest t;
@@ -361,6 +384,17 @@ START_TEST(test_park_and_redrive)
                            t.name), 0);
     ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = "
                                "'%s:after'", t.name), 1);
+    /* `parked list` shows it with no broker running: a postgres input has
+     * no dead-letter queue to browse */
+    {
+        static char out[16384];
+        char args[300];
+        int rc;
+        snprintf(args, sizeof args, "parked list --input %s", t.name);
+        rc = idemq_no_broker(cfg, args, out, sizeof out);
+        ck_assert_msg(rc == 0 && strstr(out, "effect_error") && !strstr(out, "unreachable"),
+                      "parked list without a broker: exit %d: %s", rc, out);
+    }
     /* fixed, then redriven into the queue: applied once, the park closed */
     qexec(&t, "DELETE FROM idemq_test.failing WHERE key = '%s:p'", t.name);
     ck_assert_int_gt(qlong(&t, "SELECT idemq.queue_redrive(%ld, 'check_pgq')", park), 0);
@@ -378,6 +412,63 @@ START_TEST(test_park_and_redrive)
         snprintf(sql, sizeof sql, "SELECT idemq.queue_redrive(%ld, 'check_pgq')", park);
         ck_assert_str_eq(sqlstate_of(&t, sql, st), "P0002");
     }
+    itest_teardown(&t);
+}
+END_TEST
+
+/* `idemq redrive` on a postgres input: a dry run moves nothing; the redrive
+ * puts the park back through idemq.queue_redrive, with no broker running,
+ * and the job is applied once as the next generation. */
+START_TEST(test_cli_redrive)
+{
+    struct itest t;
+    char cfg[300], args[300];
+    static char out[16384];
+    long park;
+    int rc;
+    setup(&t, "pgq_cli", cfg, sizeof cfg, "", "");
+    qexec(&t, "INSERT INTO idemq_test.failing VALUES ('%s:p', '22012')", t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:p\"}')", t.name, t.name);
+    run_pg(cfg, 1);
+    park = qlong(&t, "SELECT id FROM idemq.parked WHERE key = '%s:p'", t.name);
+    ck_assert_int_gt(park, 0);
+    qexec(&t, "DELETE FROM idemq_test.failing WHERE key = '%s:p'", t.name);
+    snprintf(args, sizeof args, "redrive --input %s --dry-run", t.name);
+    rc = idemq_no_broker(cfg, args, out, sizeof out);
+    ck_assert_msg(rc == 0 && strstr(out, "would redrive park"), "dry run: exit %d: %s", rc, out);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    snprintf(args, sizeof args, "redrive --input %s", t.name);
+    rc = idemq_no_broker(cfg, args, out, sizeof out);
+    ck_assert_msg(rc == 0 && strstr(out, "redrove 1 park"), "redrive: exit %d: %s", rc, out);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s' AND "
+                               "park_id = %ld", t.name, park), 1);
+    run_pg(cfg, 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = '%s:p'",
+                           t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT generation FROM idemq.jobs WHERE key = '%s:p' AND state "
+                               "= 'applied'", t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.parked WHERE id = %ld", park), 0);
+    /* nothing left to redrive */
+    rc = idemq_no_broker(cfg, args, out, sizeof out);
+    ck_assert_msg(rc == 0 && strstr(out, "redrove 0 parks"), "second redrive: exit %d: %s", rc,
+                  out);
+    /* the park actions (CLI and console): `parked redrive` of a selection,
+     * recorded as an operator action, through the same path */
+    qexec(&t, "INSERT INTO idemq_test.failing VALUES ('%s:q', '22012')", t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:q\"}')", t.name, t.name);
+    run_pg(cfg, 1);
+    park = qlong(&t, "SELECT id FROM idemq.parked WHERE key = '%s:q'", t.name);
+    ck_assert_int_gt(park, 0);
+    qexec(&t, "DELETE FROM idemq_test.failing WHERE key = '%s:q'", t.name);
+    snprintf(args, sizeof args, "parked redrive --input %s --actor check_pgq", t.name);
+    rc = idemq_no_broker(cfg, args, out, sizeof out);
+    ck_assert_msg(rc == 0 && strstr(out, "redrove 1 park"), "parked redrive: exit %d: %s", rc,
+                  out);
+    run_pg(cfg, 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = '%s:q'",
+                           t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.parked WHERE id = %ld", park), 0);
     itest_teardown(&t);
 }
 END_TEST
@@ -762,6 +853,7 @@ int main(void)
     tcase_add_test(tc, test_key_and_error_with_quotes);
     tcase_add_test(tc, test_effect_enqueues_a_chain);
     tcase_add_test(tc, test_park_and_redrive);
+    tcase_add_test(tc, test_cli_redrive);
     tcase_add_test(tc, test_statement_timeout_is_an_attempt);
     tcase_add_test(tc, test_notify_wakes_idle_worker);
     tcase_add_test(tc, test_two_replicas_exactly_once);
