@@ -786,6 +786,87 @@ START_TEST(test_sample_documents_every_key)
 }
 END_TEST
 
+/* Amazon SQS inputs: the settings each needs, the URLs it takes (https://,
+ * http:// to loopback only), FIFO from the name, a DLQ of the same kind, and
+ * what such an input cannot be; the SQS settings on another transport. */
+START_TEST(test_sqs_settings)
+{
+#define SQS_IN(extra)                                                                             \
+    "inputs = ({ name = \"s\"; transport = \"sqs\"; queue = \"s\"; effect_function = \"f\"; "  \
+    "key_source = \"json:id\"; " extra " });"
+    static const char *const bad[] = {
+        SQS_IN(""),
+        SQS_IN("region = \"eu-west-1\";"),
+        SQS_IN("queue_url = \"https://sqs.eu-west-1.amazonaws.com/1/q\";"),
+        SQS_IN("queue_url = \"http://sqs.example.com/1/q\"; region = \"eu-west-1\";"),
+        SQS_IN("queue_url = \"ftp://h/1/q\"; region = \"eu-west-1\";"),
+        SQS_IN("queue_url = \"https://h/q\"; region = \"eu-west-1\";"),
+        SQS_IN("queue_url = \"https://u:p@h/1/q\"; region = \"eu-west-1\";"),
+        SQS_IN("queue_url = \"https://h/1/q?x=1\"; region = \"eu-west-1\";"),
+        SQS_IN("queue_url = \"https://h/1/q.x\"; region = \"eu-west-1\";"),
+        SQS_IN("queue_url = \"https://h/1/q\"; region = \"EU West\";"),
+        SQS_IN("queue_url = \"https://h/1/q\"; region = \"eu-west-1\"; endpoint = "
+               "\"http://sqs.example.com\";"),
+        SQS_IN("queue_url = \"https://h/1/q\"; region = \"eu-west-1\"; endpoint = "
+               "\"http://127.0.0.1:9810/x\";"),
+        SQS_IN("queue_url = \"https://h/1/q.fifo\"; region = \"eu-west-1\"; "
+               "dead_letter_queue_url = \"https://h/1/d\";"),
+        SQS_IN("queue_url = \"https://h/1/q\"; region = \"eu-west-1\"; "
+               "dead_letter_queue_url = \"https://h/1/q\";"),
+        SQS_IN("queue_url = \"https://h/1/q\"; region = \"eu-west-1\"; exchange = \"x\";"),
+        SQS_IN("queue_url = \"https://h/1/q\"; region = \"eu-west-1\"; partitions = 2;"),
+        SQS_IN("queue_url = \"https://h/1/q\"; region = \"eu-west-1\"; mode = \"observe\";"),
+        SQS_IN("queue_url = \"https://h/1/q\"; region = \"eu-west-1\"; order_key_source = "
+               "\"json:o\";"),
+        "inputs = ({ name = \"s\"; transport = \"sqs\"; queue = \"s\"; effect_function = \"f\"; "
+        "key_source = \"message_id\"; queue_url = \"https://h/1/q\"; region = \"eu-west-1\"; });",
+        /* SQS settings on a broker or postgres input */
+        "inputs = ({ name = \"b\"; queue = \"b\"; effect_function = \"f\"; region = "
+        "\"eu-west-1\"; });",
+        "inputs = ({ name = \"p\"; transport = \"postgres\"; queue = \"p\"; effect_function = "
+        "\"f\"; queue_url = \"https://h/1/q\"; });",
+        /* credentials never come from the file */
+        SQS_IN("queue_url = \"https://h/1/q\"; region = \"eu-west-1\"; aws_secret_access_key = "
+               "\"S3CRET\";"),
+    };
+    struct conf *c = NULL;
+    char err[512];
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        ck_assert_msg(conf_load_string(bad[i], &c, err, sizeof err) == IDEMQ_ERR_CONFIG,
+                      "accepted: %s", bad[i]);
+        ck_assert_ptr_null(c);
+        ck_assert_msg(strstr(err, "S3CRET") == NULL, "secret in the error: %s", err);
+    }
+    /* a standard queue on an emulator beside a broker input, a FIFO one
+     * with its FIFO DLQ */
+    ck_assert_msg(conf_load_string(
+                      "inputs = ({ name = \"b\"; queue = \"b\"; effect_function = \"f\"; }, "
+                      "{ name = \"s\"; transport = \"sqs\"; queue = \"s\"; effect_function = "
+                      "\"g\"; key_source = \"json:id\"; queue_url = "
+                      "\"http://127.0.0.1:9810/000000000000/s\"; region = \"us-east-1\"; "
+                      "endpoint = \"http://127.0.0.1:9810\"; }, "
+                      "{ name = \"f\"; transport = \"sqs\"; queue = \"f\"; effect_function = "
+                      "\"g\"; key_source = \"json:id\"; queue_url = "
+                      "\"https://sqs.eu-west-1.amazonaws.com/123456789012/f.fifo\"; region = "
+                      "\"eu-west-1\"; dead_letter_queue_url = "
+                      "\"https://sqs.eu-west-1.amazonaws.com/123456789012/f-dlq.fifo\"; });",
+                      &c, err, sizeof err) == IDEMQ_OK,
+                  "%s", err);
+    ck_assert_int_eq(c->n_inputs, 1);
+    ck_assert_int_eq(c->n_pg_inputs, 0);
+    ck_assert_int_eq(c->n_sqs_inputs, 2);
+    ck_assert_str_eq(c->inputs[0].name, "b");
+    ck_assert_str_eq(c->sqs_inputs[0].name, "s");
+    ck_assert(!c->sqs_inputs[0].sqs_fifo);
+    ck_assert_str_eq(c->sqs_inputs[0].endpoint, "http://127.0.0.1:9810");
+    ck_assert(c->sqs_inputs[1].sqs_fifo);
+    ck_assert_str_eq(c->sqs_inputs[1].region, "eu-west-1");
+    ck_assert_int_eq(conf_pg_view(c).n_sqs_inputs, 0);
+    conf_free(c);
+#undef SQS_IN
+}
+END_TEST
+
 /* plaintext and unverified provider transport. http:// is refused
  * unless the host is loopback or provider.allow_plaintext says so; what is
  * accepted is reported by conf_input_insecure (a warning at start and in
@@ -981,6 +1062,7 @@ int main(void)
     tcase_add_test(tc, test_consumer_timeout_warning);
     tcase_add_test(tc, test_observe_mode);
     tcase_add_test(tc, test_celery_settings);
+    tcase_add_test(tc, test_sqs_settings);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
