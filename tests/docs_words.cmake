@@ -14,7 +14,7 @@
 cmake_minimum_required(VERSION 3.18)
 
 file(GLOB_RECURSE docs RELATIVE ${SRC} ${SRC}/*.md)
-list(FILTER docs EXCLUDE REGEX "^(build[^/]*|\\.state|\\.git|tests/browser/node_modules|node_modules)/")
+list(FILTER docs EXCLUDE REGEX "^(build[^/]*|\\.state|\\.git|tests/browser/node_modules|tests/node/node_modules|node_modules)/")
 list(APPEND docs consumer/idemq.1.in consumer/idemq.1 config/idemq.cfg.5
      config/idemq.service config/idemq.env)
 file(GLOB cfgs RELATIVE ${SRC} ${SRC}/config/*.cfg)
