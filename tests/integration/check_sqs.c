@@ -9,6 +9,7 @@
  * producer on the AWS SDK for JavaScript (tests/node/produce.mjs), as a
  * user's application makes them.
  */
+#define _GNU_SOURCE /* strcasestr */
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <stdbool.h>
@@ -239,6 +240,97 @@ START_TEST(test_down_and_refused)
 }
 END_TEST
 
+/* A stand-in for SQS on loopback that gives every request one canned
+ * answer (status line, headers and body): the answers the emulators never
+ * give. Returns the child's pid; *port its port. */
+static pid_t canned_server(const char *answer, int *port)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    socklen_t al = sizeof a;
+    int ls = socket(AF_INET, SOCK_STREAM, 0);
+    pid_t pid;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ck_assert_int_ge(ls, 0);
+    ck_assert_int_eq(bind(ls, (struct sockaddr *)&a, sizeof a), 0);
+    ck_assert_int_eq(listen(ls, 8), 0);
+    ck_assert_int_eq(getsockname(ls, (struct sockaddr *)&a, &al), 0);
+    *port = ntohs(a.sin_port);
+    if ((pid = fork()) == 0) {
+        for (;;) {
+            int s = accept(ls, NULL, NULL);
+            char req[65536];
+            size_t n = 0;
+            ssize_t r;
+            const char *hend, *cl;
+            if (s < 0)
+                _exit(0);
+            while (n + 1 < sizeof req && (r = read(s, req + n, sizeof req - n - 1)) > 0) {
+                req[n += (size_t)r] = '\0';
+                if ((hend = strstr(req, "\r\n\r\n")) &&
+                    (!(cl = strcasestr(req, "content-length:")) ||
+                     (size_t)(hend + 4 - req) + (size_t)atol(cl + 15) <= n))
+                    break;
+            }
+            if (write(s, answer, strlen(answer)) < 0)
+                _exit(1);
+            close(s);
+        }
+    }
+    close(ls);
+    return pid;
+}
+
+/* Each answer the emulators never give maps to its status: throttling to
+ * throttled, refused credentials to denied, a 5xx to unavailable, an
+ * answer that is not the schema or holds more than 10 messages to bad
+ * answer (nothing taken). */
+START_TEST(test_canned_answers)
+{
+    static const struct {
+        const char *answer;
+        enum sqs_status want;
+    } cases[] = {
+        {"HTTP/1.1 400 Bad Request\r\nContent-Type: application/x-amz-json-1.0\r\n"
+         "Content-Length: 76\r\nConnection: close\r\n\r\n"
+         "{\"__type\":\"com.amazonaws.sqs#ThrottlingException\",\"message\":\"Rate exceeded\"}",
+         SQS_THROTTLED},
+        {"HTTP/1.1 400 Bad Request\r\nContent-Length: 52\r\nConnection: close\r\n\r\n"
+         "{\"__type\":\"AWS.SimpleQueueService.RequestThrottled\"}", SQS_THROTTLED},
+        {"HTTP/1.1 403 Forbidden\r\nContent-Length: 65\r\nConnection: close\r\n\r\n"
+         "{\"__type\":\"com.amazonaws.sqs#InvalidClientTokenId\",\"message\":\"x\"}",
+         SQS_DENIED},
+        {"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+         SQS_UNAVAILABLE},
+        {"HTTP/1.1 200 OK\r\nContent-Length: 9\r\nConnection: close\r\n\r\nnot json!",
+         SQS_BAD_ANSWER},
+        {"HTTP/1.1 200 OK\r\nContent-Length: 52\r\nConnection: close\r\n\r\n"
+         "{\"Messages\":[{\"MessageId\":\"m\",\"ReceiptHandle\":\"r\"}]}", SQS_BAD_ANSWER},
+        {"HTTP/1.1 200 OK\r\nContent-Length: 38\r\nConnection: close\r\n\r\n"
+         "{\"Messages\":[1,2,3,4,5,6,7,8,9,10,11]}", SQS_BAD_ANSWER},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        int port;
+        char ep[64], url[128], err[256];
+        pid_t pid = canned_server(cases[i].answer, &port);
+        struct sqs_client_config cfg = {url, "us-east-1", ep, 3000};
+        struct sqs_client *c;
+        struct sqs_message *m;
+        int n;
+        snprintf(ep, sizeof ep, "http://127.0.0.1:%d", port);
+        snprintf(url, sizeof url, "%s/000000000000/q", ep);
+        ck_assert_int_eq(sqs_client_new(&cfg, &c, err, sizeof err), 0);
+        ck_assert_msg(sqs_receive(c, 10, 0, &m, &n, err, sizeof err) == cases[i].want,
+                      "case %zu: %s, not %s (%s)", i, sqs_status_name(sqs_receive(c, 10, 0, &m,
+                      &n, err, sizeof err)), sqs_status_name(cases[i].want), err);
+        ck_assert_ptr_null(m);
+        ck_assert_int_eq(n, 0);
+        sqs_client_free(c);
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+    }
+}
+END_TEST
+
 static bool port_open(int port)
 {
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
@@ -324,6 +416,7 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_fifo_group);
     tcase_add_test(tc, test_send_with_attributes);
     tcase_add_test(tc, test_down_and_refused);
+    tcase_add_test(tc, test_canned_answers);
     suite_add_tcase(s, tc);
     rc = check_run(s);
     kill(-emu, SIGTERM);
