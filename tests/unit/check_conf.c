@@ -637,6 +637,49 @@ START_TEST(test_metrics_listen_run)
 }
 END_TEST
 
+/* The binary: check-config accepts an sqs input and prints it back; run
+ * refuses to start with one (exit 3, naming it) before it connects
+ * anywhere, so a configured queue is never silently left unread. */
+START_TEST(test_sqs_run_refused)
+{
+    char dir[] = "/tmp/idemq_conf_XXXXXX", cfg[256], cmd[1024], out[8192];
+    const char *const cmds[] = {"check-config", "run"};
+    const int want[] = {0, 3};
+    FILE *f;
+
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    snprintf(cfg, sizeof cfg, "%s/sqs.cfg", dir);
+    f = fopen(cfg, "w");
+    ck_assert_ptr_nonnull(f);
+    fprintf(f, "broker: { url = \"amqp://guest:guest@127.0.0.1:1/%%2F\"; };\n"
+               "database: { dsn = \"host=127.0.0.1 port=1 dbname=x\"; };\n"
+               "inputs = ( { name = \"payouts\"; transport = \"sqs\"; queue = \"payouts\"; "
+               "effect_function = \"public.f\"; key_source = \"json:id\"; queue_url = "
+               "\"https://sqs.eu-west-1.amazonaws.com/123456789012/payouts\"; region = "
+               "\"eu-west-1\"; } );\n");
+    fclose(f);
+    for (size_t i = 0; i < 2; i++) {
+        size_t n;
+        int st;
+        FILE *p;
+        snprintf(cmd, sizeof cmd,
+                 "timeout 20 env -u IDEMQ_AMQP_URL -u IDEMQ_PG_DSN %s %s -c %s 2>&1",
+                 IDEMQ_BINARY, cmds[i], cfg);
+        p = popen(cmd, "r");
+        ck_assert_ptr_nonnull(p);
+        n = fread(out, 1, sizeof out - 1, p);
+        out[n] = '\0';
+        st = pclose(p);
+        ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == want[i], "%s: status %d: %s", cmds[i],
+                      st, out);
+        ck_assert_msg(strstr(out, i == 0 ? "region = \"eu-west-1\"" : "input payouts: sqs") !=
+                          NULL, "%s: %s", cmds[i], out);
+    }
+    unlink(cfg);
+    rmdir(dir);
+}
+END_TEST
+
 /* check-config output hides secrets and is itself a valid config. */
 START_TEST(test_print_roundtrip)
 {
@@ -1063,6 +1106,7 @@ int main(void)
     tcase_add_test(tc, test_observe_mode);
     tcase_add_test(tc, test_celery_settings);
     tcase_add_test(tc, test_sqs_settings);
+    tcase_add_test(tc, test_sqs_run_refused);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
