@@ -393,9 +393,7 @@ int main(int argc, char **argv)
             execlp("python3", "python3", "-m", "moto.server", "-H", "127.0.0.1", "-p", portstr,
                    (char *)NULL);
         } else {
-            setenv("FAUXQS_PORT", portstr, 1);
-            setenv("FAUXQS_LOGGER", "false", 1);
-            execlp("node", "node", NODE_DIR "/node_modules/fauxqs/dist/cli.js", (char *)NULL);
+            execlp("node", "node", NODE_DIR "/fauxqs-loopback.mjs", portstr, (char *)NULL);
         }
         _exit(127);
     }
