@@ -302,7 +302,20 @@ static const struct conf_key input_keys[] = {
     /* PostgreSQL queue inputs */
     {"transport", CT_STR, I(transport), 1, 16, "rabbitmq", 0, 0,
      "rabbitmq (a broker queue), or postgres: jobs are rows producers enqueue with "
-     "idemq.enqueue(queue, ...) into the ledger's database, no broker (see adapters/PORT.md)"},
+     "idemq.enqueue(queue, ...) into the ledger's database, no broker (see adapters/PORT.md); "
+     "or sqs: an Amazon SQS queue (queue_url, region)"},
+    /* Amazon SQS inputs */
+    {"queue_url", CT_STR, I(queue_url), 0, 1024, "", 0, 0,
+     "sqs inputs: https://HOST/ACCOUNT/NAME of the queue (a name ending in .fifo is a FIFO "
+     "queue); http:// only to a loopback host"},
+    {"region", CT_STR, I(region), 0, 32, "", 0, 0,
+     "sqs inputs: the AWS region that signs the requests, e.g. eu-west-1"},
+    {"endpoint", CT_STR, I(endpoint), 0, 255, "", 0, 0,
+     "sqs inputs: http(s)://HOST[:PORT] the requests go to instead of the queue URL's host "
+     "(an emulator); http:// only to a loopback host; empty = the queue URL's"},
+    {"dead_letter_queue_url", CT_STR, I(dead_letter_queue_url), 0, 1024, "", 0, 0,
+     "sqs inputs: queue that receives a parked message with its story (FIFO if the queue is); "
+     "empty = the park row only"},
 };
 
 #define N_GLOBAL ((int)(sizeof global_keys / sizeof global_keys[0]))
@@ -918,6 +931,14 @@ static idemq_err_t validate_mode(struct conf_input *in, int line, const char *fi
 static idemq_err_t validate_transport(const struct conf_input *in, int line, const char *file,
                                       char *errbuf, size_t errlen)
 {
+    if (strcmp(in->transport, "sqs") && (in->queue_url[0] || in->region[0] || in->endpoint[0] ||
+                                         in->dead_letter_queue_url[0])) {
+        errf(errbuf, errlen, "%s:%d: input %s: queue_url, region, endpoint and "
+             "dead_letter_queue_url need transport = \"sqs\"", file, line, in->name);
+        return IDEMQ_ERR_CONFIG;
+    }
+    if (strcmp(in->transport, "sqs") == 0)
+        return IDEMQ_OK; /* validate_sqs */
     if (strcmp(in->transport, "rabbitmq") == 0) {
         if (strcmp(in->key_source, "key") == 0) {
             errf(errbuf, errlen, "%s:%d: input %s: key_source = \"key\" (the enqueue's key) "
@@ -927,8 +948,8 @@ static idemq_err_t validate_transport(const struct conf_input *in, int line, con
         return IDEMQ_OK;
     }
     if (strcmp(in->transport, "postgres")) {
-        errf(errbuf, errlen, "%s:%d: input %s: transport must be \"rabbitmq\" or \"postgres\", "
-             "not \"%s\"", file, line, in->name, in->transport);
+        errf(errbuf, errlen, "%s:%d: input %s: transport must be \"rabbitmq\", \"postgres\" or "
+             "\"sqs\", not \"%s\"", file, line, in->name, in->transport);
         return IDEMQ_ERR_CONFIG;
     }
     if (in->key_kind == CONF_KEY_HEADER || in->exchange[0] || in->routing_key[0] ||
@@ -943,27 +964,40 @@ static idemq_err_t validate_transport(const struct conf_input *in, int line, con
     return IDEMQ_OK;
 }
 
-/* Moves the postgres inputs out of c->inputs into c->pg_inputs (keeping
- * their order) and numbers the Celery routes' effects again after the
- * broker inputs that stay. */
-static idemq_err_t split_transports(struct conf *c)
+/* Moves the inputs of transport t out of c->inputs into *out (keeping
+ * their order). */
+static idemq_err_t split_out(struct conf *c, const char *t, struct conf_input **out, int *nout)
 {
     int n = c->n_inputs, nb = 0, np = 0;
     for (int i = 0; i < n; i++)
-        np += strcmp(c->inputs[i].transport, "postgres") == 0;
+        np += strcmp(c->inputs[i].transport, t) == 0;
     if (!np)
         return IDEMQ_OK;
-    if (!(c->pg_inputs = calloc((size_t)np, sizeof *c->pg_inputs)))
+    if (!(*out = calloc((size_t)np, sizeof **out)))
         return IDEMQ_ERR_NOMEM;
     np = 0;
     for (int i = 0; i < n; i++) {
-        if (strcmp(c->inputs[i].transport, "postgres") == 0)
-            c->pg_inputs[np++] = c->inputs[i];
+        if (strcmp(c->inputs[i].transport, t) == 0)
+            (*out)[np++] = c->inputs[i];
         else
             c->inputs[nb++] = c->inputs[i];
     }
     c->n_inputs = nb;
-    c->n_pg_inputs = np;
+    *nout = np;
+    return IDEMQ_OK;
+}
+
+/* Moves the postgres inputs into c->pg_inputs and the sqs ones into
+ * c->sqs_inputs, and numbers the Celery routes' effects again after the
+ * broker inputs that stay. */
+static idemq_err_t split_transports(struct conf *c)
+{
+    idemq_err_t err;
+    int nb;
+    if ((err = split_out(c, "postgres", &c->pg_inputs, &c->n_pg_inputs)) != IDEMQ_OK ||
+        (err = split_out(c, "sqs", &c->sqs_inputs, &c->n_sqs_inputs)) != IDEMQ_OK)
+        return err;
+    nb = c->n_inputs;
     c->n_routes = 0;
     for (int i = 0; i < nb; i++)
         for (int r = 0; r < c->inputs[i].n_routes; r++)
@@ -978,6 +1012,8 @@ struct conf conf_pg_view(const struct conf *c)
     v.n_inputs = c->n_pg_inputs;
     v.pg_inputs = NULL;
     v.n_pg_inputs = 0;
+    v.sqs_inputs = NULL;
+    v.n_sqs_inputs = 0;
     v.n_routes = 0;
     return v;
 }
@@ -1059,6 +1095,109 @@ static bool host_loopback(const char *host)
             return false;
     }
     return dots == 3;
+}
+
+/* An SQS URL: https://HOST[:PORT] (http:// to a loopback host only), then
+ * with a path (a queue URL: /ACCOUNT/NAME, NAME of [A-Za-z0-9_-], at most
+ * 80 characters with its .fifo) or without one (an endpoint). Sets *fifo
+ * for a queue URL. Returns NULL or what is wrong. */
+static const char *sqs_url_problem(const char *url, bool queue, bool *fifo)
+{
+    char host[256];
+    const char *rest, *acct, *name;
+    size_t hl, nl;
+    if (strncmp(url, "https://", 8) == 0) {
+        rest = url + 8;
+    } else if (strncmp(url, "http://", 7) == 0) {
+        url_host(url, host, sizeof host);
+        if (!host_loopback(host))
+            return "http:// is allowed to a loopback host only (the signed requests and every "
+                   "body would travel in clear)";
+        rest = url + 7;
+    } else {
+        return "must start with https://";
+    }
+    hl = strcspn(rest, "/?#@ ");
+    if (hl == 0 || (rest[hl] && strchr("?#@ ", rest[hl])))
+        return "needs a host, and no user, query or fragment";
+    for (size_t i = 0; i < hl; i++)
+        if (!isalnum((unsigned char)rest[i]) && !strchr(".-:[]", rest[i]))
+            return "has a character a host cannot hold";
+    if (!queue)
+        return rest[hl] && strcmp(rest + hl, "/") ? "takes no path (the queue URL has it)"
+                                                   : NULL;
+    if (rest[hl] != '/')
+        return "needs the path /ACCOUNT/NAME";
+    acct = rest + hl + 1;
+    name = strchr(acct, '/');
+    if (!name || name == acct)
+        return "needs the path /ACCOUNT/NAME";
+    for (const char *p = acct; p < name; p++)
+        if (!isalnum((unsigned char)*p))
+            return "has an account that is not letters and digits";
+    name++;
+    nl = strlen(name);
+    *fifo = nl > 5 && strcmp(name + nl - 5, ".fifo") == 0;
+    if (nl == 0 || nl > 80)
+        return "needs a queue name of 1 to 80 characters";
+    for (size_t i = 0; i < nl - (*fifo ? 5 : 0); i++)
+        if (!isalnum((unsigned char)name[i]) && name[i] != '_' && name[i] != '-')
+            return "has a queue name that is not letters, digits, '_' and '-' (and .fifo)";
+    return NULL;
+}
+
+/* An Amazon SQS input (transport = "sqs"): its settings and what it cannot
+ * be. */
+static idemq_err_t validate_sqs(struct conf_input *in, int line, const char *file,
+                                char *errbuf, size_t errlen)
+{
+    const char *why;
+    bool dlq_fifo = false;
+    if (strcmp(in->transport, "sqs"))
+        return IDEMQ_OK;
+    if (!in->queue_url[0] || !in->region[0]) {
+        errf(errbuf, errlen, "%s:%d: input %s: an sqs input needs queue_url and region", file,
+             line, in->name);
+        return IDEMQ_ERR_CONFIG;
+    }
+    if ((why = sqs_url_problem(in->queue_url, true, &in->sqs_fifo))) {
+        errf(errbuf, errlen, "%s:%d: input %s: queue_url %s", file, line, in->name, why);
+        return IDEMQ_ERR_CONFIG;
+    }
+    for (const char *p = in->region; *p; p++) {
+        if (!islower((unsigned char)*p) && !isdigit((unsigned char)*p) && *p != '-') {
+            errf(errbuf, errlen, "%s:%d: input %s: region must be lower-case letters, digits "
+                 "and '-' (e.g. eu-west-1), not \"%s\"", file, line, in->name, in->region);
+            return IDEMQ_ERR_CONFIG;
+        }
+    }
+    if (in->endpoint[0] && (why = sqs_url_problem(in->endpoint, false, &dlq_fifo))) {
+        errf(errbuf, errlen, "%s:%d: input %s: endpoint %s", file, line, in->name, why);
+        return IDEMQ_ERR_CONFIG;
+    }
+    if (in->dead_letter_queue_url[0]) {
+        if ((why = sqs_url_problem(in->dead_letter_queue_url, true, &dlq_fifo))) {
+            errf(errbuf, errlen, "%s:%d: input %s: dead_letter_queue_url %s", file, line,
+                 in->name, why);
+            return IDEMQ_ERR_CONFIG;
+        }
+        if (dlq_fifo != in->sqs_fifo || strcmp(in->dead_letter_queue_url, in->queue_url) == 0) {
+            errf(errbuf, errlen, "%s:%d: input %s: dead_letter_queue_url must be another queue, "
+                 "FIFO (.fifo) exactly when queue_url is", file, line, in->name);
+            return IDEMQ_ERR_CONFIG;
+        }
+    }
+    if (in->key_kind != CONF_KEY_JSON || in->exchange[0] || in->routing_key[0] ||
+        CONF_INPUT_ORDERED(in) || CONF_INPUT_PROVIDER(in) || in->celery || in->observe ||
+        in->emits || strcmp(in->queue_type, "classic") || in->order_key_source[0]) {
+        errf(errbuf, errlen, "%s:%d: input %s: an sqs input takes key_source json:<field> (a "
+             "message id differs between two sends of one job), and no exchange, routing_key, "
+             "queue_type, partitions, order_key_source (a FIFO queue's MessageGroupId is the "
+             "order key), provider, protocol = \"celery\", mode = \"observe\" or emits (not "
+             "yet)", file, line, in->name);
+        return IDEMQ_ERR_CONFIG;
+    }
+    return IDEMQ_OK;
 }
 
 bool conf_input_insecure(const struct conf_input *in, char *buf, size_t len)
@@ -1216,7 +1355,8 @@ static idemq_err_t read_inputs(const config_t *cfg, struct conf *c, const char *
             return err;
         if ((err = validate_mode(in, line, file, errbuf, errlen)) != IDEMQ_OK)
             return err;
-        if ((err = validate_transport(in, line, file, errbuf, errlen)) != IDEMQ_OK)
+        if ((err = validate_transport(in, line, file, errbuf, errlen)) != IDEMQ_OK ||
+            (err = validate_sqs(in, line, file, errbuf, errlen)) != IDEMQ_OK)
             return err;
         for (int r = 0; r < in->n_routes; r++) /* after every input's own effect */
             in->routes[r].effect = n + c->n_routes++;
@@ -1774,6 +1914,7 @@ void conf_free(struct conf *c)
         return;
     free_inputs(c->inputs, c->n_inputs);
     free_inputs(c->pg_inputs, c->n_pg_inputs);
+    free_inputs(c->sqs_inputs, c->n_sqs_inputs);
     free_strings(global_keys, N_GLOBAL, c);
     free(c->path);
     if (c->src) {
@@ -2121,10 +2262,13 @@ void conf_print(const struct conf *c, FILE *out)
         fprintf(out, "};\n");
     }
     fprintf(out, "inputs = (\n");
-    for (int j = 0; j < c->n_inputs + c->n_pg_inputs; j++) {
-        /* broker inputs, then the PostgreSQL queue inputs */
-        const struct conf_input *in = j < c->n_inputs ? &c->inputs[j]
-                                                      : &c->pg_inputs[j - c->n_inputs];
+    int nall = c->n_inputs + c->n_pg_inputs + c->n_sqs_inputs;
+    for (int j = 0; j < nall; j++) {
+        /* broker inputs, then the PostgreSQL queue inputs, then SQS's */
+        const struct conf_input *in =
+            j < c->n_inputs ? &c->inputs[j]
+            : j < c->n_inputs + c->n_pg_inputs ? &c->pg_inputs[j - c->n_inputs]
+                                               : &c->sqs_inputs[j - c->n_inputs - c->n_pg_inputs];
         fprintf(out, "  {\n");
         for (int i = 0; i < N_INPUT; i++)
             if (strncmp(input_keys[i].path, "provider.", 9) != 0)
@@ -2136,7 +2280,7 @@ void conf_print(const struct conf *c, FILE *out)
                     print_key(out, &input_keys[i], in, input_keys[i].path + 9, "      ");
             fprintf(out, "    };\n");
         }
-        fprintf(out, "  }%s\n", j + 1 < c->n_inputs + c->n_pg_inputs ? "," : "");
+        fprintf(out, "  }%s\n", j + 1 < nall ? "," : "");
     }
     fprintf(out, ");\n");
 }

@@ -112,6 +112,16 @@ struct conf_input {
     /* the transport: "rabbitmq", or "postgres" (a PostgreSQL queue input,
      * adapters/pgq.h); a postgres input is kept in conf.pg_inputs */
     char *transport;
+    /* Amazon SQS inputs (transport = "sqs"; adapters/PORT.md): the queue's
+     * URL, its region, an endpoint override (emulators), the dead-letter
+     * queue's URL ("" = none). Credentials come only from the AWS
+     * environment variables or the shared credentials file, never from
+     * here. */
+    char *queue_url;
+    char *region;
+    char *endpoint;
+    char *dead_letter_queue_url;
+    bool sqs_fifo; /* derived: the queue's name ends in .fifo */
     /* derived by validation */
     enum conf_key_kind key_kind;
     char *key_name;        /* field or header name; NULL for message_id */
@@ -235,6 +245,9 @@ struct conf {
      * (conf_pg_view) */
     struct conf_input *pg_inputs;
     int n_pg_inputs;
+    /* Amazon SQS inputs (transport = "sqs"), apart from both */
+    struct conf_input *sqs_inputs;
+    int n_sqs_inputs;
 };
 
 /* A shallow copy of c whose inputs are c's PostgreSQL queue inputs (and no

@@ -669,6 +669,11 @@ static int cmd_run(const struct conf *c, long until_idle_s)
     struct pgq_workers *pgq = NULL;
     struct pgq_worker_totals pt;
 
+    if (c->n_sqs_inputs) {
+        log_error("input %s: sqs inputs are configured and checked, not run yet: remove it "
+                  "to run the others", c->sqs_inputs[0].name);
+        return EXIT_CONFIG;
+    }
     if ((rc = preflight(c)))
         return rc;
     if (!(ws = calloc((size_t)(nw > 0 ? nw : 1), sizeof *ws)) ||

@@ -797,7 +797,7 @@ START_TEST(test_config_refuses)
         /* key = the enqueue's key: postgres only; an unknown transport */
         "inputs = ({ name = \"a\"; queue = \"a\"; key_source = \"key\"; effect_function = "
         "\"f\"; });",
-        "inputs = ({ name = \"a\"; transport = \"sqs\"; queue = \"a\"; effect_function = "
+        "inputs = ({ name = \"a\"; transport = \"kafka\"; queue = \"a\"; effect_function = "
         "\"f\"; });",
     };
     struct conf *c = NULL;

@@ -637,6 +637,49 @@ START_TEST(test_metrics_listen_run)
 }
 END_TEST
 
+/* The binary: check-config accepts an sqs input and prints it back; run
+ * refuses to start with one (exit 3, naming it) before it connects
+ * anywhere, so a configured queue is never silently left unread. */
+START_TEST(test_sqs_run_refused)
+{
+    char dir[] = "/tmp/idemq_conf_XXXXXX", cfg[256], cmd[1024], out[8192];
+    const char *const cmds[] = {"check-config", "run"};
+    const int want[] = {0, 3};
+    FILE *f;
+
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    snprintf(cfg, sizeof cfg, "%s/sqs.cfg", dir);
+    f = fopen(cfg, "w");
+    ck_assert_ptr_nonnull(f);
+    fprintf(f, "broker: { url = \"amqp://guest:guest@127.0.0.1:1/%%2F\"; };\n"
+               "database: { dsn = \"host=127.0.0.1 port=1 dbname=x\"; };\n"
+               "inputs = ( { name = \"payouts\"; transport = \"sqs\"; queue = \"payouts\"; "
+               "effect_function = \"public.f\"; key_source = \"json:id\"; queue_url = "
+               "\"https://sqs.eu-west-1.amazonaws.com/123456789012/payouts\"; region = "
+               "\"eu-west-1\"; } );\n");
+    fclose(f);
+    for (size_t i = 0; i < 2; i++) {
+        size_t n;
+        int st;
+        FILE *p;
+        snprintf(cmd, sizeof cmd,
+                 "timeout 20 env -u IDEMQ_AMQP_URL -u IDEMQ_PG_DSN %s %s -c %s 2>&1",
+                 IDEMQ_BINARY, cmds[i], cfg);
+        p = popen(cmd, "r");
+        ck_assert_ptr_nonnull(p);
+        n = fread(out, 1, sizeof out - 1, p);
+        out[n] = '\0';
+        st = pclose(p);
+        ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == want[i], "%s: status %d: %s", cmds[i],
+                      st, out);
+        ck_assert_msg(strstr(out, i == 0 ? "region = \"eu-west-1\"" : "input payouts: sqs") !=
+                          NULL, "%s: %s", cmds[i], out);
+    }
+    unlink(cfg);
+    rmdir(dir);
+}
+END_TEST
+
 /* check-config output hides secrets and is itself a valid config. */
 START_TEST(test_print_roundtrip)
 {
@@ -783,6 +826,87 @@ START_TEST(test_sample_documents_every_key)
         ck_assert_msg(strstr(text, needle) != NULL, "sample config does not show %s", path);
     }
     free(text);
+}
+END_TEST
+
+/* Amazon SQS inputs: the settings each needs, the URLs it takes (https://,
+ * http:// to loopback only), FIFO from the name, a DLQ of the same kind, and
+ * what such an input cannot be; the SQS settings on another transport. */
+START_TEST(test_sqs_settings)
+{
+#define SQS_IN(extra)                                                                             \
+    "inputs = ({ name = \"s\"; transport = \"sqs\"; queue = \"s\"; effect_function = \"f\"; "  \
+    "key_source = \"json:id\"; " extra " });"
+    static const char *const bad[] = {
+        SQS_IN(""),
+        SQS_IN("region = \"eu-west-1\";"),
+        SQS_IN("queue_url = \"https://sqs.eu-west-1.amazonaws.com/1/q\";"),
+        SQS_IN("queue_url = \"http://sqs.example.com/1/q\"; region = \"eu-west-1\";"),
+        SQS_IN("queue_url = \"ftp://h/1/q\"; region = \"eu-west-1\";"),
+        SQS_IN("queue_url = \"https://h/q\"; region = \"eu-west-1\";"),
+        SQS_IN("queue_url = \"https://u:p@h/1/q\"; region = \"eu-west-1\";"),
+        SQS_IN("queue_url = \"https://h/1/q?x=1\"; region = \"eu-west-1\";"),
+        SQS_IN("queue_url = \"https://h/1/q.x\"; region = \"eu-west-1\";"),
+        SQS_IN("queue_url = \"https://h/1/q\"; region = \"EU West\";"),
+        SQS_IN("queue_url = \"https://h/1/q\"; region = \"eu-west-1\"; endpoint = "
+               "\"http://sqs.example.com\";"),
+        SQS_IN("queue_url = \"https://h/1/q\"; region = \"eu-west-1\"; endpoint = "
+               "\"http://127.0.0.1:9810/x\";"),
+        SQS_IN("queue_url = \"https://h/1/q.fifo\"; region = \"eu-west-1\"; "
+               "dead_letter_queue_url = \"https://h/1/d\";"),
+        SQS_IN("queue_url = \"https://h/1/q\"; region = \"eu-west-1\"; "
+               "dead_letter_queue_url = \"https://h/1/q\";"),
+        SQS_IN("queue_url = \"https://h/1/q\"; region = \"eu-west-1\"; exchange = \"x\";"),
+        SQS_IN("queue_url = \"https://h/1/q\"; region = \"eu-west-1\"; partitions = 2;"),
+        SQS_IN("queue_url = \"https://h/1/q\"; region = \"eu-west-1\"; mode = \"observe\";"),
+        SQS_IN("queue_url = \"https://h/1/q\"; region = \"eu-west-1\"; order_key_source = "
+               "\"json:o\";"),
+        "inputs = ({ name = \"s\"; transport = \"sqs\"; queue = \"s\"; effect_function = \"f\"; "
+        "key_source = \"message_id\"; queue_url = \"https://h/1/q\"; region = \"eu-west-1\"; });",
+        /* SQS settings on a broker or postgres input */
+        "inputs = ({ name = \"b\"; queue = \"b\"; effect_function = \"f\"; region = "
+        "\"eu-west-1\"; });",
+        "inputs = ({ name = \"p\"; transport = \"postgres\"; queue = \"p\"; effect_function = "
+        "\"f\"; queue_url = \"https://h/1/q\"; });",
+        /* credentials never come from the file */
+        SQS_IN("queue_url = \"https://h/1/q\"; region = \"eu-west-1\"; aws_secret_access_key = "
+               "\"S3CRET\";"),
+    };
+    struct conf *c = NULL;
+    char err[512];
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        ck_assert_msg(conf_load_string(bad[i], &c, err, sizeof err) == IDEMQ_ERR_CONFIG,
+                      "accepted: %s", bad[i]);
+        ck_assert_ptr_null(c);
+        ck_assert_msg(strstr(err, "S3CRET") == NULL, "secret in the error: %s", err);
+    }
+    /* a standard queue on an emulator beside a broker input, a FIFO one
+     * with its FIFO DLQ */
+    ck_assert_msg(conf_load_string(
+                      "inputs = ({ name = \"b\"; queue = \"b\"; effect_function = \"f\"; }, "
+                      "{ name = \"s\"; transport = \"sqs\"; queue = \"s\"; effect_function = "
+                      "\"g\"; key_source = \"json:id\"; queue_url = "
+                      "\"http://127.0.0.1:9810/000000000000/s\"; region = \"us-east-1\"; "
+                      "endpoint = \"http://127.0.0.1:9810\"; }, "
+                      "{ name = \"f\"; transport = \"sqs\"; queue = \"f\"; effect_function = "
+                      "\"g\"; key_source = \"json:id\"; queue_url = "
+                      "\"https://sqs.eu-west-1.amazonaws.com/123456789012/f.fifo\"; region = "
+                      "\"eu-west-1\"; dead_letter_queue_url = "
+                      "\"https://sqs.eu-west-1.amazonaws.com/123456789012/f-dlq.fifo\"; });",
+                      &c, err, sizeof err) == IDEMQ_OK,
+                  "%s", err);
+    ck_assert_int_eq(c->n_inputs, 1);
+    ck_assert_int_eq(c->n_pg_inputs, 0);
+    ck_assert_int_eq(c->n_sqs_inputs, 2);
+    ck_assert_str_eq(c->inputs[0].name, "b");
+    ck_assert_str_eq(c->sqs_inputs[0].name, "s");
+    ck_assert(!c->sqs_inputs[0].sqs_fifo);
+    ck_assert_str_eq(c->sqs_inputs[0].endpoint, "http://127.0.0.1:9810");
+    ck_assert(c->sqs_inputs[1].sqs_fifo);
+    ck_assert_str_eq(c->sqs_inputs[1].region, "eu-west-1");
+    ck_assert_int_eq(conf_pg_view(c).n_sqs_inputs, 0);
+    conf_free(c);
+#undef SQS_IN
 }
 END_TEST
 
@@ -1031,6 +1155,8 @@ int main(void)
     tcase_add_test(tc, test_observe_mode);
     tcase_add_test(tc, test_celery_settings);
     tcase_add_test(tc, test_sensitive_paths);
+    tcase_add_test(tc, test_sqs_settings);
+    tcase_add_test(tc, test_sqs_run_refused);
     suite_add_tcase(s, tc);
     return check_run(s);
 }

@@ -1,0 +1,424 @@
+/*
+ * Tests of the SQS client (adapters/sqs.h) against a real SQS emulator:
+ * `check_sqs fauxqs` (npm, tests/node) or `check_sqs moto` (moto's
+ * server, Python). The program starts the emulator on loopback itself
+ * (port IDEMQ_SQS_PORT, or the first free of 9810, 9812, ... for fauxqs and
+ * 9811, 9813, ... for moto) and stops
+ * it at the end; it exits 77 (a skip, with the reason) when the emulator
+ * or node's packages are absent. Queues and messages are made by a
+ * producer on the AWS SDK for JavaScript (tests/node/produce.mjs), as a
+ * user's application makes them.
+ */
+#define _GNU_SOURCE /* strcasestr */
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <stdbool.h>
+#include <check.h>
+#include <jansson.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "check_run.h"
+#include "sqs.h"
+
+#define NODE_DIR IDEMQ_SOURCE_DIR "/tests/node"
+
+static char endpoint[64];
+static const char *emulator;
+
+/* Runs argv, its stdout's first line into out. Returns the exit code. */
+static int run_out(char *const argv[], char *out, size_t len)
+{
+    int fd[2], st = -1;
+    pid_t pid;
+    ssize_t r;
+    size_t n = 0;
+    out[0] = '\0';
+    if (pipe(fd))
+        return -1;
+    if ((pid = fork()) == 0) {
+        int dn = open("/dev/null", O_WRONLY);
+        dup2(fd[1], 1);
+        if (dn >= 0)
+            dup2(dn, 2);
+        close(fd[0]);
+        execvp(argv[0], argv);
+        _exit(127);
+    }
+    close(fd[1]);
+    while (n + 1 < len && (r = read(fd[0], out + n, len - n - 1)) > 0)
+        n += (size_t)r;
+    out[n] = '\0';
+    out[strcspn(out, "\n")] = '\0';
+    close(fd[0]);
+    waitpid(pid, &st, 0);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/* The SDK producer: creates queue name, its URL into url. */
+static void create_queue(const char *name, char *url, size_t len)
+{
+    char *argv[] = {"node", NODE_DIR "/produce.mjs", "create", endpoint, (char *)name, NULL};
+    ck_assert_int_eq(run_out(argv, url, len), 0);
+    ck_assert_msg(strstr(url, name) != NULL, "no queue URL: %s", url);
+}
+
+static void send_sdk(const char *url, const char *body, const char *group, const char *dedup,
+                     char *id, size_t len)
+{
+    char *argv[] = {"node", NODE_DIR "/produce.mjs", "send", endpoint, (char *)url,
+                    (char *)body, (char *)group, (char *)dedup, NULL};
+    ck_assert_int_eq(run_out(argv, id, len), 0);
+    ck_assert_msg(id[0], "no message id");
+}
+
+static struct sqs_client *client(const char *url)
+{
+    struct sqs_client_config cfg = {url, "us-east-1", endpoint, 5000};
+    struct sqs_client *c;
+    char err[256];
+    ck_assert_msg(sqs_client_new(&cfg, &c, err, sizeof err) == 0, "%s", err);
+    return c;
+}
+
+static void unique(char *buf, size_t len, const char *what)
+{
+    snprintf(buf, len, "%s-%ld-%ld", what, (long)getpid(), (long)time(NULL));
+}
+
+/* A message an application sent is received with its id, body and receive
+ * count, deleted in a batch, and not received again. */
+START_TEST(test_receive_delete)
+{
+    char name[96], url[512], id[128], err[256];
+    struct sqs_client *c;
+    struct sqs_message *m;
+    int n, failed[1], nf;
+    unique(name, sizeof name, "rd");
+    create_queue(name, url, sizeof url);
+    send_sdk(url, "{\"job_id\":\"k-1\",\"amount\":5}", NULL, NULL, id, sizeof id);
+    c = client(url);
+    ck_assert_int_eq(sqs_receive(c, 10, 2, &m, &n, err, sizeof err), SQS_OK);
+    ck_assert_int_eq(n, 1);
+    ck_assert_str_eq(m[0].id, id);
+    ck_assert_str_eq(m[0].body, "{\"job_id\":\"k-1\",\"amount\":5}");
+    ck_assert_uint_eq(m[0].body_len, strlen(m[0].body));
+    ck_assert_int_eq(m[0].receive_count, 1);
+    ck_assert_ptr_null(m[0].group_id);
+    {
+        const char *r[1] = {m[0].receipt};
+        ck_assert_int_eq(sqs_delete_batch(c, r, 1, failed, &nf, err, sizeof err), SQS_OK);
+        ck_assert_int_eq(nf, 0);
+    }
+    sqs_messages_free(m, n);
+    ck_assert_int_eq(sqs_receive(c, 10, 1, &m, &n, err, sizeof err), SQS_OK);
+    ck_assert_int_eq(n, 0);
+    sqs_client_free(c);
+}
+END_TEST
+
+/* A visibility change holds the message back for its delay; then it comes
+ * back with its receive count raised (the retry's hold). */
+START_TEST(test_visibility_holds)
+{
+    char name[96], url[512], id[128], err[256];
+    struct sqs_client *c;
+    struct sqs_message *m;
+    int n;
+    unique(name, sizeof name, "vis");
+    create_queue(name, url, sizeof url);
+    send_sdk(url, "{\"job_id\":\"k-2\"}", NULL, NULL, id, sizeof id);
+    c = client(url);
+    ck_assert_int_eq(sqs_receive(c, 10, 2, &m, &n, err, sizeof err), SQS_OK);
+    ck_assert_int_eq(n, 1);
+    ck_assert_int_eq(sqs_change_visibility(c, m[0].receipt, 2, err, sizeof err), SQS_OK);
+    sqs_messages_free(m, n);
+    ck_assert_int_eq(sqs_receive(c, 10, 0, &m, &n, err, sizeof err), SQS_OK);
+    ck_assert_int_eq(n, 0);
+    sleep(3);
+    ck_assert_int_eq(sqs_receive(c, 10, 2, &m, &n, err, sizeof err), SQS_OK);
+    ck_assert_int_eq(n, 1);
+    ck_assert_str_eq(m[0].id, id);
+    ck_assert_int_eq(m[0].receive_count, 2);
+    sqs_messages_free(m, n);
+    sqs_client_free(c);
+}
+END_TEST
+
+/* A FIFO queue: the group id arrives with each message, in send order. */
+START_TEST(test_fifo_group)
+{
+    char name[96], url[512], id[128], err[256];
+    struct sqs_client *c;
+    struct sqs_message *m;
+    int n;
+    unique(name, sizeof name, "fifo");
+    strcat(name, ".fifo");
+    create_queue(name, url, sizeof url);
+    send_sdk(url, "{\"job_id\":\"a\",\"seq\":1}", "g1", "d1", id, sizeof id);
+    send_sdk(url, "{\"job_id\":\"b\",\"seq\":2}", "g1", "d2", id, sizeof id);
+    c = client(url);
+    ck_assert_int_eq(sqs_receive(c, 10, 2, &m, &n, err, sizeof err), SQS_OK);
+    ck_assert_int_ge(n, 1);
+    ck_assert_str_eq(m[0].group_id, "g1");
+    ck_assert_str_eq(m[0].body, "{\"job_id\":\"a\",\"seq\":1}");
+    if (n > 1)
+        ck_assert_str_eq(m[1].body, "{\"job_id\":\"b\",\"seq\":2}");
+    sqs_messages_free(m, n);
+    sqs_client_free(c);
+}
+END_TEST
+
+/* A send to another queue (the dead-letter queue) carries its story in
+ * message attributes, confirmed by its message id, and they are read
+ * back. */
+START_TEST(test_send_with_attributes)
+{
+    char name[96], url[512], dlq[512], err[256];
+    struct sqs_client *c, *d;
+    struct sqs_message *m;
+    char *mid = NULL;
+    int n;
+    json_t *attrs = json_pack("{s:s, s:s, s:s}", "idemq-key", "k-9", "idemq-code",
+                              "retries_exhausted", "idemq-attempts", "3");
+    unique(name, sizeof name, "src");
+    create_queue(name, url, sizeof url);
+    unique(name, sizeof name, "dlq");
+    create_queue(name, dlq, sizeof dlq);
+    c = client(url);
+    ck_assert_int_eq(sqs_send(c, dlq, "{\"job_id\":\"k-9\"}", NULL, NULL, attrs, &mid, err,
+                              sizeof err),
+                     SQS_OK);
+    ck_assert_ptr_nonnull(mid);
+    d = client(dlq);
+    ck_assert_int_eq(sqs_receive(d, 10, 2, &m, &n, err, sizeof err), SQS_OK);
+    ck_assert_int_eq(n, 1);
+    ck_assert_str_eq(m[0].id, mid);
+    ck_assert_str_eq(json_string_value(json_object_get(json_object_get(m[0].attributes,
+                                                                       "idemq-code"),
+                                                       "StringValue")),
+                     "retries_exhausted");
+    sqs_messages_free(m, n);
+    free(mid);
+    json_decref(attrs);
+    sqs_client_free(c);
+    sqs_client_free(d);
+}
+END_TEST
+
+/* An endpoint that is down is SQS_UNAVAILABLE (back off), a queue that
+ * does not exist is SQS_REFUSED; missing credentials are refused at start
+ * without a secret in the message. */
+START_TEST(test_down_and_refused)
+{
+    struct sqs_client_config cfg = {"http://127.0.0.1:1/000000000000/none", "us-east-1",
+                                    "http://127.0.0.1:1", 2000};
+    struct sqs_client *c;
+    struct sqs_message *m;
+    char err[256], url[512];
+    int n;
+    ck_assert_int_eq(sqs_client_new(&cfg, &c, err, sizeof err), 0);
+    ck_assert_int_eq(sqs_receive(c, 10, 0, &m, &n, err, sizeof err), SQS_UNAVAILABLE);
+    sqs_client_free(c);
+    snprintf(url, sizeof url, "%s/000000000000/no-such-queue-%ld", endpoint, (long)getpid());
+    c = client(url);
+    ck_assert_int_eq(sqs_receive(c, 10, 0, &m, &n, err, sizeof err), SQS_REFUSED);
+    sqs_client_free(c);
+    setenv("AWS_SECRET_ACCESS_KEY", "", 1);
+    setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent", 1);
+    ck_assert_int_eq(sqs_client_new(&cfg, &c, err, sizeof err), -1);
+    ck_assert_msg(strstr(err, "credentials") != NULL, "%s", err);
+    setenv("AWS_SECRET_ACCESS_KEY", "test", 1);
+}
+END_TEST
+
+/* A stand-in for SQS on loopback that gives every request one canned
+ * answer (status line, headers and body): the answers the emulators never
+ * give. Returns the child's pid; *port its port. */
+static pid_t canned_server(const char *answer, int *port)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    socklen_t al = sizeof a;
+    int ls = socket(AF_INET, SOCK_STREAM, 0);
+    pid_t pid;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ck_assert_int_ge(ls, 0);
+    ck_assert_int_eq(bind(ls, (struct sockaddr *)&a, sizeof a), 0);
+    ck_assert_int_eq(listen(ls, 8), 0);
+    ck_assert_int_eq(getsockname(ls, (struct sockaddr *)&a, &al), 0);
+    *port = ntohs(a.sin_port);
+    if ((pid = fork()) == 0) {
+        for (;;) {
+            int s = accept(ls, NULL, NULL);
+            char req[65536];
+            size_t n = 0;
+            ssize_t r;
+            const char *hend, *cl;
+            if (s < 0)
+                _exit(0);
+            while (n + 1 < sizeof req && (r = read(s, req + n, sizeof req - n - 1)) > 0) {
+                req[n += (size_t)r] = '\0';
+                if ((hend = strstr(req, "\r\n\r\n")) &&
+                    (!(cl = strcasestr(req, "content-length:")) ||
+                     (size_t)(hend + 4 - req) + (size_t)atol(cl + 15) <= n))
+                    break;
+            }
+            if (write(s, answer, strlen(answer)) < 0)
+                _exit(1);
+            close(s);
+        }
+    }
+    close(ls);
+    return pid;
+}
+
+/* Each answer the emulators never give maps to its status: throttling to
+ * throttled, refused credentials to denied, a 5xx to unavailable, an
+ * answer that is not the schema or holds more than 10 messages to bad
+ * answer (nothing taken). */
+START_TEST(test_canned_answers)
+{
+    static const struct {
+        const char *answer;
+        enum sqs_status want;
+    } cases[] = {
+        {"HTTP/1.1 400 Bad Request\r\nContent-Type: application/x-amz-json-1.0\r\n"
+         "Content-Length: 76\r\nConnection: close\r\n\r\n"
+         "{\"__type\":\"com.amazonaws.sqs#ThrottlingException\",\"message\":\"Rate exceeded\"}",
+         SQS_THROTTLED},
+        {"HTTP/1.1 400 Bad Request\r\nContent-Length: 52\r\nConnection: close\r\n\r\n"
+         "{\"__type\":\"AWS.SimpleQueueService.RequestThrottled\"}", SQS_THROTTLED},
+        {"HTTP/1.1 403 Forbidden\r\nContent-Length: 65\r\nConnection: close\r\n\r\n"
+         "{\"__type\":\"com.amazonaws.sqs#InvalidClientTokenId\",\"message\":\"x\"}",
+         SQS_DENIED},
+        {"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+         SQS_UNAVAILABLE},
+        {"HTTP/1.1 200 OK\r\nContent-Length: 9\r\nConnection: close\r\n\r\nnot json!",
+         SQS_BAD_ANSWER},
+        {"HTTP/1.1 200 OK\r\nContent-Length: 52\r\nConnection: close\r\n\r\n"
+         "{\"Messages\":[{\"MessageId\":\"m\",\"ReceiptHandle\":\"r\"}]}", SQS_BAD_ANSWER},
+        {"HTTP/1.1 200 OK\r\nContent-Length: 38\r\nConnection: close\r\n\r\n"
+         "{\"Messages\":[1,2,3,4,5,6,7,8,9,10,11]}", SQS_BAD_ANSWER},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        int port;
+        char ep[64], url[128], err[256];
+        pid_t pid = canned_server(cases[i].answer, &port);
+        struct sqs_client_config cfg = {url, "us-east-1", ep, 3000};
+        struct sqs_client *c;
+        struct sqs_message *m;
+        int n;
+        snprintf(ep, sizeof ep, "http://127.0.0.1:%d", port);
+        snprintf(url, sizeof url, "%s/000000000000/q", ep);
+        ck_assert_int_eq(sqs_client_new(&cfg, &c, err, sizeof err), 0);
+        ck_assert_msg(sqs_receive(c, 10, 0, &m, &n, err, sizeof err) == cases[i].want,
+                      "case %zu: %s, not %s (%s)", i, sqs_status_name(sqs_receive(c, 10, 0, &m,
+                      &n, err, sizeof err)), sqs_status_name(cases[i].want), err);
+        ck_assert_ptr_null(m);
+        ck_assert_int_eq(n, 0);
+        sqs_client_free(c);
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+    }
+}
+END_TEST
+
+static bool port_open(int port)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    bool ok;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ok = s >= 0 && connect(s, (struct sockaddr *)&a, sizeof a) == 0;
+    if (s >= 0)
+        close(s);
+    return ok;
+}
+
+int main(int argc, char **argv)
+{
+    pid_t emu;
+    int port, rc;
+    char portstr[16];
+    struct stat st;
+    Suite *s;
+    TCase *tc;
+
+    emulator = argc > 1 ? argv[1] : "fauxqs";
+    port = getenv("IDEMQ_SQS_PORT") ? atoi(getenv("IDEMQ_SQS_PORT"))
+           : strcmp(emulator, "moto") == 0 ? 9811 : 9810;
+    /* another run beside this one (a second pair, the sanitizer builds):
+     * the next free port of 40 */
+    for (int i = 0; !getenv("IDEMQ_SQS_PORT") && i < 40 && port_open(port); i++)
+        port += 2;
+    snprintf(portstr, sizeof portstr, "%d", port);
+    snprintf(endpoint, sizeof endpoint, "http://127.0.0.1:%d", port);
+    if (stat(NODE_DIR "/node_modules/@aws-sdk/client-sqs", &st) ||
+        system("node --version >/dev/null 2>&1")) {
+        printf("SKIP: node or tests/node/node_modules (npm install in tests/node, done by "
+               "scripts/setup) absent: the SDK producer cannot run\n");
+        return 77;
+    }
+    if (strcmp(emulator, "moto") == 0 &&
+        system("python3 -c 'import moto.server' >/dev/null 2>&1")) {
+        printf("SKIP: moto's server (python3 -m moto.server) is not installed\n");
+        return 77;
+    }
+    if (strcmp(emulator, "moto") && stat(NODE_DIR "/node_modules/fauxqs/dist/cli.js", &st)) {
+        printf("SKIP: fauxqs is not installed in tests/node\n");
+        return 77;
+    }
+    if (port_open(port)) {
+        printf("FAIL: port %d is taken: set IDEMQ_SQS_PORT\n", port);
+        return 1;
+    }
+    setenv("AWS_ACCESS_KEY_ID", "test", 1);
+    setenv("AWS_SECRET_ACCESS_KEY", "test", 1);
+    setenv("AWS_REGION", "us-east-1", 1);
+    unsetenv("AWS_SESSION_TOKEN");
+    if ((emu = fork()) == 0) {
+        int dn = open("/dev/null", O_WRONLY);
+        setpgid(0, 0);
+        dup2(dn, 1);
+        dup2(dn, 2);
+        if (strcmp(emulator, "moto") == 0) {
+            execlp("python3", "python3", "-m", "moto.server", "-H", "127.0.0.1", "-p", portstr,
+                   (char *)NULL);
+        } else {
+            execlp("node", "node", NODE_DIR "/fauxqs-loopback.mjs", portstr, (char *)NULL);
+        }
+        _exit(127);
+    }
+    for (int i = 0; i < 300 && !port_open(port); i++)
+        usleep(100000);
+    if (!port_open(port)) {
+        printf("FAIL: %s did not listen on %d within 30 s\n", emulator, port);
+        kill(-emu, SIGTERM);
+        kill(emu, SIGTERM);
+        waitpid(emu, NULL, 0);
+        return 1;
+    }
+    s = suite_create("sqs");
+    tc = tcase_create(emulator);
+    tcase_set_timeout(tc, 60);
+    tcase_add_test(tc, test_receive_delete);
+    tcase_add_test(tc, test_visibility_holds);
+    tcase_add_test(tc, test_fifo_group);
+    tcase_add_test(tc, test_send_with_attributes);
+    tcase_add_test(tc, test_down_and_refused);
+    tcase_add_test(tc, test_canned_answers);
+    suite_add_tcase(s, tc);
+    rc = check_run(s);
+    kill(-emu, SIGTERM);
+    kill(emu, SIGTERM);
+    waitpid(emu, NULL, 0);
+    return rc;
+}
