@@ -16,6 +16,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "ledger_doc.h"
 #include "log.h"
 
 /* A queued span, compact: the ring is touched by every job. */
@@ -110,65 +111,19 @@ static const char *outcome_name(enum trace_outcome o)
     return "unknown";
 }
 
-/* The request body is written directly (jansson objects per span cost
- * several times the rest of a job's CPU in idemq): a growable buffer. */
-struct buf {
-    char *p;
-    size_t len, cap;
-    bool nomem;
-};
-
-static void put(struct buf *b, const char *s, size_t n)
+/* The request body is written with ledger_doc's JSON writer (jansson
+ * objects per span cost several times the rest of a job's CPU in idemq). */
+static void puts_(struct ledger_doc *b, const char *s)
 {
-    if (b->nomem)
-        return;
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 4096;
-        char *p;
-        while (cap < b->len + n + 1)
-            cap *= 2;
-        if (!(p = realloc(b->p, cap))) {
-            b->nomem = true;
-            return;
-        }
-        b->p = p;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
+    ledger_doc_add_raw(b, s);
 }
 
-static void puts_(struct buf *b, const char *s)
+static void put_str(struct ledger_doc *b, const char *s)
 {
-    put(b, s, strlen(s));
+    ledger_doc_add_string(b, s, strlen(s));
 }
 
-/* s as a JSON string (quotes, backslashes and controls escaped) */
-static void put_str(struct buf *b, const char *s)
-{
-    put(b, "\"", 1);
-    for (const char *run = s;; s++) {
-        unsigned char ch = (unsigned char)*s;
-        if (ch && ch >= 0x20 && ch != '"' && ch != '\\')
-            continue;
-        put(b, run, (size_t)(s - run));
-        if (!ch)
-            break;
-        if (ch == '"' || ch == '\\') {
-            char e[2] = {'\\', (char)ch};
-            put(b, e, 2);
-        } else {
-            char e[8];
-            snprintf(e, sizeof e, "\\u%04x", ch);
-            put(b, e, 6);
-        }
-        run = s + 1;
-    }
-    put(b, "\"", 1);
-}
-
-static void attr_str(struct buf *b, bool first, const char *k, const char *v)
+static void attr_str(struct ledger_doc *b, bool first, const char *k, const char *v)
 {
     puts_(b, first ? "{\"key\":\"" : ",{\"key\":\"");
     puts_(b, k); /* keys are constants of this file */
@@ -177,22 +132,22 @@ static void attr_str(struct buf *b, bool first, const char *k, const char *v)
     puts_(b, "}}");
 }
 
-static void span_json(struct buf *b, const struct conf *c, const struct slot *s, bool first)
+static void span_json(struct ledger_doc *b, const struct conf *c, const struct slot *s, bool first)
 {
     const struct conf_input *in = &c->inputs[s->input];
     char hex[33], num[64];
     puts_(b, first ? "{\"traceId\":\"" : ",{\"traceId\":\"");
     trace_hex(s->trace_id, 16, hex);
-    put(b, hex, 32);
+    puts_(b, hex);
     puts_(b, "\",\"spanId\":\"");
     trace_hex(s->span_id, 8, hex);
-    put(b, hex, 16);
-    put(b, "\"", 1);
+    puts_(b, hex);
+    puts_(b, "\"");
     if (s->has_parent) {
         puts_(b, ",\"parentSpanId\":\"");
         trace_hex(s->parent_id, 8, hex);
-        put(b, hex, 16);
-        put(b, "\"", 1);
+        puts_(b, hex);
+        puts_(b, "\"");
         if (s->state) {
             puts_(b, ",\"traceState\":");
             put_str(b, s->state);
@@ -221,18 +176,19 @@ static void span_json(struct buf *b, const struct conf *c, const struct slot *s,
                  ",{\"key\":\"idemq.attempt\",\"value\":{\"intValue\":\"%d\"}}", s->attempt);
         puts_(b, num);
     }
-    put(b, "]", 1);
+    puts_(b, "]");
     /* status: ERROR for a parked job; else left unset (the default).
      * Span.flags is left out: collectors built on the protocol before 1.1
      * do not know it. */
     if (s->outcome == TRACE_PARKED)
         puts_(b, ",\"status\":{\"code\":2,\"message\":\"parked\"}");
-    put(b, "}", 1);
+    puts_(b, "}");
 }
 
 static char *body_of(const struct conf *c, const struct slot *s, size_t n)
 {
-    struct buf b = {NULL, 0, 0, false};
+    struct ledger_doc b;
+    ledger_doc_init(&b);
     puts_(&b, "{\"resourceSpans\":[{\"resource\":{\"attributes\":[");
     attr_str(&b, true, "service.name", c->tracing_service_name);
     puts_(&b, "]},\"scopeSpans\":[{\"scope\":{\"name\":\"idemq\",\"version\":");
@@ -242,10 +198,10 @@ static char *body_of(const struct conf *c, const struct slot *s, size_t n)
         span_json(&b, c, &s[i], i == 0);
     puts_(&b, "]}]}]}");
     if (b.nomem) {
-        free(b.p);
+        ledger_doc_free(&b);
         return NULL;
     }
-    return b.p;
+    return b.buf; /* the caller frees it */
 }
 
 char *trace_export_body(const struct conf *c, const struct trace_span *s, size_t n)

@@ -54,6 +54,8 @@ static void add(struct ledger_doc *d, const char *s, size_t n)
 
 static void adds(struct ledger_doc *d, const char *s) { add(d, s, strlen(s)); }
 
+void ledger_doc_add_raw(struct ledger_doc *d, const char *s) { adds(d, s); }
+
 void ledger_doc_add_string(struct ledger_doc *d, const char *str, size_t n)
 {
     static const char hex[] = "0123456789abcdef";

@@ -48,8 +48,11 @@ void ledger_doc_add_job(struct ledger_doc *d, const struct job *j, const struct 
 bool ledger_doc_end(struct ledger_doc *d);
 
 /* Appends s[0..n) as a JSON string (quoted, escaped; invalid UTF-8 becomes
- * U+FFFD). Exposed for tests. */
+ * U+FFFD). Also for other JSON documents (trace_export's request bodies). */
 void ledger_doc_add_string(struct ledger_doc *d, const char *s, size_t n);
+
+/* Appends s as it is (JSON text the caller vouches for). */
+void ledger_doc_add_raw(struct ledger_doc *d, const char *s);
 
 /*
  * The same batch as columns, for the plain statement (ledger_plain): one-dimensional
