@@ -22,6 +22,8 @@ struct sqs_client {
     char *token_hdr;  /* "X-Amz-Security-Token: ..." or NULL */
     char sigv4[96];   /* "aws:amz:REGION:sqs" */
     long timeout_ms;
+    long visibility_s;
+    bool (*should_stop)(void);
 };
 
 struct buf {
@@ -141,6 +143,10 @@ int sqs_client_new(const struct sqs_client_config *cfg, struct sqs_client **out,
     strcpy(c->url + olen, "/");
     snprintf(c->sigv4, sizeof c->sigv4, "aws:amz:%s:sqs", cfg->region);
     c->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : 10000;
+    c->visibility_s = cfg->visibility_s < 0                      ? 0
+                      : cfg->visibility_s > SQS_MAX_VISIBILITY_S ? SQS_MAX_VISIBILITY_S
+                                                                 : cfg->visibility_s;
+    c->should_stop = cfg->should_stop;
 
     if (getenv("AWS_ACCESS_KEY_ID") && getenv("AWS_SECRET_ACCESS_KEY") &&
         *getenv("AWS_ACCESS_KEY_ID") && *getenv("AWS_SECRET_ACCESS_KEY")) {
@@ -243,6 +249,14 @@ static enum sqs_status error_status(long code, const json_t *ans)
     return SQS_REFUSED;
 }
 
+/* libcurl's progress callback: a nonzero answer aborts the transfer. */
+static int on_progress(void *ud, curl_off_t dt, curl_off_t dn, curl_off_t ut, curl_off_t un)
+{
+    struct sqs_client *c = ud;
+    (void)dt, (void)dn, (void)ut, (void)un;
+    return c->should_stop && c->should_stop() ? 1 : 0;
+}
+
 /* POSTs req as AmazonSQS.<action>; *ans is the parsed 2xx answer (a new
  * reference) on SQS_OK. wait_s extends the timeout for a long poll. */
 static enum sqs_status call(struct sqs_client *c, const char *action, const json_t *req,
@@ -286,6 +300,12 @@ static enum sqs_status call(struct sqs_client *c, const char *action, const json
     curl_easy_setopt(c->easy, CURLOPT_AWS_SIGV4, c->sigv4);
     curl_easy_setopt(c->easy, CURLOPT_WRITEFUNCTION, on_data);
     curl_easy_setopt(c->easy, CURLOPT_WRITEDATA, &b);
+    /* a long poll only: a delete after a commit is let finish */
+    if (c->should_stop && wait_s > 0) {
+        curl_easy_setopt(c->easy, CURLOPT_NOPROGRESS, 0L);
+        curl_easy_setopt(c->easy, CURLOPT_XFERINFOFUNCTION, on_progress);
+        curl_easy_setopt(c->easy, CURLOPT_XFERINFODATA, c);
+    }
     rc = curl_easy_perform(c->easy);
     curl_easy_getinfo(c->easy, CURLINFO_RESPONSE_CODE, &code);
     curl_slist_free_all(h);
@@ -365,6 +385,8 @@ enum sqs_status sqs_receive(struct sqs_client *c, int max, int wait_s, struct sq
                     "AttributeNames", "ApproximateReceiveCount", "MessageGroupId",
                     "MessageAttributeNames", "All",
                     "MessageSystemAttributeNames", "ApproximateReceiveCount", "MessageGroupId");
+    if (req && c->visibility_s > 0)
+        json_object_set_new(req, "VisibilityTimeout", json_integer(c->visibility_s));
     if (!req) {
         errf(err, errlen, "ReceiveMessage: out of memory");
         return SQS_UNAVAILABLE;
@@ -511,9 +533,15 @@ enum sqs_status sqs_send(struct sqs_client *c, const char *queue_url, const char
         }
         ma = json_object();
         json_object_foreach((json_t *)attributes, name, v) {
-            if (json_is_string(v))
+            char num[32];
+            if (json_is_string(v)) {
                 json_object_set_new(ma, name, json_pack("{s:s, s:s}", "DataType", "String",
                                                         "StringValue", json_string_value(v)));
+            } else if (json_is_integer(v)) {
+                snprintf(num, sizeof num, "%" JSON_INTEGER_FORMAT, json_integer_value(v));
+                json_object_set_new(ma, name, json_pack("{s:s, s:s}", "DataType", "Number",
+                                                        "StringValue", num));
+            }
         }
         json_object_set_new(req, "MessageAttributes", ma);
     }

@@ -16,6 +16,7 @@
 #define IDEMQ_SQS_H
 
 #include <jansson.h>
+#include <stdbool.h>
 #include <stddef.h>
 
 /* Limits of what an answer may hold (SQS's own limits). */
@@ -46,6 +47,10 @@ struct sqs_client_config {
     const char *region;
     const char *endpoint;  /* "" = the queue URL's scheme and host */
     long timeout_ms;       /* of a request beyond its long-poll wait */
+    long visibility_s;     /* VisibilityTimeout of a receive (the lease); 0 = the queue's */
+    /* polled during a long poll; true aborts it (SQS_UNAVAILABLE): a
+     * stopping daemon does not wait out 20 s. NULL = never */
+    bool (*should_stop)(void);
 };
 
 struct sqs_client;
@@ -101,7 +106,8 @@ enum sqs_status sqs_change_visibility(struct sqs_client *c, const char *receipt,
 /*
  * SendMessage to queue_url (NULL = the client's queue): body, group_id and
  * dedup_id (FIFO queues; NULL otherwise), attributes a JSON object of
- * name -> string value (sent as DataType String; may be NULL). *message_id
+ * name -> string value (sent as DataType String) or integer (DataType
+ * Number); may be NULL. *message_id
  * (free) is set on SQS_OK: the send is confirmed only by that answer.
  */
 enum sqs_status sqs_send(struct sqs_client *c, const char *queue_url, const char *body,

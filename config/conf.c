@@ -316,6 +316,10 @@ static const struct conf_key input_keys[] = {
     {"dead_letter_queue_url", CT_STR, I(dead_letter_queue_url), 0, 1024, "", 0, 0,
      "sqs inputs: queue that receives a parked message with its story (FIFO if the queue is); "
      "empty = the park row only"},
+    {"visibility_timeout_s", CT_INT, I(visibility_timeout_s), 5, 43200, NULL, 60, 0,
+     "sqs inputs: how long a received message stays hidden from other consumers (its lease); "
+     "idemq extends it every half of it while the job is in flight, so a crashed worker's "
+     "messages reappear within this"},
 };
 
 #define N_GLOBAL ((int)(sizeof global_keys / sizeof global_keys[0]))
@@ -1005,6 +1009,19 @@ static idemq_err_t split_transports(struct conf *c)
     return IDEMQ_OK;
 }
 
+struct conf conf_sqs_view(const struct conf *c)
+{
+    struct conf v = *c;
+    v.inputs = c->sqs_inputs;
+    v.n_inputs = c->n_sqs_inputs;
+    v.pg_inputs = NULL;
+    v.n_pg_inputs = 0;
+    v.sqs_inputs = NULL;
+    v.n_sqs_inputs = 0;
+    v.n_routes = 0;
+    return v;
+}
+
 struct conf conf_pg_view(const struct conf *c)
 {
     struct conf v = *c;
@@ -1097,11 +1114,13 @@ static bool host_loopback(const char *host)
     return dots == 3;
 }
 
-/* An SQS URL: https://HOST[:PORT] (http:// to a loopback host only), then
+/* An SQS URL: https://HOST[:PORT] (http:// to a loopback host only, or to
+ * any host when plain_ok: a queue URL whose requests go to an endpoint
+ * that is itself checked, as an emulator names its queues), then
  * with a path (a queue URL: /ACCOUNT/NAME, NAME of [A-Za-z0-9_-], at most
  * 80 characters with its .fifo) or without one (an endpoint). Sets *fifo
  * for a queue URL. Returns NULL or what is wrong. */
-static const char *sqs_url_problem(const char *url, bool queue, bool *fifo)
+static const char *sqs_url_problem(const char *url, bool queue, bool *fifo, bool plain_ok)
 {
     char host[256];
     const char *rest, *acct, *name;
@@ -1110,7 +1129,7 @@ static const char *sqs_url_problem(const char *url, bool queue, bool *fifo)
         rest = url + 8;
     } else if (strncmp(url, "http://", 7) == 0) {
         url_host(url, host, sizeof host);
-        if (!host_loopback(host))
+        if (!plain_ok && !host_loopback(host))
             return "http:// is allowed to a loopback host only (the signed requests and every "
                    "body would travel in clear)";
         rest = url + 7;
@@ -1160,7 +1179,7 @@ static idemq_err_t validate_sqs(struct conf_input *in, int line, const char *fil
              line, in->name);
         return IDEMQ_ERR_CONFIG;
     }
-    if ((why = sqs_url_problem(in->queue_url, true, &in->sqs_fifo))) {
+    if ((why = sqs_url_problem(in->queue_url, true, &in->sqs_fifo, in->endpoint[0] != '\0'))) {
         errf(errbuf, errlen, "%s:%d: input %s: queue_url %s", file, line, in->name, why);
         return IDEMQ_ERR_CONFIG;
     }
@@ -1171,12 +1190,13 @@ static idemq_err_t validate_sqs(struct conf_input *in, int line, const char *fil
             return IDEMQ_ERR_CONFIG;
         }
     }
-    if (in->endpoint[0] && (why = sqs_url_problem(in->endpoint, false, &dlq_fifo))) {
+    if (in->endpoint[0] && (why = sqs_url_problem(in->endpoint, false, &dlq_fifo, false))) {
         errf(errbuf, errlen, "%s:%d: input %s: endpoint %s", file, line, in->name, why);
         return IDEMQ_ERR_CONFIG;
     }
     if (in->dead_letter_queue_url[0]) {
-        if ((why = sqs_url_problem(in->dead_letter_queue_url, true, &dlq_fifo))) {
+        if ((why = sqs_url_problem(in->dead_letter_queue_url, true, &dlq_fifo,
+                                   in->endpoint[0] != '\0'))) {
             errf(errbuf, errlen, "%s:%d: input %s: dead_letter_queue_url %s", file, line,
                  in->name, why);
             return IDEMQ_ERR_CONFIG;

@@ -121,6 +121,7 @@ struct conf_input {
     char *region;
     char *endpoint;
     char *dead_letter_queue_url;
+    int visibility_timeout_s; /* the lease of a received message */
     bool sqs_fifo; /* derived: the queue's name ends in .fifo */
     /* derived by validation */
     enum conf_key_kind key_kind;
@@ -255,6 +256,9 @@ struct conf {
  * see. Shares every pointer with c, which must outlive it; nothing to free.
  * Pure. */
 struct conf conf_pg_view(const struct conf *c);
+
+/* The same for c's Amazon SQS inputs (consumer/sqs_worker.h). Pure. */
+struct conf conf_sqs_view(const struct conf *c);
 
 /*
  * Loads and validates a configuration file, then applies the environment

@@ -28,6 +28,8 @@
 #include "sdnotify.h"
 #include "observe.h"
 #include "pgq_worker.h" /* PostgreSQL queue inputs */
+#include "sqs.h"
+#include "sqs_worker.h" /* Amazon SQS inputs */
 #include "ops.h"
 #include "effect_http.h"
 #include "effect_sql.h"
@@ -668,11 +670,19 @@ static int cmd_run(const struct conf *c, long until_idle_s)
     const int nw = c->n_inputs > 0 ? c->workers : 0;
     struct pgq_workers *pgq = NULL;
     struct pgq_worker_totals pt;
+    struct sqs_workers *sqs = NULL;
+    struct sqs_worker_totals st;
 
-    if (c->n_sqs_inputs) {
-        log_error("input %s: sqs inputs are configured and checked, not run yet: remove it "
-                  "to run the others", c->sqs_inputs[0].name);
-        return EXIT_CONFIG;
+    for (int i = 0; i < c->n_sqs_inputs; i++) { /* credentials before anything connects */
+        const struct conf_input *in = &c->sqs_inputs[i];
+        struct sqs_client_config cfg = {in->queue_url, in->region, in->endpoint, 0, 0, NULL};
+        struct sqs_client *sc;
+        char err[256];
+        if (sqs_client_new(&cfg, &sc, err, sizeof err)) {
+            log_error("input %s: %s", in->name, err);
+            return EXIT_CONFIG;
+        }
+        sqs_client_free(sc);
     }
     if ((rc = preflight(c)))
         return rc;
@@ -687,7 +697,7 @@ static int cmd_run(const struct conf *c, long until_idle_s)
         lf.event = "start";
         LOG_FIELDS(LOG_LVL_INFO, &lf, "idemq %s: %d worker(s), %d input(s), batch_max %d, "
                    "consumer %s; worst case of deliveries held per worker %lld MiB",
-                   IDEMQ_VERSION, c->workers, c->n_inputs + c->n_pg_inputs, c->batch_max,
+                   IDEMQ_VERSION, c->workers, c->n_inputs + c->n_pg_inputs + c->n_sqs_inputs, c->batch_max,
                    c->consumer_id,
                    c->buffered_worst / (1024 * 1024));
     }
@@ -726,6 +736,11 @@ static int cmd_run(const struct conf *c, long until_idle_s)
         if (pgq_worker_start(c, until_idle_s * 1000, &pgq, err, sizeof err)) {
             log_error("%s", err);
             rc = EXIT_RUNTIME; /* the broker workers see the stop request */
+        }
+        if (!rc && sqs_worker_start(c, until_idle_s * 1000, &sqs, err, sizeof err)) {
+            log_error("%s", err);
+            sig_request_stop();
+            rc = EXIT_RUNTIME;
         }
     }
     if (c->metrics_listen[0]) {
@@ -767,6 +782,16 @@ static int cmd_run(const struct conf *c, long until_idle_s)
     pgq_worker_join(pgq, &pt);
     if (pt.failed)
         rc = EXIT_RUNTIME;
+    sqs_worker_join(sqs, &st);
+    if (c->n_sqs_inputs) {
+        struct log_fields lf = LOG_FIELDS_NONE;
+        lf.event = "stopped";
+        LOG_FIELDS(LOG_LVL_INFO, &lf,
+                   "stopped (SQS inputs): received %ld, applied %ld, duplicates %ld, "
+                   "retried %ld, parked %ld, deletes refused %ld, visibility extended %ld",
+                   st.received, st.applied, st.duplicates, st.retried, st.parked,
+                   st.delete_failed, st.extended);
+    }
     sdnotify_stop(notify);
     if (c->n_pg_inputs) {
         struct log_fields lf = LOG_FIELDS_NONE;

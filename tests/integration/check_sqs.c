@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include "check_run.h"
+#include "itest.h"
 #include "sqs.h"
 
 #define NODE_DIR IDEMQ_SOURCE_DIR "/tests/node"
@@ -82,7 +83,7 @@ static void send_sdk(const char *url, const char *body, const char *group, const
 
 static struct sqs_client *client(const char *url)
 {
-    struct sqs_client_config cfg = {url, "us-east-1", endpoint, 5000};
+    struct sqs_client_config cfg = {url, "us-east-1", endpoint, 5000, 0, NULL};
     struct sqs_client *c;
     char err[256];
     ck_assert_msg(sqs_client_new(&cfg, &c, err, sizeof err) == 0, "%s", err);
@@ -234,7 +235,7 @@ END_TEST
 START_TEST(test_down_and_refused)
 {
     struct sqs_client_config cfg = {"http://127.0.0.1:1/000000000000/none", "us-east-1",
-                                    "http://127.0.0.1:1", 2000};
+                                    "http://127.0.0.1:1", 2000, 0, NULL};
     struct sqs_client *c;
     struct sqs_message *m;
     char err[256], url[512];
@@ -326,7 +327,7 @@ START_TEST(test_canned_answers)
         int port;
         char ep[64], url[128], err[256];
         pid_t pid = canned_server(cases[i].answer, &port);
-        struct sqs_client_config cfg = {url, "us-east-1", ep, 3000};
+        struct sqs_client_config cfg = {url, "us-east-1", ep, 3000, 0, NULL};
         struct sqs_client *c;
         struct sqs_message *m;
         int n;
@@ -342,6 +343,301 @@ START_TEST(test_canned_answers)
         kill(pid, SIGKILL);
         waitpid(pid, NULL, 0);
     }
+}
+END_TEST
+
+
+/* ---- the worker: `idemq run` on an SQS input, the ledger in PostgreSQL ---- */
+
+/* Sends each line "GROUP<TAB>BODY" of lines through the SDK, in order. */
+static void send_lines(const char *url, const char *lines)
+{
+    char path[128], cmd[1024];
+    FILE *f;
+    snprintf(path, sizeof path, "/tmp/sqs-lines-%ld.txt", (long)getpid());
+    ck_assert_ptr_nonnull(f = fopen(path, "w"));
+    fputs(lines, f);
+    fclose(f);
+    snprintf(cmd, sizeof cmd, "node %s/produce.mjs lines %s '%s' < %s > /dev/null", NODE_DIR,
+             endpoint, url, path);
+    ck_assert_int_eq(system(cmd), 0);
+    unlink(path);
+}
+
+/* A config of one sqs input named t->name on url (dlq: its dead-letter
+ * queue) with workers workers; extra: more settings of the input. */
+static void write_sqs_config(struct itest *t, const char *path, const char *url, const char *dlq,
+                             int workers, const char *extra)
+{
+    FILE *f = fopen(path, "w");
+    ck_assert_ptr_nonnull(f);
+    fprintf(f,
+            "retry: { base_delay_ms = 1000; max_delay_ms = 2000; jitter = \"none\"; "
+            "max_attempts = 4; };\n"
+            "consumer: { id = \"%s\"; workers = %d; };\n"
+            "log: { level = \"info\"; };\n"
+            "inputs = ( { name = \"%s\"; transport = \"sqs\"; queue = \"%s\"; queue_url = \"%s\";\n"
+            "  region = \"us-east-1\"; endpoint = \"%s\"; dead_letter_queue_url = \"%s\";\n"
+            "  key_source = \"json:job_id\"; effect_function = \"idemq_test.record\"; %s } );\n",
+            t->name, workers, t->name, t->name, url, endpoint, dlq, extra ? extra : "");
+    fclose(f);
+}
+
+/* `idemq run` to idleness with its log in log; asserts exit 0. */
+static void run_sqs(const char *cfg, int idle_s, const char *log)
+{
+    pid_t pid = itest_spawn_log(cfg, idle_s, NULL, log);
+    int st = itest_wait(pid, itest_ms(90000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "idemq run failed: %d (%s)",
+                  st, log);
+}
+
+/* Messages still in the queue at url (each taken once; they stay hidden
+ * for the queue's visibility timeout). */
+static int left_in(const char *url, struct sqs_message **all)
+{
+    struct sqs_client *c = client(url);
+    struct sqs_message *m;
+    int n, total = 0;
+    char err[256];
+    if (all)
+        *all = NULL;
+    for (;;) {
+        ck_assert_int_eq(sqs_receive(c, 10, 1, &m, &n, err, sizeof err), SQS_OK);
+        if (n == 0)
+            break;
+        if (all && !*all) {
+            *all = m; /* the first batch, for the caller */
+        } else {
+            sqs_messages_free(m, n);
+        }
+        total += n;
+    }
+    sqs_client_free(c);
+    return total;
+}
+
+static const char *attr(const struct sqs_message *m, const char *name)
+{
+    return json_string_value(
+        json_object_get(json_object_get(m->attributes, name), "StringValue"));
+}
+
+/* Keys applied once each though some are sent twice (another message id);
+ * the ApproximateReceiveCount recorded with the attempt; a body that is not
+ * JSON and a permanent failure parked in the ledger and sent to the
+ * dead-letter queue with their story, sealed; nothing left in the queue. */
+START_TEST(test_worker_effects_once)
+{
+    struct itest t;
+    char name[96], url[512], dlq[512], cfg[300], log[300], lines[8192] = "";
+    struct sqs_message *m;
+    int n;
+    itest_setup(&t, "sqs_once", "idemq_test.record", "", "");
+    unique(name, sizeof name, "once");
+    create_queue(name, url, sizeof url);
+    strcat(name, "-dlq");
+    create_queue(name, dlq, sizeof dlq);
+    for (int i = 0; i < 20; i++)
+        snprintf(lines + strlen(lines), sizeof lines - strlen(lines),
+                 "\t{\"job_id\":\"%s:%d\",\"amount\":%d}\n", t.name, i, i);
+    for (int i = 0; i < 5; i++) /* the same jobs sent again */
+        snprintf(lines + strlen(lines), sizeof lines - strlen(lines),
+                 "\t{\"job_id\":\"%s:%d\",\"amount\":%d}\n", t.name, i, i);
+    snprintf(lines + strlen(lines), sizeof lines - strlen(lines),
+             "\tnot json\n\t{\"job_id\":\"%s:perm\",\"raise\":\"22023\"}\n", t.name);
+    send_lines(url, lines);
+    snprintf(cfg, sizeof cfg, "/tmp/%s.sqs.cfg", t.name);
+    snprintf(log, sizeof log, "/tmp/%s.sqs.log", t.name);
+    write_sqs_config(&t, cfg, url, dlq, 1, NULL);
+    run_sqs(cfg, 3, log);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE $1 "
+                                    "|| ':%'", t.name), 20);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(DISTINCT key) FROM idemq_test.effects WHERE "
+                                    "key LIKE $1 || ':%'", t.name), 20);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key LIKE $1 || ':%' "
+                                    "AND state = 'applied'", t.name), 20);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE source_queue = $1",
+                                t.name), 2);
+    /* the second messages of keys 0-4, each with its receive count */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts WHERE key LIKE $1 || "
+                                    "':%' AND outcome = 'duplicate' AND delivery_count = 1",
+                                t.name), 5);
+    ck_assert_int_eq(itest_count_lines(log, "duplicates 5, retried 0, parked 2"), 1);
+    ck_assert_int_eq(left_in(url, NULL), 0);
+    n = left_in(dlq, &m);
+    ck_assert_int_eq(n, 2);
+    ck_assert_ptr_nonnull(m);
+    for (int i = 0; i < 2 && i < n; i++) {
+        const char *code = attr(&m[i], "x-idemq-error-code");
+        ck_assert_ptr_nonnull(code);
+        ck_assert_ptr_nonnull(attr(&m[i], "x-idemq-park-id"));
+        if (strcmp(code, "bad_json") == 0) {
+            ck_assert_str_eq(m[i].body, "not json");
+        } else {
+            char key[128];
+            snprintf(key, sizeof key, "%s:perm", t.name);
+            ck_assert_str_eq(code, "effect_error");
+            ck_assert_str_eq(attr(&m[i], "x-idemq-key"), key);
+            ck_assert_ptr_nonnull(attr(&m[i], "x-idemq-seal"));
+        }
+    }
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE source_queue = $1 "
+                                    "AND dlq_published_at IS NOT NULL", t.name), 2);
+    sqs_messages_free(m, n > 10 ? 10 : n);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* A transient failure is retried through the message's visibility: the
+ * effect fails on attempts 1 and 2 and applies on 3, each attempt kept
+ * with its receive count; the message is deleted only then. */
+START_TEST(test_worker_retry_via_visibility)
+{
+    struct itest t;
+    char name[96], url[512], dlq[512], cfg[300], log[300], lines[512];
+    itest_setup(&t, "sqs_retry", "idemq_test.record", "", "");
+    unique(name, sizeof name, "retry");
+    create_queue(name, url, sizeof url);
+    strcat(name, "-dlq");
+    create_queue(name, dlq, sizeof dlq);
+    snprintf(lines, sizeof lines, "\t{\"job_id\":\"%s:r\",\"raise\":\"53400\",\"raise_until\":2}\n",
+             t.name);
+    send_lines(url, lines);
+    snprintf(cfg, sizeof cfg, "/tmp/%s.sqs.cfg", t.name);
+    snprintf(log, sizeof log, "/tmp/%s.sqs.log", t.name);
+    write_sqs_config(&t, cfg, url, dlq, 1, NULL);
+    run_sqs(cfg, 5, log);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = $1 "
+                                    "|| ':r'", t.name), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts WHERE key = $1 || ':r'",
+                                t.name), 3);
+    /* each attempt with the receive count SQS gave it: 1, 2, 3 */
+    ck_assert_int_eq(itest_long(&t, "SELECT (string_agg(delivery_count::text, ',' ORDER BY "
+                                    "attempt) = '1,2,3')::int FROM idemq.attempts WHERE key = $1 || "
+                                    "':r'", t.name), 1);
+    ck_assert_int_eq(itest_count_lines(log, "retried 2, parked 0"), 1);
+    ck_assert_int_eq(left_in(url, NULL), 0);
+    ck_assert_int_eq(left_in(dlq, NULL), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* An effect slower than the visibility timeout (8 s against 5 s), with a
+ * second worker polling the queue: the lease is extended while the job
+ * runs, so the message never comes back to the other worker (one attempt,
+ * no duplicate). Without the extension it reappears at 5 s and the second
+ * worker records a duplicate attempt. */
+START_TEST(test_worker_visibility_extended)
+{
+    struct itest t;
+    char name[96], url[512], dlq[512], cfg[300], log[300], lines[512];
+    itest_setup(&t, "sqs_lease", "idemq_test.record", "", "");
+    unique(name, sizeof name, "lease");
+    create_queue(name, url, sizeof url);
+    strcat(name, "-dlq");
+    create_queue(name, dlq, sizeof dlq);
+    snprintf(lines, sizeof lines, "\t{\"job_id\":\"%s:slow\",\"sleep_ms\":8000}\n", t.name);
+    send_lines(url, lines);
+    snprintf(cfg, sizeof cfg, "/tmp/%s.sqs.cfg", t.name);
+    snprintf(log, sizeof log, "/tmp/%s.sqs.log", t.name);
+    write_sqs_config(&t, cfg, url, dlq, 2, "visibility_timeout_s = 5;");
+    run_sqs(cfg, 10, log); /* the second worker polls all along */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = $1 "
+                                    "|| ':slow'", t.name), 1);
+    /* one attempt: none of a second receive (a duplicate) */
+    ck_assert_int_eq(itest_long(&t, "SELECT attempts FROM idemq.jobs WHERE key = $1 || ':slow'",
+                                t.name), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.attempts WHERE key = $1 || "
+                                    "':slow'", t.name), 0);
+    ck_assert_int_eq(itest_count_lines(log, "received 1, applied 1, duplicates 0"), 1);
+    ck_assert_int_eq(itest_count_lines(log, "visibility extended 0"), 0);
+    ck_assert_int_eq(left_in(url, NULL), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* A FIFO queue with two `idemq run` replicas: each MessageGroupId's jobs
+ * apply in send order, every key once. */
+START_TEST(test_worker_fifo_order)
+{
+    struct itest t;
+    char name[96], url[512], dlq[512], cfg[300], log1[300], log2[300], lines[8192] = "";
+    pid_t a, b;
+    int st;
+    itest_setup(&t, "sqs_fifo", "idemq_test.record", "", "");
+    unique(name, sizeof name, "ord");
+    snprintf(name + strlen(name), sizeof name - strlen(name), ".fifo");
+    create_queue(name, url, sizeof url);
+    unique(name, sizeof name, "ord-dlq");
+    snprintf(name + strlen(name), sizeof name - strlen(name), ".fifo");
+    create_queue(name, dlq, sizeof dlq);
+    for (int s = 1; s <= 6; s++)
+        for (int g = 0; g < 3; g++)
+            snprintf(lines + strlen(lines), sizeof lines - strlen(lines),
+                     "g%d\t{\"job_id\":\"%s:g%d:%d\",\"group\":\"g%d\",\"seq\":%d,"
+                     "\"sleep_ms\":30}\n", g, t.name, g, s, g, s);
+    send_lines(url, lines);
+    snprintf(cfg, sizeof cfg, "/tmp/%s.sqs.cfg", t.name);
+    snprintf(log1, sizeof log1, "/tmp/%s.sqs1.log", t.name);
+    snprintf(log2, sizeof log2, "/tmp/%s.sqs2.log", t.name);
+    write_sqs_config(&t, cfg, url, dlq, 1, NULL);
+    a = itest_spawn_log(cfg, 3, NULL, log1);
+    b = itest_spawn_log(cfg, 3, NULL, log2);
+    st = itest_wait(a, itest_ms(90000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "replica 1: %d", st);
+    st = itest_wait(b, itest_ms(90000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "replica 2: %d", st);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(DISTINCT key) FROM idemq_test.effects WHERE "
+                                    "key LIKE $1 || ':%'", t.name), 18);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE $1 "
+                                    "|| ':%'", t.name), 18);
+    /* in each group, effect ids rise with seq */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM (SELECT payload->>'group' g, "
+                                    "(payload->>'seq')::int s, lag((payload->>'seq')::int) OVER "
+                                    "(PARTITION BY payload->>'group' ORDER BY id) p FROM "
+                                    "idemq_test.effects WHERE key LIKE $1 || ':%') x WHERE p IS "
+                                    "NOT NULL AND s <> p + 1", t.name), 0);
+    ck_assert_int_eq(left_in(url, NULL), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* SQS throttling the receive: NOT READY with the reason, no job, and a
+ * clean stop on SIGTERM. */
+START_TEST(test_worker_throttled)
+{
+    struct itest t;
+    char cfg[300], log[300], url[128], ep[64];
+    int port, st;
+    pid_t srv, pid;
+    FILE *f;
+    srv = canned_server("HTTP/1.1 400 Bad Request\r\nContent-Type: application/x-amz-json-1.0\r\n"
+                        "Content-Length: 76\r\nConnection: close\r\n\r\n"
+                        "{\"__type\":\"com.amazonaws.sqs#ThrottlingException\",\"message\":"
+                        "\"Rate exceeded\"}", &port);
+    itest_setup(&t, "sqs_thr", "idemq_test.record", "", "");
+    snprintf(ep, sizeof ep, "http://127.0.0.1:%d", port);
+    snprintf(url, sizeof url, "%s/000000000000/q", ep);
+    snprintf(cfg, sizeof cfg, "/tmp/%s.sqs.cfg", t.name);
+    snprintf(log, sizeof log, "/tmp/%s.sqs.log", t.name);
+    ck_assert_ptr_nonnull(f = fopen(cfg, "w"));
+    fprintf(f, "consumer: { id = \"%s\"; };\ninputs = ( { name = \"%s\"; transport = \"sqs\"; "
+               "queue = \"%s\"; queue_url = \"%s\"; region = \"us-east-1\"; endpoint = \"%s\"; "
+               "key_source = \"json:job_id\"; effect_function = \"idemq_test.record\"; } );\n",
+            t.name, t.name, t.name, url, ep);
+    fclose(f);
+    pid = itest_spawn_log(cfg, 30, NULL, log);
+    usleep(2500 * 1000);
+    kill(pid, SIGTERM);
+    st = itest_wait(pid, itest_ms(20000));
+    kill(srv, SIGKILL);
+    waitpid(srv, NULL, 0);
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "idemq run: %d", st);
+    ck_assert_int_eq(itest_count_lines(log, "NOT READY: input"), 1);
+    ck_assert_int_ge(itest_count_lines(log, "ThrottlingException"), 1);
+    ck_assert_int_eq(itest_count_lines(log, "received 0, applied 0"), 1);
+    itest_teardown(&t);
 }
 END_TEST
 
@@ -430,6 +726,18 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_down_and_refused);
     tcase_add_test(tc, test_canned_answers);
     suite_add_tcase(s, tc);
+    if (getenv("IDEMQ_PG_DSN") && getenv("IDEMQ_AMQP_URL")) {
+        tc = tcase_create("worker");
+        tcase_set_timeout(tc, 120);
+        tcase_add_test(tc, test_worker_effects_once);
+        tcase_add_test(tc, test_worker_retry_via_visibility);
+        tcase_add_test(tc, test_worker_visibility_extended);
+        tcase_add_test(tc, test_worker_fifo_order);
+        tcase_add_test(tc, test_worker_throttled);
+        suite_add_tcase(s, tc);
+    } else {
+        printf("note: the worker tests need IDEMQ_PG_DSN and IDEMQ_AMQP_URL (scripts/services)\n");
+    }
     rc = check_run(s);
     kill(-emu, SIGTERM);
     kill(emu, SIGTERM);

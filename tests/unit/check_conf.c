@@ -621,8 +621,10 @@ START_TEST(test_metrics_listen_run)
         int st;
         FILE *p;
         snprintf(cmd, sizeof cmd,
-                 "timeout 20 env -u IDEMQ_AMQP_URL -u IDEMQ_PG_DSN %s %s -c %s 2>&1",
-                 IDEMQ_BINARY, cmds[i], cfg);
+                 "timeout 20 env -u IDEMQ_AMQP_URL -u IDEMQ_PG_DSN -u AWS_ACCESS_KEY_ID "
+                 "-u AWS_PROFILE AWS_SECRET_ACCESS_KEY=sekrit-4711 "
+                 "AWS_SHARED_CREDENTIALS_FILE=%s/none %s %s -c %s 2>&1",
+                 dir, IDEMQ_BINARY, cmds[i], cfg);
         p = popen(cmd, "r");
         ck_assert_ptr_nonnull(p);
         n = fread(out, 1, sizeof out - 1, p);
@@ -638,8 +640,9 @@ START_TEST(test_metrics_listen_run)
 END_TEST
 
 /* The binary: check-config accepts an sqs input and prints it back; run
- * refuses to start with one (exit 3, naming it) before it connects
- * anywhere, so a configured queue is never silently left unread. */
+ * without AWS credentials refuses to start (exit 3, naming the input and
+ * what is missing) before it connects anywhere, and never prints the
+ * secret it did find. */
 START_TEST(test_sqs_run_refused)
 {
     char dir[] = "/tmp/idemq_conf_XXXXXX", cfg[256], cmd[1024], out[8192];
@@ -663,8 +666,10 @@ START_TEST(test_sqs_run_refused)
         int st;
         FILE *p;
         snprintf(cmd, sizeof cmd,
-                 "timeout 20 env -u IDEMQ_AMQP_URL -u IDEMQ_PG_DSN %s %s -c %s 2>&1",
-                 IDEMQ_BINARY, cmds[i], cfg);
+                 "timeout 20 env -u IDEMQ_AMQP_URL -u IDEMQ_PG_DSN -u AWS_ACCESS_KEY_ID "
+                 "-u AWS_PROFILE AWS_SECRET_ACCESS_KEY=sekrit-4711 "
+                 "AWS_SHARED_CREDENTIALS_FILE=%s/none %s %s -c %s 2>&1",
+                 dir, IDEMQ_BINARY, cmds[i], cfg);
         p = popen(cmd, "r");
         ck_assert_ptr_nonnull(p);
         n = fread(out, 1, sizeof out - 1, p);
@@ -672,8 +677,10 @@ START_TEST(test_sqs_run_refused)
         st = pclose(p);
         ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == want[i], "%s: status %d: %s", cmds[i],
                       st, out);
-        ck_assert_msg(strstr(out, i == 0 ? "region = \"eu-west-1\"" : "input payouts: sqs") !=
-                          NULL, "%s: %s", cmds[i], out);
+        ck_assert_msg(strstr(out, i == 0 ? "region = \"eu-west-1\""
+                                         : "input payouts: no AWS credentials") != NULL,
+                      "%s: %s", cmds[i], out);
+        ck_assert_msg(strstr(out, "sekrit") == NULL, "%s printed the secret: %s", cmds[i], out);
     }
     unlink(cfg);
     rmdir(dir);
