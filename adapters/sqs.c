@@ -7,6 +7,7 @@
 #include "sqs.h"
 
 #include <curl/curl.h>
+#include <errno.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -576,4 +577,27 @@ enum sqs_status sqs_queue_attribute(struct sqs_client *c, const char *name, char
         *value = dup_str(json_object_get(json_object_get(ans, "Attributes"), name));
     json_decref(ans);
     return st;
+}
+
+void sqs_attributes_to_headers(const json_t *attrs, json_t *headers)
+{
+    const char *name;
+    json_t *v;
+    json_object_foreach((json_t *)attrs, name, v) {
+        const char *type = json_string_value(json_object_get(v, "DataType"));
+        const char *sv = json_string_value(json_object_get(v, "StringValue"));
+        if (!type || !sv)
+            continue;
+        if (strncmp(type, "Number", 6) == 0) {
+            char *end;
+            long long x;
+            errno = 0;
+            x = strtoll(sv, &end, 10);
+            if (end != sv && !*end && !errno) {
+                json_object_set_new(headers, name, json_integer(x));
+                continue;
+            }
+        }
+        json_object_set_new(headers, name, json_string(sv));
+    }
 }

@@ -119,4 +119,9 @@ enum sqs_status sqs_send(struct sqs_client *c, const char *queue_url, const char
 enum sqs_status sqs_queue_attribute(struct sqs_client *c, const char *name, char **value,
                                     char *err, size_t errlen);
 
+/* A message's attributes (as received: name -> {DataType, StringValue})
+ * into headers: String (and String.label) as text, Number as an integer
+ * when it is one, else as text; Binary ones are not carried. */
+void sqs_attributes_to_headers(const json_t *attrs, json_t *headers);
+
 #endif

@@ -46,6 +46,9 @@ static int queue_of(const struct conf *c, const char *input, char *queue, size_t
     for (int i = 0; i < c->n_pg_inputs; i++) /* PostgreSQL queue inputs */
         if (strcmp(c->pg_inputs[i].name, input) == 0)
             snprintf(queue, len, "%s", c->pg_inputs[i].queue);
+    for (int i = 0; i < c->n_sqs_inputs; i++) /* Amazon SQS inputs */
+        if (strcmp(c->sqs_inputs[i].name, input) == 0)
+            snprintf(queue, len, "%s", c->sqs_inputs[i].queue);
     if (!queue[0]) {
         fprintf(stderr, "idemq: no input named %s\n", input);
         return -1;

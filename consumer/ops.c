@@ -22,6 +22,7 @@
 #include "republish.h"
 #include "resolve.h"
 #include "seal.h"
+#include "sqs_redrive.h"
 #include "topology.h"
 
 PGconn *ops_connect(const struct conf *c, const char *app, int statement_timeout_ms)
@@ -414,6 +415,9 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
         for (int i = 0; i < c->n_pg_inputs; i++) /* PostgreSQL queue inputs */
             if (strcmp(c->pg_inputs[i].name, f->input) == 0)
                 snprintf(queue, sizeof queue, "%s", c->pg_inputs[i].queue);
+        for (int i = 0; i < c->n_sqs_inputs; i++) /* Amazon SQS inputs */
+            if (strcmp(c->sqs_inputs[i].name, f->input) == 0)
+                snprintf(queue, sizeof queue, "%s", c->sqs_inputs[i].queue);
         if (!queue[0]) {
             fprintf(stderr, "idemq: no input named %s\n", f->input);
             return 2;
@@ -521,7 +525,7 @@ static long long since_park_id(PGconn *db, const char *since, int *rc)
     return id;
 }
 
-static void who(char *buf, size_t len)
+void ops_who(char *buf, size_t len)
 {
     char host[128] = "host";
     struct passwd *pw = getpwuid(getuid());
@@ -637,7 +641,7 @@ static void release(struct redrive *r)
 }
 
 /* The ledger's redrive secret into seal.c; 0, or an exit code. */
-static int load_seal(PGconn *db)
+int ops_load_seal(PGconn *db)
 {
     PGresult *r = PQexec(db, "SELECT secret FROM idemq.redrive_seal WHERE id = 1");
     int rc = 0;
@@ -661,8 +665,8 @@ static int load_seal(PGconn *db)
  * Then the seal of who redrives it (x-idemq-redrive-seal; the caller adds
  * x-idemq-redriven-by = by). 0, or an exit code.
  */
-static int seal_copy(PGconn *db, struct job *j, const char *key, const char *by,
-                     const char **note)
+int ops_seal_copy(PGconn *db, struct job *j, const char *key, const char *by,
+                  const char **note)
 {
     json_t *h = j->headers, *gen = json_object_get(h, "x-idemq-generation");
     char why[160], s[SEAL_HEX], g[24], id[24];
@@ -719,7 +723,7 @@ static int redrive_input(const struct conf *c, PGconn **db, struct redrive *r,
     int rc = 0;
 
     topology_dlq(in, dlq, sizeof dlq);
-    who(by, sizeof by);
+    ops_who(by, sizeof by);
     job_init(&j);
     for (;;) {
         struct dead_view v;
@@ -800,7 +804,7 @@ static int redrive_input(const struct conf *c, PGconn **db, struct redrive *r,
             republish_strip_broker_headers(j.headers);
             json_object_del(j.headers, "x-idemq-redriven-by");
             json_object_del(j.headers, "x-idemq-redrive-seal");
-            if ((rc = seal_copy(*db, &j, v.key, by, &note)) != 0) {
+            if ((rc = ops_seal_copy(*db, &j, v.key, by, &note)) != 0) {
                 (*left)++;
                 (void)hold(&r->held, &r->nheld, &r->cap, j.tag);
                 break;
@@ -928,6 +932,8 @@ int ops_redrive(const struct conf *c, const struct ops_filter *f, FILE *out)
             found += strcmp(f->input, c->inputs[i].name) == 0;
         for (int i = 0; i < c->n_pg_inputs; i++)
             pg_found += strcmp(f->input, c->pg_inputs[i].name) == 0;
+        for (int i = 0; i < c->n_sqs_inputs; i++)
+            pg_found += strcmp(f->input, c->sqs_inputs[i].name) == 0;
         if (!found && !pg_found) {
             fprintf(stderr, "idemq: no input named %s\n", f->input);
             return 2;
@@ -936,7 +942,7 @@ int ops_redrive(const struct conf *c, const struct ops_filter *f, FILE *out)
     /* The ledger's secret seals what this redrive publishes. */
     if (!(db = connect(c)))
         return 4;
-    if ((rc = load_seal(db)) != 0) {
+    if ((rc = ops_load_seal(db)) != 0) {
         PQfinish(db);
         return rc;
     }
@@ -953,11 +959,15 @@ int ops_redrive(const struct conf *c, const struct ops_filter *f, FILE *out)
     for (int i = 0; i < c->n_pg_inputs && rc == 0; i++)
         if (!f->input || strcmp(f->input, c->pg_inputs[i].name) == 0)
             rc = redrive_pg_input(db, &c->pg_inputs[i], f, out, &moved);
+    /* Amazon SQS inputs: from their dead-letter queues (sqs_redrive.h) */
+    for (int i = 0; i < c->n_sqs_inputs && rc == 0; i++)
+        if (!f->input || strcmp(f->input, c->sqs_inputs[i].name) == 0)
+            rc = sqs_redrive_input(c, db, &c->sqs_inputs[i], f, out, &moved, &left);
     if (c->n_inputs == 0 || (f->input && !found)) { /* no broker input: no broker */
         PQfinish(db);
         fprintf(out, "%s %ld park%s into %s%s\n", f->dry_run ? "would redrive" : "redrove",
                 moved, moved == 1 ? "" : "s",
-                f->input ? "the queue of input " : "PostgreSQL queues",
+                f->input ? "the queue of input " : "their queues",
                 f->input ? f->input : "");
         return rc;
     }

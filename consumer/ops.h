@@ -15,6 +15,8 @@
 
 #include "conf.h"
 
+struct job;
+
 struct ops_filter {
     const char *input;        /* input name, NULL = all */
     const char *key;          /* exact key, NULL = any */
@@ -87,6 +89,24 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
  * is unreachable.
  */
 int ops_redrive(const struct conf *c, const struct ops_filter *f, FILE *out);
+
+/* "idemq redrive (USER@HOST)": who moves a message, for its seal and the
+ * audit. */
+void ops_who(char *buf, size_t len);
+
+/* Reads the ledger's redrive secret into seal.c. 0, or an exit code (1, 4:
+ * database unreachable). */
+int ops_load_seal(PGconn *db);
+
+/*
+ * Seals the copy j about to be redriven: a copy idemq sealed keeps its
+ * seal; one it did not is sealed only while the ledger holds the open park
+ * its headers name, else it loses x-idemq-generation (it cannot start a
+ * redrive) and *note says so. Then the seal of who redrives it
+ * (x-idemq-redrive-seal; the caller adds x-idemq-redriven-by = by). 0, or
+ * an exit code.
+ */
+int ops_seal_copy(PGconn *db, struct job *j, const char *key, const char *by, const char **note);
 
 /*
  * idemq erase KEY --why TEXT: removes the payload copies the ledger holds

@@ -5,7 +5,6 @@
  */
 #include "sqs_worker.h"
 
-#include <errno.h>
 #include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -448,32 +447,6 @@ static enum step settle(struct sqs_thread *t, int n)
 
 /* ---- receive ---- */
 
-/* The message attributes as the job's headers: String (and any
- * String.label) as text, Number as an integer when it is one (else text);
- * Binary ones are not carried. */
-static void put_attributes(struct job *j, const json_t *attrs)
-{
-    const char *name;
-    json_t *v;
-    json_object_foreach((json_t *)attrs, name, v) {
-        const char *type = json_string_value(json_object_get(v, "DataType"));
-        const char *sv = json_string_value(json_object_get(v, "StringValue"));
-        if (!type || !sv)
-            continue;
-        if (strncmp(type, "Number", 6) == 0) {
-            char *end;
-            long long x;
-            errno = 0;
-            x = strtoll(sv, &end, 10);
-            if (end != sv && !*end && !errno) {
-                json_object_set_new(j->headers, name, json_integer(x));
-                continue;
-            }
-        }
-        json_object_set_new(j->headers, name, json_string(sv));
-    }
-}
-
 static void fill_job(struct sqs_thread *t, int input, int k, const struct sqs_message *m)
 {
     struct job *j = &t->bt.jobs[k];
@@ -489,7 +462,7 @@ static void fill_job(struct sqs_thread *t, int input, int k, const struct sqs_me
     if (m->group_id)
         json_object_set_new(j->props, "message_group_id", json_string(m->group_id));
     if (m->attributes)
-        put_attributes(j, m->attributes);
+        sqs_attributes_to_headers(m->attributes, j->headers);
     if (job_set_body(j, m->body, m->body_len) != IDEMQ_OK) {
         j->wire_err = IDEMQ_ERR_NOMEM;
         snprintf(j->wire_reason, sizeof j->wire_reason, "out of memory taking the body");

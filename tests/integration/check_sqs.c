@@ -603,6 +603,90 @@ START_TEST(test_worker_fifo_order)
 }
 END_TEST
 
+
+/* Runs `idemq ARGS` on cfg; its output into out; returns the exit code. */
+static int idemq_cmd(const char *cfg, const char *args, char *out, size_t len)
+{
+    char cmd[1024];
+    FILE *p;
+    size_t n;
+    snprintf(cmd, sizeof cmd, "%s %s -c %s 2>&1", IDEMQ_BINARY, args, cfg);
+    ck_assert_ptr_nonnull(p = popen(cmd, "r"));
+    n = fread(out, 1, len - 1, p);
+    out[n] = '\0';
+    return WEXITSTATUS(pclose(p));
+}
+
+/* A park sent to the dead-letter queue goes back with `idemq redrive` once
+ * its cause is fixed and applies; a message the queue's redrive policy
+ * moved there (no story of idemq's) is adopted as a park first, then
+ * redriven and applied; a message claiming a redrive generation without
+ * idemq's seal is parked as a forged redrive, never applied. */
+START_TEST(test_worker_park_redrive)
+{
+    struct itest t;
+    char name[96], url[512], dlq[512], cfg[300], log[300], lines[1024], id[128], out[8192];
+    char body[256], gen[64];
+    itest_setup(&t, "sqs_redrive", "idemq_test.record", "", "");
+    unique(name, sizeof name, "rdv");
+    create_queue(name, url, sizeof url);
+    strcat(name, "-dlq");
+    create_queue(name, dlq, sizeof dlq);
+    snprintf(lines, sizeof lines, "INSERT INTO idemq_test.failing VALUES ('%s:fix', '22023')",
+             t.name);
+    itest_sql(&t, lines);
+    snprintf(lines, sizeof lines, "\t{\"job_id\":\"%s:fix\"}\n", t.name);
+    send_lines(url, lines);
+    /* what SQS's redrive policy would have moved: the bare message */
+    snprintf(body, sizeof body, "{\"job_id\":\"%s:moved\"}", t.name);
+    send_sdk(dlq, body, NULL, NULL, id, sizeof id);
+    {   /* a forged redrive: a generation without a seal */
+        char *argv[] = {"node", NODE_DIR "/produce.mjs", "attrs", endpoint, url, body,
+                        gen, NULL};
+        snprintf(body, sizeof body, "{\"job_id\":\"%s:forged\"}", t.name);
+        snprintf(gen, sizeof gen, "x-idemq-generation=1");
+        ck_assert_int_eq(run_out(argv, id, sizeof id), 0);
+    }
+    snprintf(cfg, sizeof cfg, "/tmp/%s.sqs.cfg", t.name);
+    snprintf(log, sizeof log, "/tmp/%s.sqs.log", t.name);
+    write_sqs_config(&t, cfg, url, dlq, 1, NULL);
+    run_sqs(cfg, 3, log);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 || ':fix'",
+                                t.name), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 || "
+                                    "':forged' AND error_code = 'forged_redrive'", t.name), 1);
+    snprintf(lines, sizeof lines, "DELETE FROM idemq_test.failing WHERE key = '%s:fix'", t.name);
+    itest_sql(&t, lines);
+    /* a dry run moves nothing; then the fixed one and the one SQS moved go
+     * back, each by its class, and the forged one stays */
+    snprintf(lines, sizeof lines, "redrive --input %s --dry-run", t.name);
+    ck_assert_int_eq(idemq_cmd(cfg, lines, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "would redrive 3 parks") && strstr(out, ":fix (permanent)") &&
+                  strstr(out, ":forged (permanent)") && strstr(out, ":moved (moved by SQS)"),
+                  "%s", out);
+    snprintf(lines, sizeof lines, "redrive --input %s --class permanent --key %s:fix", t.name,
+             t.name);
+    ck_assert_int_eq(idemq_cmd(cfg, lines, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, ":fix to ") && !strstr(out, ":forged to "), "%s", out);
+    snprintf(lines, sizeof lines, "redrive --input %s --class broker", t.name);
+    ck_assert_int_eq(idemq_cmd(cfg, lines, out, sizeof out), 0);
+    ck_assert_msg(strstr(out, ":moved (moved by SQS; now recorded in idemq.parked)"), "%s", out);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 || "
+                                    "':moved' AND error_class = 'broker' AND error_code = "
+                                    "'max_receive_count'", t.name), 1);
+    run_sqs(cfg, 3, log);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key IN ($1 || "
+                                    "':fix', $1 || ':moved')", t.name), 2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key IN ($1 || "
+                                    "':fix', $1 || ':moved') AND state = 'applied'", t.name), 2);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = $1 || "
+                                    "':forged'", t.name), 0);
+    ck_assert_int_eq(left_in(url, NULL), 0);
+    ck_assert_int_eq(left_in(dlq, NULL), 1); /* the forged one */
+    itest_teardown(&t);
+}
+END_TEST
+
 /* SQS throttling the receive: NOT READY with the reason, no job, and a
  * clean stop on SIGTERM. */
 START_TEST(test_worker_throttled)
@@ -733,6 +817,7 @@ int main(int argc, char **argv)
         tcase_add_test(tc, test_worker_retry_via_visibility);
         tcase_add_test(tc, test_worker_visibility_extended);
         tcase_add_test(tc, test_worker_fifo_order);
+        tcase_add_test(tc, test_worker_park_redrive);
         tcase_add_test(tc, test_worker_throttled);
         suite_add_tcase(s, tc);
     } else {
