@@ -687,6 +687,49 @@ START_TEST(test_worker_park_redrive)
 }
 END_TEST
 
+
+/* Two workers SIGKILLed five times mid-stream (visibility 5 s): every key's
+ * effect exactly once, nothing left in the queue. A killed worker's
+ * messages come back after their visibility and are applied or found
+ * applied (its transaction either committed or rolled back). */
+START_TEST(test_worker_kill_loop)
+{
+    struct itest t;
+    char name[96], url[512], dlq[512], cfg[300], log[300];
+    static char lines[40000];
+    lines[0] = '\0';
+    itest_setup(&t, "sqs_kill", "idemq_test.record", "", "");
+    unique(name, sizeof name, "kill");
+    create_queue(name, url, sizeof url);
+    strcat(name, "-dlq");
+    create_queue(name, dlq, sizeof dlq);
+    for (int i = 0; i < 300; i++)
+        snprintf(lines + strlen(lines), sizeof lines - strlen(lines),
+                 "\t{\"job_id\":\"%s:%d\",\"sleep_ms\":15}\n", t.name, i);
+    send_lines(url, lines);
+    snprintf(cfg, sizeof cfg, "/tmp/%s.sqs.cfg", t.name);
+    snprintf(log, sizeof log, "/tmp/%s.sqs.log", t.name);
+    write_sqs_config(&t, cfg, url, dlq, 2, "visibility_timeout_s = 5;");
+    for (int k = 0; k < 5; k++) {
+        pid_t pid = itest_spawn_log(cfg, 60, NULL, log);
+        usleep((useconds_t)(900 + 150 * k) * 1000);
+        kill(pid, SIGKILL);
+        ck_assert_int_ne(itest_wait(pid, itest_ms(10000)), -1);
+    }
+    ck_assert_int_lt(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE $1 "
+                                    "|| ':%'", t.name), 300); /* the kills came mid-stream */
+    run_sqs(cfg, 8, log); /* longer than the visibility: the killed ones come back */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(DISTINCT key) FROM idemq_test.effects WHERE "
+                                    "key LIKE $1 || ':%'", t.name), 300);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE $1 "
+                                    "|| ':%'", t.name), 300);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key LIKE $1 || ':%' "
+                                    "AND state = 'applied'", t.name), 300);
+    ck_assert_int_eq(left_in(url, NULL), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* SQS throttling the receive: NOT READY with the reason, no job, and a
  * clean stop on SIGTERM. */
 START_TEST(test_worker_throttled)
@@ -818,6 +861,7 @@ int main(int argc, char **argv)
         tcase_add_test(tc, test_worker_visibility_extended);
         tcase_add_test(tc, test_worker_fifo_order);
         tcase_add_test(tc, test_worker_park_redrive);
+        tcase_add_test(tc, test_worker_kill_loop);
         tcase_add_test(tc, test_worker_throttled);
         suite_add_tcase(s, tc);
     } else {
