@@ -14,6 +14,7 @@
 #include "reconcile.h"
 #include "liveness.h"
 #include "observe.h"
+#include "sqs_worker.h"
 #include "trace_export.h"
 
 #define CONN_TIMEOUT_S 5 /* a connection idle this long is closed */
@@ -132,6 +133,33 @@ size_t metrics_render(struct worker *ws, int n, char *buf, size_t len)
         (double)liveness_max_age_ms(ws, n) / 1000.0);
     if (off < len && n > 0) /* observe-mode inputs */
         off += observe_metrics_render(ws[0].conf, buf + off, len - off);
+    {
+        struct sqs_worker_totals q;
+        long nr;
+        if (off < len && sqs_worker_counts(&q, &nr)) /* Amazon SQS inputs */
+            ADD("# HELP idemq_sqs_messages_total SQS messages by what became of them: received, "
+                "applied, duplicate, retried (held by their visibility), parked\n"
+                "# TYPE idemq_sqs_messages_total counter\n"
+                "idemq_sqs_messages_total{outcome=\"received\"} %ld\n"
+                "idemq_sqs_messages_total{outcome=\"applied\"} %ld\n"
+                "idemq_sqs_messages_total{outcome=\"duplicate\"} %ld\n"
+                "idemq_sqs_messages_total{outcome=\"retried\"} %ld\n"
+                "idemq_sqs_messages_total{outcome=\"parked\"} %ld\n"
+                "# HELP idemq_sqs_deletes_refused_total settled messages SQS did not delete (an "
+                "expired receipt: they come back as duplicates)\n"
+                "# TYPE idemq_sqs_deletes_refused_total counter\n"
+                "idemq_sqs_deletes_refused_total %ld\n"
+                "# HELP idemq_sqs_visibility_extended_total visibility extensions of messages "
+                "whose job was still running\n"
+                "# TYPE idemq_sqs_visibility_extended_total counter\n"
+                "idemq_sqs_visibility_extended_total %ld\n"
+                "# HELP idemq_sqs_not_ready_total times an SQS worker backed off (SQS or the "
+                "database failed)\n"
+                "# TYPE idemq_sqs_not_ready_total counter\n"
+                "idemq_sqs_not_ready_total %ld\n",
+                q.received, q.applied, q.duplicates, q.retried, q.parked, q.delete_failed,
+                q.extended, nr);
+    }
     if (off < len) /* provider intents, refreshed by the reconciler's sweep */
         off += reconcile_metrics_render(buf + off, len - off);
     return off < len ? off : len - 1;

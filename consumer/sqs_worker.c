@@ -85,6 +85,19 @@ struct sqs_workers {
     struct sqs_thread *t;
 };
 
+/* The process's counts for /metrics (a metrics scrape may outlive the
+ * threads' own counters). */
+static struct {
+    atomic_bool on;
+    atomic_long received, applied, duplicates, retried, parked, delete_failed, extended, not_ready;
+} g;
+
+static void add(atomic_long *mine, atomic_long *global, long n)
+{
+    atomic_fetch_add(mine, n);
+    atomic_fetch_add(global, n);
+}
+
 static long long now_ms(void)
 {
     struct timespec ts;
@@ -139,7 +152,7 @@ static void *lease_run(void *arg)
             enum sqs_status st = sqs_change_visibility(l->cl, l->receipts[i], l->vis_s, err,
                                                        sizeof err);
             if (st == SQS_OK)
-                atomic_fetch_add(l->extended, 1);
+                add(l->extended, &g.extended, 1);
             else /* the message may come back while its job runs: a duplicate then */
                 log_warn("input %s: extending a message's visibility failed: %s (%s)", l->input,
                          sqs_status_name(st), err);
@@ -400,7 +413,7 @@ static idemq_err_t io_flush(void *ctx)
         return IDEMQ_ERR_BROKER;
     }
     if (nf) {
-        atomic_fetch_add(&t->delete_failed, nf);
+        add(&t->delete_failed, &g.delete_failed, nf);
         log_warn("input %s: SQS did not delete %d settled message(s) (an expired receipt): "
                  "they come back and are duplicates then", t->view.inputs[t->input].name, nf);
     }
@@ -411,12 +424,14 @@ static void count(struct sqs_thread *t, const struct plan *plans, int n)
 {
     for (int i = 0; i < n; i++) {
         switch (plans[i].how) {
-        case SETTLE_DELAY: atomic_fetch_add(&t->retried, 1); break;
+        case SETTLE_DELAY: add(&t->retried, &g.retried, 1); break;
         case SETTLE_DEAD:
-        case SETTLE_REJECT: atomic_fetch_add(&t->parked, 1); break;
+        case SETTLE_REJECT: add(&t->parked, &g.parked, 1); break;
         case SETTLE_ACK:
-            atomic_fetch_add(plans[i].outcome == LEDGER_APPLIED ? &t->applied : &t->duplicates,
-                             1);
+            if (plans[i].outcome == LEDGER_APPLIED)
+                add(&t->applied, &g.applied, 1);
+            else
+                add(&t->duplicates, &g.duplicates, 1);
             break;
         default: break;
         }
@@ -491,7 +506,7 @@ static enum step one_input(struct sqs_thread *t, int i, int *took)
     if (n == 0)
         return STEP_OK;
     *took = n;
-    atomic_fetch_add(&t->received, n);
+    add(&t->received, &g.received, n);
     t->msgs = m;
     t->input = i;
     for (int k = 0; k < n; k++)
@@ -551,6 +566,7 @@ static void *run(void *arg)
         if (took)
             last_work = now_ms();
         if (s != STEP_OK) {
+            atomic_fetch_add(&g.not_ready, 1);
             if (new_reason(t))
                 log_warn("sqs worker %d: NOT READY: %s (trying again with backoff)", t->id,
                          t->why);
@@ -641,8 +657,23 @@ idemq_err_t sqs_worker_start(const struct conf *c, long until_idle_ms, struct sq
         sqs_worker_join(w, NULL);
         return err;
     }
+    atomic_store(&g.on, true);
     *out = w;
     return IDEMQ_OK;
+}
+
+bool sqs_worker_counts(struct sqs_worker_totals *t, long *not_ready)
+{
+    memset(t, 0, sizeof *t);
+    t->received = atomic_load(&g.received);
+    t->applied = atomic_load(&g.applied);
+    t->duplicates = atomic_load(&g.duplicates);
+    t->retried = atomic_load(&g.retried);
+    t->parked = atomic_load(&g.parked);
+    t->delete_failed = atomic_load(&g.delete_failed);
+    t->extended = atomic_load(&g.extended);
+    *not_ready = atomic_load(&g.not_ready);
+    return atomic_load(&g.on);
 }
 
 void sqs_worker_join(struct sqs_workers *w, struct sqs_worker_totals *tot)

@@ -20,6 +20,8 @@
 #ifndef IDEMQ_SQS_WORKER_H
 #define IDEMQ_SQS_WORKER_H
 
+#include <stdbool.h>
+
 #include "conf.h"
 #include "idemq_err.h"
 
@@ -46,5 +48,10 @@ idemq_err_t sqs_worker_start(const struct conf *c, long until_idle_ms, struct sq
 /* Waits for every thread, fills *t and frees w. NULL is fine (zero
  * totals). Main thread. */
 void sqs_worker_join(struct sqs_workers *w, struct sqs_worker_totals *t);
+
+/* The counts of every SQS worker of the process so far, and how many times
+ * one was NOT READY (a receive or the database failed); false (all zero)
+ * when no SQS worker ever started. Thread-safe: for /metrics. */
+bool sqs_worker_counts(struct sqs_worker_totals *t, long *not_ready);
 
 #endif

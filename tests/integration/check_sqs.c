@@ -450,7 +450,33 @@ START_TEST(test_worker_effects_once)
     snprintf(cfg, sizeof cfg, "/tmp/%s.sqs.cfg", t.name);
     snprintf(log, sizeof log, "/tmp/%s.sqs.log", t.name);
     write_sqs_config(&t, cfg, url, dlq, 1, NULL);
-    run_sqs(cfg, 3, log);
+    {   /* with metrics on: scraped once the 20 effects are in */
+        char mcfg[300], murl[64], page[16384];
+        int port = itest_free_port(), st;
+        pid_t pid;
+        FILE *f;
+        snprintf(mcfg, sizeof mcfg, "%s.metrics", cfg);
+        write_sqs_config(&t, mcfg, url, dlq, 1, NULL);
+        ck_assert_ptr_nonnull(f = fopen(mcfg, "a"));
+        fprintf(f, "metrics: { listen = \"127.0.0.1:%d\"; };\n", port);
+        fclose(f);
+        pid = itest_spawn_log(mcfg, 4, NULL, log);
+        for (long long end = mono_ms() + 30000;
+             mono_ms() < end && itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key LIKE "
+                                              "$1 || ':%' AND state IN ('applied', 'parked')",
+                                           t.name) < 21;)
+            usleep(100 * 1000);
+        usleep(1000 * 1000); /* the parks' sends and deletes after the commit */
+        snprintf(murl, sizeof murl, "http://127.0.0.1:%d/metrics", port);
+        ck_assert_int_eq(itest_http_get(murl, page, sizeof page), 200);
+        ck_assert_msg(strstr(page, "idemq_sqs_messages_total{outcome=\"received\"} 27\n") &&
+                          strstr(page, "idemq_sqs_messages_total{outcome=\"applied\"} 20\n") &&
+                          strstr(page, "idemq_sqs_messages_total{outcome=\"duplicate\"} 5\n") &&
+                          strstr(page, "idemq_sqs_messages_total{outcome=\"parked\"} 2\n"),
+                      "%s", page);
+        st = itest_wait(pid, itest_ms(60000));
+        ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "idemq run: %d", st);
+    }
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE $1 "
                                     "|| ':%'", t.name), 20);
     ck_assert_int_eq(itest_long(&t, "SELECT count(DISTINCT key) FROM idemq_test.effects WHERE "
