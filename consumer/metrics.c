@@ -202,6 +202,10 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
                 break;
             }
         }
+        if (status == MHD_HTTP_OK && sqs_worker_unready() > 0) { /* reasons in the log */
+            len = (size_t)snprintf(buf, sizeof buf, "not ready: an SQS worker backs off\n");
+            status = MHD_HTTP_SERVICE_UNAVAILABLE;
+        }
         if (status == MHD_HTTP_OK) { /* a relay that does not drain */
             char why[300];
             if (gauges_outbox_stuck(m->g, why, sizeof why)) {

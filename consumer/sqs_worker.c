@@ -77,6 +77,7 @@ struct sqs_thread {
     char why[512];
     char logged[512];
     atomic_long received, applied, duplicates, retried, parked, delete_failed, extended;
+    bool unready; /* counted in g.unready */
     bool failed;
 };
 
@@ -89,6 +90,7 @@ struct sqs_workers {
  * threads' own counters). */
 static struct {
     atomic_bool on;
+    atomic_int unready; /* threads backing off now */
     atomic_long received, applied, duplicates, retried, parked, delete_failed, extended, not_ready;
 } g;
 
@@ -567,6 +569,10 @@ static void *run(void *arg)
             last_work = now_ms();
         if (s != STEP_OK) {
             atomic_fetch_add(&g.not_ready, 1);
+            if (!t->unready) {
+                t->unready = true;
+                atomic_fetch_add(&g.unready, 1);
+            }
             if (new_reason(t))
                 log_warn("sqs worker %d: NOT READY: %s (trying again with backoff)", t->id,
                          t->why);
@@ -577,6 +583,10 @@ static void *run(void *arg)
                                                                   : backoff_ms * 2;
             continue;
         }
+        if (t->unready) {
+            t->unready = false;
+            atomic_fetch_sub(&g.unready, 1);
+        }
         if (t->logged[0]) {
             log_info("sqs worker %d: ready", t->id);
             t->logged[0] = '\0';
@@ -585,6 +595,8 @@ static void *run(void *arg)
         if (!took && t->until_idle_ms > 0 && now_ms() - last_work >= t->until_idle_ms)
             break;
     }
+    if (t->unready)
+        atomic_fetch_sub(&g.unready, 1);
     drop_db(t);
     return NULL;
 }
@@ -661,6 +673,8 @@ idemq_err_t sqs_worker_start(const struct conf *c, long until_idle_ms, struct sq
     *out = w;
     return IDEMQ_OK;
 }
+
+int sqs_worker_unready(void) { return atomic_load(&g.unready); }
 
 bool sqs_worker_counts(struct sqs_worker_totals *t, long *not_ready)
 {

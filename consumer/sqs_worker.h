@@ -54,4 +54,7 @@ void sqs_worker_join(struct sqs_workers *w, struct sqs_worker_totals *t);
  * when no SQS worker ever started. Thread-safe: for /metrics. */
 bool sqs_worker_counts(struct sqs_worker_totals *t, long *not_ready);
 
+/* How many SQS worker threads are backing off (NOT READY) now. For /ready. */
+int sqs_worker_unready(void);
+
 #endif

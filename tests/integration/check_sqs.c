@@ -761,8 +761,8 @@ END_TEST
 START_TEST(test_worker_throttled)
 {
     struct itest t;
-    char cfg[300], log[300], url[128], ep[64];
-    int port, st;
+    char cfg[300], log[300], url[128], ep[64], murl[64], page[256];
+    int port, st, mport;
     pid_t srv, pid;
     FILE *f;
     srv = canned_server("HTTP/1.1 400 Bad Request\r\nContent-Type: application/x-amz-json-1.0\r\n"
@@ -775,13 +775,18 @@ START_TEST(test_worker_throttled)
     snprintf(cfg, sizeof cfg, "/tmp/%s.sqs.cfg", t.name);
     snprintf(log, sizeof log, "/tmp/%s.sqs.log", t.name);
     ck_assert_ptr_nonnull(f = fopen(cfg, "w"));
-    fprintf(f, "consumer: { id = \"%s\"; };\ninputs = ( { name = \"%s\"; transport = \"sqs\"; "
+    mport = itest_free_port();
+    fprintf(f, "consumer: { id = \"%s\"; };\nmetrics: { listen = \"127.0.0.1:%d\"; };\n"
+               "inputs = ( { name = \"%s\"; transport = \"sqs\"; "
                "queue = \"%s\"; queue_url = \"%s\"; region = \"us-east-1\"; endpoint = \"%s\"; "
                "key_source = \"json:job_id\"; effect_function = \"idemq_test.record\"; } );\n",
-            t.name, t.name, t.name, url, ep);
+            t.name, mport, t.name, t.name, url, ep);
     fclose(f);
     pid = itest_spawn_log(cfg, 30, NULL, log);
     usleep(2500 * 1000);
+    snprintf(murl, sizeof murl, "http://127.0.0.1:%d/ready", mport);
+    ck_assert_int_eq(itest_http_get(murl, page, sizeof page), 503);
+    ck_assert_msg(strstr(page, "not ready: an SQS worker backs off"), "%s", page);
     kill(pid, SIGTERM);
     st = itest_wait(pid, itest_ms(20000));
     kill(srv, SIGKILL);
