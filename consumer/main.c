@@ -592,8 +592,45 @@ static int check_online(const struct conf *c)
             }
         }
     }
+    for (int i = 0; db && rc == EXIT_OK && i < c->n_sqs_inputs; i++) {
+        const struct conf_input *in = &c->sqs_inputs[i];
+        struct ledger_db_error e = {0};
+        if (effect_sql_check(db, in, err, sizeof err, &e)) {
+            fprintf(stderr, "idemq: online: input %s: %s%s%s\n", in->name, err,
+                    e.message[0] ? " " : "", e.message);
+            rc = EXIT_CONFIG;
+        }
+    }
     if (db)
         PQfinish(db);
+    for (int i = 0; i < c->n_sqs_inputs; i++) { /* each queue answers to these credentials */
+        const struct conf_input *in = &c->sqs_inputs[i];
+        const char *urls[2] = {in->queue_url, in->dead_letter_queue_url};
+        for (int k = 0; k < 2 && urls[k][0]; k++) {
+            struct sqs_client_config cfg = {urls[k], in->region, in->endpoint, 10000, 0, NULL};
+            struct sqs_client *sc;
+            char *arn = NULL;
+            enum sqs_status st;
+            if (sqs_client_new(&cfg, &sc, err, sizeof err)) {
+                fprintf(stderr, "idemq: online: input %s: %s\n", in->name, err);
+                rc = rc ? rc : EXIT_CONFIG;
+                break;
+            }
+            st = sqs_queue_attribute(sc, "QueueArn", &arn, err, sizeof err);
+            if (st == SQS_OK)
+                printf("online: input %s: %s queue %s answers (%s)\n", in->name,
+                       k ? "dead-letter" : "its", urls[k], arn ? arn : "no QueueArn");
+            else {
+                fprintf(stderr, "idemq: online: input %s: %s queue %s: %s (%s)\n", in->name,
+                        k ? "dead-letter" : "its", urls[k], sqs_status_name(st), err);
+                rc = rc ? rc : st == SQS_DENIED || st == SQS_REFUSED ? EXIT_CONFIG : EXIT_CONNECT;
+            }
+            free(arn);
+            sqs_client_free(sc);
+        }
+    }
+    if (c->n_inputs == 0) /* no broker input: no broker to check */
+        return rc;
     if (broker_open(c, "idemq check-config", false, &b, err, sizeof err)) {
         fprintf(stderr, "idemq: online: broker: %s\n", err);
         return rc ? rc : EXIT_CONNECT;

@@ -676,6 +676,20 @@ START_TEST(test_worker_park_redrive)
     snprintf(cfg, sizeof cfg, "/tmp/%s.sqs.cfg", t.name);
     snprintf(log, sizeof log, "/tmp/%s.sqs.log", t.name);
     write_sqs_config(&t, cfg, url, dlq, 1, NULL);
+    /* check-config --online asks both queues; a queue that does not exist
+     * is a configuration error */
+    ck_assert_int_eq(idemq_cmd(cfg, "check-config --online", out, sizeof out), 0);
+    ck_assert_msg(strstr(out, "its queue") && strstr(out, "dead-letter queue") &&
+                      strstr(out, "answers"), "%s", out);
+    {
+        char bad[300], nope[600];
+        snprintf(bad, sizeof bad, "%s.bad", cfg);
+        snprintf(nope, sizeof nope, "%s-nope", url);
+        write_sqs_config(&t, bad, nope, dlq, 1, NULL);
+        ck_assert_int_eq(idemq_cmd(bad, "check-config --online", out, sizeof out), 3);
+        ck_assert_msg(strstr(out, "refused"), "%s", out);
+        unlink(bad);
+    }
     run_sqs(cfg, 3, log);
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1 || ':fix'",
                                 t.name), 1);
@@ -785,6 +799,9 @@ START_TEST(test_worker_throttled)
     pid = itest_spawn_log(cfg, 30, NULL, log);
     usleep(2500 * 1000);
     snprintf(murl, sizeof murl, "http://127.0.0.1:%d/ready", mport);
+    for (long long end = mono_ms() + 10000;
+         itest_http_get(murl, page, sizeof page) != 503 && mono_ms() < end;)
+        usleep(200 * 1000); /* a slow (sanitizer) build may still be starting */
     ck_assert_int_eq(itest_http_get(murl, page, sizeof page), 503);
     ck_assert_msg(strstr(page, "not ready: an SQS worker backs off"), "%s", page);
     kill(pid, SIGTERM);
