@@ -210,6 +210,20 @@ static void lease_hold(struct lease *l, struct sqs_client *cl, const char *input
     pthread_mutex_unlock(&l->mu);
 }
 
+/* Ends the extensions of one message (about to be settled); waits for one
+ * in progress. */
+static void lease_drop(struct lease *l, const char *receipt)
+{
+    pthread_mutex_lock(&l->mu);
+    for (int i = 0; i < l->n; i++) {
+        if (l->receipts[i] == receipt) {
+            l->receipts[i] = l->receipts[--l->n];
+            break;
+        }
+    }
+    pthread_mutex_unlock(&l->mu);
+}
+
 /* Ends the extensions; waits for one in progress. */
 static void lease_release(struct lease *l)
 {
@@ -384,10 +398,13 @@ static idemq_err_t io_settle(void *ctx, uint64_t tag)
 static idemq_err_t io_reject(void *ctx, uint64_t tag)
 {
     struct sqs_thread *t = ctx;
-    const struct job *j = &t->bt.jobs[tag - 1];
+    const struct job *j = NULL;
     json_t *a;
     idemq_err_t err;
-    if (!t->view.inputs[t->input].dead_letter_queue_url[0])
+    for (int k = 0; k < t->bt.n && !j; k++)
+        if (t->bt.jobs[k].tag == tag)
+            j = &t->bt.jobs[k];
+    if (!j || !t->view.inputs[t->input].dead_letter_queue_url[0])
         return IDEMQ_OK;
     if (!(a = json_pack("{s:s}", "x-idemq-error-code", idemq_err_name(j->decode_err ? j->decode_err
                                                                      : IDEMQ_ERR_UNDECODABLE))))
@@ -464,11 +481,13 @@ static enum step settle(struct sqs_thread *t, int n)
 
 /* ---- receive ---- */
 
-static void fill_job(struct sqs_thread *t, int input, int k, const struct sqs_message *m)
+/* Job k of the batch from message mi of the receive (its tag: mi + 1). */
+static void fill_job(struct sqs_thread *t, int input, int k, int mi)
 {
+    const struct sqs_message *m = &t->msgs[mi];
     struct job *j = &t->bt.jobs[k];
     job_reset(j);
-    j->tag = (uint64_t)k + 1;
+    j->tag = (uint64_t)mi + 1;
     j->input = input;
     j->received_ns = now_ns();
     j->redelivered = m->receive_count > 1;
@@ -486,39 +505,20 @@ static void fill_job(struct sqs_thread *t, int input, int k, const struct sqs_me
     }
 }
 
-/* One receive of input i and its batch: *took messages. */
-static enum step one_input(struct sqs_thread *t, int i, int *took)
+/* One transaction over messages idx[0..n) of the receive, then their
+ * settling; *committed of them committed (in order). */
+static enum step run_batch(struct sqs_thread *t, int i, const int *idx, int n, int *committed)
 {
-    const struct conf_input *in = &t->view.inputs[i];
-    struct sqs_message *m = NULL;
-    int n = 0, committed = 0;
-    int wait_s = t->until_idle_ms > 0 ? 1 : t->view.n_inputs > 1 ? 2 : 20;
-    char err[256];
-    enum sqs_status st;
     enum batch_step bs;
     enum step s = STEP_OK;
-
-    *took = 0;
-    st = sqs_receive(t->cl[i], SQS_MAX_MESSAGES, wait_s, &m, &n, err, sizeof err);
-    if (st != SQS_OK) {
-        snprintf(t->why, sizeof t->why, "input %s: ReceiveMessage %s: %s", in->name,
-                 sqs_status_name(st), err);
-        return STEP_SQS;
-    }
-    if (n == 0)
-        return STEP_OK;
-    *took = n;
-    add(&t->received, &g.received, n);
-    t->msgs = m;
-    t->input = i;
     for (int k = 0; k < n; k++)
-        fill_job(t, i, k, &m[k]);
+        fill_job(t, i, k, idx[k]);
     t->bt.n = n;
-    lease_hold(&t->lease, t->lease_cl[i], in->name, m, n, in->visibility_timeout_s);
-    bs = batch_process(&t->bt, &committed);
-    lease_release(&t->lease);
-    if (committed > 0)
-        s = settle(t, committed);
+    bs = batch_process(&t->bt, committed);
+    for (int k = 0; k < n; k++) /* settled now, or left to their visibility */
+        lease_drop(&t->lease, t->msgs[idx[k]].receipt);
+    if (*committed > 0)
+        s = settle(t, *committed);
     switch (bs) {
     case BATCH_OK:
         break;
@@ -536,6 +536,92 @@ static enum step one_input(struct sqs_thread *t, int i, int *took)
         s = s == STEP_OK ? STEP_BACKOFF : s;
         break;
     }
+    return s;
+}
+
+static bool same_group(const struct sqs_message *a, const struct sqs_message *b)
+{
+    return strcmp(a->group_id ? a->group_id : "", b->group_id ? b->group_id : "") == 0;
+}
+
+/*
+ * A FIFO queue's receive, in rounds: each round one transaction over the
+ * first unsettled message of each group. A group whose message was not
+ * done (a retry held by its visibility, or not committed) takes no part in
+ * later rounds: its later messages are handed back at once (visibility 0),
+ * and SQS hands them out again only after that message, so a retry holds
+ * its group (head-of-line) and no later job of the group overtakes it.
+ */
+static enum step fifo_rounds(struct sqs_thread *t, int i, int nmsg)
+{
+    bool done[SQS_MAX_MESSAGES] = {false}, blocked[SQS_MAX_MESSAGES] = {false};
+    enum step s = STEP_OK;
+    for (;;) {
+        int idx[SQS_MAX_MESSAGES], n = 0, committed = 0;
+        for (int m = 0; m < nmsg; m++) {
+            bool earlier = false, held = false; /* of its group: unsettled, not done */
+            if (done[m])
+                continue;
+            for (int k = 0; k < m; k++) {
+                if (!same_group(&t->msgs[k], &t->msgs[m]))
+                    continue;
+                held = held || blocked[k];
+                earlier = earlier || !done[k];
+            }
+            if (held) {
+                char err[256];
+                lease_drop(&t->lease, t->msgs[m].receipt);
+                (void)sqs_change_visibility(t->cl[i], t->msgs[m].receipt, 0, err, sizeof err);
+                done[m] = blocked[m] = true;
+            } else if (!earlier) {
+                idx[n++] = m;
+            }
+        }
+        if (n == 0 || s != STEP_OK)
+            break;
+        s = run_batch(t, i, idx, n, &committed);
+        for (int k = 0; k < n; k++) {
+            done[idx[k]] = true;
+            blocked[idx[k]] = k >= committed || t->bt.plans[k].how == SETTLE_DELAY ||
+                              t->bt.plans[k].how == SETTLE_RELEASE;
+        }
+    }
+    return s;
+}
+
+/* One receive of input i and its batch: *took messages. */
+static enum step one_input(struct sqs_thread *t, int i, int *took)
+{
+    const struct conf_input *in = &t->view.inputs[i];
+    struct sqs_message *m = NULL;
+    int n = 0, committed = 0, idx[SQS_MAX_MESSAGES];
+    int wait_s = t->until_idle_ms > 0 ? 1 : t->view.n_inputs > 1 ? 2 : 20;
+    char err[256];
+    enum sqs_status st;
+    enum step s;
+
+    *took = 0;
+    st = sqs_receive(t->cl[i], SQS_MAX_MESSAGES, wait_s, &m, &n, err, sizeof err);
+    if (st != SQS_OK) {
+        snprintf(t->why, sizeof t->why, "input %s: ReceiveMessage %s: %s", in->name,
+                 sqs_status_name(st), err);
+        return STEP_SQS;
+    }
+    if (n == 0)
+        return STEP_OK;
+    *took = n;
+    add(&t->received, &g.received, n);
+    t->msgs = m;
+    t->input = i;
+    lease_hold(&t->lease, t->lease_cl[i], in->name, m, n, in->visibility_timeout_s);
+    if (in->sqs_fifo) {
+        s = fifo_rounds(t, i, n);
+    } else {
+        for (int k = 0; k < n; k++)
+            idx[k] = k;
+        s = run_batch(t, i, idx, n, &committed);
+    }
+    lease_release(&t->lease);
     t->msgs = NULL;
     sqs_messages_free(m, n);
     return s;

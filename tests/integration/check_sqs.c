@@ -770,6 +770,48 @@ START_TEST(test_worker_kill_loop)
 }
 END_TEST
 
+
+/* A FIFO group whose first job fails once (transient): the group waits
+ * for its retry (head-of-line) and its later jobs, received in the same
+ * batch, never overtake it; another group goes on meanwhile. */
+START_TEST(test_worker_fifo_retry_holds_group)
+{
+    struct itest t;
+    char name[96], url[512], dlq[512], cfg[300], log[300], lines[4096] = "";
+    itest_setup(&t, "sqs_hol", "idemq_test.record", "", "");
+    unique(name, sizeof name, "hol");
+    snprintf(name + strlen(name), sizeof name - strlen(name), ".fifo");
+    create_queue(name, url, sizeof url);
+    unique(name, sizeof name, "hol-dlq");
+    snprintf(name + strlen(name), sizeof name - strlen(name), ".fifo");
+    create_queue(name, dlq, sizeof dlq);
+    for (int s = 1; s <= 3; s++) {
+        snprintf(lines + strlen(lines), sizeof lines - strlen(lines),
+                 "h\t{\"job_id\":\"%s:h:%d\",\"group\":\"h\",\"seq\":%d%s}\n", t.name, s, s,
+                 s == 1 ? ",\"raise\":\"53400\",\"raise_until\":1" : "");
+        snprintf(lines + strlen(lines), sizeof lines - strlen(lines),
+                 "o\t{\"job_id\":\"%s:o:%d\",\"group\":\"o\",\"seq\":%d}\n", t.name, s, s);
+    }
+    send_lines(url, lines);
+    snprintf(cfg, sizeof cfg, "/tmp/%s.sqs.cfg", t.name);
+    snprintf(log, sizeof log, "/tmp/%s.sqs.log", t.name);
+    write_sqs_config(&t, cfg, url, dlq, 1, NULL);
+    run_sqs(cfg, 4, log);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE $1 "
+                                    "|| ':%'", t.name), 6);
+    ck_assert_int_eq(itest_long(&t, "SELECT attempts FROM idemq.jobs WHERE key = $1 || ':h:1'",
+                                t.name), 2);
+    /* in each group, effect ids rise with seq */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM (SELECT (payload->>'seq')::int s, "
+                                    "lag((payload->>'seq')::int) OVER (PARTITION BY "
+                                    "payload->>'group' ORDER BY id) p FROM idemq_test.effects "
+                                    "WHERE key LIKE $1 || ':%') x WHERE p IS NOT NULL AND s <> "
+                                    "p + 1", t.name), 0);
+    ck_assert_int_eq(left_in(url, NULL), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* SQS throttling the receive: NOT READY with the reason, no job, and a
  * clean stop on SIGTERM. */
 START_TEST(test_worker_throttled)
@@ -908,6 +950,7 @@ int main(int argc, char **argv)
         tcase_add_test(tc, test_worker_retry_via_visibility);
         tcase_add_test(tc, test_worker_visibility_extended);
         tcase_add_test(tc, test_worker_fifo_order);
+        tcase_add_test(tc, test_worker_fifo_retry_holds_group);
         tcase_add_test(tc, test_worker_park_redrive);
         tcase_add_test(tc, test_worker_kill_loop);
         tcase_add_test(tc, test_worker_throttled);
