@@ -1009,11 +1009,12 @@ static idemq_err_t split_transports(struct conf *c)
     return IDEMQ_OK;
 }
 
-struct conf conf_sqs_view(const struct conf *c)
+/* c with inputs[0..n) as its inputs, no other transport's, no Celery route. */
+static struct conf view_of(const struct conf *c, struct conf_input *inputs, int n)
 {
     struct conf v = *c;
-    v.inputs = c->sqs_inputs;
-    v.n_inputs = c->n_sqs_inputs;
+    v.inputs = inputs;
+    v.n_inputs = n;
     v.pg_inputs = NULL;
     v.n_pg_inputs = 0;
     v.sqs_inputs = NULL;
@@ -1022,17 +1023,14 @@ struct conf conf_sqs_view(const struct conf *c)
     return v;
 }
 
+struct conf conf_sqs_view(const struct conf *c)
+{
+    return view_of(c, c->sqs_inputs, c->n_sqs_inputs);
+}
+
 struct conf conf_pg_view(const struct conf *c)
 {
-    struct conf v = *c;
-    v.inputs = c->pg_inputs;
-    v.n_inputs = c->n_pg_inputs;
-    v.pg_inputs = NULL;
-    v.n_pg_inputs = 0;
-    v.sqs_inputs = NULL;
-    v.n_sqs_inputs = 0;
-    v.n_routes = 0;
-    return v;
+    return view_of(c, c->pg_inputs, c->n_pg_inputs);
 }
 
 /* ---- provider effects ---- */
