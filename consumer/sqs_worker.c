@@ -51,6 +51,24 @@ struct lease {
     atomic_long *extended;
 };
 
+/* The next receive, in flight while the worker applies the current batch
+ * (a second call per worker; its own client per input). */
+struct prefetch {
+    pthread_t thread;
+    bool started;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool stop;
+    int want;  /* input to receive from next, -1 = none asked */
+    int input; /* of the answer below, -1 = none */
+    int wait_s;
+    enum sqs_status st;
+    struct sqs_message *m;
+    int n;
+    char err[256];
+    struct sqs_client **cl;
+};
+
 struct sqs_thread {
     int id;
     const struct conf *c;
@@ -64,6 +82,7 @@ struct sqs_thread {
     struct sqs_client **cl;       /* per input: receive and settle */
     struct sqs_client **lease_cl; /* per input: the lease's */
     struct lease lease;
+    struct prefetch pf;
     /* the batch being settled */
     struct sqs_message *msgs;
     int input;
@@ -230,6 +249,127 @@ static void lease_release(struct lease *l)
     pthread_mutex_lock(&l->mu);
     l->n = 0;
     pthread_mutex_unlock(&l->mu);
+}
+
+/* ---- the prefetch ---- */
+
+static void *prefetch_run(void *arg)
+{
+    struct prefetch *p = arg;
+    pthread_mutex_lock(&p->mu);
+    while (!p->stop) {
+        int in;
+        struct sqs_message *m = NULL;
+        int n = 0;
+        char err[256] = "";
+        enum sqs_status st;
+        if (p->want < 0) {
+            pthread_cond_wait(&p->cv, &p->mu);
+            continue;
+        }
+        in = p->want;
+        p->want = -1;
+        pthread_mutex_unlock(&p->mu);
+        st = sqs_receive(p->cl[in], SQS_MAX_MESSAGES, p->wait_s, &m, &n, err, sizeof err);
+        pthread_mutex_lock(&p->mu);
+        p->st = st;
+        p->m = m;
+        p->n = n;
+        snprintf(p->err, sizeof p->err, "%s", err);
+        p->input = in;
+        pthread_cond_broadcast(&p->cv);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+static bool prefetch_start(struct prefetch *p, int wait_s)
+{
+    pthread_condattr_t ca;
+    p->want = p->input = -1;
+    p->wait_s = wait_s;
+    if (pthread_mutex_init(&p->mu, NULL) || pthread_condattr_init(&ca))
+        return false;
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    if (pthread_cond_init(&p->cv, &ca)) {
+        pthread_condattr_destroy(&ca);
+        return false;
+    }
+    pthread_condattr_destroy(&ca);
+    p->started = pthread_create(&p->thread, NULL, prefetch_run, p) == 0;
+    return p->started;
+}
+
+/* Asks for a receive of input i, unless one is asked or held already. */
+static void prefetch_ask(struct prefetch *p, int i)
+{
+    pthread_mutex_lock(&p->mu);
+    if (p->want < 0 && p->input < 0) {
+        p->want = i;
+        pthread_cond_broadcast(&p->cv);
+    }
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* The answer of input i's receive: asks for it if nobody has, then waits
+ * for it (a long poll at most, and its request timeout). An answer of
+ * another input asked before is taken back first (handed back at once). */
+static enum sqs_status prefetch_take(struct prefetch *p, int i, struct sqs_message **m, int *n,
+                                     char *err, size_t errlen)
+{
+    enum sqs_status st;
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        if (p->input == i)
+            break;
+        if (p->input >= 0) { /* another input's: hand its messages back */
+            for (int k = 0; k < p->n; k++) {
+                char e[256];
+                (void)sqs_change_visibility(p->cl[p->input], p->m[k].receipt, 0, e, sizeof e);
+            }
+            sqs_messages_free(p->m, p->n);
+            p->m = NULL;
+            p->n = 0;
+            p->input = -1;
+        }
+        if (p->want < 0 && p->input < 0) {
+            p->want = i;
+            pthread_cond_broadcast(&p->cv);
+        }
+        pthread_cond_wait(&p->cv, &p->mu);
+    }
+    st = p->st;
+    *m = p->m;
+    *n = p->n;
+    snprintf(err, errlen, "%s", p->err);
+    p->m = NULL;
+    p->n = 0;
+    p->input = -1;
+    pthread_mutex_unlock(&p->mu);
+    return st;
+}
+
+/* Stops the thread: a receive in flight ends at once (the long poll
+ * watches the stop flag); messages it received are handed back. */
+static void prefetch_stop(struct prefetch *p)
+{
+    if (!p->started)
+        return;
+    pthread_mutex_lock(&p->mu);
+    p->stop = true;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    pthread_join(p->thread, NULL);
+    for (int k = 0; k < p->n; k++) {
+        char e[256];
+        (void)sqs_change_visibility(p->cl[p->input], p->m[k].receipt, 0, e, sizeof e);
+    }
+    sqs_messages_free(p->m, p->n);
+    p->m = NULL;
+    p->n = 0;
+    pthread_cond_destroy(&p->cv);
+    pthread_mutex_destroy(&p->mu);
+    p->started = false;
 }
 
 /* ---- the ledger session ---- */
@@ -601,7 +741,8 @@ static enum step one_input(struct sqs_thread *t, int i, int *took)
     enum step s;
 
     *took = 0;
-    st = sqs_receive(t->cl[i], SQS_MAX_MESSAGES, wait_s, &m, &n, err, sizeof err);
+    (void)wait_s;
+    st = prefetch_take(&t->pf, i, &m, &n, err, sizeof err);
     if (st != SQS_OK) {
         snprintf(t->why, sizeof t->why, "input %s: ReceiveMessage %s: %s", in->name,
                  sqs_status_name(st), err);
@@ -611,6 +752,8 @@ static enum step one_input(struct sqs_thread *t, int i, int *took)
         return STEP_OK;
     *took = n;
     add(&t->received, &g.received, n);
+    /* the next receive runs while this batch is applied */
+    prefetch_ask(&t->pf, (i + 1) % t->view.n_inputs);
     t->msgs = m;
     t->input = i;
     lease_hold(&t->lease, t->lease_cl[i], in->name, m, n, in->visibility_timeout_s);
@@ -711,6 +854,24 @@ static idemq_err_t thread_init(struct sqs_thread *t, char *errbuf, size_t errlen
             return IDEMQ_ERR_CONFIG;
         }
     }
+    if (!(t->pf.cl = calloc((size_t)n, sizeof *t->pf.cl))) {
+        snprintf(errbuf, errlen, "out of memory");
+        return IDEMQ_ERR_NOMEM;
+    }
+    for (int i = 0; i < n; i++) {
+        const struct conf_input *in = &t->view.inputs[i];
+        struct sqs_client_config cfg = {in->queue_url, in->region, in->endpoint, SQS_REQUEST_MS,
+                                        in->visibility_timeout_s, should_stop};
+        char err[256];
+        if (sqs_client_new(&cfg, &t->pf.cl[i], err, sizeof err)) {
+            snprintf(errbuf, errlen, "input %s: %s", in->name, err);
+            return IDEMQ_ERR_CONFIG;
+        }
+    }
+    if (!prefetch_start(&t->pf, t->until_idle_ms > 0 ? 1 : n > 1 ? 2 : 20)) {
+        snprintf(errbuf, errlen, "cannot start the receive thread of SQS worker %d", t->id);
+        return IDEMQ_ERR_INTERNAL;
+    }
     if (!lease_start(&t->lease, &t->extended)) {
         snprintf(errbuf, errlen, "cannot start the lease thread of SQS worker %d", t->id);
         return IDEMQ_ERR_INTERNAL;
@@ -786,6 +947,7 @@ void sqs_worker_join(struct sqs_workers *w, struct sqs_worker_totals *tot)
         struct sqs_thread *t = &w->t[i];
         if (t->started)
             pthread_join(t->thread, NULL);
+        prefetch_stop(&t->pf);
         lease_stop(&t->lease);
         if (tot) {
             tot->received += atomic_load(&t->received);
@@ -803,6 +965,9 @@ void sqs_worker_join(struct sqs_workers *w, struct sqs_worker_totals *tot)
             if (t->lease_cl)
                 sqs_client_free(t->lease_cl[k]);
         }
+        for (int k = 0; t->pf.cl && k < t->view.n_inputs; k++)
+            sqs_client_free(t->pf.cl[k]);
+        free(t->pf.cl);
         free(t->cl);
         free(t->lease_cl);
         batch_free(&t->bt);
