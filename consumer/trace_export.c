@@ -25,7 +25,8 @@ struct slot {
     bool has_parent;
     char *state; /* the producer's tracestate (malloc'd), or NULL */
     long long start_ns, end_ns;
-    int input, attempt;
+    const struct conf_input *in;
+    int attempt;
     enum trace_outcome outcome;
 };
 
@@ -38,7 +39,7 @@ static void slot_of(struct slot *o, const struct trace_span *s)
     o->state = o->has_parent && s->t.in.state[0] ? strdup(s->t.in.state) : NULL;
     o->start_ns = s->start_ns;
     o->end_ns = s->end_ns;
-    o->input = s->input;
+    o->in = s->in;
     o->attempt = s->attempt;
     o->outcome = s->outcome;
 }
@@ -92,6 +93,24 @@ void trace_export_span(const struct trace_span *s)
         atomic_fetch_add(&ex.dropped, 1);
 }
 
+void trace_export_job(const struct trace_job *t, const struct conf_input *in,
+                      long long received_mono_ns, long long now_mono_ns, int attempt,
+                      enum trace_outcome outcome)
+{
+    struct trace_span sp;
+    struct timespec wall;
+    if (!t->span || !trace_export_on())
+        return;
+    clock_gettime(CLOCK_REALTIME, &wall);
+    sp.t = *t;
+    sp.end_ns = (long long)wall.tv_sec * 1000000000LL + wall.tv_nsec;
+    sp.start_ns = sp.end_ns - (now_mono_ns - received_mono_ns);
+    sp.in = in;
+    sp.attempt = attempt;
+    sp.outcome = outcome;
+    trace_export_span(&sp);
+}
+
 static const char *outcome_name(enum trace_outcome o)
 {
     switch (o) {
@@ -132,9 +151,10 @@ static void attr_str(struct ledger_doc *b, bool first, const char *k, const char
     puts_(b, "}}");
 }
 
-static void span_json(struct ledger_doc *b, const struct conf *c, const struct slot *s, bool first)
+static void span_json(struct ledger_doc *b, const struct slot *s, bool first)
 {
-    const struct conf_input *in = &c->inputs[s->input];
+    const struct conf_input *in = s->in;
+    bool pg = in->transport && strcmp(in->transport, "postgres") == 0;
     char hex[33], num[64];
     puts_(b, first ? "{\"traceId\":\"" : ",{\"traceId\":\"");
     trace_hex(s->trace_id, 16, hex);
@@ -165,7 +185,8 @@ static void span_json(struct ledger_doc *b, const struct conf *c, const struct s
     snprintf(num, sizeof num, ",\"endTimeUnixNano\":\"%lld\"", s->end_ns);
     puts_(b, num);
     puts_(b, ",\"attributes\":[");
-    attr_str(b, true, "messaging.system", "rabbitmq");
+    /* a PostgreSQL queue input: no value of the conventions names it */
+    attr_str(b, true, "messaging.system", pg ? "postgresql" : "rabbitmq");
     attr_str(b, false, "messaging.operation.type", "process");
     attr_str(b, false, "messaging.operation.name", "process");
     attr_str(b, false, "messaging.destination.name", in->queue);
@@ -195,7 +216,7 @@ static char *body_of(const struct conf *c, const struct slot *s, size_t n)
     put_str(&b, IDEMQ_VERSION);
     puts_(&b, "},\"spans\":[");
     for (size_t i = 0; i < n; i++)
-        span_json(&b, c, &s[i], i == 0);
+        span_json(&b, &s[i], i == 0);
     puts_(&b, "]}]}]}");
     if (b.nomem) {
         ledger_doc_free(&b);

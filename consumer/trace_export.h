@@ -30,7 +30,7 @@ enum trace_outcome {
 struct trace_span {
     struct trace_job t;
     long long start_ns, end_ns;
-    int input;              /* index into conf->inputs */
+    const struct conf_input *in; /* its input (of the configuration exported with) */
     int attempt;
     enum trace_outcome outcome;
 };
@@ -48,6 +48,13 @@ bool trace_export_on(void);
 
 /* Queues a finished span; never blocks on the collector. */
 void trace_export_span(const struct trace_span *s);
+
+/* Queues the span of a settled job of input in: from received_mono_ns
+ * (CLOCK_MONOTONIC, when the job came) to now_mono_ns. Nothing when the
+ * job has no span of its own. */
+void trace_export_job(const struct trace_job *t, const struct conf_input *in,
+                      long long received_mono_ns, long long now_mono_ns, int attempt,
+                      enum trace_outcome outcome);
 
 /* Counters since start (metrics). */
 struct trace_export_counts {

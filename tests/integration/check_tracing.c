@@ -210,6 +210,117 @@ START_TEST(test_trace_end_to_end)
 }
 END_TEST
 
+/* The spans the receiver wrote to out, as a JSON array; fails the test on
+ * a request the protocol definitions refused. */
+static json_t *received_spans(const char *out)
+{
+    json_t *all = json_array(), *line;
+    char buf[65536];
+    FILE *f = fopen(out, "r");
+    ck_assert_ptr_nonnull(f);
+    while (fgets(buf, sizeof buf, f)) {
+        line = json_loads(buf, 0, NULL);
+        ck_assert_msg(line != NULL, "receiver line: %s", buf);
+        ck_assert_msg(!json_object_get(line, "invalid"), "invalid OTLP request: %s",
+                      json_string_value(json_object_get(line, "invalid")));
+        json_array_append_new(all, line);
+    }
+    fclose(f);
+    return all;
+}
+
+/* The span of spans whose parent is parent_id, or NULL. */
+static json_t *child_of(json_t *spans, const char *trace_id, const char *parent_id)
+{
+    size_t i;
+    json_t *sp;
+    json_array_foreach(spans, i, sp) {
+        const char *tid = json_string_value(json_object_get(sp, "traceId"));
+        const char *pid = json_string_value(json_object_get(sp, "parentSpanId"));
+        if (tid && pid && strcmp(tid, trace_id) == 0 && strcmp(pid, parent_id) == 0)
+            return sp;
+    }
+    return NULL;
+}
+
+/* A PostgreSQL queue input: the producer (the SDK, node-postgres) enqueues
+ * with its context in the transaction's settings; idemq's span of the row
+ * is a child of the producer's, the effect's meta continues idemq's span,
+ * and the job the effect enqueues is a child of that span in turn. */
+START_TEST(test_trace_pg_queue)
+{
+    struct itest t;
+    char conf[512], cfg[300], out[256], args[2048], body[512], want[64];
+    int port = itest_free_port();
+    json_t *prod, *spans, *a, *b;
+    pid_t recv;
+    FILE *f;
+
+    need_modules();
+    itest_setup(&t, "trace_pg", "idemq_test.record", "", "");
+    itest_sql(&t, "CREATE OR REPLACE FUNCTION idemq_test.trace_chain(p_key text, p_payload "
+                  "jsonb, p_meta jsonb) RETURNS jsonb LANGUAGE plpgsql AS $fn$ BEGIN "
+                  "IF p_payload ? 'next' THEN PERFORM idemq.enqueue(p_payload->>'queue', "
+                  "jsonb_build_object('job_id', p_payload->>'next')); END IF; "
+                  "RETURN idemq_test.record(p_key, p_payload, p_meta); END $fn$");
+    snprintf(conf, sizeof conf,
+             "tracing: { endpoint = \"http://127.0.0.1:%d/v1/traces\"; flush_ms = 100; "
+             "service_name = \"idemq-test\"; };",
+             port);
+    snprintf(cfg, sizeof cfg, "/tmp/%s.pg.cfg", t.name);
+    f = fopen(cfg, "w");
+    ck_assert_ptr_nonnull(f);
+    fprintf(f,
+            "%s\nconsumer: { id = \"%s\"; };\nlog: { level = \"info\"; };\n"
+            "inputs = ( { name = \"%s\"; transport = \"postgres\"; queue = \"%s\";\n"
+            "  effect_function = \"idemq_test.trace_chain\"; } );\n",
+            conf, t.name, t.name, t.name);
+    fclose(f);
+    snprintf(out, sizeof out, "/tmp/%s.otlp.jsonl", t.name);
+    recv = start_receiver(port, out);
+
+    snprintf(body, sizeof body, "{\"job_id\":\"%s:a\",\"next\":\"%s:b\",\"queue\":\"%s\"}",
+             t.name, t.name, t.name);
+    snprintf(args, sizeof args, "enqueue '%s' '%s' '%s'", getenv("IDEMQ_PG_DSN"), t.name, body);
+    prod = otel(args);
+    ck_assert_ptr_nonnull(prod);
+    {
+        pid_t pid = itest_spawn(NULL, cfg, 1, NULL);
+        int st = itest_wait(pid, itest_ms(60000));
+        ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "idemq run: 0x%x", st);
+    }
+    stop_receiver(recv);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE "
+                                    "$1 || ':%'", t.name),
+                     2);
+    spans = received_spans(out);
+    a = child_of(spans, json_string_value(json_object_get(prod, "traceId")),
+                 json_string_value(json_object_get(prod, "spanId")));
+    ck_assert_msg(a != NULL, "no span of the enqueued row under the producer's (%zu spans)",
+                  json_array_size(spans));
+    ck_assert_int_eq(json_integer_value(json_object_get(a, "kind")), 5);
+    ck_assert_str_eq(attr(a, "messaging.system"), "postgresql");
+    ck_assert_str_eq(attr(a, "messaging.destination.name"), t.name);
+    ck_assert_str_eq(attr(a, "idemq.outcome"), "applied");
+    /* the effect ran under idemq's span */
+    snprintf(want, sizeof want, "00-%s-%s-01", json_string_value(json_object_get(prod, "traceId")),
+             json_string_value(json_object_get(a, "spanId")));
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE "
+                                    "meta->>'traceparent' = $1", want),
+                     1);
+    /* the job the effect enqueued continues the trace */
+    b = child_of(spans, json_string_value(json_object_get(prod, "traceId")),
+                 json_string_value(json_object_get(a, "spanId")));
+    ck_assert_msg(b != NULL, "no span of the chained row under idemq's first span");
+    ck_assert_str_eq(attr(b, "idemq.outcome"), "applied");
+    json_decref(spans);
+    json_decref(prod);
+    unlink(out);
+    unlink(cfg);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* A collector that is down: every job is applied, the spans are counted as
  * failed, and the run ends on time. */
 START_TEST(test_collector_down)
@@ -251,6 +362,7 @@ int main(void)
     TCase *tc = tcase_create("tracing");
     tcase_set_timeout(tc, itest_ms(180));
     tcase_add_test(tc, test_trace_end_to_end);
+    tcase_add_test(tc, test_trace_pg_queue);
     tcase_add_test(tc, test_collector_down);
     suite_add_tcase(s, tc);
     return check_run(s);

@@ -159,6 +159,7 @@ START_TEST(test_export_body)
     c.inputs = &in;
     c.n_inputs = 1;
     c.tracing_service_name = "svc";
+    sp[0].in = sp[1].in = &in;
     trace_job_begin(&sp[0].t, h, true);
     sp[0].start_ns = 1000000000000000001LL;
     sp[0].end_ns = 1000000000000000002LL;
