@@ -313,6 +313,15 @@ START_TEST(test_trace_pg_queue)
                  json_string_value(json_object_get(a, "spanId")));
     ck_assert_msg(b != NULL, "no span of the chained row under idemq's first span");
     ck_assert_str_eq(attr(b, "idemq.outcome"), "applied");
+    {
+        /* jobs show names the key's trace (a plain apply: from its batch row) */
+        char cmd[300], shown[16384], want_tr[64];
+        snprintf(cmd, sizeof cmd, "jobs show '%s:a'", t.name);
+        ck_assert_int_eq(itest_idemq(&t, cmd, shown, sizeof shown), 0);
+        snprintf(want_tr, sizeof want_tr, "trace %s",
+                 json_string_value(json_object_get(prod, "traceId")));
+        ck_assert_msg(strstr(shown, want_tr) != NULL, "no %s in: %s", want_tr, shown);
+    }
     json_decref(spans);
     json_decref(prod);
     unlink(out);
