@@ -513,6 +513,9 @@ static void serviced_nap(void *ctx, long ms)
 
 /* ---- provider inputs: provider_run decides, the worker settles ---- */
 
+static void export_span(const struct session *s, const struct job *j, const struct plan *p,
+                        long long now_mono);
+
 /*
  * Polls the provider jobs (up to wait_ms) and settles the deliveries
  * decided, through the same settle rules as a batch. A database failure
@@ -539,9 +542,11 @@ static enum step provider_settle(struct session *s, int wait_ms)
                 if (plans[i].how == SETTLE_DEAD && plans[i].park)
                     s->park_ids[parks++] = (long long)json_integer_value(
                         json_object_get(plans[i].park, "park_id"));
-                if (plans[i].how != SETTLE_RELEASE && jobs[i].received_ns)
+                if (plans[i].how != SETTLE_RELEASE && jobs[i].received_ns) {
                     latency_record(&s->w->latency,
                                    (uint64_t)(now - jobs[i].received_ns) / 1000u);
+                    export_span(s, &jobs[i], &plans[i], now); /* its calls are children */
+                }
             }
             atomic_fetch_add(&s->w->stats.settled, n);
             s->w->last_ack_ns = now;

@@ -23,6 +23,7 @@
 #include "broker.h"
 #include "broker_admin.h"
 #include "itest.h"
+#include "tprov.h"
 
 #define OTEL_DIR IDEMQ_SOURCE_DIR "/tests/trace"
 
@@ -330,6 +331,74 @@ START_TEST(test_trace_pg_queue)
 }
 END_TEST
 
+/* A provider input: each call to the provider is a CLIENT span under
+ * idemq's span of the job, with its HTTP status; the job's span is a
+ * child of the producer's. */
+START_TEST(test_trace_provider_call)
+{
+    struct itest t;
+    struct tprov p;
+    char conf[512], input[1024], out[256], body[256];
+    const char *tid = "4bf92f3577b34da6a3ce929d0e0e4736", *psid = "00f067aa0ba902b7";
+    char tp[64];
+    int port = itest_free_port();
+    json_t *spans, *job, *call, *h;
+    pid_t recv;
+
+    need_modules();
+    tprov_start(&p, NULL);
+    snprintf(conf, sizeof conf,
+             "tracing: { endpoint = \"http://127.0.0.1:%d/v1/traces\"; flush_ms = 100; };",
+             port);
+    snprintf(input, sizeof input,
+             "provider: { url = \"%s\"; path = \"/charges\"; timeout_ms = %d; };", p.url,
+             itest_ms(3000));
+    itest_extra_conf = conf;
+    itest_setup(&t, "trace_prov", "idemq_test.record", "", input);
+    itest_extra_conf = NULL;
+    snprintf(out, sizeof out, "/tmp/%s.otlp.jsonl", t.name);
+    recv = start_receiver(port, out);
+    snprintf(tp, sizeof tp, "00-%s-%s-01", tid, psid);
+    h = json_pack("{s:s}", "traceparent", tp);
+    snprintf(body, sizeof body, "{\"job_id\":\"%s-k1\",\"amount_minor\":500}", t.name);
+    itest_publish_to(&t, t.conf->inputs[0].exchange, t.conf->inputs[0].routing_key, body, h,
+                     NULL);
+    json_decref(h);
+    itest_run_until_idle(&t, 3);
+    stop_receiver(recv);
+    spans = received_spans(out);
+    job = child_of(spans, tid, psid);
+    ck_assert_msg(job != NULL, "no span of the job under the producer's (%zu spans)",
+                  json_array_size(spans));
+    ck_assert_str_eq(attr(job, "idemq.outcome"), "applied");
+    call = child_of(spans, tid, json_string_value(json_object_get(job, "spanId")));
+    ck_assert_msg(call != NULL, "no span of the provider call under the job's");
+    ck_assert_int_eq(json_integer_value(json_object_get(call, "kind")), 3);
+    ck_assert_str_eq(json_string_value(json_object_get(call, "name")), "POST");
+    ck_assert_str_eq(attr(call, "http.request.method"), "POST");
+    ck_assert_str_eq(attr(call, "idemq.provider.operation"), "call");
+    ck_assert_str_eq(attr(call, "idemq.provider.class"), "success");
+    {
+        size_t i;
+        json_t *a;
+        const char *status = NULL;
+        json_array_foreach(json_object_get(call, "attributes"), i, a) {
+            if (strcmp(json_string_value(json_object_get(a, "key")),
+                       "http.response.status_code") == 0)
+                status = json_string_value(
+                    json_object_get(json_object_get(a, "value"), "intValue"));
+        }
+        ck_assert_msg(status && (strcmp(status, "200") == 0 || strcmp(status, "201") == 0),
+                      "status %s", status ? status : "(none)");
+    }
+    ck_assert_ptr_null(json_object_get(call, "status"));
+    json_decref(spans);
+    unlink(out);
+    itest_teardown(&t);
+    tprov_stop(&p);
+}
+END_TEST
+
 /* A collector that is down: every job is applied, the spans are counted as
  * failed, and the run ends on time. */
 START_TEST(test_collector_down)
@@ -372,6 +441,7 @@ int main(void)
     tcase_set_timeout(tc, itest_ms(180));
     tcase_add_test(tc, test_trace_end_to_end);
     tcase_add_test(tc, test_trace_pg_queue);
+    tcase_add_test(tc, test_trace_provider_call);
     tcase_add_test(tc, test_collector_down);
     suite_add_tcase(s, tc);
     return check_run(s);
