@@ -13,12 +13,12 @@
 
 #include "log.h"
 
-#define TAKE_SQL                                                                            \
+#define TAKE_COLUMNS                                                                        \
     "SELECT r_id, r_key, r_order_key, r_payload, r_attempts, r_redrive_gen, r_park_id, "    \
-    "r_enqueued_at FROM idemq.queue_take($1, $2)"
-#define TAKE_ROW_SQL                                                                        \
-    "SELECT r_id, r_key, r_order_key, r_payload, r_attempts, r_redrive_gen, r_park_id, "    \
-    "r_enqueued_at FROM idemq.queue_take_row($1)"
+    "r_enqueued_at, r_traceparent, r_tracestate "
+#define TAKE_NCOLS 10
+#define TAKE_SQL TAKE_COLUMNS "FROM idemq.queue_take($1, $2)"
+#define TAKE_ROW_SQL TAKE_COLUMNS "FROM idemq.queue_take_row($1)"
 #define SETTLE_SQL                                                                          \
     "SELECT idemq.queue_settle($1::bigint[], $2::bigint[], $3::integer[], $4::boolean[], "  \
     "$5::text[], $6::text[], $7::bigint[])"
@@ -87,6 +87,17 @@ bool pgq_row_job(const struct pgq_row *row, const struct conf_input *in, int inp
         return false;
     json_decref(j->props);
     j->props = props;
+    /* the trace context as a broker message carries it, for job_decode's
+     * trace_job_begin to check; text that is not UTF-8 is no JSON string,
+     * and no valid context either: dropped */
+    if (row->traceparent) {
+        json_t *v = json_string(row->traceparent);
+        if (v && json_object_set_new(j->headers, "traceparent", v))
+            return false;
+        if (v && row->tracestate && (v = json_string(row->tracestate)) &&
+            json_object_set_new(j->headers, "tracestate", v))
+            return false;
+    }
     job_decode(j, in);
     if (j->decode_err == IDEMQ_OK && row->has_redrive) {
         /* Put back by idemq.queue_redrive (an operator function: neither a
@@ -126,6 +137,8 @@ static bool row_to_job(const PGresult *r, int i, const struct conf_input *in, in
     row.redrive_gen = row.has_redrive ? strtoll(PQgetvalue(r, i, 5), NULL, 10) : 0;
     row.park_id = PQgetisnull(r, i, 6) ? 0 : strtoll(PQgetvalue(r, i, 6), NULL, 10);
     row.enqueued_at = PQgetvalue(r, i, 7);
+    row.traceparent = PQgetisnull(r, i, 8) ? NULL : PQgetvalue(r, i, 8);
+    row.tracestate = PQgetisnull(r, i, 9) ? NULL : PQgetvalue(r, i, 9);
     ok = pgq_row_job(&row, in, input_idx, j);
     PQfreemem(body);
     return ok;
@@ -141,7 +154,7 @@ static idemq_err_t take(PGconn *db, const char *sql, int np, const char *const *
 
     *n = 0;
     r = ledger_db_exec_params(db, sql, np, NULL, params, NULL, NULL, 0);
-    if (PQresultStatus(r) != PGRES_TUPLES_OK || PQnfields(r) != 8) {
+    if (PQresultStatus(r) != PGRES_TUPLES_OK || PQnfields(r) != TAKE_NCOLS) {
         ledger_db_error_from(db, r, e);
         PQclear(r);
         return ledger_db_err(e);

@@ -41,6 +41,8 @@ struct pgq_row {
     long long redrive_gen;  /*   the park's generation */
     long long park_id;      /*   and the park (0 = none) */
     const char *enqueued_at; /* text, or NULL */
+    const char *traceparent; /* the enqueue's trace context, or NULL */
+    const char *tracestate;  /*   (checked as a header's is: trace.h) */
 };
 
 /*
@@ -49,7 +51,9 @@ struct pgq_row {
  * (a key longer than a message id holds is a key_too_long decode error,
  * never a cut key), the row's facts as properties, then job_decode; a
  * redriven row carries its generation as the redrive header, set only
- * after decoding succeeded. false when out of memory. Pure but for the
+ * after decoding succeeded. The row's traceparent and tracestate become
+ * the headers of those names, read by job_decode as a broker message's
+ * are (an invalid one is dropped). false when out of memory. Pure but for the
  * clock and the process's redrive seal secret (job_decode).
  */
 bool pgq_row_job(const struct pgq_row *row, const struct conf_input *in, int input_idx,

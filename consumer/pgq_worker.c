@@ -21,6 +21,7 @@
 #include "log.h"
 #include "pgq.h"
 #include "sig.h"
+#include "trace_export.h"
 
 /* The longest an idle worker sleeps before it looks for due retries and
  * the stop flag again (a notification wakes it at once). */
@@ -40,6 +41,8 @@ struct pgq_thread {
     struct job *jobs;
     struct job **good;
     struct ledger_result *res;
+    enum trace_outcome *fate; /* what became of jobs[k] (its span) */
+    int *attempt;             /*   and its attempt number (0: none) */
     struct pgq_settle st;
     int cap;
     bool solo;              /* after a whole-call failure: one row per batch until a commit */
@@ -121,6 +124,28 @@ static enum step connect(struct pgq_thread *t)
     return STEP_OK;
 }
 
+/* Notes what became of job j of this batch, for its span. */
+static void note_fate(struct pgq_thread *t, const struct job *j, enum trace_outcome o,
+                      int attempt)
+{
+    t->fate[j - t->jobs] = o;
+    t->attempt[j - t->jobs] = attempt;
+}
+
+/* After the commit: the spans of jobs[0..n) (trace_export.h). */
+static void export_spans(struct pgq_thread *t, const struct conf_input *in, int n)
+{
+    long long now;
+    struct timespec ts;
+    if (!trace_export_on())
+        return;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    now = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+    for (int k = 0; k < n; k++)
+        trace_export_job(&t->jobs[k].trace, in, t->jobs[k].received_ns, now, t->attempt[k],
+                         t->fate[k]);
+}
+
 /* A job's failed attempt, inside the transaction: a retry held in its row,
  * or a park (the row goes; the park holds the payload). forced: a permanent
  * code the ledger decided, or IDEMQ_OK to classify r's SQLSTATE. */
@@ -155,6 +180,7 @@ static enum step failure(struct pgq_thread *t, struct job *j, struct ledger_resu
         json_int_t pid = json_integer_value(json_object_get(r->park, "park_id"));
         pgq_settle_done(&t->st, (long long)j->tag, (long long)pid);
         atomic_fetch_add(&t->parked, 1);
+        note_fate(t, j, TRACE_PARKED, r->attempt);
     } else {
         char err[600];
         snprintf(err, sizeof err, "%s %s", r->sqlstate, r->message);
@@ -163,6 +189,7 @@ static enum step failure(struct pgq_thread *t, struct job *j, struct ledger_resu
             return STEP_BACKOFF;
         }
         atomic_fetch_add(&t->retried, 1);
+        note_fate(t, j, TRACE_RETRY, r->attempt);
     }
     log_job(park ? LOG_LVL_WARN : LOG_LVL_INFO, j->key, j->tag, r->attempt,
             "%s error %s: %s -> %s (%ld ms)", classify_name(cls), r->sqlstate, r->message,
@@ -183,6 +210,7 @@ static enum step park_undecoded(struct pgq_thread *t, struct job *j, const char 
     json_decref(park);
     pgq_settle_done(&t->st, (long long)j->tag, (long long)pid);
     atomic_fetch_add(&t->parked, 1);
+    note_fate(t, j, TRACE_PARKED, 1);
     log_job(LOG_LVL_WARN, j->has_key ? j->key : NULL, j->tag, 1, "parked %s: %s", code, reason);
     return STEP_OK;
 }
@@ -195,15 +223,18 @@ static enum step settle_one(struct pgq_thread *t, struct job *j, struct ledger_r
     case LEDGER_APPLIED:
         pgq_settle_done(&t->st, (long long)j->tag, 0);
         atomic_fetch_add(&t->applied, 1);
+        note_fate(t, j, TRACE_APPLIED, r->attempt);
         return STEP_OK;
     case LEDGER_DUPLICATE:
         pgq_settle_done(&t->st, (long long)j->tag, 0);
         atomic_fetch_add(&t->duplicates, 1);
+        note_fate(t, j, TRACE_DUPLICATE, 0);
         return STEP_OK;
     case LEDGER_REPARK: /* parked before: the park row is its dead letter */
         pid = json_integer_value(json_object_get(r->park, "park_id"));
         pgq_settle_done(&t->st, (long long)j->tag, (long long)pid);
         atomic_fetch_add(&t->duplicates, 1);
+        note_fate(t, j, TRACE_DUPLICATE, 0);
         return STEP_OK;
     case LEDGER_EARLY:   /* its key waits for a retry: this row waits as long, no attempt */
     case LEDGER_DEFERRED: /* lanes only: not an input of this transport; look again later */
@@ -252,6 +283,7 @@ static enum step record_call_failure(struct pgq_thread *t, int i, long long id,
     }
     if (!found) /* gone, or another worker has it */
         goto rollback;
+    note_fate(t, j, TRACE_HELD, 0);
     if (j->decode_err != IDEMQ_OK) {
         s = park_undecoded(t, j, idemq_err_name(j->decode_err), j->reason);
     } else if (ledger_txn_claim_failed(t->lt, j, r, &e)) {
@@ -263,6 +295,7 @@ static enum step record_call_failure(struct pgq_thread *t, int i, long long id,
     } else { /* settled meanwhile: nothing to run */
         pgq_settle_done(&t->st, (long long)j->tag, 0);
         atomic_fetch_add(&t->duplicates, 1);
+        note_fate(t, j, TRACE_DUPLICATE, 0);
     }
     if (s != STEP_OK)
         goto rollback;
@@ -274,6 +307,7 @@ static enum step record_call_failure(struct pgq_thread *t, int i, long long id,
         s = from_error(t, &e, "COMMIT");
         goto rollback;
     }
+    export_spans(t, in, 1);
     ledger_txn_result_clear(r);
     return STEP_OK;
 rollback:
@@ -304,9 +338,11 @@ static enum step batch(struct pgq_thread *t, int i, int *took)
             return from_error(t, &e, "COMMIT");
         return STEP_OK;
     }
-    for (int k = 0; k < n; k++)
+    for (int k = 0; k < n; k++) {
+        note_fate(t, &t->jobs[k], TRACE_HELD, 0);
         if (t->jobs[k].decode_err == IDEMQ_OK)
             t->good[ng++] = &t->jobs[k];
+    }
     if (ng) {
         if (ledger_txn_apply(t->lt, t->good, ng, t->res, &e)) {
             s = from_error(t, &e, "apply_batch");
@@ -346,6 +382,7 @@ static enum step batch(struct pgq_thread *t, int i, int *took)
     t->solo = false;
     *took = n;
     atomic_fetch_add(&t->taken, n);
+    export_spans(t, in, n);
     for (int k = 0; k < ng; k++)
         ledger_txn_result_clear(&t->res[k]);
     return STEP_OK;
@@ -441,7 +478,10 @@ idemq_err_t pgq_worker_start(const struct conf *c, long until_idle_ms, struct pg
         t->rng = 0x9E3779B97F4A7C15ULL ^ ((uint64_t)now_ms() << 8) ^ (uint64_t)(i + 1);
         if (!(t->jobs = calloc((size_t)cap, sizeof *t->jobs)) ||
             !(t->good = calloc((size_t)cap, sizeof *t->good)) ||
-            !(t->res = calloc((size_t)cap, sizeof *t->res)) || !pgq_settle_init(&t->st, cap)) {
+            !(t->res = calloc((size_t)cap, sizeof *t->res)) ||
+            !(t->fate = calloc((size_t)cap, sizeof *t->fate)) ||
+            !(t->attempt = calloc((size_t)cap, sizeof *t->attempt)) ||
+            !pgq_settle_init(&t->st, cap)) {
             snprintf(errbuf, errlen, "out of memory");
             goto fail;
         }
@@ -487,6 +527,8 @@ void pgq_worker_join(struct pgq_workers *w, struct pgq_worker_totals *tot)
         free(t->jobs);
         free(t->good);
         free(t->res);
+        free(t->fate);
+        free(t->attempt);
         pgq_settle_free(&t->st);
     }
     free(w->t);

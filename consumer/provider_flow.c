@@ -16,6 +16,7 @@
 #include "ledger_doc.h"
 #include "ledger_provider.h"
 #include "log.h"
+#include "trace_export.h"
 
 #define POLL_BATCH 16
 /* The lease of a request or lookup: provider.timeout_ms + this, from the
@@ -46,6 +47,7 @@ struct pf_job {
     char req_sha[65];
     long long redelivery_tag; /* for log lines: the delivery tag */
     const char *how;          /* how a confirmed reference was found (meta.provider.how) */
+    struct trace_job trace;   /* the job's trace: each call is a span under its span */
 };
 
 struct provider_flow {
@@ -591,6 +593,7 @@ idemq_err_t provider_flow_start(struct provider_flow *f, PGconn *db, const struc
     p->input = j->input;
     p->queued = true;
     p->redelivery_tag = (long long)j->tag;
+    p->trace = j->trace;
     snprintf(p->key, sizeof p->key, "%s", j->key);
     ledger_doc_init(&d);
     ledger_doc_begin(&d);
@@ -646,6 +649,14 @@ static void answered(struct provider_flow *f, PGconn *db, struct effect_http_res
     log_job(LOG_LVL_DEBUG, p->key, (unsigned long long)p->redelivery_tag, 0,
             "provider %s %d: %s (%s, %lld ms)", op, p->lease, effect_http_class_name(r->cls),
             r->detail, r->elapsed_ms);
+    if (r->cls != EFFECT_HTTP_NOT_SENT) /* a request went out: its span */
+        trace_export_call(&p->trace, &f->c->inputs[p->input],
+                          r->op == EFFECT_HTTP_CALL         ? "call"
+                          : r->op == EFFECT_HTTP_LOOKUP_KEY ? "lookup by key"
+                                                            : "lookup by reference",
+                          r->op == EFFECT_HTTP_CALL ? f->c->inputs[p->input].provider.method
+                                                    : "GET",
+                          effect_http_class_name(r->cls), r->status, r->elapsed_ms);
     if (!(answer = effect_http_answer_json(r))) {
         struct ledger_db_error nomem = {"", "out of memory", false};
         db_failed(f, p, "answer", &nomem);

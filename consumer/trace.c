@@ -138,6 +138,11 @@ static void random_id(unsigned char *b, size_t n)
     }
 }
 
+void trace_new_span_id(unsigned char id[8])
+{
+    random_id(id, 8);
+}
+
 void trace_job_begin(struct trace_job *t, const json_t *headers, bool span)
 {
     bool have = trace_from_headers(headers, &t->in);

@@ -46,6 +46,9 @@ void trace_job_begin(struct trace_job *t, const json_t *headers, bool span);
  * producer's context as it came; "" when neither. out: TRACE_PARENT_LEN + 1. */
 void trace_job_parent(const struct trace_job *t, char *out);
 
+/* A new span id (random, not all zeros), for a span below a job's. */
+void trace_new_span_id(unsigned char id[8]);
+
 /* Lowercase hex of n bytes into out (2n + 1 bytes). */
 void trace_hex(const unsigned char *b, size_t n, char *out);
 

@@ -25,8 +25,12 @@ struct slot {
     bool has_parent;
     char *state; /* the producer's tracestate (malloc'd), or NULL */
     long long start_ns, end_ns;
-    int input, attempt;
+    const struct conf_input *in;
+    int attempt;
     enum trace_outcome outcome;
+    const char *call_op, *call_method, *call_class; /* constants; call_op NULL: a job */
+    long call_status;
+    unsigned char call_span_id[8];
 };
 
 static void slot_of(struct slot *o, const struct trace_span *s)
@@ -38,7 +42,12 @@ static void slot_of(struct slot *o, const struct trace_span *s)
     o->state = o->has_parent && s->t.in.state[0] ? strdup(s->t.in.state) : NULL;
     o->start_ns = s->start_ns;
     o->end_ns = s->end_ns;
-    o->input = s->input;
+    o->in = s->in;
+    o->call_op = s->call_op;
+    o->call_method = s->call_method;
+    o->call_class = s->call_class;
+    o->call_status = s->call_status;
+    memcpy(o->call_span_id, s->call_span_id, sizeof o->call_span_id);
     o->attempt = s->attempt;
     o->outcome = s->outcome;
 }
@@ -92,6 +101,46 @@ void trace_export_span(const struct trace_span *s)
         atomic_fetch_add(&ex.dropped, 1);
 }
 
+void trace_export_job(const struct trace_job *t, const struct conf_input *in,
+                      long long received_mono_ns, long long now_mono_ns, int attempt,
+                      enum trace_outcome outcome)
+{
+    struct trace_span sp;
+    struct timespec wall;
+    if (!t->span || !trace_export_on())
+        return;
+    clock_gettime(CLOCK_REALTIME, &wall);
+    memset(&sp, 0, sizeof sp);
+    sp.t = *t;
+    sp.end_ns = (long long)wall.tv_sec * 1000000000LL + wall.tv_nsec;
+    sp.start_ns = sp.end_ns - (now_mono_ns - received_mono_ns);
+    sp.in = in;
+    sp.attempt = attempt;
+    sp.outcome = outcome;
+    trace_export_span(&sp);
+}
+
+void trace_export_call(const struct trace_job *t, const struct conf_input *in, const char *op,
+                       const char *method, const char *cls, long status, long long elapsed_ms)
+{
+    struct trace_span sp;
+    struct timespec wall;
+    if (!t->span || !trace_export_on())
+        return;
+    clock_gettime(CLOCK_REALTIME, &wall);
+    memset(&sp, 0, sizeof sp);
+    sp.t = *t;
+    sp.end_ns = (long long)wall.tv_sec * 1000000000LL + wall.tv_nsec;
+    sp.start_ns = sp.end_ns - (elapsed_ms > 0 ? elapsed_ms : 0) * 1000000LL;
+    sp.in = in;
+    sp.call_op = op;
+    sp.call_method = method;
+    sp.call_class = cls;
+    sp.call_status = status;
+    trace_new_span_id(sp.call_span_id);
+    trace_export_span(&sp);
+}
+
 static const char *outcome_name(enum trace_outcome o)
 {
     switch (o) {
@@ -132,9 +181,51 @@ static void attr_str(struct ledger_doc *b, bool first, const char *k, const char
     puts_(b, "}}");
 }
 
-static void span_json(struct ledger_doc *b, const struct conf *c, const struct slot *s, bool first)
+/* A provider call: a CLIENT span under the job's span (HTTP client
+ * conventions: method, status; ERROR without an answer or from 400 on). */
+static void call_json(struct ledger_doc *b, const struct slot *s, bool first)
 {
-    const struct conf_input *in = &c->inputs[s->input];
+    char hex[33], num[96];
+    puts_(b, first ? "{\"traceId\":\"" : ",{\"traceId\":\"");
+    trace_hex(s->trace_id, 16, hex);
+    puts_(b, hex);
+    puts_(b, "\",\"spanId\":\"");
+    trace_hex(s->call_span_id, 8, hex);
+    puts_(b, hex);
+    puts_(b, "\",\"parentSpanId\":\"");
+    trace_hex(s->span_id, 8, hex);
+    puts_(b, hex);
+    puts_(b, "\",\"name\":");
+    put_str(b, s->call_method);
+    /* kind 3: SPAN_KIND_CLIENT */
+    snprintf(num, sizeof num, ",\"kind\":3,\"startTimeUnixNano\":\"%lld\"", s->start_ns);
+    puts_(b, num);
+    snprintf(num, sizeof num, ",\"endTimeUnixNano\":\"%lld\"", s->end_ns);
+    puts_(b, num);
+    puts_(b, ",\"attributes\":[");
+    attr_str(b, true, "http.request.method", s->call_method);
+    attr_str(b, false, "idemq.input", s->in->name);
+    attr_str(b, false, "idemq.provider.operation", s->call_op);
+    attr_str(b, false, "idemq.provider.class", s->call_class);
+    if (s->call_status > 0) {
+        snprintf(num, sizeof num,
+                 ",{\"key\":\"http.response.status_code\",\"value\":{\"intValue\":\"%ld\"}}",
+                 s->call_status);
+        puts_(b, num);
+    }
+    puts_(b, "]");
+    if (s->call_status == 0 || s->call_status >= 400) {
+        puts_(b, ",\"status\":{\"code\":2,\"message\":");
+        put_str(b, s->call_class);
+        puts_(b, "}");
+    }
+    puts_(b, "}");
+}
+
+static void job_json(struct ledger_doc *b, const struct slot *s, bool first)
+{
+    const struct conf_input *in = s->in;
+    bool pg = in->transport && strcmp(in->transport, "postgres") == 0;
     char hex[33], num[64];
     puts_(b, first ? "{\"traceId\":\"" : ",{\"traceId\":\"");
     trace_hex(s->trace_id, 16, hex);
@@ -165,7 +256,8 @@ static void span_json(struct ledger_doc *b, const struct conf *c, const struct s
     snprintf(num, sizeof num, ",\"endTimeUnixNano\":\"%lld\"", s->end_ns);
     puts_(b, num);
     puts_(b, ",\"attributes\":[");
-    attr_str(b, true, "messaging.system", "rabbitmq");
+    /* a PostgreSQL queue input: no value of the conventions names it */
+    attr_str(b, true, "messaging.system", pg ? "postgresql" : "rabbitmq");
     attr_str(b, false, "messaging.operation.type", "process");
     attr_str(b, false, "messaging.operation.name", "process");
     attr_str(b, false, "messaging.destination.name", in->queue);
@@ -185,6 +277,14 @@ static void span_json(struct ledger_doc *b, const struct conf *c, const struct s
     puts_(b, "}");
 }
 
+static void span_json(struct ledger_doc *b, const struct slot *s, bool first)
+{
+    if (s->call_op)
+        call_json(b, s, first);
+    else
+        job_json(b, s, first);
+}
+
 static char *body_of(const struct conf *c, const struct slot *s, size_t n)
 {
     struct ledger_doc b;
@@ -195,7 +295,7 @@ static char *body_of(const struct conf *c, const struct slot *s, size_t n)
     put_str(&b, IDEMQ_VERSION);
     puts_(&b, "},\"spans\":[");
     for (size_t i = 0; i < n; i++)
-        span_json(&b, c, &s[i], i == 0);
+        span_json(&b, &s[i], i == 0);
     puts_(&b, "]}]}]}");
     if (b.nomem) {
         ledger_doc_free(&b);

@@ -30,9 +30,16 @@ enum trace_outcome {
 struct trace_span {
     struct trace_job t;
     long long start_ns, end_ns;
-    int input;              /* index into conf->inputs */
+    const struct conf_input *in; /* its input (of the configuration exported with) */
     int attempt;
     enum trace_outcome outcome;
+    /* A provider call of the job instead (call_op set): a CLIENT span of its
+     * own (call_span_id), the job's span its parent. */
+    const char *call_op;     /* "call", "lookup by key", "lookup by reference"; NULL: the job */
+    const char *call_method; /* "POST", "GET" */
+    const char *call_class;  /* the answer's class (effect_http_class_name) */
+    long call_status;        /* HTTP status; 0: no answer */
+    unsigned char call_span_id[8];
 };
 
 /* Starts the exporter when c->tracing_endpoint is set (else does nothing
@@ -48,6 +55,19 @@ bool trace_export_on(void);
 
 /* Queues a finished span; never blocks on the collector. */
 void trace_export_span(const struct trace_span *s);
+
+/* Queues the span of a settled job of input in: from received_mono_ns
+ * (CLOCK_MONOTONIC, when the job came) to now_mono_ns. Nothing when the
+ * job has no span of its own. */
+void trace_export_job(const struct trace_job *t, const struct conf_input *in,
+                      long long received_mono_ns, long long now_mono_ns, int attempt,
+                      enum trace_outcome outcome);
+
+/* Queues the span of one provider call of a job with a span (a child of
+ * it): op and method as in struct trace_span, cls the answer's class,
+ * status its HTTP status (0: none), elapsed_ms the call's time to now. */
+void trace_export_call(const struct trace_job *t, const struct conf_input *in, const char *op,
+                       const char *method, const char *cls, long status, long long elapsed_ms);
 
 /* Counters since start (metrics). */
 struct trace_export_counts {

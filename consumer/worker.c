@@ -513,6 +513,9 @@ static void serviced_nap(void *ctx, long ms)
 
 /* ---- provider inputs: provider_run decides, the worker settles ---- */
 
+static void export_span(const struct session *s, const struct job *j, const struct plan *p,
+                        long long now_mono);
+
 /*
  * Polls the provider jobs (up to wait_ms) and settles the deliveries
  * decided, through the same settle rules as a batch. A database failure
@@ -539,9 +542,11 @@ static enum step provider_settle(struct session *s, int wait_ms)
                 if (plans[i].how == SETTLE_DEAD && plans[i].park)
                     s->park_ids[parks++] = (long long)json_integer_value(
                         json_object_get(plans[i].park, "park_id"));
-                if (plans[i].how != SETTLE_RELEASE && jobs[i].received_ns)
+                if (plans[i].how != SETTLE_RELEASE && jobs[i].received_ns) {
                     latency_record(&s->w->latency,
                                    (uint64_t)(now - jobs[i].received_ns) / 1000u);
+                    export_span(s, &jobs[i], &plans[i], now); /* its calls are children */
+                }
             }
             atomic_fetch_add(&s->w->stats.settled, n);
             s->w->last_ack_ns = now;
@@ -748,28 +753,19 @@ static enum step lanes_housekeeping(struct session *s)
 /* Records delivery -> settlement (the ack, or the requeue of a transient
  * failure) of a batch s->bt.jobs[0..n) that was settled. */
 /* The span of a settled job (trace_export.h): from its delivery to now. */
-static void export_span(const struct job *j, const struct plan *p, long long now_mono)
+static void export_span(const struct session *s, const struct job *j, const struct plan *p,
+                        long long now_mono)
 {
-    struct trace_span sp;
-    struct timespec wall;
-    long long wall_ns;
-    if (!j->trace.span)
-        return;
-    clock_gettime(CLOCK_REALTIME, &wall);
-    wall_ns = (long long)wall.tv_sec * 1000000000LL + wall.tv_nsec;
-    sp.t = j->trace;
-    sp.end_ns = wall_ns;
-    sp.start_ns = wall_ns - (now_mono - j->received_ns);
-    sp.input = j->input;
-    sp.attempt = p->attempt;
-    sp.outcome = p->observed                           ? TRACE_OBSERVED
-                 : p->how == SETTLE_DEAD || p->how == SETTLE_REJECT ? TRACE_PARKED
-                 : p->how == SETTLE_DELAY                           ? TRACE_RETRY
-                 : p->how != SETTLE_ACK                             ? TRACE_HELD
-                 : p->outcome == LEDGER_APPLIED                     ? TRACE_APPLIED
-                 : p->outcome == LEDGER_DUPLICATE                   ? TRACE_DUPLICATE
-                                                                    : TRACE_HELD;
-    trace_export_span(&sp);
+    enum trace_outcome o = p->observed                           ? TRACE_OBSERVED
+                         : p->how == SETTLE_DEAD || p->how == SETTLE_REJECT ? TRACE_PARKED
+                         : p->how == SETTLE_DELAY                           ? TRACE_RETRY
+                         : p->how != SETTLE_ACK                             ? TRACE_HELD
+                         : p->outcome == LEDGER_APPLIED                     ? TRACE_APPLIED
+                         : p->outcome == LEDGER_DUPLICATE                   ? TRACE_DUPLICATE
+                                                                            : TRACE_HELD;
+    if (j->trace.span)
+        trace_export_job(&j->trace, &s->c->inputs[j->input], j->received_ns, now_mono,
+                         p->attempt, o);
 }
 
 static void note_acked(struct session *s)
@@ -780,7 +776,7 @@ static void note_acked(struct session *s)
         if (jobs[i].received_ns) { /* 0: held in its lane (moved out), not settled yet */
             latency_record(&s->w->latency, (uint64_t)(now - jobs[i].received_ns) / 1000u);
             latency_record(&s->w->interval, (uint64_t)(now - jobs[i].received_ns) / 1000u);
-            export_span(&jobs[i], &s->bt.plans[i], now);
+            export_span(s, &jobs[i], &s->bt.plans[i], now);
         }
     if (jobs[0].received_ns &&
         (!s->w->first_delivery_ns || jobs[0].received_ns < s->w->first_delivery_ns))

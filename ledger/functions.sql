@@ -44,6 +44,17 @@ AS $fn$
       FROM idemq.parked p WHERE p.id = p_id;
 $fn$;
 
+-- The trace id of a job's meta: the 32 hex digits of its traceparent
+-- (checked by idemq when the job came, consumer/trace.h), or NULL.
+CREATE OR REPLACE FUNCTION idemq.trace_id_of(m jsonb)
+RETURNS text
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, idemq
+AS $fn$
+    SELECT CASE WHEN m->>'traceparent' ~ '^[0-9a-f]{2}-[0-9a-f]{32}-'
+                THEN substr(m->>'traceparent', 4, 32) END;
+$fn$;
+
 -- Records one attempt row. m is the job's meta (delivery facts).
 CREATE OR REPLACE FUNCTION idemq.add_attempt(
     p_key text, p_attempt integer, p_generation integer, p_outcome text,
@@ -55,11 +66,11 @@ SET search_path = pg_catalog, idemq
 AS $fn$
     INSERT INTO idemq.attempts (key, attempt, generation, outcome, started_at, finished_at,
         queue, routing_key, redelivered, delivery_count, acquired_count, consumer_id, delay_ms,
-        message)
+        message, trace_id)
     VALUES (p_key, p_attempt, p_generation, p_outcome, p_started, p_finished, p_queue,
         m->>'routing_key', (m->>'redelivered')::boolean, (m->>'delivery_count')::integer,
         (m->>'acquired_count')::integer,
-        p_consumer, p_delay_ms, p_message);
+        p_consumer, p_delay_ms, p_message, idemq.trace_id_of(m));
 $fn$;
 
 -- The job's trace context for the effect that runs next, in this
@@ -522,14 +533,14 @@ BEGIN
     END IF;
     INSERT INTO idemq.attempts (key, attempt, generation, outcome, started_at, finished_at,
         error_class, error_code, sqlstate, message, queue, routing_key, redelivered,
-        delivery_count, acquired_count, consumer_id, delay_ms)
+        delivery_count, acquired_count, consumer_id, delay_ms, trace_id)
     VALUES (p_key, p_attempt, v_gen,
         CASE WHEN p_class = 'transient' THEN 'transient_error' ELSE 'permanent_error' END,
         p_started, p_finished, p_class, p_code, p_sqlstate, p_message, p_queue,
         p_meta->>'routing_key', (p_meta->>'redelivered')::boolean,
         (p_meta->>'delivery_count')::integer,
         (p_meta->>'acquired_count')::integer, p_consumer,
-        CASE WHEN p_park THEN NULL ELSE p_delay_ms END);
+        CASE WHEN p_park THEN NULL ELSE p_delay_ms END, idemq.trace_id_of(p_meta));
     IF NOT p_park THEN
         -- the message stays in the ledger until the retry came
         -- back (ledger/functions_rescue.sql)

@@ -47,12 +47,12 @@ RETURNS bigint
 LANGUAGE sql SET search_path = pg_catalog, idemq AS $fn$
     INSERT INTO idemq.attempts (key, attempt, generation, outcome, started_at, finished_at,
         error_class, error_code, message, queue, routing_key, redelivered, delivery_count,
-        acquired_count, consumer_id, delay_ms)
+        acquired_count, consumer_id, delay_ms, trace_id)
     SELECT j.key, j.attempts, j.generation, p_outcome, p_started, clock_timestamp(), p_class,
         p_code, left(p_message, 2000), j.source_queue, p_meta->>'routing_key',
         (p_meta->>'redelivered')::boolean, (p_meta->>'delivery_count')::integer,
         (p_meta->>'acquired_count')::integer, p_consumer,
-        p_delay_ms
+        p_delay_ms, idemq.trace_id_of(p_meta)
       FROM idemq.jobs j WHERE j.key = p_key
     RETURNING id;
 $fn$;
@@ -949,14 +949,14 @@ BEGIN
          WHERE j.key = p_key;
         INSERT INTO idemq.attempts (key, attempt, generation, outcome, started_at, finished_at,
             error_class, error_code, sqlstate, message, queue, routing_key, redelivered,
-            delivery_count, acquired_count, consumer_id, delay_ms)
+            delivery_count, acquired_count, consumer_id, delay_ms, trace_id)
         SELECT j.key, j.attempts, j.generation, 'transient_error', v_now, clock_timestamp(),
             p_class, p_code, p_sqlstate,
             format('provider reference %s is recorded; the local effect failed: %s',
                    v_int.provider_ref, p_message), j.source_queue, p_meta->>'routing_key',
             (p_meta->>'redelivered')::boolean, (p_meta->>'delivery_count')::integer,
             (p_meta->>'acquired_count')::integer,
-            p_consumer, r_delay_ms
+            p_consumer, r_delay_ms, idemq.trace_id_of(p_meta)
           FROM idemq.jobs j WHERE j.key = p_key;
         r_action := 'retry';
     END IF;

@@ -19,6 +19,13 @@
 --   key or order_key over 255 bytes                                 22001
 --   run_after more than 366 days ahead                              22008
 --   priority outside -32768 .. 32767                                22003
+-- The job's trace context is the enqueuing transaction's: the settings
+-- idemq.traceparent and idemq.tracestate (a producer sets them with
+-- set_config(..., true) before it enqueues; inside an idemq effect they
+-- hold the running job's, so a job enqueued by an effect continues its
+-- trace). Stored as they are, for idemq to check when it takes the row
+-- like a message header; a value over 256 (traceparent) or 512
+-- (tracestate) bytes is not stored, and an empty one is none.
 -- Rows of one order key are numbered in commit order: the enqueue waits
 -- for a transaction-scoped advisory lock on (queue, order_key) before it
 -- takes its id, so a second transaction enqueueing the same order key
@@ -31,6 +38,8 @@ CREATE OR REPLACE FUNCTION idemq.enqueue_raw(p_queue text, p_payload bytea,
 RETURNS bigint LANGUAGE plpgsql SECURITY DEFINER AS $fn$
 DECLARE
     v_id bigint;
+    v_tp text := nullif(current_setting('idemq.traceparent', true), '');
+    v_ts text := nullif(current_setting('idemq.tracestate', true), '');
 BEGIN
     IF p_queue IS NULL OR p_queue = '' OR octet_length(p_queue) > 255
        OR p_queue ~ '[[:cntrl:]]' THEN
@@ -64,9 +73,16 @@ BEGIN
         PERFORM pg_advisory_xact_lock(
             hashtextextended('idemq.queue:' || p_queue || ':' || p_order_key, 0));
     END IF;
-    INSERT INTO idemq.queue_jobs (queue, key, order_key, priority, run_after, payload)
+    IF octet_length(v_tp) > 256 THEN
+        v_tp := NULL;
+    END IF;
+    IF v_tp IS NULL OR octet_length(v_ts) > 512 THEN
+        v_ts := NULL;
+    END IF;
+    INSERT INTO idemq.queue_jobs (queue, key, order_key, priority, run_after, payload,
+                                  traceparent, tracestate)
     VALUES (p_queue, p_key, p_order_key, coalesce(p_priority, 0)::smallint,
-            coalesce(p_run_after, now()), p_payload)
+            coalesce(p_run_after, now()), p_payload, v_tp, v_ts)
     RETURNING id INTO v_id;
     PERFORM pg_notify('idemq_queue', p_queue);
     RETURN v_id;
@@ -84,6 +100,9 @@ RETURNS bigint LANGUAGE sql SECURITY DEFINER AS $fn$
                              p_run_after, p_priority);
 $fn$;
 
+DROP FUNCTION IF EXISTS idemq.queue_take(text, integer); -- its result gained the trace context
+DROP FUNCTION IF EXISTS idemq.queue_take_row(bigint);
+
 -- Inside the worker's transaction: takes up to p_limit ready rows of
 -- p_queue (run_after passed), in (run_after, priority, id) order, locking
 -- them with FOR UPDATE SKIP LOCKED: a row another worker holds is skipped,
@@ -95,10 +114,10 @@ $fn$;
 CREATE OR REPLACE FUNCTION idemq.queue_take(p_queue text, p_limit integer)
 RETURNS TABLE (r_id bigint, r_key text, r_order_key text, r_payload bytea,
                r_attempts integer, r_redrive_gen integer, r_park_id bigint,
-               r_enqueued_at timestamptz)
+               r_enqueued_at timestamptz, r_traceparent text, r_tracestate text)
 LANGUAGE sql SECURITY DEFINER AS $fn$
     SELECT q.id, q.key, q.order_key, q.payload, q.attempts, q.redrive_gen, q.park_id,
-           q.enqueued_at
+           q.enqueued_at, q.traceparent, q.tracestate
       FROM idemq.queue_jobs q
      WHERE q.queue = p_queue AND q.run_after <= clock_timestamp()
        AND (q.order_key IS NULL OR NOT EXISTS (
@@ -115,10 +134,10 @@ $fn$;
 CREATE OR REPLACE FUNCTION idemq.queue_take_row(p_id bigint)
 RETURNS TABLE (r_id bigint, r_key text, r_order_key text, r_payload bytea,
                r_attempts integer, r_redrive_gen integer, r_park_id bigint,
-               r_enqueued_at timestamptz)
+               r_enqueued_at timestamptz, r_traceparent text, r_tracestate text)
 LANGUAGE sql SECURITY DEFINER AS $fn$
     SELECT q.id, q.key, q.order_key, q.payload, q.attempts, q.redrive_gen, q.park_id,
-           q.enqueued_at
+           q.enqueued_at, q.traceparent, q.tracestate
       FROM idemq.queue_jobs q WHERE q.id = p_id
        FOR UPDATE SKIP LOCKED;
 $fn$;
@@ -177,11 +196,16 @@ BEGIN
     END IF;
     SELECT j.state INTO v_state FROM idemq.jobs j WHERE j.key = p.key;
     INSERT INTO idemq.queue_jobs (queue, key, order_key, payload, redrive_gen, park_id,
-                                  enqueued_by)
+                                  enqueued_by, traceparent, tracestate)
     VALUES (p.properties->>'queue', p.properties->>'enqueue_key',
             p.properties->>'order_key', p.body,
             CASE WHEN v_state = 'parked' THEN p.generation END, p.id,
-            coalesce(p_by, session_user))
+            coalesce(p_by, session_user),
+            -- the trace the parked job was in (checked again when taken)
+            CASE WHEN octet_length(p.headers->>'traceparent') <= 256
+                 THEN p.headers->>'traceparent' END,
+            CASE WHEN octet_length(p.headers->>'tracestate') <= 512
+                 THEN p.headers->>'tracestate' END)
     RETURNING id INTO v_id;
     IF v_state IS DISTINCT FROM 'parked' THEN
         PERFORM idemq.close_park(p.id, 'redriven into queue row ' || v_id, coalesce(p_by, session_user));

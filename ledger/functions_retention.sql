@@ -753,7 +753,9 @@ BEGIN
             'a.error_class, a.error_code, a.sqlstate, a.message, a.queue, a.routing_key, '
             'a.redelivered, a.delivery_count, a.consumer_id, a.generation, a.delay_ms, '
             -- acquired_count (0016): tables archived before it have none
-            '(to_jsonb(a)->>''acquired_count'')::integer '
+            '(to_jsonb(a)->>''acquired_count'')::integer, '
+            -- trace_id (0023): likewise
+            'to_jsonb(a)->>''trace_id'' '
             'FROM %I.%I a WHERE a.key = $1', idemq.history_schema(r.location), r.relname)
           USING p_key;
     END LOOP;
@@ -885,7 +887,7 @@ BEGIN
                a.started_at, a.queue, a.redelivered,
                coalesce(', delivery count ' || a.delivery_count, '') ||
                coalesce(', acquired ' || a.acquired_count || ' times', ''),
-               a.consumer_id)
+               concat(a.consumer_id, ', trace ' || a.trace_id))
       FROM idemq.key_attempts(p_key) a;
     IF j.batch_id IS NOT NULL OR j.key IS NULL THEN
         RETURN QUERY
@@ -902,7 +904,7 @@ BEGIN
                    b.at, b.meta->>'queue', b.meta->>'redelivered',
                    coalesce(', delivery count ' || (b.meta->>'delivery_count'), '') ||
                    coalesce(', acquired ' || (b.meta->>'acquired_count') || ' times', ''),
-                   b.consumer_id)
+                   concat(b.consumer_id, ', trace ' || idemq.trace_id_of(b.meta)))
           FROM idemq.key_batches(p_key, j.applied_at, j.batch_id) b;
     END IF;
     RETURN QUERY
@@ -995,11 +997,13 @@ BEGIN
     FOR j IN SELECT e FROM jsonb_array_elements(p_jobs) AS e LOOP
         SELECT x.attempts, x.generation INTO t FROM idemq.jobs x WHERE x.key = j->>'k';
         INSERT INTO idemq.attempts (key, attempt, generation, outcome, started_at, finished_at,
-            queue, routing_key, redelivered, delivery_count, acquired_count, consumer_id, message)
+            queue, routing_key, redelivered, delivery_count, acquired_count, consumer_id, message,
+            trace_id)
         VALUES (j->>'k', t.attempts, t.generation, 'duplicate', p_started, clock_timestamp(),
             j->'m'->>'queue', j->'m'->>'routing_key', (j->'m'->>'redelivered')::boolean,
             (j->'m'->>'delivery_count')::integer,
-            (j->'m'->>'acquired_count')::integer, p_consumer, 'applied');
+            (j->'m'->>'acquired_count')::integer, p_consumer, 'applied',
+            idemq.trace_id_of(j->'m'));
     END LOOP;
     RETURN true;
 END

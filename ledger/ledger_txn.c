@@ -20,6 +20,7 @@
 #include "mask.h"
 #include "protect.h"
 #include "seal.h"
+#include "trace.h"
 
 struct ledger_txn {
     PGconn *db;
@@ -589,6 +590,13 @@ idemq_err_t ledger_txn_record_failure(struct ledger_txn *lt, const struct job *j
         json_object_set_new(meta, "delivery_count", json_integer(j->delivery_count));
     if (meta && j->acquired_count >= 0)
         json_object_set_new(meta, "acquired_count", json_integer(j->acquired_count));
+    {
+        /* the job's trace, recorded with the attempt (its trace id) */
+        char tp[TRACE_PARENT_LEN + 1];
+        trace_job_parent(&j->trace, tp);
+        if (meta && tp[0])
+            json_object_set_new(meta, "traceparent", json_string(tp));
+    }
     meta_s = meta ? dump(meta) : NULL;
     json_decref(meta);
     if (!headers || !props || !meta_s) {

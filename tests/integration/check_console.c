@@ -698,6 +698,8 @@ END_TEST
  * jobs show`, `idemq parked list` and the console's park page (body and
  * reason) show "***" in its place, while the other fields stay readable.
  */
+#define TRACE_ID "4bf92f3577b34da6a3ce929d0e0e4736"
+
 START_TEST(test_console_masks_sensitive)
 {
     struct itest t;
@@ -728,7 +730,14 @@ START_TEST(test_console_masks_sensitive)
              "{\"job_id\":\"%s\",\"card\":{\"number\":\"%s\",\"brand\":\"visa\"},"
              "\"account\":{\"iban\":\"DE89370400440532013000\"}}",
              key, card);
-    itest_publish(&t, (const char *[]){body}, 1);
+    {
+        /* with a trace context: its trace id is shown with the attempts,
+         * as it is (no masking rule applies to it) */
+        json_t *h = json_pack("{s:s}", "traceparent", "00-" TRACE_ID "-00f067aa0ba902b7-01");
+        itest_publish_to(&t, t.conf->inputs[0].exchange, t.conf->inputs[0].routing_key, body, h,
+                         NULL);
+        json_decref(h);
+    }
     itest_run_until_idle(&t, 2);
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE key = $1", key), 1);
     itest_text(&t, "SELECT reason FROM idemq.parked WHERE key = $1", key, buf, sizeof buf);
@@ -739,6 +748,7 @@ START_TEST(test_console_masks_sensitive)
     snprintf(sql, sizeof sql, "jobs show '%s'", key);
     ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
     ck_assert_msg(strstr(out, "***") && !strstr(out, card), "%s", out);
+    ck_assert_msg(strstr(out, "trace " TRACE_ID), "no trace id in jobs show: %s", out);
     snprintf(sql, sizeof sql, "parked list --key '%s'", key);
     ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
     ck_assert_msg(strstr(out, key) && !strstr(out, card), "%.4000s", out);
@@ -757,6 +767,10 @@ START_TEST(test_console_masks_sensitive)
     snprintf(url, sizeof url, "http://127.0.0.1:%d/groups", port);
     ck_assert_int_eq(curl_page(url, NULL, NULL, page, sizeof page), 200);
     ck_assert_msg(!strstr(page, card), "%s", page);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/key?k=%s", port, key);
+    ck_assert_int_eq(curl_page(url, NULL, NULL, page, sizeof page), 200);
+    ck_assert_msg(strstr(page, "trace " TRACE_ID) && !strstr(page, card),
+                  "no trace id on the key's page: %.4000s", page);
     kill(pid, SIGTERM);
     rc = itest_wait(pid, itest_ms(15000));
     ck_assert_msg(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "status 0x%x", rc);

@@ -598,6 +598,44 @@ START_TEST(test_two_replicas_exactly_once)
 }
 END_TEST
 
+/* The enqueuing transaction's trace context travels with the row and is
+ * checked when the row is taken, as a broker message's header is: a valid
+ * one reaches the effect's meta (with its tracestate), an invalid one and
+ * one over the enqueue's bound are dropped, and a row enqueued without one
+ * carries none. */
+START_TEST(test_trace_context_of_rows)
+{
+    struct itest t;
+    char cfg[300];
+    const char *tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    setup(&t, "pgq_trace", cfg, sizeof cfg, "", "");
+    qexec(&t, "BEGIN; SELECT set_config('idemq.traceparent', '%s', true), "
+              "set_config('idemq.tracestate', 'v=1', true); "
+              "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:ok\"}'); COMMIT",
+          tp, t.name, t.name);
+    qexec(&t, "BEGIN; SELECT set_config('idemq.traceparent', upper('%s'), true); "
+              "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:upper\"}'); COMMIT",
+          tp, t.name, t.name);
+    qexec(&t, "BEGIN; SELECT set_config('idemq.traceparent', '%s-' || repeat('a', 300), true); "
+              "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:long\"}'); COMMIT",
+          tp, t.name, t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:none\"}')", t.name, t.name);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s' AND "
+                               "traceparent IS NOT NULL", t.name),
+                     2); /* the one over 256 bytes is not stored */
+    run_pg(cfg, 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = '%s:ok' AND "
+                               "meta->>'traceparent' = '%s' AND meta->>'tracestate' = 'v=1'",
+                           t.name, tp),
+                     1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE '%s:%%' "
+                               "AND NOT meta ? 'traceparent' AND NOT meta ? 'tracestate'",
+                           t.name),
+                     3);
+    itest_teardown(&t);
+}
+END_TEST
+
 START_TEST(test_enqueue_limits)
 {
     struct itest t;
@@ -844,6 +882,7 @@ int main(void)
     tcase_set_timeout(tc, itest_ms(180));
     tcase_add_test(tc, test_config_refuses);
     tcase_add_test(tc, test_enqueue_limits);
+    tcase_add_test(tc, test_trace_context_of_rows);
     tcase_add_test(tc, test_rolled_back_enqueue_never_runs);
     tcase_add_test(tc, test_two_enqueues_of_one_key);
     tcase_add_test(tc, test_order_per_key);

@@ -23,6 +23,7 @@
 #include "broker.h"
 #include "broker_admin.h"
 #include "itest.h"
+#include "tprov.h"
 
 #define OTEL_DIR IDEMQ_SOURCE_DIR "/tests/trace"
 
@@ -210,6 +211,194 @@ START_TEST(test_trace_end_to_end)
 }
 END_TEST
 
+/* The spans the receiver wrote to out, as a JSON array; fails the test on
+ * a request the protocol definitions refused. */
+static json_t *received_spans(const char *out)
+{
+    json_t *all = json_array(), *line;
+    char buf[65536];
+    FILE *f = fopen(out, "r");
+    ck_assert_ptr_nonnull(f);
+    while (fgets(buf, sizeof buf, f)) {
+        line = json_loads(buf, 0, NULL);
+        ck_assert_msg(line != NULL, "receiver line: %s", buf);
+        ck_assert_msg(!json_object_get(line, "invalid"), "invalid OTLP request: %s",
+                      json_string_value(json_object_get(line, "invalid")));
+        json_array_append_new(all, line);
+    }
+    fclose(f);
+    return all;
+}
+
+/* The span of spans whose parent is parent_id, or NULL. */
+static json_t *child_of(json_t *spans, const char *trace_id, const char *parent_id)
+{
+    size_t i;
+    json_t *sp;
+    json_array_foreach(spans, i, sp) {
+        const char *tid = json_string_value(json_object_get(sp, "traceId"));
+        const char *pid = json_string_value(json_object_get(sp, "parentSpanId"));
+        if (tid && pid && strcmp(tid, trace_id) == 0 && strcmp(pid, parent_id) == 0)
+            return sp;
+    }
+    return NULL;
+}
+
+/* A PostgreSQL queue input: the producer (the SDK, node-postgres) enqueues
+ * with its context in the transaction's settings; idemq's span of the row
+ * is a child of the producer's, the effect's meta continues idemq's span,
+ * and the job the effect enqueues is a child of that span in turn. */
+START_TEST(test_trace_pg_queue)
+{
+    struct itest t;
+    char conf[512], cfg[300], out[256], args[2048], body[512], want[64];
+    int port = itest_free_port();
+    json_t *prod, *spans, *a, *b;
+    pid_t recv;
+    FILE *f;
+
+    need_modules();
+    itest_setup(&t, "trace_pg", "idemq_test.record", "", "");
+    itest_sql(&t, "CREATE OR REPLACE FUNCTION idemq_test.trace_chain(p_key text, p_payload "
+                  "jsonb, p_meta jsonb) RETURNS jsonb LANGUAGE plpgsql AS $fn$ BEGIN "
+                  "IF p_payload ? 'next' THEN PERFORM idemq.enqueue(p_payload->>'queue', "
+                  "jsonb_build_object('job_id', p_payload->>'next')); END IF; "
+                  "RETURN idemq_test.record(p_key, p_payload, p_meta); END $fn$");
+    snprintf(conf, sizeof conf,
+             "tracing: { endpoint = \"http://127.0.0.1:%d/v1/traces\"; flush_ms = 100; "
+             "service_name = \"idemq-test\"; };",
+             port);
+    snprintf(cfg, sizeof cfg, "/tmp/%s.pg.cfg", t.name);
+    f = fopen(cfg, "w");
+    ck_assert_ptr_nonnull(f);
+    fprintf(f,
+            "%s\nconsumer: { id = \"%s\"; };\nlog: { level = \"info\"; };\n"
+            "inputs = ( { name = \"%s\"; transport = \"postgres\"; queue = \"%s\";\n"
+            "  effect_function = \"idemq_test.trace_chain\"; } );\n",
+            conf, t.name, t.name, t.name);
+    fclose(f);
+    snprintf(out, sizeof out, "/tmp/%s.otlp.jsonl", t.name);
+    recv = start_receiver(port, out);
+
+    snprintf(body, sizeof body, "{\"job_id\":\"%s:a\",\"next\":\"%s:b\",\"queue\":\"%s\"}",
+             t.name, t.name, t.name);
+    snprintf(args, sizeof args, "enqueue '%s' '%s' '%s'", getenv("IDEMQ_PG_DSN"), t.name, body);
+    prod = otel(args);
+    ck_assert_ptr_nonnull(prod);
+    {
+        pid_t pid = itest_spawn(NULL, cfg, 1, NULL);
+        int st = itest_wait(pid, itest_ms(60000));
+        ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "idemq run: 0x%x", st);
+    }
+    stop_receiver(recv);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE "
+                                    "$1 || ':%'", t.name),
+                     2);
+    spans = received_spans(out);
+    a = child_of(spans, json_string_value(json_object_get(prod, "traceId")),
+                 json_string_value(json_object_get(prod, "spanId")));
+    ck_assert_msg(a != NULL, "no span of the enqueued row under the producer's (%zu spans)",
+                  json_array_size(spans));
+    ck_assert_int_eq(json_integer_value(json_object_get(a, "kind")), 5);
+    ck_assert_str_eq(attr(a, "messaging.system"), "postgresql");
+    ck_assert_str_eq(attr(a, "messaging.destination.name"), t.name);
+    ck_assert_str_eq(attr(a, "idemq.outcome"), "applied");
+    /* the effect ran under idemq's span */
+    snprintf(want, sizeof want, "00-%s-%s-01", json_string_value(json_object_get(prod, "traceId")),
+             json_string_value(json_object_get(a, "spanId")));
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE "
+                                    "meta->>'traceparent' = $1", want),
+                     1);
+    /* the job the effect enqueued continues the trace */
+    b = child_of(spans, json_string_value(json_object_get(prod, "traceId")),
+                 json_string_value(json_object_get(a, "spanId")));
+    ck_assert_msg(b != NULL, "no span of the chained row under idemq's first span");
+    ck_assert_str_eq(attr(b, "idemq.outcome"), "applied");
+    {
+        /* jobs show names the key's trace (a plain apply: from its batch row) */
+        char cmd[300], shown[16384], want_tr[64];
+        snprintf(cmd, sizeof cmd, "jobs show '%s:a'", t.name);
+        ck_assert_int_eq(itest_idemq(&t, cmd, shown, sizeof shown), 0);
+        snprintf(want_tr, sizeof want_tr, "trace %s",
+                 json_string_value(json_object_get(prod, "traceId")));
+        ck_assert_msg(strstr(shown, want_tr) != NULL, "no %s in: %s", want_tr, shown);
+    }
+    json_decref(spans);
+    json_decref(prod);
+    unlink(out);
+    unlink(cfg);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* A provider input: each call to the provider is a CLIENT span under
+ * idemq's span of the job, with its HTTP status; the job's span is a
+ * child of the producer's. */
+START_TEST(test_trace_provider_call)
+{
+    struct itest t;
+    struct tprov p;
+    char conf[512], input[1024], out[256], body[256];
+    const char *tid = "4bf92f3577b34da6a3ce929d0e0e4736", *psid = "00f067aa0ba902b7";
+    char tp[64];
+    int port = itest_free_port();
+    json_t *spans, *job, *call, *h;
+    pid_t recv;
+
+    need_modules();
+    tprov_start(&p, NULL);
+    snprintf(conf, sizeof conf,
+             "tracing: { endpoint = \"http://127.0.0.1:%d/v1/traces\"; flush_ms = 100; };",
+             port);
+    snprintf(input, sizeof input,
+             "provider: { url = \"%s\"; path = \"/charges\"; timeout_ms = %d; };", p.url,
+             itest_ms(3000));
+    itest_extra_conf = conf;
+    itest_setup(&t, "trace_prov", "idemq_test.record", "", input);
+    itest_extra_conf = NULL;
+    snprintf(out, sizeof out, "/tmp/%s.otlp.jsonl", t.name);
+    recv = start_receiver(port, out);
+    snprintf(tp, sizeof tp, "00-%s-%s-01", tid, psid);
+    h = json_pack("{s:s}", "traceparent", tp);
+    snprintf(body, sizeof body, "{\"job_id\":\"%s-k1\",\"amount_minor\":500}", t.name);
+    itest_publish_to(&t, t.conf->inputs[0].exchange, t.conf->inputs[0].routing_key, body, h,
+                     NULL);
+    json_decref(h);
+    itest_run_until_idle(&t, 3);
+    stop_receiver(recv);
+    spans = received_spans(out);
+    job = child_of(spans, tid, psid);
+    ck_assert_msg(job != NULL, "no span of the job under the producer's (%zu spans)",
+                  json_array_size(spans));
+    ck_assert_str_eq(attr(job, "idemq.outcome"), "applied");
+    call = child_of(spans, tid, json_string_value(json_object_get(job, "spanId")));
+    ck_assert_msg(call != NULL, "no span of the provider call under the job's");
+    ck_assert_int_eq(json_integer_value(json_object_get(call, "kind")), 3);
+    ck_assert_str_eq(json_string_value(json_object_get(call, "name")), "POST");
+    ck_assert_str_eq(attr(call, "http.request.method"), "POST");
+    ck_assert_str_eq(attr(call, "idemq.provider.operation"), "call");
+    ck_assert_str_eq(attr(call, "idemq.provider.class"), "success");
+    {
+        size_t i;
+        json_t *a;
+        const char *status = NULL;
+        json_array_foreach(json_object_get(call, "attributes"), i, a) {
+            if (strcmp(json_string_value(json_object_get(a, "key")),
+                       "http.response.status_code") == 0)
+                status = json_string_value(
+                    json_object_get(json_object_get(a, "value"), "intValue"));
+        }
+        ck_assert_msg(status && (strcmp(status, "200") == 0 || strcmp(status, "201") == 0),
+                      "status %s", status ? status : "(none)");
+    }
+    ck_assert_ptr_null(json_object_get(call, "status"));
+    json_decref(spans);
+    unlink(out);
+    itest_teardown(&t);
+    tprov_stop(&p);
+}
+END_TEST
+
 /* A collector that is down: every job is applied, the spans are counted as
  * failed, and the run ends on time. */
 START_TEST(test_collector_down)
@@ -251,6 +440,8 @@ int main(void)
     TCase *tc = tcase_create("tracing");
     tcase_set_timeout(tc, itest_ms(180));
     tcase_add_test(tc, test_trace_end_to_end);
+    tcase_add_test(tc, test_trace_pg_queue);
+    tcase_add_test(tc, test_trace_provider_call);
     tcase_add_test(tc, test_collector_down);
     suite_add_tcase(s, tc);
     return check_run(s);

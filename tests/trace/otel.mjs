@@ -9,6 +9,12 @@
 //                      publishes BODY under a PRODUCER span of the SDK, its
 //                      context injected by the W3C propagator; prints
 //                      {"traceId", "spanId"} of that span
+//   enqueue DSN QUEUE BODY
+//                      enqueues BODY into a PostgreSQL queue input with
+//                      node-postgres under a PRODUCER span, its context
+//                      injected by the W3C propagator into the settings
+//                      idemq.traceparent and idemq.tracestate of the
+//                      enqueuing transaction; prints {"traceId", "spanId"}
 //   consume URL QUEUE  takes one message, extracts its context with the W3C
 //                      propagator and starts a CONSUMER span under it;
 //                      prints {"traceId", "parentSpanId", "spanId"}
@@ -17,6 +23,7 @@ import fs from 'node:fs';
 import http from 'node:http';
 import assert from 'node:assert';
 import amqp from 'amqplib';
+import pg from 'pg';
 import api from '@opentelemetry/api';
 import { W3CTraceContextPropagator } from '@opentelemetry/core';
 import { BasicTracerProvider, InMemorySpanExporter, SimpleSpanProcessor } from '@opentelemetry/sdk-trace-base';
@@ -123,6 +130,34 @@ async function produce(url, exchange, rk, body) {
   console.log(JSON.stringify({ traceId: c.traceId, spanId: c.spanId }));
 }
 
+// libpq's "key=value ..." (values without spaces or quotes) as node-postgres's config
+function pgConfig(dsn) {
+  const kv = Object.fromEntries(dsn.trim().split(/\s+/).map((p) => {
+    const i = p.indexOf('=');
+    return [p.slice(0, i), p.slice(i + 1)];
+  }));
+  return { host: kv.host, port: Number(kv.port || 5432), database: kv.dbname, user: kv.user, password: kv.password };
+}
+
+async function enqueue(dsn, queue, body) {
+  const t = tracer();
+  const span = t.startSpan(`publish ${queue}`, { kind: api.SpanKind.PRODUCER });
+  const carrier = {};
+  propagator.inject(api.trace.setSpan(api.context.active(), span), carrier, api.defaultTextMapSetter);
+  assert.ok(carrier.traceparent, 'the propagator injected no traceparent');
+  const db = new pg.Client(pgConfig(dsn));
+  await db.connect();
+  await db.query('BEGIN');
+  await db.query("SELECT set_config('idemq.traceparent', $1, true), set_config('idemq.tracestate', $2, true)",
+                 [carrier.traceparent, carrier.tracestate || '']);
+  await db.query('SELECT idemq.enqueue($1, $2::jsonb)', [queue, body]);
+  await db.query('COMMIT');
+  await db.end();
+  span.end();
+  const c = span.spanContext();
+  console.log(JSON.stringify({ traceId: c.traceId, spanId: c.spanId }));
+}
+
 async function consume(url, queue) {
   const conn = await amqp.connect(url);
   const ch = await conn.createChannel();
@@ -138,9 +173,9 @@ async function consume(url, queue) {
 }
 
 const [cmd, ...args] = process.argv.slice(2);
-const run = { receive: () => receive(Number(args[0]), args[1]), produce: () => produce(...args), consume: () => consume(...args) }[cmd];
+const run = { receive: () => receive(Number(args[0]), args[1]), produce: () => produce(...args), enqueue: () => enqueue(...args), consume: () => consume(...args) }[cmd];
 if (!run) {
-  console.error('usage: otel.mjs receive PORT OUT | produce URL EXCHANGE RK BODY | consume URL QUEUE');
+  console.error('usage: otel.mjs receive PORT OUT | produce URL EXCHANGE RK BODY | enqueue DSN QUEUE BODY | consume URL QUEUE');
   process.exit(2);
 }
 run().catch((e) => { console.error(String(e.stack || e)); process.exit(1); });

@@ -141,6 +141,53 @@ START_TEST(test_job_span)
 }
 END_TEST
 
+/* A provider call's span: CLIENT, a child of the job's span, in the same
+ * trace, with its status; ERROR when no answer came. */
+START_TEST(test_call_span)
+{
+    struct conf c;
+    struct conf_input in;
+    struct trace_span sp[2];
+    json_t *root, *spans, *s0, *s1;
+    char *body, hex[33];
+    memset(&c, 0, sizeof c);
+    memset(&in, 0, sizeof in);
+    memset(sp, 0, sizeof sp);
+    in.queue = "q";
+    in.name = "in";
+    c.tracing_service_name = "svc";
+    for (int i = 0; i < 2; i++) {
+        trace_job_begin(&sp[i].t, NULL, true);
+        sp[i].in = &in;
+        sp[i].call_op = "call";
+        sp[i].call_method = "POST";
+        sp[i].call_class = i ? "unknown" : "success";
+        sp[i].call_status = i ? 0 : 201;
+        trace_new_span_id(sp[i].call_span_id);
+    }
+    body = trace_export_body(&c, sp, 2);
+    ck_assert_ptr_nonnull(body);
+    root = json_loads(body, 0, NULL);
+    ck_assert_msg(root != NULL, "not JSON: %s", body);
+    spans = json_object_get(json_array_get(json_object_get(json_array_get(json_object_get(root,
+        "resourceSpans"), 0), "scopeSpans"), 0), "spans");
+    s0 = json_array_get(spans, 0);
+    s1 = json_array_get(spans, 1);
+    ck_assert_int_eq(json_integer_value(json_object_get(s0, "kind")), 3);
+    trace_hex(sp[0].t.span_id, 8, hex);
+    ck_assert_str_eq(json_string_value(json_object_get(s0, "parentSpanId")), hex);
+    trace_hex(sp[0].call_span_id, 8, hex);
+    ck_assert_str_eq(json_string_value(json_object_get(s0, "spanId")), hex);
+    trace_hex(sp[0].t.trace_id, 16, hex);
+    ck_assert_str_eq(json_string_value(json_object_get(s0, "traceId")), hex);
+    ck_assert_ptr_nonnull(strstr(body, "\"intValue\":\"201\""));
+    ck_assert_ptr_null(json_object_get(s0, "status"));
+    ck_assert_int_eq(json_integer_value(json_object_get(json_object_get(s1, "status"), "code")), 2);
+    json_decref(root);
+    free(body);
+}
+END_TEST
+
 /* The OTLP JSON body: valid JSON whatever a name holds, ids in hex, the
  * producer's span as the parent, times as strings, ERROR for a park. */
 START_TEST(test_export_body)
@@ -159,6 +206,7 @@ START_TEST(test_export_body)
     c.inputs = &in;
     c.n_inputs = 1;
     c.tracing_service_name = "svc";
+    sp[0].in = sp[1].in = &in;
     trace_job_begin(&sp[0].t, h, true);
     sp[0].start_ns = 1000000000000000001LL;
     sp[0].end_ns = 1000000000000000002LL;
@@ -200,6 +248,7 @@ int main(void)
     tcase_add_test(tc, test_from_headers);
     tcase_add_test(tc, test_job_span);
     tcase_add_test(tc, test_export_body);
+    tcase_add_test(tc, test_call_span);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
