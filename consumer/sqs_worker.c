@@ -25,6 +25,7 @@
 #include "settle.h"
 #include "sig.h"
 #include "sqs.h"
+#include "trace_export.h"
 
 /* A request beyond its long poll: connect, send, answer. */
 #define SQS_REQUEST_MS 10000
@@ -608,6 +609,18 @@ static enum step settle(struct sqs_thread *t, int n)
     count(t, t->bt.plans, n);
     if (settle_batch(&io, t->bt.jobs, t->bt.plans, n, t->why, sizeof t->why) != SETTLE_DONE)
         return STEP_SQS; /* what was not settled comes back after its visibility */
+    for (int i = 0; i < n; i++) { /* the span of each settled job (trace_export.h) */
+        const struct job *j = &t->bt.jobs[i];
+        const struct plan *p = &t->bt.plans[i];
+        if (j->trace.span)
+            trace_export_job(&j->trace, &t->view.inputs[j->input], j->received_ns, now_ns(),
+                             p->attempt,
+                             p->how == SETTLE_DEAD || p->how == SETTLE_REJECT ? TRACE_PARKED
+                             : p->how == SETTLE_DELAY                         ? TRACE_RETRY
+                             : p->how != SETTLE_ACK                           ? TRACE_HELD
+                             : p->outcome == LEDGER_APPLIED                   ? TRACE_APPLIED
+                                                                              : TRACE_DUPLICATE);
+    }
     for (int i = 0; i < n; i++)
         if (t->bt.plans[i].how == SETTLE_DEAD && t->bt.plans[i].park &&
             t->view.inputs[t->input].dead_letter_queue_url[0])

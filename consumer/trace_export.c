@@ -257,7 +257,10 @@ static void job_json(struct ledger_doc *b, const struct slot *s, bool first)
     puts_(b, num);
     puts_(b, ",\"attributes\":[");
     /* a PostgreSQL queue input: no value of the conventions names it */
-    attr_str(b, true, "messaging.system", pg ? "postgresql" : "rabbitmq");
+    attr_str(b, true, "messaging.system",
+             pg ? "postgresql"
+             : in->transport && strcmp(in->transport, "sqs") == 0 ? "aws_sqs"
+                                                                   : "rabbitmq");
     attr_str(b, false, "messaging.operation.type", "process");
     attr_str(b, false, "messaging.operation.name", "process");
     attr_str(b, false, "messaging.destination.name", in->queue);
