@@ -245,7 +245,9 @@ static enum sqs_status error_status(long code, const json_t *ans)
         strstr(type, "SignatureDoesNotMatch") || strstr(type, "AccessDenied") ||
         strstr(type, "UnrecognizedClient") || strstr(type, "MissingAuthenticationToken") ||
         strstr(type, "InvalidSecurity") || strstr(type, "ExpiredToken") ||
-        strstr(type, "IncompleteSignature"))
+        strstr(type, "IncompleteSignature") ||
+        /* a clock off by more than SigV4 allows: the signature is refused */
+        strstr(type, "RequestExpired") || strstr(type, "RequestTimeTooSkewed"))
         return SQS_DENIED;
     return SQS_REFUSED;
 }

@@ -314,6 +314,10 @@ START_TEST(test_canned_answers)
         {"HTTP/1.1 403 Forbidden\r\nContent-Length: 65\r\nConnection: close\r\n\r\n"
          "{\"__type\":\"com.amazonaws.sqs#InvalidClientTokenId\",\"message\":\"x\"}",
          SQS_DENIED},
+        /* a clock skewed past what SigV4 allows */
+        {"HTTP/1.1 400 Bad Request\r\nContent-Length: 78\r\nConnection: close\r\n\r\n"
+         "{\"__type\":\"com.amazonaws.sqs#RequestExpired\",\"message\":\"Request has expired.\"}",
+         SQS_DENIED},
         {"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
          SQS_UNAVAILABLE},
         {"HTTP/1.1 200 OK\r\nContent-Length: 9\r\nConnection: close\r\n\r\nnot json!",
