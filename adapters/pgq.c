@@ -16,6 +16,10 @@
 #define TAKE_SQL                                                                            \
     "SELECT r_id, r_key, r_order_key, r_payload, r_attempts, r_redrive_gen, r_park_id, "    \
     "r_enqueued_at FROM idemq.queue_take($1, $2)"
+#define TAKE_FROM_SQL                                                                       \
+    "SELECT r_id, r_key, r_order_key, r_payload, r_attempts, r_redrive_gen, r_park_id, "    \
+    "r_enqueued_at, r_run_after, r_priority FROM idemq.queue_take_after($1, $2, "           \
+    "$3::timestamptz, $4::smallint, $5::bigint)"
 #define TAKE_ROW_SQL                                                                        \
     "SELECT r_id, r_key, r_order_key, r_payload, r_attempts, r_redrive_gen, r_park_id, "    \
     "r_enqueued_at FROM idemq.queue_take_row($1)"
@@ -131,17 +135,19 @@ static bool row_to_job(const PGresult *r, int i, const struct conf_input *in, in
     return ok;
 }
 
-/* Runs a take statement and turns its rows into jobs[0..*n). */
+/* Runs a take statement and turns its rows into jobs[0..*n); with pos,
+ * moves it to the last row (the statement returns run_after and priority
+ * after the 8 columns of a job). */
 static idemq_err_t take(PGconn *db, const char *sql, int np, const char *const *params,
                         const struct conf_input *in, int input_idx, struct job *jobs, int cap,
-                        int *n, struct ledger_db_error *e)
+                        int *n, struct pgq_pos *pos, struct ledger_db_error *e)
 {
     PGresult *r;
     int rows;
 
     *n = 0;
     r = ledger_db_exec_params(db, sql, np, NULL, params, NULL, NULL, 0);
-    if (PQresultStatus(r) != PGRES_TUPLES_OK || PQnfields(r) != 8) {
+    if (PQresultStatus(r) != PGRES_TUPLES_OK || PQnfields(r) != (pos ? 10 : 8)) {
         ledger_db_error_from(db, r, e);
         PQclear(r);
         return ledger_db_err(e);
@@ -157,6 +163,13 @@ static idemq_err_t take(PGconn *db, const char *sql, int np, const char *const *
         }
         (*n)++;
     }
+    if (pos && *n > 0) {
+        int last = *n - 1;
+        pos->set = true;
+        snprintf(pos->run_after, sizeof pos->run_after, "%s", PQgetvalue(r, last, 8));
+        pos->priority = atoi(PQgetvalue(r, last, 9));
+        pos->id = strtoll(PQgetvalue(r, last, 0), NULL, 10);
+    }
     PQclear(r);
     return IDEMQ_OK;
 }
@@ -167,7 +180,24 @@ idemq_err_t pgq_take(PGconn *db, const struct conf_input *in, int input_idx, str
     char lim[16];
     const char *params[2] = {in->queue, lim};
     snprintf(lim, sizeof lim, "%d", cap);
-    return take(db, TAKE_SQL, 2, params, in, input_idx, jobs, cap, n, e);
+    return take(db, TAKE_SQL, 2, params, in, input_idx, jobs, cap, n, NULL, e);
+}
+
+idemq_err_t pgq_take_from(PGconn *db, const struct conf_input *in, int input_idx,
+                          struct pgq_pos *pos, struct job *jobs, int cap, int *n,
+                          struct ledger_db_error *e)
+{
+    char lim[16], prio[16], id[32];
+    const char *params[5] = {in->queue, lim, "-infinity", "-32768", "0"};
+    snprintf(lim, sizeof lim, "%d", cap);
+    if (pos->set) {
+        snprintf(prio, sizeof prio, "%d", pos->priority);
+        snprintf(id, sizeof id, "%lld", pos->id);
+        params[2] = pos->run_after;
+        params[3] = prio;
+        params[4] = id;
+    }
+    return take(db, TAKE_FROM_SQL, 5, params, in, input_idx, jobs, cap, n, pos, e);
 }
 
 idemq_err_t pgq_take_row(PGconn *db, const struct conf_input *in, int input_idx, long long id,
@@ -178,7 +208,7 @@ idemq_err_t pgq_take_row(PGconn *db, const struct conf_input *in, int input_idx,
     int n = 0;
     idemq_err_t err;
     snprintf(sid, sizeof sid, "%lld", id);
-    err = take(db, TAKE_ROW_SQL, 1, params, in, input_idx, j, 1, &n, e);
+    err = take(db, TAKE_ROW_SQL, 1, params, in, input_idx, j, 1, &n, NULL, e);
     *found = err == IDEMQ_OK && n == 1;
     return err;
 }

@@ -109,6 +109,37 @@ LANGUAGE sql SECURITY DEFINER AS $fn$
        FOR UPDATE OF q SKIP LOCKED;
 $fn$;
 
+-- queue_take from a position on: only rows after (p_run_after, p_priority,
+-- p_id) in the claim's order, with each row's run_after and priority
+-- returned, so the worker can pass the last one back. A worker that has
+-- just taken rows starts its next take where the last one ended instead
+-- of at the head of the index, which would walk again past every entry of
+-- the rows settled before, and which no vacuum may remove while some
+-- transaction holds the xmin horizon. Rows that become ready behind the
+-- position (a producer whose transaction began before the position was
+-- taken, a row another worker skipped and gave back) are taken by the
+-- worker's next take from the head: it takes one whenever a take from a
+-- position finds nothing, and at least once a second (pgq_worker).
+CREATE OR REPLACE FUNCTION idemq.queue_take_after(p_queue text, p_limit integer,
+                                                  p_run_after timestamptz,
+                                                  p_priority smallint, p_id bigint)
+RETURNS TABLE (r_id bigint, r_key text, r_order_key text, r_payload bytea,
+               r_attempts integer, r_redrive_gen integer, r_park_id bigint,
+               r_enqueued_at timestamptz, r_run_after timestamptz, r_priority smallint)
+LANGUAGE sql SECURITY DEFINER AS $fn$
+    SELECT q.id, q.key, q.order_key, q.payload, q.attempts, q.redrive_gen, q.park_id,
+           q.enqueued_at, q.run_after, q.priority
+      FROM idemq.queue_jobs q
+     WHERE q.queue = p_queue AND q.run_after <= clock_timestamp()
+       AND (q.run_after, q.priority, q.id) > (p_run_after, p_priority, p_id)
+       AND (q.order_key IS NULL OR NOT EXISTS (
+               SELECT 1 FROM idemq.queue_jobs h
+                WHERE h.queue = q.queue AND h.order_key = q.order_key AND h.id < q.id))
+     ORDER BY q.run_after, q.priority, q.id
+     LIMIT greatest(1, least(p_limit, 1000))
+       FOR UPDATE OF q SKIP LOCKED;
+$fn$;
+
 -- Inside the worker's transaction: takes row p_id again, if it is still
 -- there and no other worker holds it (nothing otherwise): the row whose
 -- apply call failed as a whole, for recording that failure as its attempt.
@@ -220,7 +251,8 @@ DECLARE
 BEGIN
     FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
               WHERE p.pronamespace = 'idemq'::regnamespace
-                AND p.proname IN ('enqueue', 'enqueue_raw', 'queue_take', 'queue_take_row',
+                AND p.proname IN ('enqueue', 'enqueue_raw', 'queue_take', 'queue_take_after',
+                                  'queue_take_row',
                                   'queue_settle',
                                   'queue_redrive', 'queue_gauges', 'queue_next_due')
     LOOP

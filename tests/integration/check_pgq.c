@@ -672,8 +672,8 @@ START_TEST(test_enqueue_limits)
     /* PUBLIC may not enqueue: the operator grants it to an application */
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM pg_proc p WHERE p.pronamespace = "
                                     "'idemq'::regnamespace AND p.proname IN ('enqueue', "
-                                    "'enqueue_raw', 'queue_take', 'queue_settle', "
-                                    "'queue_redrive') AND has_function_privilege('public', "
+                                    "'enqueue_raw', 'queue_take', 'queue_take_after', "
+                                    "'queue_settle', 'queue_redrive') AND has_function_privilege('public', "
                                     "p.oid, 'EXECUTE')", NULL), 0);
     itest_teardown(&t);
 }
