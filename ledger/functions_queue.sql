@@ -166,16 +166,27 @@ CREATE OR REPLACE FUNCTION idemq.queue_settle(p_done bigint[], p_retry bigint[],
                                               p_parks bigint[])
 RETURNS void LANGUAGE plpgsql SECURITY DEFINER AS $fn$
 BEGIN
-    DELETE FROM idemq.queue_jobs q WHERE q.id = ANY (p_done);
-    UPDATE idemq.queue_jobs q
-       SET run_after = clock_timestamp() + make_interval(secs => r.ms / 1000.0),
-           attempts = q.attempts + CASE WHEN r.counts THEN 1 ELSE 0 END,
-           last_error = left(r.err, 1024),
-           redrive_gen = NULL, park_id = NULL
-      FROM unnest(p_retry, p_delay_ms, p_counts, p_errors) AS r(id, ms, counts, err)
-     WHERE q.id = r.id;
-    DELETE FROM idemq.retry_copies c WHERE c.key = ANY (p_retry_keys);
-    PERFORM idemq.mark_dead_lettered(p_parks);
+    -- Planned on each call (EXECUTE), not once per session: a plan cached
+    -- while the table and its indexes were small scans the whole claim
+    -- index for these ids, which is slow once the index holds the entries
+    -- of rows deleted before (while some transaction holds the xmin
+    -- horizon, no vacuum removes them); planned with the index's size of
+    -- the moment it takes the primary key.
+    IF cardinality(p_done) > 0 THEN
+        EXECUTE 'DELETE FROM idemq.queue_jobs q WHERE q.id = ANY ($1)' USING p_done;
+    END IF;
+    IF cardinality(p_retry) > 0 THEN
+        EXECUTE 'UPDATE idemq.queue_jobs q'
+                '   SET run_after = clock_timestamp() + make_interval(secs => r.ms / 1000.0),'
+                '       attempts = q.attempts + CASE WHEN r.counts THEN 1 ELSE 0 END,'
+                '       last_error = left(r.err, 1024), redrive_gen = NULL, park_id = NULL'
+                '  FROM unnest($1, $2, $3, $4) AS r(id, ms, counts, err)'
+                ' WHERE q.id = r.id' USING p_retry, p_delay_ms, p_counts, p_errors;
+        DELETE FROM idemq.retry_copies c WHERE c.key = ANY (p_retry_keys);
+    END IF;
+    IF cardinality(p_parks) > 0 THEN
+        PERFORM idemq.mark_dead_lettered(p_parks);
+    END IF;
 END
 $fn$;
 
