@@ -301,10 +301,12 @@ static enum step batch(struct pgq_thread *t, int i, int *took)
     pgq_settle_reset(&t->st);
     if (ledger_db_exec(t->db, "BEGIN", &e))
         return from_error(t, &e, "BEGIN");
-    /* From where the last take ended, which skips the index entries of
-     * rows settled since (dead, and kept while some transaction holds the
-     * xmin horizon); from the head when that finds nothing, and at least
-     * once every PGQ_HEAD_EVERY_MS, for rows that became ready behind it. */
+    /* While a backlog drains (the last take was full), from where the
+     * last take ended, which skips the index entries of rows settled since
+     * (dead, and kept while some transaction holds the xmin horizon).
+     * From the head otherwise, when that finds nothing, and at least once
+     * every PGQ_HEAD_EVERY_MS: rows become ready behind the position (a
+     * producer's transaction that began earlier commits later). */
     if (t->pos[i].set && now_ms() - t->head_at[i] >= PGQ_HEAD_EVERY_MS)
         t->pos[i].set = false;
     for (;;) {
@@ -320,6 +322,8 @@ static enum step batch(struct pgq_thread *t, int i, int *took)
             break;
         t->pos[i].set = false;
     }
+    if (n < (t->solo ? 1 : t->cap))
+        t->pos[i].set = false; /* caught up: the next take looks from the head */
     if (n == 0) {
         if (ledger_db_exec(t->db, "COMMIT", &e))
             return from_error(t, &e, "COMMIT");
