@@ -19,6 +19,10 @@
 #define TAKE_NCOLS 10
 #define TAKE_SQL TAKE_COLUMNS "FROM idemq.queue_take($1, $2)"
 #define TAKE_ROW_SQL TAKE_COLUMNS "FROM idemq.queue_take_row($1)"
+/* queue_take_after: a job's columns, then the row's run_after and priority */
+#define TAKE_FROM_SQL                                                                       \
+    TAKE_COLUMNS ", r_run_after, r_priority FROM idemq.queue_take_after($1, $2, "           \
+                 "$3::timestamptz, $4::smallint, $5::bigint)"
 #define SETTLE_SQL                                                                          \
     "SELECT idemq.queue_settle($1::bigint[], $2::bigint[], $3::integer[], $4::boolean[], "  \
     "$5::text[], $6::text[], $7::bigint[])"
@@ -144,17 +148,20 @@ static bool row_to_job(const PGresult *r, int i, const struct conf_input *in, in
     return ok;
 }
 
-/* Runs a take statement and turns its rows into jobs[0..*n). */
+/* Runs a take statement and turns its rows into jobs[0..*n); with pos,
+ * moves it to the last row (the statement returns run_after and priority
+ * after the TAKE_NCOLS columns of a job). */
 static idemq_err_t take(PGconn *db, const char *sql, int np, const char *const *params,
                         const struct conf_input *in, int input_idx, struct job *jobs, int cap,
-                        int *n, struct ledger_db_error *e)
+                        int *n, struct pgq_pos *pos, struct ledger_db_error *e)
 {
     PGresult *r;
     int rows;
 
     *n = 0;
     r = ledger_db_exec_params(db, sql, np, NULL, params, NULL, NULL, 0);
-    if (PQresultStatus(r) != PGRES_TUPLES_OK || PQnfields(r) != TAKE_NCOLS) {
+    if (PQresultStatus(r) != PGRES_TUPLES_OK ||
+        PQnfields(r) != (pos ? TAKE_NCOLS + 2 : TAKE_NCOLS)) {
         ledger_db_error_from(db, r, e);
         PQclear(r);
         return ledger_db_err(e);
@@ -170,6 +177,13 @@ static idemq_err_t take(PGconn *db, const char *sql, int np, const char *const *
         }
         (*n)++;
     }
+    if (pos && *n > 0) {
+        int last = *n - 1;
+        pos->set = true;
+        snprintf(pos->run_after, sizeof pos->run_after, "%s", PQgetvalue(r, last, TAKE_NCOLS));
+        pos->priority = atoi(PQgetvalue(r, last, TAKE_NCOLS + 1));
+        pos->id = strtoll(PQgetvalue(r, last, 0), NULL, 10);
+    }
     PQclear(r);
     return IDEMQ_OK;
 }
@@ -180,7 +194,24 @@ idemq_err_t pgq_take(PGconn *db, const struct conf_input *in, int input_idx, str
     char lim[16];
     const char *params[2] = {in->queue, lim};
     snprintf(lim, sizeof lim, "%d", cap);
-    return take(db, TAKE_SQL, 2, params, in, input_idx, jobs, cap, n, e);
+    return take(db, TAKE_SQL, 2, params, in, input_idx, jobs, cap, n, NULL, e);
+}
+
+idemq_err_t pgq_take_from(PGconn *db, const struct conf_input *in, int input_idx,
+                          struct pgq_pos *pos, struct job *jobs, int cap, int *n,
+                          struct ledger_db_error *e)
+{
+    char lim[16], prio[16], id[32];
+    const char *params[5] = {in->queue, lim, "-infinity", "-32768", "0"};
+    snprintf(lim, sizeof lim, "%d", cap);
+    if (pos->set) {
+        snprintf(prio, sizeof prio, "%d", pos->priority);
+        snprintf(id, sizeof id, "%lld", pos->id);
+        params[2] = pos->run_after;
+        params[3] = prio;
+        params[4] = id;
+    }
+    return take(db, TAKE_FROM_SQL, 5, params, in, input_idx, jobs, cap, n, pos, e);
 }
 
 idemq_err_t pgq_take_row(PGconn *db, const struct conf_input *in, int input_idx, long long id,
@@ -191,7 +222,7 @@ idemq_err_t pgq_take_row(PGconn *db, const struct conf_input *in, int input_idx,
     int n = 0;
     idemq_err_t err;
     snprintf(sid, sizeof sid, "%lld", id);
-    err = take(db, TAKE_ROW_SQL, 1, params, in, input_idx, j, 1, &n, e);
+    err = take(db, TAKE_ROW_SQL, 1, params, in, input_idx, j, 1, &n, NULL, e);
     *found = err == IDEMQ_OK && n == 1;
     return err;
 }

@@ -73,6 +73,24 @@ bool pgq_row_job(const struct pgq_row *row, const struct conf_input *in, int inp
 idemq_err_t pgq_take(PGconn *db, const struct conf_input *in, int input_idx, struct job *jobs,
                      int cap, int *n, struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
+/* Where a worker's last take of an input ended, in the claim's order
+ * (run_after, priority, id). */
+struct pgq_pos {
+    bool set;
+    char run_after[48]; /* timestamptz as text */
+    int priority;
+    long long id;
+};
+
+/* pgq_take from a position (idemq.queue_take_after): only rows after *pos
+ * (all rows if !pos->set), and *pos moved to the last row taken. A take
+ * from a position does not see rows that became ready behind it; the
+ * caller takes from the head (pos->set false) when one finds nothing, and
+ * now and then. */
+idemq_err_t pgq_take_from(PGconn *db, const struct conf_input *in, int input_idx,
+                          struct pgq_pos *pos, struct job *jobs, int cap, int *n,
+                          struct ledger_db_error *e) IDEMQ_MUSTCHECK;
+
 /* Inside txn: takes row id of input in again into *j, as pgq_take does,
  * if it is still there and no other worker holds it (*found false
  * otherwise): the row whose apply call failed as a whole, to record that

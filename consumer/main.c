@@ -734,7 +734,8 @@ static int cmd_run(const struct conf *c, long until_idle_s)
         lf.event = "start";
         LOG_FIELDS(LOG_LVL_INFO, &lf, "idemq %s: %d worker(s), %d input(s), batch_max %d, "
                    "consumer %s; worst case of deliveries held per worker %lld MiB",
-                   IDEMQ_VERSION, c->workers, c->n_inputs + c->n_pg_inputs + c->n_sqs_inputs, c->batch_max,
+                   IDEMQ_VERSION, c->workers, c->n_inputs + c->n_pg_inputs + c->n_sqs_inputs,
+                   c->batch_max,
                    c->consumer_id,
                    c->buffered_worst / (1024 * 1024));
     }

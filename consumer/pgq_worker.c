@@ -27,6 +27,10 @@
  * the stop flag again (a notification wakes it at once). */
 #define PGQ_IDLE_MAX_MS 1000
 
+/* The longest a worker takes from where its last take ended before it
+ * takes from the head of the claim's order again (pgq_take_from). */
+#define PGQ_HEAD_EVERY_MS 1000
+
 enum step { STEP_OK = 0, STEP_INFRA, STEP_FATAL, STEP_BACKOFF };
 
 struct pgq_thread {
@@ -44,6 +48,8 @@ struct pgq_thread {
     enum trace_outcome *fate; /* what became of jobs[k] (its span) */
     int *attempt;             /*   and its attempt number (0: none) */
     struct pgq_settle st;
+    struct pgq_pos *pos;    /* by input: where the last take ended */
+    long long *head_at;     /* by input: when a take last began at the head */
     int cap;
     bool solo;              /* after a whole-call failure: one row per batch until a commit */
     uint64_t rng;
@@ -329,10 +335,29 @@ static enum step batch(struct pgq_thread *t, int i, int *took)
     pgq_settle_reset(&t->st);
     if (ledger_db_exec(t->db, "BEGIN", &e))
         return from_error(t, &e, "BEGIN");
-    if (pgq_take(t->db, in, i, t->jobs, t->solo ? 1 : t->cap, &n, &e)) {
-        s = from_error(t, &e, "queue_take");
-        goto rollback;
+    /* While a backlog drains (the last take was full), from where the
+     * last take ended, which skips the index entries of rows settled since
+     * (dead, and kept while some transaction holds the xmin horizon).
+     * From the head otherwise, when that finds nothing, and at least once
+     * every PGQ_HEAD_EVERY_MS: rows become ready behind the position (a
+     * producer's transaction that began earlier commits later). */
+    if (t->pos[i].set && now_ms() - t->head_at[i] >= PGQ_HEAD_EVERY_MS)
+        t->pos[i].set = false;
+    for (;;) {
+        bool from_head = !t->pos[i].set;
+        if (from_head)
+            t->head_at[i] = now_ms();
+        if (pgq_take_from(t->db, in, i, &t->pos[i], t->jobs, t->solo ? 1 : t->cap, &n, &e)) {
+            t->pos[i].set = false;
+            s = from_error(t, &e, "queue_take");
+            goto rollback;
+        }
+        if (n > 0 || from_head)
+            break;
+        t->pos[i].set = false;
     }
+    if (n < (t->solo ? 1 : t->cap))
+        t->pos[i].set = false; /* caught up: the next take looks from the head */
     if (n == 0) {
         if (ledger_db_exec(t->db, "COMMIT", &e))
             return from_error(t, &e, "COMMIT");
@@ -354,6 +379,7 @@ static enum step batch(struct pgq_thread *t, int i, int *took)
                     ledger_txn_result_clear(&t->res[k]);
                 if (PQstatus(t->db) == CONNECTION_OK)
                     PQclear(ledger_db_exec_raw(t->db, "ROLLBACK"));
+                t->pos[i].set = false;
                 s = record_call_failure(t, i, id, &e);
                 if (s == STEP_OK)
                     *took = 1;
@@ -387,6 +413,7 @@ static enum step batch(struct pgq_thread *t, int i, int *took)
         ledger_txn_result_clear(&t->res[k]);
     return STEP_OK;
 rollback:
+    t->pos[i].set = false; /* the rows taken are free again, behind the position */
     for (int k = 0; k < ng; k++)
         ledger_txn_result_clear(&t->res[k]);
     if (PQstatus(t->db) == CONNECTION_OK)
@@ -481,6 +508,8 @@ idemq_err_t pgq_worker_start(const struct conf *c, long until_idle_ms, struct pg
             !(t->res = calloc((size_t)cap, sizeof *t->res)) ||
             !(t->fate = calloc((size_t)cap, sizeof *t->fate)) ||
             !(t->attempt = calloc((size_t)cap, sizeof *t->attempt)) ||
+            !(t->pos = calloc((size_t)t->view.n_inputs, sizeof *t->pos)) ||
+            !(t->head_at = calloc((size_t)t->view.n_inputs, sizeof *t->head_at)) ||
             !pgq_settle_init(&t->st, cap)) {
             snprintf(errbuf, errlen, "out of memory");
             goto fail;
@@ -529,6 +558,8 @@ void pgq_worker_join(struct pgq_workers *w, struct pgq_worker_totals *tot)
         free(t->res);
         free(t->fate);
         free(t->attempt);
+        free(t->pos);
+        free(t->head_at);
         pgq_settle_free(&t->st);
     }
     free(w->t);

@@ -190,7 +190,8 @@ static int one(const struct conf *c, PGconn *db, const struct conf_input *in,
     if ((f->park_ids && (park < 0 || !bsearch(&park, f->park_ids, f->n_park_ids,
                                               sizeof *f->park_ids, cmp_ll))) ||
         (f->key && (!key || strcmp(key, f->key))) ||
-        (f->error_class && (cls ? strcmp(cls, f->error_class) : strcmp("broker", f->error_class))) ||
+        (f->error_class &&
+         strcmp(cls ? cls : "broker", f->error_class) != 0) ||
         !since_ok(db, json_string_value(json_object_get(j.headers, "x-idemq-parked-at")),
                   f->since))
         goto done;

@@ -128,6 +128,39 @@ LANGUAGE sql SECURITY DEFINER AS $fn$
        FOR UPDATE OF q SKIP LOCKED;
 $fn$;
 
+-- queue_take from a position on: only rows after (p_run_after, p_priority,
+-- p_id) in the claim's order, with each row's run_after and priority
+-- returned, so the worker can pass the last one back. A worker that has
+-- just taken rows starts its next take where the last one ended instead
+-- of at the head of the index, which would walk again past every entry of
+-- the rows settled before, and which no vacuum may remove while some
+-- transaction holds the xmin horizon. Rows that become ready behind the
+-- position (a producer whose transaction began before the position was
+-- taken, a row another worker skipped and gave back) are taken by the
+-- worker's next take from the head: it takes one whenever a take from a
+-- position finds nothing, and at least once a second (pgq_worker).
+DROP FUNCTION IF EXISTS idemq.queue_take_after(text, integer, timestamptz, smallint, bigint);
+CREATE OR REPLACE FUNCTION idemq.queue_take_after(p_queue text, p_limit integer,
+                                                  p_run_after timestamptz,
+                                                  p_priority smallint, p_id bigint)
+RETURNS TABLE (r_id bigint, r_key text, r_order_key text, r_payload bytea,
+               r_attempts integer, r_redrive_gen integer, r_park_id bigint,
+               r_enqueued_at timestamptz, r_traceparent text, r_tracestate text,
+               r_run_after timestamptz, r_priority smallint)
+LANGUAGE sql SECURITY DEFINER AS $fn$
+    SELECT q.id, q.key, q.order_key, q.payload, q.attempts, q.redrive_gen, q.park_id,
+           q.enqueued_at, q.traceparent, q.tracestate, q.run_after, q.priority
+      FROM idemq.queue_jobs q
+     WHERE q.queue = p_queue AND q.run_after <= clock_timestamp()
+       AND (q.run_after, q.priority, q.id) > (p_run_after, p_priority, p_id)
+       AND (q.order_key IS NULL OR NOT EXISTS (
+               SELECT 1 FROM idemq.queue_jobs h
+                WHERE h.queue = q.queue AND h.order_key = q.order_key AND h.id < q.id))
+     ORDER BY q.run_after, q.priority, q.id
+     LIMIT greatest(1, least(p_limit, 1000))
+       FOR UPDATE OF q SKIP LOCKED;
+$fn$;
+
 -- Inside the worker's transaction: takes row p_id again, if it is still
 -- there and no other worker holds it (nothing otherwise): the row whose
 -- apply call failed as a whole, for recording that failure as its attempt.
@@ -154,16 +187,27 @@ CREATE OR REPLACE FUNCTION idemq.queue_settle(p_done bigint[], p_retry bigint[],
                                               p_parks bigint[])
 RETURNS void LANGUAGE plpgsql SECURITY DEFINER AS $fn$
 BEGIN
-    DELETE FROM idemq.queue_jobs q WHERE q.id = ANY (p_done);
-    UPDATE idemq.queue_jobs q
-       SET run_after = clock_timestamp() + make_interval(secs => r.ms / 1000.0),
-           attempts = q.attempts + CASE WHEN r.counts THEN 1 ELSE 0 END,
-           last_error = left(r.err, 1024),
-           redrive_gen = NULL, park_id = NULL
-      FROM unnest(p_retry, p_delay_ms, p_counts, p_errors) AS r(id, ms, counts, err)
-     WHERE q.id = r.id;
-    DELETE FROM idemq.retry_copies c WHERE c.key = ANY (p_retry_keys);
-    PERFORM idemq.mark_dead_lettered(p_parks);
+    -- Planned on each call (EXECUTE), not once per session: a plan cached
+    -- while the table and its indexes were small scans the whole claim
+    -- index for these ids, which is slow once the index holds the entries
+    -- of rows deleted before (while some transaction holds the xmin
+    -- horizon, no vacuum removes them); planned with the index's size of
+    -- the moment it takes the primary key.
+    IF cardinality(p_done) > 0 THEN
+        EXECUTE 'DELETE FROM idemq.queue_jobs q WHERE q.id = ANY ($1)' USING p_done;
+    END IF;
+    IF cardinality(p_retry) > 0 THEN
+        EXECUTE 'UPDATE idemq.queue_jobs q'
+                '   SET run_after = clock_timestamp() + make_interval(secs => r.ms / 1000.0),'
+                '       attempts = q.attempts + CASE WHEN r.counts THEN 1 ELSE 0 END,'
+                '       last_error = left(r.err, 1024), redrive_gen = NULL, park_id = NULL'
+                '  FROM unnest($1, $2, $3, $4) AS r(id, ms, counts, err)'
+                ' WHERE q.id = r.id' USING p_retry, p_delay_ms, p_counts, p_errors;
+        DELETE FROM idemq.retry_copies c WHERE c.key = ANY (p_retry_keys);
+    END IF;
+    IF cardinality(p_parks) > 0 THEN
+        PERFORM idemq.mark_dead_lettered(p_parks);
+    END IF;
 END
 $fn$;
 
@@ -244,7 +288,8 @@ DECLARE
 BEGIN
     FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
               WHERE p.pronamespace = 'idemq'::regnamespace
-                AND p.proname IN ('enqueue', 'enqueue_raw', 'queue_take', 'queue_take_row',
+                AND p.proname IN ('enqueue', 'enqueue_raw', 'queue_take', 'queue_take_after',
+                                  'queue_take_row',
                                   'queue_settle',
                                   'queue_redrive', 'queue_gauges', 'queue_next_due')
     LOOP

@@ -348,8 +348,8 @@ static bool send_run(struct ledger_plain *lp, struct job *const *jobs, int n)
     return PQsendQueryPrepared(lp->db, stmt, PLAIN_NPARAMS, params, lens, fmts, 0) == 1;
 }
 
-idemq_err_t ledger_plain_apply(struct ledger_plain *lp, bool send_begin, struct job *const *jobs,
-                               int n, struct ledger_result *res, bool *plain,
+idemq_err_t ledger_plain_apply(struct ledger_plain *lp, const char *first,
+                               struct job *const *jobs, int n, struct ledger_result *res, bool *plain,
                                struct ledger_db_error *e)
 {
     PGresult *r;
@@ -361,8 +361,7 @@ idemq_err_t ledger_plain_apply(struct ledger_plain *lp, bool send_begin, struct 
     IDEMQ_ASSERT(ledger_plain_ready(lp, jobs, n));
     if (!PQenterPipelineMode(lp->db))
         goto conn;
-    if (send_begin &&
-        !PQsendQueryParams(lp->db, LEDGER_TXN_BEGIN, 0, NULL, NULL, NULL, NULL, 0))
+    if (first && !PQsendQueryParams(lp->db, first, 0, NULL, NULL, NULL, NULL, 0))
         goto conn_pipe;
     for (int lo = 0; lo < n;) {
         int hi = lo + 1;
@@ -380,13 +379,13 @@ idemq_err_t ledger_plain_apply(struct ledger_plain *lp, bool send_begin, struct 
     }
     if (!PQpipelineSync(lp->db))
         goto conn_pipe;
-    /* Results: [BEGIN,] each run's rows, each followed by NULL, then the
+    /* Results: [first,] each run's rows, each followed by NULL, then the
      * sync. After an error the rest come as PGRES_PIPELINE_ABORTED; the
      * first error is kept. */
-    for (int lo = 0, idx = send_begin ? -1 : 0;;) {
+    for (int lo = 0, idx = first ? -1 : 0;;) {
         ExecStatusType st;
         if (!(r = ledger_db_get_result(lp->db))) {
-            if (PQstatus(lp->db) != CONNECTION_OK || ++nth > runs + (send_begin ? 1 : 0))
+            if (PQstatus(lp->db) != CONNECTION_OK || ++nth > runs + (first ? 1 : 0))
                 break;
             continue;
         }
@@ -413,7 +412,7 @@ idemq_err_t ledger_plain_apply(struct ledger_plain *lp, bool send_begin, struct 
             lo = hi;
             idx++;
         } else if (st == PGRES_COMMAND_OK && idx < 0) {
-            idx = 0; /* BEGIN */
+            idx = 0; /* first */
         } else if (st != PGRES_PIPELINE_ABORTED && !failed) {
             ledger_db_error_from(lp->db, r, e);
             err = ledger_db_err(e);

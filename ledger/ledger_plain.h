@@ -8,7 +8,9 @@
  * delivery of a key claimed before. Anything that is not plain (a key in
  * another state, an effect that raises) comes back as "not plain" or as
  * the statement's error, and the caller applies the batch again through
- * the isolating path (idemq.apply_batch) in a new transaction.
+ * the isolating path (idemq.apply_batch): in a new transaction, or, when
+ * the caller holds something in its transaction, after rolling back to a
+ * savepoint taken just before the plain statement.
  *
  * API: ledger_plain_new (per session) -> ledger_plain_apply ... ->
  *      ledger_plain_free.
@@ -47,16 +49,17 @@ void ledger_plain_free(struct ledger_plain *lp);
 bool ledger_plain_ready(const struct ledger_plain *lp, struct job *const *jobs, int n);
 
 /*
- * Inside txn (with send_begin, BEGIN is sent first, in the same pipeline:
- * one round trip for all). Applies plain jobs[0..n) (decoded, with keys, of
+ * Inside txn (first, when not NULL, is a statement without parameters sent
+ * before the runs in the same pipeline, one round trip for all: BEGIN, or
+ * a SAVEPOINT). Applies plain jobs[0..n) (decoded, with keys, of
  * standard inputs; ledger_plain_ready). IDEMQ_OK with *plain true: res[0..n) holds every job's
  * outcome (applied, attempt 1, or a duplicate). IDEMQ_OK with *plain false:
  * some key was not new nor applied; nothing may be committed (roll back).
  * IDEMQ_ERR_SQL (e: the first error, e.g. an effect's SQLSTATE) or
  * IDEMQ_ERR_DB_CONN: the transaction is aborted. IDEMQ_ERR_NOMEM likewise.
  */
-idemq_err_t ledger_plain_apply(struct ledger_plain *lp, bool send_begin, struct job *const *jobs,
-                               int n, struct ledger_result *res, bool *plain,
+idemq_err_t ledger_plain_apply(struct ledger_plain *lp, const char *first,
+                               struct job *const *jobs, int n, struct ledger_result *res, bool *plain,
                                struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
 #endif

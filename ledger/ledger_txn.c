@@ -31,8 +31,8 @@ struct ledger_txn {
     struct ledger_doc doc; /* reusable batch document (isolating path) */
     struct ledger_plain *plain; /* the lean path's prepared statements */
     bool begin_pending;    /* BEGIN not sent yet: it goes with the next statement */
-    bool keep_txn;         /* never the plain path: its fallback rolls the caller's
-                            * transaction back (ledger_txn_keep_transaction) */
+    bool keep_txn;         /* the caller's transaction is never rolled back: the plain
+                            * path runs under a savepoint (ledger_txn_keep_transaction) */
 };
 
 /* The isolating path that owns everything the plain one does not (ordered
@@ -341,11 +341,21 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
             is_old(lt, j, now))
             plain = false;
     }
-    if (plain && !lt->keep_txn && ledger_plain_ready(lt->plain, jobs, n)) {
-        bool send_begin = lt->begin_pending, ok = false;
+    if (plain && ledger_plain_ready(lt->plain, jobs, n)) {
+        /* Kept transaction: the plain statement runs after a savepoint,
+         * and a fallback rolls back to it, so what the caller holds in the
+         * transaction (claimed queue rows) stays held. The savepoint is
+         * left open on success: the commit releases it, and releasing it
+         * here would cost a round trip. */
+        const char *first = lt->keep_txn ? "SAVEPOINT idemq_plain"
+                            : lt->begin_pending ? LEDGER_TXN_BEGIN
+                                                : NULL;
+        bool ok = false;
         idemq_err_t err;
+        if (lt->keep_txn && (err = flush_begin(lt, e)) != IDEMQ_OK)
+            return err;
         lt->begin_pending = false;
-        err = ledger_plain_apply(lt->plain, send_begin, jobs, n, res, &ok, e);
+        err = ledger_plain_apply(lt->plain, first, jobs, n, res, &ok, e);
         if (err == IDEMQ_OK && ok)
             return IDEMQ_OK;
         /* A timeout, a lost connection: the whole call failed, as one. */
@@ -353,17 +363,19 @@ idemq_err_t ledger_txn_apply(struct ledger_txn *lt, struct job *const *jobs, int
             (err == IDEMQ_ERR_SQL && strcmp(e->sqlstate, "57014") == 0))
             return err;
         /* Not plain, or an effect raised: nothing of it stays. Apply the
-         * batch again, isolating each job, in a new transaction. */
+         * batch again, isolating each job: in a new transaction, or in the
+         * kept one from the savepoint. */
         log_debug("plain apply of %d jobs: %s; isolating each job", n,
                   err ? e->message : "a key is neither new nor applied");
-        r = ledger_db_exec_raw(lt->db, "ROLLBACK");
+        r = ledger_db_exec_raw(lt->db, lt->keep_txn ? "ROLLBACK TO SAVEPOINT idemq_plain"
+                                                    : "ROLLBACK");
         if (PQresultStatus(r) != PGRES_COMMAND_OK) {
             ledger_db_error_from(lt->db, r, e);
             PQclear(r);
             return ledger_db_err(e);
         }
         PQclear(r);
-        lt->begin_pending = true;
+        lt->begin_pending = !lt->keep_txn;
     }
     ledger_doc_begin(&lt->doc);
     for (int i = 0; i < n; i++)

@@ -68,11 +68,14 @@ void ledger_txn_result_clear(struct ledger_result *r);
  * Returns NULL with errbuf set on failure. The caller keeps db. */
 struct ledger_txn *ledger_txn_new(PGconn *db, const struct conf *c, char *errbuf, size_t errlen);
 
-/* on: ledger_txn_apply never takes the plain path, whose fallback rolls the
- * transaction back and begins another; every apply goes through
- * idemq.apply_batch, where a failing effect undoes only its own
- * subtransaction. For a caller that opened the transaction itself and
- * holds something in it (the PostgreSQL queue input's claimed rows). */
+/* on: ledger_txn_apply never rolls the transaction back nor begins
+ * another. The plain path runs after a savepoint (SAVEPOINT idemq_plain,
+ * in the same round trip); when it does not fit (a key neither new nor
+ * applied, an effect that raises) the transaction is rolled back to the
+ * savepoint and the batch goes through idemq.apply_batch, where a failing
+ * effect undoes only its own subtransaction. For a caller that opened the
+ * transaction itself and holds something in it (the PostgreSQL queue
+ * input's claimed rows). */
 void ledger_txn_keep_transaction(struct ledger_txn *lt, bool on);
 
 /* Frees lt (not the connection). NULL is fine. */

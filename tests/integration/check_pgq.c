@@ -152,8 +152,12 @@ START_TEST(test_two_enqueues_of_one_key)
                                "'%s:kkk%%'", t.name), 0);
     ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = '%s:k'",
                            t.name), 1);
-    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.attempts WHERE key = '%s:k' AND "
-                               "outcome = 'duplicate'", t.name), 1);
+    /* the second copy is a duplicate in the history: an attempt row, or
+     * (plain path, both rows in one batch) a later copy in the batch row */
+    ck_assert_int_eq(qlong(&t, "SELECT (SELECT count(*) FROM idemq.attempts WHERE key = '%s:k' "
+                               "AND outcome = 'duplicate') + (SELECT count(*) FROM "
+                               "idemq.key_batches('%s:k', NULL, NULL) WHERE NOT applied)",
+                           t.name, t.name), 1);
     ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.parked WHERE source_queue = '%s' "
                                "AND error_code = 'key_missing'", t.name), 1);
     ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
@@ -273,6 +277,45 @@ START_TEST(test_retry_then_success_with_history)
                            t.name), 0);
     ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.retry_copies WHERE key = '%s:r'",
                            t.name), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
+START_TEST(test_plain_path_and_its_fallback)
+{
+    struct itest t;
+    char cfg[300];
+    setup(&t, "pgq_plain", cfg, sizeof cfg, "", "");
+    /* a batch of new keys goes through the plain path: one batch row */
+    qexec(&t, "SELECT idemq.enqueue('%s', jsonb_build_object('job_id', '%s:' || k)) FROM "
+              "unnest(ARRAY['d', 'e', 'd']) k", t.name, t.name);
+    run_pg(cfg, 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.batches WHERE '%s:d' = ANY (keys) "
+                               "AND '%s:e' = ANY (keys)", t.name, t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key IN "
+                               "('%s:d', '%s:e')", t.name, t.name), 2);
+    /* an effect that raises in a batch: rolled back to the savepoint, the
+     * batch applied again job by job in the same transaction, the rows
+     * still held: the others applied once, the failing one kept for its
+     * retry with its attempt */
+    qexec(&t, "INSERT INTO idemq_test.failing VALUES ('%s:b', '40001')", t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', jsonb_build_object('job_id', '%s:' || k)) FROM "
+              "unnest(ARRAY['a', 'b', 'c']) k", t.name, t.name);
+    run_pg(cfg, 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key IN "
+                               "('%s:a', '%s:c')", t.name, t.name), 2);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = '%s:b'",
+                           t.name), 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.jobs WHERE key IN ('%s:a', '%s:c') "
+                               "AND state = 'applied'", t.name, t.name), 2);
+    ck_assert_int_ge(qlong(&t, "SELECT count(*) FROM idemq.attempts WHERE key = '%s:b' AND "
+                               "outcome = 'transient_error'", t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s' AND "
+                               "convert_from(payload, 'UTF8')::jsonb->>'job_id' <> '%s:b'",
+                           t.name, t.name), 0);
+    ck_assert_int_eq(qlong(&t, "SELECT (SELECT count(*) FROM idemq.queue_jobs WHERE queue = "
+                               "'%s') + (SELECT count(*) FROM idemq.parked WHERE key = '%s:b')",
+                           t.name, t.name), 1);
     itest_teardown(&t);
 }
 END_TEST
@@ -667,8 +710,8 @@ START_TEST(test_enqueue_limits)
     /* PUBLIC may not enqueue: the operator grants it to an application */
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM pg_proc p WHERE p.pronamespace = "
                                     "'idemq'::regnamespace AND p.proname IN ('enqueue', "
-                                    "'enqueue_raw', 'queue_take', 'queue_settle', "
-                                    "'queue_redrive') AND has_function_privilege('public', "
+                                    "'enqueue_raw', 'queue_take', 'queue_take_after', "
+                                    "'queue_settle', 'queue_redrive') AND has_function_privilege('public', "
                                     "p.oid, 'EXECUTE')", NULL), 0);
     itest_teardown(&t);
 }
@@ -889,6 +932,7 @@ int main(void)
     tcase_add_test(tc, test_due_time_and_priority);
     tcase_add_test(tc, test_queue_gauges);
     tcase_add_test(tc, test_retry_then_success_with_history);
+    tcase_add_test(tc, test_plain_path_and_its_fallback);
     tcase_add_test(tc, test_key_and_error_with_quotes);
     tcase_add_test(tc, test_effect_enqueues_a_chain);
     tcase_add_test(tc, test_park_and_redrive);
