@@ -115,8 +115,13 @@ static enum step connect(struct pgq_thread *t)
         return err == IDEMQ_ERR_DB_CONN ? STEP_INFRA : STEP_FATAL;
     for (int i = 0; i < t->view.n_inputs; i++) {
         err = effect_sql_check(t->db, &t->view.inputs[i], t->why, sizeof t->why, &e);
-        if (err == IDEMQ_ERR_DB_CONN)
+        if (err == IDEMQ_ERR_DB_CONN) {
+            snprintf(t->why, sizeof t->why, "%s", e.message);
             return STEP_INFRA;
+        }
+        if (err == IDEMQ_ERR_SQL) /* e.g. no EXECUTE on the effect for this role */
+            snprintf(t->why, sizeof t->why, "input %s: effect check failed: %s %s",
+                     t->view.inputs[i].name, e.sqlstate, e.message);
         if (err)
             return STEP_FATAL;
     }

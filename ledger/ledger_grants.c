@@ -110,20 +110,24 @@ static int run_statements(const struct conf *c, const char *r,
             if ((rc = emit(stmt, arg)))
                 return rc;
         }
-    for (int i = 0; i < c->n_pg_inputs; i++) { /* PostgreSQL queue inputs */
-        const char *sig = c->pg_inputs[i].effect_signature, *dot;
-        if (!sig)
-            continue;
-        dot = strchr(sig, '.');
-        if (dot && dot < strchr(sig, '(')) {
-            snprintf(stmt, sizeof stmt, "GRANT USAGE ON SCHEMA %.*s TO %s", (int)(dot - sig),
-                     sig, r);
+    for (int t = 0; t < 2; t++) { /* PostgreSQL queue inputs, then Amazon SQS inputs */
+        const struct conf_input *ins = t ? c->sqs_inputs : c->pg_inputs;
+        int n = t ? c->n_sqs_inputs : c->n_pg_inputs;
+        for (int i = 0; i < n; i++) {
+            const char *sig = ins[i].effect_signature, *dot;
+            if (!sig)
+                continue;
+            dot = strchr(sig, '.');
+            if (dot && dot < strchr(sig, '(')) {
+                snprintf(stmt, sizeof stmt, "GRANT USAGE ON SCHEMA %.*s TO %s",
+                         (int)(dot - sig), sig, r);
+                if ((rc = emit(stmt, arg)))
+                    return rc;
+            }
+            snprintf(stmt, sizeof stmt, "GRANT EXECUTE ON FUNCTION %s TO %s", sig, r);
             if ((rc = emit(stmt, arg)))
                 return rc;
         }
-        snprintf(stmt, sizeof stmt, "GRANT EXECUTE ON FUNCTION %s TO %s", sig, r);
-        if ((rc = emit(stmt, arg)))
-            return rc;
     }
     return 0;
 }

@@ -637,10 +637,12 @@ END_TEST
 /* Runs `idemq ARGS` on cfg; its output into out; returns the exit code. */
 static int idemq_cmd(const char *cfg, const char *args, char *out, size_t len)
 {
-    char cmd[1024];
+    char cmd[2048], lp[1024];
     FILE *p;
     size_t n;
-    snprintf(cmd, sizeof cmd, "%s %s -c %s 2>&1", IDEMQ_BINARY, args, cfg);
+    /* least-privilege mode: as the role the command runs under */
+    snprintf(cmd, sizeof cmd, "%s%s %s -c %s 2>&1", itest_lp_env_prefix(args, lp, sizeof lp),
+             IDEMQ_BINARY, args, cfg);
     ck_assert_ptr_nonnull(p = popen(cmd, "r"));
     n = fread(out, 1, len - 1, p);
     out[n] = '\0';
@@ -959,6 +961,10 @@ int main(int argc, char **argv)
         tcase_add_test(tc, test_worker_kill_loop);
         tcase_add_test(tc, test_worker_throttled);
         suite_add_tcase(s, tc);
+        /* least-privilege mode (scripts/test): these again, as the deployment's roles */
+        itest_lp_tcase(s, (const TTest *const[]){test_worker_effects_once,
+                                                 test_worker_retry_via_visibility,
+                                                 test_worker_park_redrive, NULL});
     } else {
         printf("note: the worker tests need IDEMQ_PG_DSN and IDEMQ_AMQP_URL (scripts/services)\n");
     }
