@@ -61,6 +61,7 @@ struct prefetch {
     pthread_cond_t cv;
     bool stop;
     int want;  /* input to receive from next, -1 = none asked */
+    bool busy; /* a receive is in flight */
     int input; /* of the answer below, -1 = none */
     int wait_s;
     enum sqs_status st;
@@ -270,9 +271,11 @@ static void *prefetch_run(void *arg)
         }
         in = p->want;
         p->want = -1;
+        p->busy = true;
         pthread_mutex_unlock(&p->mu);
         st = sqs_receive(p->cl[in], SQS_MAX_MESSAGES, p->wait_s, &m, &n, err, sizeof err);
         pthread_mutex_lock(&p->mu);
+        p->busy = false;
         p->st = st;
         p->m = m;
         p->n = n;
@@ -301,11 +304,12 @@ static bool prefetch_start(struct prefetch *p, int wait_s)
     return p->started;
 }
 
-/* Asks for a receive of input i, unless one is asked or held already. */
+/* Asks for a receive of input i, unless one is asked, in flight or held
+ * already (one answer at a time: a second would overwrite the first). */
 static void prefetch_ask(struct prefetch *p, int i)
 {
     pthread_mutex_lock(&p->mu);
-    if (p->want < 0 && p->input < 0) {
+    if (p->want < 0 && !p->busy && p->input < 0) {
         p->want = i;
         pthread_cond_broadcast(&p->cv);
     }
@@ -333,7 +337,7 @@ static enum sqs_status prefetch_take(struct prefetch *p, int i, struct sqs_messa
             p->n = 0;
             p->input = -1;
         }
-        if (p->want < 0 && p->input < 0) {
+        if (p->want < 0 && !p->busy && p->input < 0) {
             p->want = i;
             pthread_cond_broadcast(&p->cv);
         }
