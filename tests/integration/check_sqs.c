@@ -465,19 +465,20 @@ START_TEST(test_worker_effects_once)
         fprintf(f, "metrics: { listen = \"127.0.0.1:%d\"; };\n", port);
         fclose(f);
         pid = itest_spawn_log(mcfg, 4, NULL, log);
-        for (long long end = mono_ms() + 30000;
-             mono_ms() < end && itest_long(&t, "SELECT count(*) FROM idemq.jobs WHERE key LIKE "
-                                              "$1 || ':%' AND state IN ('applied', 'parked')",
-                                           t.name) < 21;)
-            usleep(100 * 1000);
-        usleep(1000 * 1000); /* the parks' sends and deletes after the commit */
         snprintf(murl, sizeof murl, "http://127.0.0.1:%d/metrics", port);
-        ck_assert_int_eq(itest_http_get(murl, page, sizeof page), 200);
-        ck_assert_msg(strstr(page, "idemq_sqs_messages_total{outcome=\"received\"} 27\n") &&
-                          strstr(page, "idemq_sqs_messages_total{outcome=\"applied\"} 20\n") &&
-                          strstr(page, "idemq_sqs_messages_total{outcome=\"duplicate\"} 5\n") &&
-                          strstr(page, "idemq_sqs_messages_total{outcome=\"parked\"} 2\n"),
-                      "%s", page);
+        /* polled until every message is counted (the parks last: after
+         * their commit), within 30 s */
+        for (long long end = mono_ms() + 30000;;) {
+            bool all = itest_http_get(murl, page, sizeof page) == 200 &&
+                       strstr(page, "idemq_sqs_messages_total{outcome=\"received\"} 27\n") &&
+                       strstr(page, "idemq_sqs_messages_total{outcome=\"applied\"} 20\n") &&
+                       strstr(page, "idemq_sqs_messages_total{outcome=\"duplicate\"} 5\n") &&
+                       strstr(page, "idemq_sqs_messages_total{outcome=\"parked\"} 2\n");
+            if (all)
+                break;
+            ck_assert_msg(mono_ms() < end, "metrics never counted every message: %s", page);
+            usleep(100 * 1000);
+        }
         st = itest_wait(pid, itest_ms(60000));
         ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "idemq run: %d", st);
     }
@@ -757,8 +758,16 @@ START_TEST(test_worker_kill_loop)
     snprintf(log, sizeof log, "/tmp/%s.sqs.log", t.name);
     write_sqs_config(&t, cfg, url, dlq, 2, "visibility_timeout_s = 5;");
     for (int k = 0; k < 5; k++) {
+        long before = itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE "
+                                     "$1 || ':%'", t.name);
         pid_t pid = itest_spawn_log(cfg, 60, NULL, log);
-        usleep((useconds_t)(900 + 150 * k) * 1000);
+        /* killed once it applied 20 more (mid-stream), polled within 30 s */
+        for (long long end = mono_ms() + 30000;
+             itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE $1 || ':%'",
+                        t.name) < before + 20;) {
+            ck_assert_msg(mono_ms() < end, "replica %d applied nothing within 30 s", k);
+            usleep(20 * 1000);
+        }
         kill(pid, SIGKILL);
         ck_assert_int_ne(itest_wait(pid, itest_ms(10000)), -1);
     }
@@ -845,11 +854,12 @@ START_TEST(test_worker_throttled)
             t.name, mport, t.name, t.name, url, ep);
     fclose(f);
     pid = itest_spawn_log(cfg, 30, NULL, log);
-    usleep(2500 * 1000);
     snprintf(murl, sizeof murl, "http://127.0.0.1:%d/ready", mport);
+    /* polled within 10 s: a slow (sanitizer) build may still be starting */
     for (long long end = mono_ms() + 10000;
-         itest_http_get(murl, page, sizeof page) != 503 && mono_ms() < end;)
-        usleep(200 * 1000); /* a slow (sanitizer) build may still be starting */
+         (itest_http_get(murl, page, sizeof page) != 503 ||
+          itest_count_lines(log, "NOT READY: input") < 1) && mono_ms() < end;)
+        usleep(100 * 1000);
     ck_assert_int_eq(itest_http_get(murl, page, sizeof page), 503);
     ck_assert_msg(strstr(page, "not ready: an SQS worker backs off"), "%s", page);
     kill(pid, SIGTERM);
