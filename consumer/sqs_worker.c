@@ -152,6 +152,25 @@ static void batch_nap(void *ctx, long ms)
     nap(ms);
 }
 
+/* A mutex and a condition whose timed waits run on CLOCK_MONOTONIC. */
+static bool sync_init(pthread_mutex_t *mu, pthread_cond_t *cv)
+{
+    pthread_condattr_t ca;
+    bool ok;
+    if (pthread_mutex_init(mu, NULL))
+        return false;
+    if (pthread_condattr_init(&ca)) {
+        pthread_mutex_destroy(mu);
+        return false;
+    }
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    ok = pthread_cond_init(cv, &ca) == 0;
+    pthread_condattr_destroy(&ca);
+    if (!ok)
+        pthread_mutex_destroy(mu);
+    return ok;
+}
+
 /* ---- the lease ---- */
 
 static void *lease_run(void *arg)
@@ -188,16 +207,9 @@ static void *lease_run(void *arg)
 
 static bool lease_start(struct lease *l, atomic_long *extended)
 {
-    pthread_condattr_t ca;
     l->extended = extended;
-    if (pthread_mutex_init(&l->mu, NULL) || pthread_condattr_init(&ca))
+    if (!sync_init(&l->mu, &l->cv))
         return false;
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    if (pthread_cond_init(&l->cv, &ca)) {
-        pthread_condattr_destroy(&ca);
-        return false;
-    }
-    pthread_condattr_destroy(&ca);
     l->started = pthread_create(&l->thread, NULL, lease_run, l) == 0;
     return l->started;
 }
@@ -289,17 +301,10 @@ static void *prefetch_run(void *arg)
 
 static bool prefetch_start(struct prefetch *p, int wait_s)
 {
-    pthread_condattr_t ca;
     p->want = p->input = -1;
     p->wait_s = wait_s;
-    if (pthread_mutex_init(&p->mu, NULL) || pthread_condattr_init(&ca))
+    if (!sync_init(&p->mu, &p->cv))
         return false;
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    if (pthread_cond_init(&p->cv, &ca)) {
-        pthread_condattr_destroy(&ca);
-        return false;
-    }
-    pthread_condattr_destroy(&ca);
     p->started = pthread_create(&p->thread, NULL, prefetch_run, p) == 0;
     return p->started;
 }
