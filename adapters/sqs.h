@@ -5,7 +5,7 @@
  * with SigV4 by libcurl (CURLOPT_AWS_SIGV4), TLS verified; the credentials
  * (the AWS environment variables or the shared credentials file, never
  * logged); the limits on every answer (its size, at most 10 messages, a
- * body of at most 256 KiB, the attributes); and the mapping of every
+ * body of at most 1 MiB, the attributes); and the mapping of every
  * answer to one status. What a status means for a job is the worker's.
  *
  * API: sqs_client_new -> sqs_receive / sqs_delete_batch /
@@ -21,11 +21,12 @@
 
 /* Limits of what an answer may hold (SQS's own limits). */
 #define SQS_MAX_MESSAGES 10
-#define SQS_MAX_BODY (256 * 1024)
+#define SQS_MAX_BODY (1024 * 1024) /* SQS's limit since August 2025 (was 256 KiB) */
 #define SQS_MAX_ATTRIBUTES 10
 #define SQS_MAX_VISIBILITY_S (12 * 3600)
-/* An answer larger than this is refused unread: 10 bodies of 256 KiB each
- * escaped as \uXXXX (6 bytes a byte) fit, with their envelope. */
+/* An answer larger than this is refused unread: 10 bodies of 1 MiB each
+ * escaped as \uXXXX (6 bytes a byte) fit, with their envelope. The buffer
+ * grows with what is read, so the bound costs nothing until it is used. */
 #define SQS_MAX_ANSWER (10L * SQS_MAX_BODY * 6 + 1024 * 1024)
 
 /* What one request came to. Every answer is one of these. */
@@ -83,8 +84,9 @@ void sqs_client_free(struct sqs_client *c);
  * ReceiveMessage: up to max (1..10) messages, waiting up to wait_s seconds
  * (0..20) for the first, with their ApproximateReceiveCount, MessageGroupId
  * and every message attribute. *msgs (free with sqs_messages_free) and *n
- * are set on SQS_OK. A message whose body exceeds SQS_MAX_BODY or that
- * lacks its id, receipt or body makes the whole answer SQS_BAD_ANSWER
+ * are set on SQS_OK. A message whose body exceeds SQS_MAX_BODY (more than
+ * SQS itself accepts) or that lacks its id, receipt or body makes the
+ * whole answer SQS_BAD_ANSWER
  * (nothing is deleted: the messages come back after their visibility).
  */
 enum sqs_status sqs_receive(struct sqs_client *c, int max, int wait_s, struct sqs_message **msgs,

@@ -786,6 +786,72 @@ START_TEST(test_worker_kill_loop)
 END_TEST
 
 
+/* At out: the line "\t" BODY "\n" of send_lines, BODY the JSON object
+ * {"job_id":"NAME:SUFFIX","pad":"xx..."} of exactly size bytes. */
+static void big_line(char *out, const char *name, const char *suffix, size_t size)
+{
+    int head = sprintf(out, "\t{\"job_id\":\"%s:%s\",\"pad\":\"", name, suffix);
+    size_t pad = size - (size_t)(head - 1) - 2; /* the body less its head and "} */
+    memset(out + head, 'x', pad);
+    strcpy(out + head + pad, "\"}\n");
+}
+
+/* Bodies over 256 KiB (SQS takes up to 1 MiB): one over max_body_bytes is
+ * parked alone (body_too_large), whole in the dead-letter queue, while the
+ * messages received with it are applied; with max_body_bytes raised, a
+ * body of nearly 1 MiB is applied. */
+START_TEST(test_worker_large_bodies)
+{
+    struct itest t;
+    char name[96], url[512], dlq[512], cfg[300], log[300];
+    size_t cap = 2200000, big1 = 300000, big2 = 1000000;
+    char *lines = malloc(cap);
+    struct sqs_message *m = NULL;
+    int n;
+    ck_assert_ptr_nonnull(lines);
+    lines[0] = '\0';
+    itest_setup(&t, "sqs_large", "idemq_test.record", "", "");
+    unique(name, sizeof name, "large");
+    create_queue(name, url, sizeof url);
+    strcat(name, "-dlq");
+    create_queue(name, dlq, sizeof dlq);
+    for (int i = 0; i < 3; i++)
+        snprintf(lines + strlen(lines), cap - strlen(lines),
+                 "\t{\"job_id\":\"%s:%d\",\"amount\":%d}\n", t.name, i, i);
+    /* {"job_id":"NAME:big","pad":"xxx..."} of big1 bytes */
+    big_line(lines + strlen(lines), t.name, "big", big1);
+    send_lines(url, lines);
+    snprintf(cfg, sizeof cfg, "/tmp/%s.sqs.cfg", t.name);
+    snprintf(log, sizeof log, "/tmp/%s.sqs.log", t.name);
+    write_sqs_config(&t, cfg, url, dlq, 1, NULL);
+    run_sqs(cfg, 3, log);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE $1 "
+                                    "|| ':%'", t.name), 3);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.parked WHERE source_queue = $1 "
+                                    "AND error_code = 'body_too_large' AND dlq_published_at IS "
+                                    "NOT NULL", t.name), 1);
+    ck_assert_int_eq(left_in(url, NULL), 0);
+    n = left_in(dlq, &m);
+    ck_assert_int_eq(n, 1);
+    ck_assert_ptr_nonnull(m);
+    ck_assert_str_eq(attr(&m[0], "x-idemq-error-code"), "body_too_large");
+    ck_assert_uint_eq(m[0].body_len, big1); /* whole: nothing of it lost */
+    sqs_messages_free(m, n);
+
+    /* raised: a body of nearly 1 MiB is applied */
+    big_line(lines, t.name, "huge", big2);
+    send_lines(url, lines);
+    write_sqs_config(&t, cfg, url, dlq, 1, "max_body_bytes = 1048576;");
+    run_sqs(cfg, 3, log);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = $1 "
+                                    "|| ':huge'", t.name), 1);
+    ck_assert_int_eq(left_in(url, NULL), 0);
+    free(lines);
+    itest_teardown(&t);
+}
+END_TEST
+
+
 /* A FIFO group whose first job fails once (transient): the group waits
  * for its retry (head-of-line) and its later jobs, received in the same
  * batch, never overtake it; another group goes on meanwhile. */
@@ -970,6 +1036,7 @@ int main(int argc, char **argv)
         tcase_add_test(tc, test_worker_park_redrive);
         tcase_add_test(tc, test_worker_kill_loop);
         tcase_add_test(tc, test_worker_throttled);
+        tcase_add_test(tc, test_worker_large_bodies);
         suite_add_tcase(s, tc);
         /* least-privilege mode (scripts/test): these again, as the deployment's roles */
         itest_lp_tcase(s, (const TTest *const[]){test_worker_effects_once,
