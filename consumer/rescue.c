@@ -107,6 +107,35 @@ static bool pick_queues(struct broker *b, const struct conf *c, bool *include, c
     return true;
 }
 
+/*
+ * Moves the copies whose sealed body cannot be opened (their key no longer
+ * listed in protection.keys, or the copy altered) behind the others, each
+ * reported (never published empty, never dropped: the copy stays in the
+ * ledger and the next pass tries again, so listing the key again rescues
+ * it). Returns how many can be published, now copies[0..that).
+ */
+static int set_aside_unopened(struct rescue *r, struct ledger_rescue_copy *copies, int n)
+{
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        if (copies[i].unopened) {
+            log_job(LOG_LVL_ERROR, copies[i].job.key, 0, copies[i].attempt,
+                    "the ledger's retry copy is sealed with key \"%s\" and cannot be opened "
+                    "(%s): not published again; it stays in the ledger until the key is "
+                    "listed in protection.keys", copies[i].body_key, copies[i].unopened);
+            r->unopened++;
+            continue;
+        }
+        if (i != k) {
+            struct ledger_rescue_copy t = copies[k];
+            copies[k] = copies[i];
+            copies[i] = t;
+        }
+        k++;
+    }
+    return k;
+}
+
 idemq_err_t rescue_tick(struct rescue *r, const struct conf *c, PGconn *db, struct broker *b,
                         char *why, size_t whylen)
 {
@@ -140,6 +169,7 @@ idemq_err_t rescue_tick(struct rescue *r, const struct conf *c, PGconn *db, stru
     if ((err = ledger_rescue_take(db, c, include, copies, RESCUE_MAX_PER_PASS, &n, &e)) !=
         IDEMQ_OK)
         goto db_failed;
+    n = set_aside_unopened(r, copies, n);
     for (int i = 0; i < n; i++) {
         if ((err = publish_copy(b, c, &copies[i])) != IDEMQ_OK) {
             snprintf(why, whylen, "rescue: republish of %s failed: %s", copies[i].job.key,

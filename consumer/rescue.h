@@ -34,6 +34,7 @@ struct rescue {
     long long next_ms; /* CLOCK_MONOTONIC ms of the next pass */
     uint64_t rng;      /* jitter of the pass interval */
     long rescued;      /* copies published again and recorded by this session */
+    long unopened;     /* sealed copies this session could not open (reported, kept) */
 };
 
 /*

@@ -498,7 +498,7 @@ $fn$;
 -- state 'parked' and a park row holding the raw message and a link to every
 -- attempt. Returns the park's facts (idemq.park_info) or NULL. p_sealed and
 -- p_body_key: the body sealed with that key (consumer/protect.h), stored in
--- the park row instead of p_body (whose hash the row keeps).
+-- the park row or the retry copy instead of p_body (whose hash the row keeps).
 CREATE OR REPLACE FUNCTION idemq.record_failure(
     p_key text, p_attempt integer, p_class text, p_code text, p_sqlstate text,
     p_message text, p_park boolean, p_delay_ms integer, p_started timestamptz,
@@ -545,7 +545,9 @@ BEGIN
         -- the message stays in the ledger until the retry came
         -- back (ledger/functions_rescue.sql)
         PERFORM idemq.keep_retry_copy(p_key, v_gen, p_attempt, p_queue, p_exchange,
-                                      p_routing_key, p_body, p_headers, p_properties);
+                                      p_routing_key,
+                                      CASE WHEN p_body_key IS NULL THEN p_body ELSE p_sealed END,
+                                      p_headers, p_properties, p_body_key);
         RETURN NULL;
     END IF;
     SELECT min(a.started_at) FILTER (WHERE a.generation = v_gen

@@ -15,22 +15,30 @@
 -- A rescue that was not needed after all (the bucket copy was only slow)
 -- only adds a duplicate copy, which the ledger absorbs like any other.
 
+DROP FUNCTION IF EXISTS idemq.keep_retry_copy(text, integer, integer, text, text, text, bytea,
+                                               jsonb, jsonb); -- it gained the body's key
+DROP FUNCTION IF EXISTS idemq.rescue_take(text[], integer, integer); -- its result gained r_body_key
+
 -- Inside the transaction of a failed attempt that schedules a retry
 -- (called by idemq.record_failure): the job's message, for a rescue.
+-- p_body_key: p_body is sealed with that key (consumer/protect.h); NULL:
+-- p_body is the message's body as sent.
 CREATE OR REPLACE FUNCTION idemq.keep_retry_copy(
     p_key text, p_generation integer, p_attempt integer, p_queue text, p_exchange text,
-    p_routing_key text, p_body bytea, p_headers jsonb, p_properties jsonb)
+    p_routing_key text, p_body bytea, p_headers jsonb, p_properties jsonb,
+    p_body_key text)
 RETURNS void
 LANGUAGE sql
 SET search_path = pg_catalog, idemq AS $fn$
     INSERT INTO idemq.retry_copies AS c (key, generation, attempt, source_queue, exchange,
-        routing_key, body, headers, properties)
+        routing_key, body, headers, properties, body_key)
     VALUES (p_key, p_generation, p_attempt, p_queue, p_exchange, p_routing_key, p_body,
-        p_headers, p_properties)
+        p_headers, p_properties, p_body_key)
     ON CONFLICT (key) DO UPDATE SET generation = excluded.generation,
         attempt = excluded.attempt, source_queue = excluded.source_queue,
         exchange = excluded.exchange, routing_key = excluded.routing_key, body = excluded.body,
         headers = excluded.headers, properties = excluded.properties,
+        body_key = excluded.body_key,
         stored_at = clock_timestamp(), rescued_at = NULL, rescues = 0;
 $fn$;
 
@@ -45,12 +53,13 @@ $fn$;
 --      generation and attempt, its run_after more than p_after_ms ago, and
 --      the copy not rescued within p_after_ms * 2^(its rescues, at most 8)
 --      either (a copy that keeps not coming back is published again ever
---      more rarely). At most p_limit rows, oldest run_after first.
+--      more rarely). At most p_limit rows, oldest run_after first; r_body_key
+--      names the key a sealed body needs (NULL: the body as sent).
 CREATE OR REPLACE FUNCTION idemq.rescue_take(p_queues text[], p_after_ms integer,
                                              p_limit integer)
 RETURNS TABLE (r_key text, r_generation integer, r_attempt integer, r_queue text,
                r_run_after timestamptz, r_body bytea, r_headers jsonb, r_properties jsonb,
-               r_exchange text, r_routing_key text)
+               r_exchange text, r_routing_key text, r_body_key text)
 LANGUAGE plpgsql
 SET search_path = pg_catalog, idemq AS $fn$
 DECLARE
@@ -76,7 +85,7 @@ BEGIN
     END IF;
     RETURN QUERY
     SELECT c.key, c.generation, c.attempt, c.source_queue, j.run_after, c.body, c.headers,
-           c.properties, c.exchange, c.routing_key
+           c.properties, c.exchange, c.routing_key, c.body_key
       FROM idemq.retry_copies c
       JOIN idemq.jobs j ON j.key = c.key
      WHERE c.source_queue = ANY (v_locked)

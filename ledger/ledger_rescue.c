@@ -8,9 +8,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "protect.h"
+
 #define TAKE_SQL                                                                            \
     "SELECT r_key, r_generation::text, r_attempt::text, r_queue, r_run_after::text, r_body, " \
-    "r_headers::text, r_properties::text, r_exchange, r_routing_key "                       \
+    "r_headers::text, r_properties::text, r_exchange, r_routing_key, r_body_key "           \
     "FROM idemq.rescue_take(ARRAY(SELECT jsonb_array_elements_text($1::jsonb)), "           \
     "$2::integer, $3::integer)"
 
@@ -75,8 +77,34 @@ static bool fill(const PGresult *r, int row, int input, struct ledger_rescue_cop
         return false;
     snprintf(x->run_after, sizeof x->run_after, "%s", t);
     free(t);
-    if (job_set_body(j, PQgetvalue(r, row, 5), (size_t)PQgetlength(r, row, 5)))
+    x->unopened = NULL;
+    x->body_key[0] = '\0';
+    if (!PQgetisnull(r, row, 10)) { /* sealed at rest: opened with the key it names */
+        enum protect_open_result o;
+        unsigned char *plain = NULL;
+        size_t plain_len = 0;
+        bool ok;
+        if (!(t = col_text(r, row, 10)))
+            return false;
+        snprintf(x->body_key, sizeof x->body_key, "%s", t);
+        free(t);
+        o = protect_open(protect_global(), x->body_key, (const unsigned char *)PQgetvalue(r, row, 5),
+                         (size_t)PQgetlength(r, row, 5), &plain, &plain_len);
+        if (o == PROTECT_FAILED)
+            return false;
+        if (o != PROTECT_OPENED) {
+            x->unopened = protect_open_str(o);
+            ok = job_set_body(j, "", 0) == IDEMQ_OK;
+        } else {
+            ok = job_set_body(j, plain, plain_len) == IDEMQ_OK;
+            explicit_bzero(plain, plain_len);
+        }
+        free(plain);
+        if (!ok)
+            return false;
+    } else if (job_set_body(j, PQgetvalue(r, row, 5), (size_t)PQgetlength(r, row, 5))) {
         return false;
+    }
     for (int col = 6; col <= 7; col++) {
         if (PQgetisnull(r, row, col))
             continue;

@@ -30,6 +30,10 @@ struct ledger_rescue_copy {
     int generation;
     int attempt;        /* the failed attempt the retry follows */
     char run_after[40]; /* when the retry was due */
+    char body_key[64];  /* the key that sealed the stored body ("": stored as sent) */
+    const char *unopened; /* NULL: job.body is the message's body; else why the
+                           * sealed copy could not be opened (protect_open_str):
+                           * job.body is empty and the copy must not be published */
 };
 
 /*

@@ -573,7 +573,7 @@ static idemq_err_t seal_body(const unsigned char *body, size_t n, unsigned char 
         return IDEMQ_OK;
     if ((err = protect_seal(p, body ? body : (const unsigned char *)"", body ? n : 0, sealed,
                             sealed_len)) != IDEMQ_OK) {
-        snprintf(e->message, sizeof e->message, "cannot seal the parked body: %s",
+        snprintf(e->message, sizeof e->message, "cannot seal the stored body: %s",
                  idemq_err_str(err));
         e->sqlstate[0] = '\0';
         e->conn_lost = false;
@@ -647,7 +647,8 @@ idemq_err_t ledger_txn_record_failure(struct ledger_txn *lt, const struct job *j
     vals[19] = NULL;
     json_decref(r->park);
     r->park = NULL;
-    if (park && (err = seal_body(j->body, j->body_len, &sealed, &sealed_len, e)) != IDEMQ_OK)
+    /* a park's body and a retry's copy alike */
+    if ((err = seal_body(j->body, j->body_len, &sealed, &sealed_len, e)) != IDEMQ_OK)
         goto out;
     if (sealed) {
         vals[18] = (const char *)sealed;

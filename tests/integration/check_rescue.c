@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -58,8 +59,10 @@ static void wait_run_after_past(struct itest *t, const char *key, double s)
 
 /* Attempt 1 of a flaky job fails; the process goes idle and exits before
  * its retry comes back from the bucket (delay 3 s); the bucket's copy is
- * then purged, as a node crash at the dead-lettering moment would lose it. */
-static void fail_once_then_lose_copy(struct itest *t, char *key, size_t len, json_t *headers)
+ * then purged, as a node crash at the dead-lettering moment would lose it.
+ * sealed_key: the key protection.active names (NULL: none). */
+static void fail_once_then_lose_copy(struct itest *t, char *key, size_t len, json_t *headers,
+                                     const char *sealed_key)
 {
     char bucket[TOPOLOGY_NAME_MAX];
     struct broker *b;
@@ -70,13 +73,27 @@ static void fail_once_then_lose_copy(struct itest *t, char *key, size_t len, jso
                                    "state = 'retrying' AND attempts = 1",
                                key),
                      1);
-    /* the ledger keeps the message while the job waits for its retry */
-    ck_assert_int_eq(itest_long(t, "SELECT count(*) FROM idemq.retry_copies c JOIN idemq.jobs j "
+    /* the ledger keeps the message while the job waits for its retry:
+     * as sent, or sealed (not a byte of the key in it) under the active key */
+    ck_assert_int_eq(itest_long(t, sealed_key ?
+                                   "SELECT count(*) FROM idemq.retry_copies c JOIN idemq.jobs j "
+                                   "USING (key) WHERE key = $1 AND c.attempt = 1 AND "
+                                   "c.generation = 0 AND position(convert_to($1, 'UTF8') IN "
+                                   "c.body) = 0 AND c.body_key IS NOT NULL AND "
+                                   "c.source_queue = j.source_queue" :
+                                   "SELECT count(*) FROM idemq.retry_copies c JOIN idemq.jobs j "
                                    "USING (key) WHERE key = $1 AND c.attempt = 1 AND "
                                    "c.generation = 0 AND position($1 IN convert_from(c.body, "
-                                   "'UTF8')) > 0 AND c.source_queue = j.source_queue",
+                                   "'UTF8')) > 0 AND c.body_key IS NULL AND "
+                                   "c.source_queue = j.source_queue",
                                key),
                      1);
+    if (sealed_key) {
+        char sql[256];
+        snprintf(sql, sizeof sql, "SELECT count(*) FROM idemq.retry_copies WHERE key = $1 AND "
+                 "body_key = '%s'", sealed_key);
+        ck_assert_int_eq(itest_long(t, sql, key), 1);
+    }
     topology_bucket_queue(&t->conf->inputs[0], topology_bucket(3000), bucket, sizeof bucket);
     ck_assert_int_eq(itest_queue_ready(t, bucket), 1);
     ck_assert_msg(broker_open(t->conf, "itest purge", false, &b, err, sizeof err) == IDEMQ_OK,
@@ -143,7 +160,7 @@ START_TEST(test_rescue_lost_copy)
     itest_retry_conf = "base_delay_ms = 3000; max_delay_ms = 3000; jitter = \"none\"; "
                        "rescue_after_s = 1;";
     itest_setup(&t, "rescue", "idemq_test.record", "", "");
-    fail_once_then_lose_copy(&t, key, sizeof key, NULL);
+    fail_once_then_lose_copy(&t, key, sizeof key, NULL, NULL);
     run_idle(&t, 6);
     ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
     ck_assert_int_eq(itest_long(&t, "SELECT attempts FROM idemq.jobs WHERE key = $1 AND state = "
@@ -157,6 +174,81 @@ START_TEST(test_rescue_lost_copy)
                                 key),
                      1);
     ck_assert_int_eq(itest_queue_ready(&t, t.name), 0);
+    itest_teardown(&t);
+    itest_retry_conf = NULL;
+}
+END_TEST
+
+/* A key file of 32 hex-encoded bytes (0600) at path. */
+static void key_file(char *path, size_t len, const char *tag, unsigned char fill)
+{
+    FILE *f;
+    snprintf(path, len, "/tmp/idemq-rescue-key-%s-%d", tag, (int)getpid());
+    unlink(path);
+    ck_assert_ptr_nonnull(f = fopen(path, "w"));
+    for (int i = 0; i < 32; i++)
+        fprintf(f, "%02x", fill + i);
+    fputc('\n', f);
+    fclose(f);
+    ck_assert_int_eq(chmod(path, 0600), 0);
+}
+
+/* Retry copies sealed at rest: with protection.active the ledger's copy of
+ * a retry holds no byte of the message in the clear. A process that lacks
+ * its key reports the copy and leaves it (never publishes it empty, never
+ * drops it); once the key is listed again the copy is opened, published
+ * again, and the job applied once from the original body. */
+START_TEST(test_rescue_sealed_copy)
+{
+    struct itest t;
+    char key[128], k1[128], k2[128], extra[600], cfg2[300], log[300];
+    FILE *f;
+    int st;
+    key_file(k1, sizeof k1, "k1", 0x20);
+    key_file(k2, sizeof k2, "k2", 0x50);
+    snprintf(extra, sizeof extra, "protection: { keys = [ \"k1=%s\" ]; active = \"k1\"; };", k1);
+    itest_extra_conf = extra;
+    itest_retry_conf = "base_delay_ms = 3000; max_delay_ms = 3000; jitter = \"none\"; "
+                       "rescue_after_s = 1;";
+    itest_setup(&t, "rescue_sealed", "idemq_test.record", "", "");
+    itest_extra_conf = NULL;
+    fail_once_then_lose_copy(&t, key, sizeof key, NULL, "k1");
+    /* the same config with k2 instead of k1: the copy cannot be opened */
+    {
+        static char text[1 << 16];
+        char *at, find[300];
+        size_t n;
+        ck_assert_ptr_nonnull(f = fopen(t.cfg_path, "r"));
+        n = fread(text, 1, sizeof text - 1, f);
+        text[n] = '\0';
+        fclose(f);
+        snprintf(find, sizeof find, "\"k1=%s\" ]; active = \"k1\"", k1);
+        ck_assert_ptr_nonnull(at = strstr(text, find));
+        snprintf(cfg2, sizeof cfg2, "%s.k2", t.cfg_path);
+        ck_assert_ptr_nonnull(f = fopen(cfg2, "w"));
+        fprintf(f, "%.*s\"k2=%s\" ]; active = \"k2\"%s", (int)(at - text), text, k2,
+                at + strlen(find));
+        fclose(f);
+    }
+    snprintf(log, sizeof log, "/tmp/%s.rescue.log", t.name);
+    unlink(log);
+    st = itest_wait(itest_spawn_log(cfg2, 6, NULL, log), itest_ms(60000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "idemq: 0x%x", st);
+    ck_assert_int_ge(itest_count_lines(log, "is sealed with key \"k1\" and cannot be opened"), 1);
+    ck_assert_int_eq(itest_long(&t, RESCUES_FOR, key), 0);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.retry_copies WHERE key = $1 "
+                                    "AND body_key = 'k1'", key), 1);
+    ck_assert_int_eq(itest_queue_ready(&t, t.name), 0);
+    /* k1 listed again: rescued, applied once from the original body */
+    run_idle(&t, 6);
+    ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT attempts FROM idemq.jobs WHERE key = $1 AND state = "
+                                    "'applied'", key), 2);
+    ck_assert_int_eq(itest_long(&t, RESCUES_FOR, key), 1);
+    unlink(cfg2);
+    unlink(k1);
+    unlink(k2);
     itest_teardown(&t);
     itest_retry_conf = NULL;
 }
@@ -198,7 +290,7 @@ START_TEST(test_rescue_lost_copy_grant_role)
     grant_role(&t, role, sizeof role, dsn, sizeof dsn);
     snprintf(owner_dsn, sizeof owner_dsn, "%s", getenv("IDEMQ_PG_DSN"));
     setenv("IDEMQ_PG_DSN", dsn, 1);
-    fail_once_then_lose_copy(&t, key, sizeof key, NULL);
+    fail_once_then_lose_copy(&t, key, sizeof key, NULL, NULL);
     snprintf(log, sizeof log, "/tmp/%s.log", t.name);
     {
         int st = itest_wait(itest_spawn_log(t.cfg_path, 6, NULL, log), itest_ms(60000));
@@ -229,7 +321,7 @@ START_TEST(test_rescue_one_at_a_time)
     itest_retry_conf = "base_delay_ms = 3000; max_delay_ms = 3000; jitter = \"none\"; "
                        "rescue_after_s = 1;";
     itest_setup(&t, "rescuelk", "idemq_test.record", "", "");
-    fail_once_then_lose_copy(&t, key, sizeof key, NULL);
+    fail_once_then_lose_copy(&t, key, sizeof key, NULL, NULL);
     ck_assert_str_eq(itest_text(&t, RESCUE_LOCK, t.name, out, sizeof out), "");
     wait_run_after_past(&t, key, 1.5);
     run_idle(&t, 3);
@@ -260,7 +352,7 @@ START_TEST(test_rescue_waits_for_backlog)
     itest_retry_conf = "base_delay_ms = 3000; max_delay_ms = 3000; jitter = \"none\"; "
                        "rescue_after_s = 1;";
     itest_setup(&t, "rescuebl", "idemq_test.record", "", "");
-    fail_once_then_lose_copy(&t, key, sizeof key, NULL);
+    fail_once_then_lose_copy(&t, key, sizeof key, NULL, NULL);
     wait_run_after_past(&t, key, 1.5);
     for (int i = 0; i < 300; i++) {
         snprintf(filler[i], sizeof filler[i], "{\"job_id\":\"%s:filler%03d\"}", t.name, i);
@@ -315,7 +407,7 @@ START_TEST(test_rescue_ignores_cc)
     ck_assert_int_eq(broker_open(t.conf, "itest cc", false, &b, err, sizeof err), IDEMQ_OK);
     ck_assert_int_eq(broker_admin_declare_queue(b, victim, NULL, false), IDEMQ_OK);
     h = json_pack("{s:[s],s:[s]}", "CC", victim, "BCC", victim);
-    fail_once_then_lose_copy(&t, key, sizeof key, h);
+    fail_once_then_lose_copy(&t, key, sizeof key, h, NULL);
     json_decref(h);
     run_idle(&t, 6);
     ck_assert_int_eq(itest_long(&t, RESCUES_FOR, key), 1);
@@ -340,6 +432,7 @@ int main(void)
     tcase_set_timeout(tc, itest_ms(120));
     tcase_add_test(tc, test_quorum_buckets);
     tcase_add_test(tc, test_rescue_lost_copy);
+    tcase_add_test(tc, test_rescue_sealed_copy);
     tcase_add_test(tc, test_rescue_lost_copy_grant_role);
     tcase_add_test(tc, test_rescue_one_at_a_time);
     tcase_add_test(tc, test_rescue_waits_for_backlog);
