@@ -884,7 +884,7 @@ START_TEST(test_worker_traced)
     char name[96], url[512], dlq[512], cfg[300], log[300], out[300], body[200], port_s[16];
     char err[256], buf[65536], *mid = NULL;
     const char *tid = "7bf92f3577b34da6a3ce929d0e0e4736", *psid = "00f067aa0ba902b7";
-    int port = itest_free_port(), found = 0, st;
+    int port = itest_free_port(), found = 0, receive = 0, del = 0, st;
     struct sqs_client *c;
     json_t *attrs;
     pid_t recv;
@@ -949,6 +949,24 @@ START_TEST(test_worker_traced)
             else if (strcmp(k, "idemq.outcome") == 0)
                 outcome = v;
         }
+        {   /* the batch's receive and settle (delete) spans link the producer's */
+            json_t *l = json_array_get(json_object_get(sp, "links"), 0);
+            const char *op = NULL;
+            json_array_foreach(json_object_get(sp, "attributes"), i, a) {
+                if (strcmp(json_string_value(json_object_get(a, "key")),
+                           "messaging.operation.name") == 0)
+                    op = json_string_value(
+                        json_object_get(json_object_get(a, "value"), "stringValue"));
+            }
+            if (l && strcmp(json_string_value(json_object_get(l, "traceId")), tid) == 0 &&
+                strcmp(json_string_value(json_object_get(l, "spanId")), psid) == 0) {
+                ck_assert_int_eq(json_integer_value(json_object_get(sp, "kind")), 3);
+                ck_assert_str_eq(sys, "aws_sqs");
+                ck_assert_ptr_nonnull(op);
+                receive += strcmp(op, "receive") == 0;
+                del += strcmp(op, "delete") == 0;
+            }
+        }
         if (strcmp(json_string_value(json_object_get(sp, "traceId")), tid) == 0 &&
             json_object_get(sp, "parentSpanId") &&
             strcmp(json_string_value(json_object_get(sp, "parentSpanId")), psid) == 0) {
@@ -961,6 +979,8 @@ START_TEST(test_worker_traced)
     }
     fclose(f);
     ck_assert_int_eq(found, 1);
+    ck_assert_int_eq(receive, 1);
+    ck_assert_int_eq(del, 1);
     /* the effect ran under idemq's span, in the producer's trace */
     ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = $1 ||"
                                     " ':1' AND substr(meta->>'traceparent', 4, 32) ="
