@@ -612,17 +612,41 @@ static void count(struct sqs_thread *t, const struct plan *plans, int n)
     }
 }
 
+/* The receive and settle (delete) spans of the settled jobs[0..n) of one
+ * input (trace_export.h). */
+static void export_batch(const struct sqs_thread *t, int n, long long settle_start)
+{
+    const struct trace_job **tj = calloc((size_t)n, sizeof *tj);
+    long long first = 0, last = 0;
+    if (!tj)
+        return;
+    for (int i = 0; i < n; i++) {
+        const struct job *j = &t->bt.jobs[i];
+        tj[i] = &j->trace;
+        if (!first || j->received_ns < first)
+            first = j->received_ns;
+        if (j->received_ns > last)
+            last = j->received_ns;
+    }
+    trace_export_batch(&t->view.inputs[t->input], tj, n, first, last, settle_start, now_ns(),
+                       "delete");
+    free(tj);
+}
+
 /* Carries out the plans of the committed jobs[0..n). */
 static enum step settle(struct sqs_thread *t, int n)
 {
     struct settle_io io = {t, io_delay, io_dead, io_wait, io_settle, io_reject, io_flush};
     struct ledger_db_error e;
     int parks = 0;
+    long long settle_start = now_ns();
     memset(t->kept, 0, sizeof t->kept);
     t->ndel = 0;
     count(t, t->bt.plans, n);
     if (settle_batch(&io, t->bt.jobs, t->bt.plans, n, t->why, sizeof t->why) != SETTLE_DONE)
         return STEP_SQS; /* what was not settled comes back after its visibility */
+    if (trace_export_on() && n > 0) /* the batch's receive and settle spans */
+        export_batch(t, n, settle_start);
     for (int i = 0; i < n; i++) { /* the span of each settled job (trace_export.h) */
         const struct job *j = &t->bt.jobs[i];
         const struct plan *p = &t->bt.plans[i];

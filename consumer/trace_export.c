@@ -31,7 +31,17 @@ struct slot {
     const char *call_op, *call_method, *call_class; /* constants; call_op NULL: a job */
     long call_status;
     unsigned char call_span_id[8];
+    const char *batch_op, *settle_op; /* constants; batch_op NULL: not a batch span */
+    struct trace_link *links;         /* malloc'd, or NULL */
+    size_t nlinks;
+    int batch_size;
 };
+
+static void slot_free(struct slot *o)
+{
+    free(o->state);
+    free(o->links);
+}
 
 static void slot_of(struct slot *o, const struct trace_span *s)
 {
@@ -50,6 +60,12 @@ static void slot_of(struct slot *o, const struct trace_span *s)
     memcpy(o->call_span_id, s->call_span_id, sizeof o->call_span_id);
     o->attempt = s->attempt;
     o->outcome = s->outcome;
+    o->batch_op = s->batch_op;
+    o->settle_op = s->settle_op;
+    o->has_parent = s->batch_op ? s->batch_parent : o->has_parent;
+    o->links = NULL;
+    o->nlinks = 0;
+    o->batch_size = s->batch_size;
 }
 
 struct exporter {
@@ -83,20 +99,25 @@ void trace_export_span(const struct trace_span *s)
 {
     bool full;
     struct slot o;
-    if (!trace_export_on() || !s->t.span)
+    if (!trace_export_on() || !s->t.span) {
+        free(s->links);
         return;
+    }
     slot_of(&o, s);
+    o.links = s->links;
+    o.nlinks = s->nlinks;
     pthread_mutex_lock(&ex.mu);
     full = ex.n == ex.cap;
     if (!full) {
         ex.ring[(ex.head + ex.n) % ex.cap] = o;
         o.state = NULL;
+        o.links = NULL;
         ex.n++;
         if (ex.n == (size_t)ex.c->tracing_batch_max)
             pthread_cond_signal(&ex.cv);
     }
     pthread_mutex_unlock(&ex.mu);
-    free(o.state);
+    slot_free(&o);
     if (full)
         atomic_fetch_add(&ex.dropped, 1);
 }
@@ -141,6 +162,70 @@ void trace_export_call(const struct trace_job *t, const struct conf_input *in, c
     trace_export_span(&sp);
 }
 
+static long long wall_of(long long mono_ns, long long now_mono_ns, long long now_wall_ns)
+{
+    return now_wall_ns - (now_mono_ns - mono_ns);
+}
+
+void trace_export_batch(const struct conf_input *in, const struct trace_job *const *t, int n,
+                        long long first_mono_ns, long long last_mono_ns,
+                        long long settle_mono_ns, long long now_mono_ns, const char *settle_op)
+{
+    struct trace_span rcv, stl;
+    struct trace_link *links, *copy;
+    struct timespec wall;
+    long long now_wall;
+    size_t k = 0;
+    bool any = false;
+    if (!trace_export_on() || n <= 0)
+        return;
+    for (int i = 0; i < n; i++)
+        any = any || (t[i] && t[i]->span);
+    if (!any || !(links = calloc((size_t)n, sizeof *links)))
+        return;
+    for (int i = 0; i < n; i++)
+        if (t[i] && t[i]->span && t[i]->in.parent[0]) {
+            memcpy(links[k].trace_id, t[i]->trace_id, 16);
+            memcpy(links[k].span_id, t[i]->parent_id, 8);
+            k++;
+        }
+    copy = k ? malloc(k * sizeof *copy) : NULL;
+    if (k && !copy) {
+        free(links);
+        return;
+    }
+    if (copy)
+        memcpy(copy, links, k * sizeof *copy);
+    clock_gettime(CLOCK_REALTIME, &wall);
+    now_wall = (long long)wall.tv_sec * 1000000000LL + wall.tv_nsec;
+    memset(&rcv, 0, sizeof rcv);
+    rcv.t.span = true;
+    rcv.t.flags = 1;
+    trace_new_span_id(rcv.t.span_id);
+    trace_new_span_id(rcv.t.trace_id);
+    trace_new_span_id(rcv.t.trace_id + 8);
+    rcv.in = in;
+    rcv.batch_op = "receive";
+    rcv.start_ns = wall_of(first_mono_ns, now_mono_ns, now_wall);
+    rcv.end_ns = wall_of(last_mono_ns, now_mono_ns, now_wall);
+    rcv.links = k ? links : NULL;
+    rcv.nlinks = k;
+    rcv.batch_size = n;
+    stl = rcv;
+    memcpy(stl.t.parent_id, rcv.t.span_id, 8);
+    trace_new_span_id(stl.t.span_id);
+    stl.batch_parent = true;
+    stl.batch_op = "settle";
+    stl.settle_op = settle_op;
+    stl.start_ns = wall_of(settle_mono_ns, now_mono_ns, now_wall);
+    stl.end_ns = now_wall;
+    stl.links = copy;
+    if (!k)
+        free(links);
+    trace_export_span(&rcv);
+    trace_export_span(&stl);
+}
+
 static const char *outcome_name(enum trace_outcome o)
 {
     switch (o) {
@@ -179,6 +264,17 @@ static void attr_str(struct ledger_doc *b, bool first, const char *k, const char
     puts_(b, "\",\"value\":{\"stringValue\":");
     put_str(b, v);
     puts_(b, "}}");
+}
+
+/* messaging.system of an input (a PostgreSQL queue input: no value of the
+ * conventions names it) */
+static const char *system_name(const struct conf_input *in)
+{
+    if (in->transport && strcmp(in->transport, "postgres") == 0)
+        return "postgresql";
+    if (in->transport && strcmp(in->transport, "sqs") == 0)
+        return "aws_sqs";
+    return "rabbitmq";
 }
 
 /* A provider call: a CLIENT span under the job's span (HTTP client
@@ -225,7 +321,6 @@ static void call_json(struct ledger_doc *b, const struct slot *s, bool first)
 static void job_json(struct ledger_doc *b, const struct slot *s, bool first)
 {
     const struct conf_input *in = s->in;
-    bool pg = in->transport && strcmp(in->transport, "postgres") == 0;
     char hex[33], num[64];
     puts_(b, first ? "{\"traceId\":\"" : ",{\"traceId\":\"");
     trace_hex(s->trace_id, 16, hex);
@@ -257,10 +352,7 @@ static void job_json(struct ledger_doc *b, const struct slot *s, bool first)
     puts_(b, num);
     puts_(b, ",\"attributes\":[");
     /* a PostgreSQL queue input: no value of the conventions names it */
-    attr_str(b, true, "messaging.system",
-             pg ? "postgresql"
-             : in->transport && strcmp(in->transport, "sqs") == 0 ? "aws_sqs"
-                                                                   : "rabbitmq");
+    attr_str(b, true, "messaging.system", system_name(in));
     attr_str(b, false, "messaging.operation.type", "process");
     attr_str(b, false, "messaging.operation.name", "process");
     attr_str(b, false, "messaging.destination.name", in->queue);
@@ -280,9 +372,62 @@ static void job_json(struct ledger_doc *b, const struct slot *s, bool first)
     puts_(b, "}");
 }
 
+/* A batch span (receive, settle): kind CLIENT, its links to the contexts
+ * of the messages' producers. */
+static void batch_json(struct ledger_doc *b, const struct slot *s, bool first)
+{
+    const struct conf_input *in = s->in;
+    char hex[33], num[96], name[300];
+    puts_(b, first ? "{\"traceId\":\"" : ",{\"traceId\":\"");
+    trace_hex(s->trace_id, 16, hex);
+    puts_(b, hex);
+    puts_(b, "\",\"spanId\":\"");
+    trace_hex(s->span_id, 8, hex);
+    puts_(b, hex);
+    puts_(b, "\"");
+    if (s->has_parent) {
+        puts_(b, ",\"parentSpanId\":\"");
+        trace_hex(s->parent_id, 8, hex);
+        puts_(b, hex);
+        puts_(b, "\"");
+    }
+    snprintf(name, sizeof name, "%s %s", s->settle_op ? s->settle_op : s->batch_op, in->queue);
+    puts_(b, ",\"name\":");
+    put_str(b, name);
+    snprintf(num, sizeof num, ",\"kind\":3,\"startTimeUnixNano\":\"%lld\"", s->start_ns);
+    puts_(b, num);
+    snprintf(num, sizeof num, ",\"endTimeUnixNano\":\"%lld\"", s->end_ns);
+    puts_(b, num);
+    puts_(b, ",\"attributes\":[");
+    attr_str(b, true, "messaging.system", system_name(in));
+    attr_str(b, false, "messaging.operation.type", s->batch_op);
+    attr_str(b, false, "messaging.operation.name", s->settle_op ? s->settle_op : s->batch_op);
+    attr_str(b, false, "messaging.destination.name", in->queue);
+    attr_str(b, false, "idemq.input", in->name);
+    snprintf(num, sizeof num,
+             ",{\"key\":\"messaging.batch.message_count\",\"value\":{\"intValue\":\"%d\"}}",
+             s->batch_size);
+    puts_(b, num);
+    puts_(b, "]");
+    if (s->nlinks) /* an empty list is left out, as the protocol's JSON mapping does */
+        puts_(b, ",\"links\":[");
+    for (size_t i = 0; i < s->nlinks; i++) {
+        puts_(b, i ? ",{\"traceId\":\"" : "{\"traceId\":\"");
+        trace_hex(s->links[i].trace_id, 16, hex);
+        puts_(b, hex);
+        puts_(b, "\",\"spanId\":\"");
+        trace_hex(s->links[i].span_id, 8, hex);
+        puts_(b, hex);
+        puts_(b, "\"}");
+    }
+    puts_(b, s->nlinks ? "]}" : "}");
+}
+
 static void span_json(struct ledger_doc *b, const struct slot *s, bool first)
 {
-    if (s->call_op)
+    if (s->batch_op)
+        batch_json(b, s, first);
+    else if (s->call_op)
         call_json(b, s, first);
     else
         job_json(b, s, first);
@@ -312,8 +457,11 @@ char *trace_export_body(const struct conf *c, const struct trace_span *s, size_t
     struct slot *o = calloc(n ? n : 1, sizeof *o);
     char *body = NULL;
     if (o) {
-        for (size_t i = 0; i < n; i++)
+        for (size_t i = 0; i < n; i++) {
             slot_of(&o[i], &s[i]);
+            o[i].links = s[i].links; /* borrowed */
+            o[i].nlinks = s[i].nlinks;
+        }
         body = body_of(c, o, n);
         for (size_t i = 0; i < n; i++)
             free(o[i].state);
@@ -400,7 +548,7 @@ static void *run(void *arg)
             /* stopping, and the collector is slow: the rest is dropped */
             atomic_fetch_add(&ex.failed, (long)ex.n);
             for (; ex.n > 0; ex.n--, ex.head = (ex.head + 1) % ex.cap)
-                free(ex.ring[ex.head].state);
+                slot_free(&ex.ring[ex.head]);
         }
         while (batch && n < max && ex.n > 0) {
             batch[n++] = ex.ring[ex.head];
@@ -420,13 +568,13 @@ static void *run(void *arg)
             atomic_fetch_add(&ex.failed, (long)n);
         }
         for (size_t i = 0; i < n; i++)
-            free(batch[i].state);
+            slot_free(&batch[i]);
         if (stop && (n < max || !batch)) /* the queue is empty (or cannot be read) */
             break;
     }
     pthread_mutex_lock(&ex.mu);
     for (; ex.n > 0; ex.n--, ex.head = (ex.head + 1) % ex.cap) /* only without a batch */
-        free(ex.ring[ex.head].state);
+        slot_free(&ex.ring[ex.head]);
     pthread_mutex_unlock(&ex.mu);
     free(batch);
     curl_easy_cleanup(h);

@@ -26,6 +26,11 @@ enum trace_outcome {
     TRACE_OBSERVED,    /* observe mode: recorded, not applied */
 };
 
+/* A link of a batch span: the context of one message's producer. */
+struct trace_link {
+    unsigned char trace_id[16], span_id[8];
+};
+
 /* One finished span of a job (times: CLOCK_REALTIME, ns since the epoch). */
 struct trace_span {
     struct trace_job t;
@@ -40,6 +45,15 @@ struct trace_span {
     const char *call_class;  /* the answer's class (effect_http_class_name) */
     long call_status;        /* HTTP status; 0: no answer */
     unsigned char call_span_id[8];
+    /* A batch span instead (batch_op set, t.trace_id/t.span_id its own ids,
+     * t.parent_id its parent when batch_parent): "receive" or "settle", with
+     * links[0..nlinks) to the producers' contexts (taken by the queue). */
+    const char *batch_op;
+    const char *settle_op; /* settle: "ack", "nack", "delete" */
+    bool batch_parent;
+    struct trace_link *links;
+    size_t nlinks;
+    int batch_size;
 };
 
 /* Starts the exporter when c->tracing_endpoint is set (else does nothing
@@ -68,6 +82,18 @@ void trace_export_job(const struct trace_job *t, const struct conf_input *in,
  * status its HTTP status (0: none), elapsed_ms the call's time to now. */
 void trace_export_call(const struct trace_job *t, const struct conf_input *in, const char *op,
                        const char *method, const char *cls, long status, long long elapsed_ms);
+
+/* Queues the two spans of a settled batch of n messages of input in,
+ * following the messaging conventions: a "receive" span (kind CLIENT, the
+ * root of a trace of its own, from first_mono_ns to last_mono_ns, when
+ * the batch's messages came) and a "settle" span (kind CLIENT, its child,
+ * from settle_mono_ns to now_mono_ns; settle_op "ack", "nack" or
+ * "delete"), each linked to the producer context of every message of jobs
+ * that has one (t[0..n), NULL entries skipped). Nothing when tracing is
+ * off or no message of the batch has a span. */
+void trace_export_batch(const struct conf_input *in, const struct trace_job *const *t, int n,
+                        long long first_mono_ns, long long last_mono_ns,
+                        long long settle_mono_ns, long long now_mono_ns, const char *settle_op);
 
 /* Counters since start (metrics). */
 struct trace_export_counts {

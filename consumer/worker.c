@@ -67,6 +67,7 @@ struct session {
     PGconn *db;
     struct ledger_txn *lt;
     struct broker *b;
+    long long settle_ns;      /* CLOCK_MONOTONIC when the batch's settlement began */
     uint64_t failed_tag;      /* given back with basic.reject by drop_broker, 0: none */
     struct batch bt;          /* the batch: jobs, plans, the transaction ladder */
     long long *park_ids;
@@ -462,6 +463,7 @@ static enum step settle_committed(struct session *s, int n)
             return STEP_BROKER;
         }
     }
+    s->settle_ns = now_ns();
     switch (settle_batch(&io, jobs, plans, n, s->why, sizeof s->why)) {
     case SETTLE_DONE:
         break;
@@ -768,6 +770,34 @@ static void export_span(const struct session *s, const struct job *j, const stru
                          p->attempt, o);
 }
 
+/* The receive and settle spans of the settled batch (trace_export.h). */
+static void export_batch(const struct session *s, long long now_mono)
+{
+    const struct job *jobs = s->bt.jobs;
+    const struct trace_job **t = calloc((size_t)s->bt.n, sizeof *t);
+    long long first = 0, last = 0;
+    int m = 0, input = -1;
+    if (!t)
+        return;
+    for (int i = 0; i < s->bt.n; i++) {
+        if (!jobs[i].received_ns)
+            continue;
+        if (input < 0)
+            input = jobs[i].input;
+        if (jobs[i].input != input) /* one input's messages per batch span */
+            continue;
+        t[m++] = &jobs[i].trace;
+        if (!first || jobs[i].received_ns < first)
+            first = jobs[i].received_ns;
+        if (jobs[i].received_ns > last)
+            last = jobs[i].received_ns;
+    }
+    if (m)
+        trace_export_batch(&s->c->inputs[input], t, m, first, last,
+                           s->settle_ns ? s->settle_ns : now_mono, now_mono, "ack");
+    free(t);
+}
+
 static void note_acked(struct session *s)
 {
     long long now = now_ns();
@@ -778,6 +808,8 @@ static void note_acked(struct session *s)
             latency_record(&s->w->interval, (uint64_t)(now - jobs[i].received_ns) / 1000u);
             export_span(s, &jobs[i], &s->bt.plans[i], now);
         }
+    if (trace_export_on())
+        export_batch(s, now);
     if (jobs[0].received_ns &&
         (!s->w->first_delivery_ns || jobs[0].received_ns < s->w->first_delivery_ns))
         s->w->first_delivery_ns = jobs[0].received_ns;

@@ -940,6 +940,126 @@ START_TEST(test_worker_throttled)
 }
 END_TEST
 
+/* Tracing (the OTLP receiver of tests/trace, OpenTelemetry's protocol
+ * definitions): a message sent with a traceparent message attribute is
+ * applied under a span that continues the producer's trace, a child of its
+ * span, with messaging.system aws_sqs. */
+START_TEST(test_worker_traced)
+{
+    struct itest t;
+    char name[96], url[512], dlq[512], cfg[300], log[300], out[300], body[200], port_s[16];
+    char err[256], buf[65536], *mid = NULL;
+    const char *tid = "7bf92f3577b34da6a3ce929d0e0e4736", *psid = "00f067aa0ba902b7";
+    int port = itest_free_port(), found = 0, receive = 0, del = 0, st;
+    struct sqs_client *c;
+    json_t *attrs;
+    pid_t recv;
+    FILE *f;
+
+    if (access(IDEMQ_SOURCE_DIR "/tests/trace/node_modules/@opentelemetry/otlp-transformer",
+               R_OK) != 0)
+        ck_abort_msg("the tracing test needs tests/trace/node_modules: run scripts/setup");
+    itest_setup(&t, "sqs_trace", "idemq_test.record", "", "");
+    unique(name, sizeof name, "trace");
+    create_queue(name, url, sizeof url);
+    strcat(name, "-dlq");
+    create_queue(name, dlq, sizeof dlq);
+    c = client(url);
+    attrs = json_pack("{s:s}", "traceparent", "00-7bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+    snprintf(body, sizeof body, "{\"job_id\":\"%s:1\"}", t.name);
+    ck_assert_int_eq(sqs_send(c, url, body, NULL, NULL, attrs, &mid, err, sizeof err), SQS_OK);
+    free(mid);
+    json_decref(attrs);
+    sqs_client_free(c);
+
+    snprintf(out, sizeof out, "/tmp/%s.otlp.jsonl", t.name);
+    unlink(out);
+    snprintf(port_s, sizeof port_s, "%d", port);
+    if ((recv = fork()) == 0) {
+        if (chdir(IDEMQ_SOURCE_DIR "/tests/trace") != 0)
+            _exit(127);
+        execlp("node", "node", "otel.mjs", "receive", port_s, out, (char *)NULL);
+        _exit(127);
+    }
+    for (int i = 0; i < itest_ms(15000) / 50 && access(out, F_OK) != 0; i++)
+        usleep(50 * 1000);
+    ck_assert_msg(access(out, F_OK) == 0, "the OTLP receiver did not start");
+
+    snprintf(cfg, sizeof cfg, "/tmp/%s.sqs.cfg", t.name);
+    snprintf(log, sizeof log, "/tmp/%s.sqs.log", t.name);
+    write_sqs_config(&t, cfg, url, dlq, 1, NULL);
+    ck_assert_ptr_nonnull(f = fopen(cfg, "a"));
+    fprintf(f, "tracing: { endpoint = \"http://127.0.0.1:%d/v1/traces\"; flush_ms = 100; };\n",
+            port);
+    fclose(f);
+    run_sqs(cfg, 2, log);
+    kill(recv, SIGTERM);
+    st = itest_wait(recv, itest_ms(10000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "receiver 0x%x", st);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = $1 || ':1'",
+                                t.name),
+                     1);
+
+    ck_assert_ptr_nonnull(f = fopen(out, "r"));
+    while (fgets(buf, sizeof buf, f)) {
+        json_t *sp = json_loads(buf, 0, NULL), *a;
+        const char *sys = NULL, *outcome = NULL;
+        size_t i;
+        ck_assert_msg(sp && !json_object_get(sp, "invalid"), "receiver line: %s", buf);
+        json_array_foreach(json_object_get(sp, "attributes"), i, a) {
+            const char *k = json_string_value(json_object_get(a, "key"));
+            const char *v =
+                json_string_value(json_object_get(json_object_get(a, "value"), "stringValue"));
+            if (strcmp(k, "messaging.system") == 0)
+                sys = v;
+            else if (strcmp(k, "idemq.outcome") == 0)
+                outcome = v;
+        }
+        {   /* the batch's receive and settle (delete) spans link the producer's */
+            json_t *l = json_array_get(json_object_get(sp, "links"), 0);
+            const char *op = NULL;
+            json_array_foreach(json_object_get(sp, "attributes"), i, a) {
+                if (strcmp(json_string_value(json_object_get(a, "key")),
+                           "messaging.operation.name") == 0)
+                    op = json_string_value(
+                        json_object_get(json_object_get(a, "value"), "stringValue"));
+            }
+            if (l && strcmp(json_string_value(json_object_get(l, "traceId")), tid) == 0 &&
+                strcmp(json_string_value(json_object_get(l, "spanId")), psid) == 0) {
+                ck_assert_int_eq(json_integer_value(json_object_get(sp, "kind")), 3);
+                ck_assert_str_eq(sys, "aws_sqs");
+                ck_assert_ptr_nonnull(op);
+                receive += strcmp(op, "receive") == 0;
+                del += strcmp(op, "delete") == 0;
+            }
+        }
+        if (strcmp(json_string_value(json_object_get(sp, "traceId")), tid) == 0 &&
+            json_object_get(sp, "parentSpanId") &&
+            strcmp(json_string_value(json_object_get(sp, "parentSpanId")), psid) == 0) {
+            ck_assert_int_eq(json_integer_value(json_object_get(sp, "kind")), 5);
+            ck_assert_str_eq(sys, "aws_sqs");
+            ck_assert_str_eq(outcome, "applied");
+            found++;
+        }
+        json_decref(sp);
+    }
+    fclose(f);
+    ck_assert_int_eq(found, 1);
+    ck_assert_int_eq(receive, 1);
+    ck_assert_int_eq(del, 1);
+    /* the effect ran under idemq's span, in the producer's trace */
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = $1 ||"
+                                    " ':1' AND substr(meta->>'traceparent', 4, 32) ="
+                                    " '7bf92f3577b34da6a3ce929d0e0e4736'",
+                                t.name),
+                     1);
+    unlink(out);
+    unlink(cfg);
+    unlink(log);
+    itest_teardown(&t);
+}
+END_TEST
+
 static bool port_open(int port)
 {
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
@@ -1039,6 +1159,10 @@ int main(int argc, char **argv)
         tcase_add_test(tc, test_worker_large_bodies);
         suite_add_tcase(s, tc);
         /* least-privilege mode (scripts/test): these again, as the deployment's roles */
+        tc = tcase_create("tracing");
+        tcase_set_timeout(tc, 120);
+        tcase_add_test(tc, test_worker_traced);
+        suite_add_tcase(s, tc);
         itest_lp_tcase(s, (const TTest *const[]){test_worker_effects_once,
                                                  test_worker_retry_via_visibility,
                                                  test_worker_park_redrive, NULL});

@@ -239,6 +239,63 @@ START_TEST(test_export_body)
 }
 END_TEST
 
+/* A batch span: CLIENT, its links in hex; a settle span names its parent
+ * and its operation; no "links" member when the batch had no context. */
+START_TEST(test_batch_span)
+{
+    struct conf c;
+    struct conf_input in;
+    struct trace_span sp[2];
+    struct trace_link link;
+    json_t *root, *spans, *s0, *s1, *l;
+    char *body, hex[33];
+    memset(&c, 0, sizeof c);
+    memset(&in, 0, sizeof in);
+    memset(sp, 0, sizeof sp);
+    in.queue = "q";
+    in.name = "in";
+    c.tracing_service_name = "svc";
+    memset(link.trace_id, 0xab, sizeof link.trace_id);
+    memset(link.span_id, 0xcd, sizeof link.span_id);
+    for (int i = 0; i < 2; i++) {
+        trace_job_begin(&sp[i].t, NULL, true);
+        sp[i].in = &in;
+        sp[i].batch_size = 3;
+    }
+    sp[0].batch_op = "receive";
+    sp[0].links = &link;
+    sp[0].nlinks = 1;
+    sp[1].batch_op = "settle";
+    sp[1].settle_op = "ack";
+    sp[1].batch_parent = true;
+    memcpy(sp[1].t.parent_id, sp[0].t.span_id, 8);
+    body = trace_export_body(&c, sp, 2);
+    ck_assert_ptr_nonnull(body);
+    root = json_loads(body, 0, NULL);
+    ck_assert_msg(root != NULL, "not JSON: %s", body);
+    spans = json_object_get(json_array_get(json_object_get(json_array_get(json_object_get(root,
+        "resourceSpans"), 0), "scopeSpans"), 0), "spans");
+    s0 = json_array_get(spans, 0);
+    s1 = json_array_get(spans, 1);
+    ck_assert_int_eq(json_integer_value(json_object_get(s0, "kind")), 3);
+    ck_assert_int_eq(json_integer_value(json_object_get(s1, "kind")), 3);
+    ck_assert_str_eq(json_string_value(json_object_get(s0, "name")), "receive q");
+    ck_assert_str_eq(json_string_value(json_object_get(s1, "name")), "ack q");
+    ck_assert_ptr_null(json_object_get(s0, "parentSpanId"));
+    trace_hex(sp[0].t.span_id, 8, hex);
+    ck_assert_str_eq(json_string_value(json_object_get(s1, "parentSpanId")), hex);
+    ck_assert_int_eq(json_array_size(json_object_get(s0, "links")), 1);
+    l = json_array_get(json_object_get(s0, "links"), 0);
+    ck_assert_str_eq(json_string_value(json_object_get(l, "traceId")),
+                     "abababababababababababababababab");
+    ck_assert_str_eq(json_string_value(json_object_get(l, "spanId")), "cdcdcdcdcdcdcdcd");
+    ck_assert_ptr_null(json_object_get(s1, "links"));
+    ck_assert_ptr_nonnull(strstr(body, "\"messaging.batch.message_count\",\"value\":{\"intValue\":\"3\"}"));
+    json_decref(root);
+    free(body);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("trace");
@@ -249,6 +306,7 @@ int main(void)
     tcase_add_test(tc, test_job_span);
     tcase_add_test(tc, test_export_body);
     tcase_add_test(tc, test_call_span);
+    tcase_add_test(tc, test_batch_span);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
