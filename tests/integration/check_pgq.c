@@ -823,19 +823,23 @@ START_TEST(test_provider_job_applied_once)
 END_TEST
 
 /* The holder of a lease is SIGKILLed while its provider call is in flight
- * (the provider applies the charge and holds its answer): `jobs show`
- * prints the lease while it is held; the row stays out of every take until
+ * (the provider applies the charge and holds its answer): the row, `jobs
+ * show`, the console's job page and /metrics show the lease while it is
+ * held; the row stays out of every take until
  * the lease ends, then a second replica takes it (a lease expiry counted),
  * the ledger finds the call's outcome uncertain and sends the job to a
  * lookup of the key, and the provider charged the key exactly once. */
 START_TEST(test_provider_lease_holder_crash)
 {
     struct itest t;
-    char cfg[300], key[128], out[8192], want[128], top[128], url[128], body[65536];
-    int port = itest_free_port();
+    char cfg[300], key[128], out[8192], want[128], top[256], url[256], body[65536];
+    int port = itest_free_port(), cport = itest_free_port();
     pid_t a, b;
     int st;
-    snprintf(top, sizeof top, "metrics: { listen = \"127.0.0.1:%d\"; };", port);
+    snprintf(top, sizeof top,
+             "metrics: { listen = \"127.0.0.1:%d\"; };\n"
+             "console: { listen = \"127.0.0.1:%d\"; };",
+             port, cport);
     pg_extra_top = top;
     setup_provider_pg(&t, "pgq_lease", cfg, sizeof cfg, 10000, "");
     pg_extra_top = NULL;
@@ -862,6 +866,13 @@ START_TEST(test_provider_lease_holder_crash)
     snprintf(want, sizeof want, ":%d:w0 until ", (int)a);
     ck_assert_msg(strstr(out, "leased by ") && strstr(out, want), "%s", out);
     ck_assert_msg(strstr(out, "may be in flight"), "%s", out);
+    /* the console's job page */
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/key?k=%s", cport, key);
+    for (long long end = itest_mono_ms() + itest_ms(5000);
+         itest_http_get(url, body, sizeof body) != 200 && itest_mono_ms() < end;)
+        usleep(100 * 1000);
+    snprintf(want, sizeof want, ":%d:w0</td>", (int)a);
+    ck_assert_msg(strstr(body, "Queue lease") && strstr(body, want), "%s", body);
     snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", port);
     snprintf(want, sizeof want, "idemq_queue_leased_rows{input=\"%s\"} 1\n", t.name);
     for (long long end = itest_mono_ms() + itest_ms(15000);
