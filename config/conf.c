@@ -957,11 +957,11 @@ static idemq_err_t validate_transport(const struct conf_input *in, int line, con
         return IDEMQ_ERR_CONFIG;
     }
     if (in->key_kind == CONF_KEY_HEADER || in->exchange[0] || in->routing_key[0] ||
-        CONF_INPUT_ORDERED(in) || CONF_INPUT_PROVIDER(in) || in->celery || in->observe ||
+        CONF_INPUT_ORDERED(in) || in->celery || in->observe ||
         in->emits || strcmp(in->queue_type, "classic")) {
         errf(errbuf, errlen, "%s:%d: input %s: a postgres input takes key_source json:<field> or "
              "key (the enqueue's key), and no exchange, routing_key, queue_type, partitions "
-             "(rows with an order key run in order by themselves), provider, protocol = "
+             "(rows with an order key run in order by themselves), protocol = "
              "\"celery\", mode = \"observe\" or emits (not yet)", file, line, in->name);
         return IDEMQ_ERR_CONFIG;
     }
@@ -1206,7 +1206,7 @@ static idemq_err_t validate_sqs(struct conf_input *in, int line, const char *fil
         }
     }
     if (in->key_kind != CONF_KEY_JSON || in->exchange[0] || in->routing_key[0] ||
-        CONF_INPUT_ORDERED(in) || CONF_INPUT_PROVIDER(in) || in->celery || in->observe ||
+        CONF_INPUT_ORDERED(in) || in->celery || in->observe ||
         in->emits || strcmp(in->queue_type, "classic") || in->order_key_source[0]) {
         errf(errbuf, errlen, "%s:%d: input %s: an sqs input takes key_source json:<field> (a "
              "message id differs between two sends of one job), and no exchange, routing_key, "

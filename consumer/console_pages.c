@@ -418,6 +418,22 @@ unsigned console_pages_key(PGconn *db, const struct conf *c, const char *key, co
         html_raw(b, "</table>");
     }
     PQclear(r);
+    /* a PostgreSQL queue row under a visible lease (a provider call) */
+    r = query(db, "SELECT r_queue, r_id, r_leased_by, r_lease_until,"
+                  " CASE WHEN r_expired THEN 'expired: taken again by the next take'"
+                  " ELSE 'held: its provider call may be in flight' END"
+                  " FROM idemq.queue_lease_of($1)",
+              1, p);
+    for (int i = 0; r && i < PQntuples(r); i++) {
+        html_raw(b, "<h2>Queue lease</h2><table class=\"kv\" id=\"lease\">");
+        row(b, "queue", PQgetvalue(r, i, 0));
+        row(b, "row", PQgetvalue(r, i, 1));
+        row(b, "holder", PQgetvalue(r, i, 2));
+        row(b, "until", PQgetvalue(r, i, 3));
+        row(b, "", PQgetvalue(r, i, 4));
+        html_raw(b, "</table>");
+    }
+    PQclear(r);
     r = query(db, "SELECT id, state, exchange, routing_key, attempts, at, coalesce(last_error, '')"
                   " FROM idemq.key_outbox($1) ORDER BY id LIMIT 100",
               1, p);

@@ -44,6 +44,8 @@ struct gauges {
     struct pgq_gauge {
         long rows, ready, retrying;
         double oldest_ready_s;
+        long leased;          /* rows under a live lease (a provider call) */
+        long leases_expired;  /* leases that ran out and were taken again (a counter) */
     } *pgq;
     bool pgq_up;
 };
@@ -211,7 +213,8 @@ static void refresh(struct gauges *g, PGconn **db)
     }
     if (r && c->n_pg_inputs) { /* PostgreSQL queue inputs: depth and age */
         PGresult *o = query(g, *db, "SELECT r_queue, r_depth, r_ready, r_oldest_ready_s, "
-                                    "r_retrying FROM idemq.queue_gauges()");
+                                    "r_retrying, r_leased, r_leases_expired "
+                                    "FROM idemq.queue_gauges()");
         pthread_mutex_lock(&g->lock);
         if (o) {
             memset(g->pgq, 0, (size_t)c->n_pg_inputs * sizeof *g->pgq);
@@ -222,6 +225,8 @@ static void refresh(struct gauges *g, PGconn **db)
                         g->pgq[i].ready = strtol(PQgetvalue(o, t, 2), NULL, 10);
                         g->pgq[i].oldest_ready_s = strtod(PQgetvalue(o, t, 3), NULL);
                         g->pgq[i].retrying = strtol(PQgetvalue(o, t, 4), NULL, 10);
+                        g->pgq[i].leased = strtol(PQgetvalue(o, t, 5), NULL, 10);
+                        g->pgq[i].leases_expired = strtol(PQgetvalue(o, t, 6), NULL, 10);
                     }
             g->pgq_up = true;
         } else {
@@ -364,9 +369,15 @@ void gauges_render(struct gauges *g, char *buf, size_t len, size_t *off)
             {"idemq_queue_oldest_ready_age_seconds",
              "how long the oldest ready row has been due (0 when none)"},
             {"idemq_queue_retrying_rows", "rows holding a retry (a failed attempt)"},
+            {"idemq_queue_leased_rows",
+             "rows under a live lease (a provider call taken by a worker, holder and expiry "
+             "in the row)"},
+            {"idemq_queue_leases_expired_total",
+             "leases that ran out (their holder died or hung) and whose rows were taken again"},
         };
         for (size_t k = 0; k < sizeof m / sizeof m[0]; k++) {
-            PUT("# HELP %s %s\n# TYPE %s gauge\n", m[k].name, m[k].help, m[k].name);
+            PUT("# HELP %s %s\n# TYPE %s %s\n", m[k].name, m[k].help, m[k].name,
+                k == 5 ? "counter" : "gauge");
             for (int i = 0; i < c->n_pg_inputs; i++) {
                 PUT("%s{input=\"", m[k].name);
                 gauges_label(c->pg_inputs[i].name, buf, len, off);
@@ -375,7 +386,9 @@ void gauges_render(struct gauges *g, char *buf, size_t len, size_t *off)
                 else
                     PUT("\"} %ld\n", k == 0   ? g->pgq[i].rows
                                       : k == 1 ? g->pgq[i].ready
-                                               : g->pgq[i].retrying);
+                                      : k == 3 ? g->pgq[i].retrying
+                                      : k == 4 ? g->pgq[i].leased
+                                               : g->pgq[i].leases_expired);
             }
         }
         PUT("# HELP idemq_queue_gauges_up 1 if the last read of the queue gauges succeeded\n"

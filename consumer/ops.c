@@ -91,6 +91,27 @@ static PGconn *connect(const struct conf *c)
 }
 
 
+/* The visible leases of the key's PostgreSQL queue rows (a provider call
+ * that may be in flight): one line each. Prints nothing when none (or on a
+ * ledger without them). */
+static void lease_show(PGconn *db, const char *key, FILE *out, struct ops_strs *a)
+{
+    const char *params[1] = {key};
+    PGresult *r = PQexecParams(db,
+                               "SELECT r_queue, r_id, r_leased_by, r_lease_until, r_expired "
+                               "FROM idemq.queue_lease_of($1)",
+                               1, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(r) == PGRES_TUPLES_OK)
+        for (int i = 0; i < PQntuples(r); i++)
+            fprintf(out, "  queue %s row %s: leased by %s until %s%s\n", ops_tval(a, r, i, 0),
+                    ops_tval(a, r, i, 1), ops_tval(a, r, i, 2), ops_tval(a, r, i, 3),
+                    strcmp(PQgetvalue(r, i, 4), "t") == 0
+                        ? " (expired: its holder stopped extending it; the next take "
+                          "takes the row again)"
+                        : " (its provider call may be in flight)");
+    PQclear(r);
+}
+
 int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
 {
     const char *params[1] = {key};
@@ -141,6 +162,7 @@ int ops_jobs_show(const struct conf *c, const char *key, FILE *out)
         fprintf(out, "  (no job row: the message never decoded into a job, or its key was "
                      "pruned past the dedup window)\n");
     }
+    lease_show(db, key, out, &a);
     fprintf(out, "history (in commit order):\n");
     for (int i = 0; i < PQntuples(tl); i++)
         fprintf(out, "  %s  %s\n", ops_tval(&a, tl, i, 0), ops_tval(&a, tl, i, 1));

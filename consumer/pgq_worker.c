@@ -20,6 +20,7 @@
 #include "ledger_txn.h"
 #include "log.h"
 #include "pgq.h"
+#include "pgq_lease.h"
 #include "sig.h"
 #include "trace_export.h"
 
@@ -57,6 +58,7 @@ struct pgq_thread {
     char logged[512];       /* the NOT READY reason last logged */
     atomic_long taken, applied, duplicates, retried, parked;
     bool failed;
+    struct pgq_lease *pl;   /* provider inputs: rows under a visible lease (pgq_lease.h) */
 };
 
 struct pgq_workers {
@@ -328,6 +330,82 @@ rollback:
     return s;
 }
 
+/*
+ * One take of provider input i (pgq_lease.h): rows leased in a committed
+ * statement, each decoded job handed to the provider flow (its decision
+ * comes from lease_poll); a row that did not decode is parked and deleted
+ * in a transaction of its own, as batch() parks one.
+ */
+static enum step lease_batch(struct pgq_thread *t, int i, int *took)
+{
+    const struct conf_input *in = &t->view.inputs[i];
+    struct ledger_db_error e;
+    enum step s = STEP_OK;
+    int room = pgq_lease_room(t->pl, i), n = 0, bad = 0, expired = 0;
+    idemq_err_t err;
+
+    *took = 0;
+    if (room <= 0)
+        return STEP_OK;
+    if ((err = pgq_lease_take(t->pl, t->db, in, i, t->jobs, room < t->cap ? room : t->cap, &n,
+                              &expired, &e)))
+        return err == IDEMQ_ERR_NOMEM ? (snprintf(t->why, sizeof t->why, "%s", e.message),
+                                         STEP_BACKOFF)
+                                      : from_error(t, &e, "queue_lease");
+    for (int k = 0; k < n; k++) {
+        struct job *j = &t->jobs[k];
+        note_fate(t, j, TRACE_HELD, 0);
+        if (j->decode_err != IDEMQ_OK) {
+            pgq_lease_forget(t->pl, (long long)j->tag);
+            bad++;
+        } else if (pgq_lease_start(t->pl, t->db, j) != IDEMQ_OK) {
+            log_job(LOG_LVL_WARN, j->key, j->tag, 0,
+                    "provider flow could not take the job (out of memory): its lease runs out");
+        }
+    }
+    *took = n;
+    atomic_fetch_add(&t->taken, n);
+    if (!bad)
+        return STEP_OK;
+    pgq_settle_reset(&t->st);
+    if (ledger_db_exec(t->db, "BEGIN", &e))
+        return from_error(t, &e, "BEGIN");
+    for (int k = 0; k < n && s == STEP_OK; k++)
+        if (t->jobs[k].decode_err != IDEMQ_OK)
+            s = park_undecoded(t, &t->jobs[k], idemq_err_name(t->jobs[k].decode_err),
+                               t->jobs[k].reason);
+    if (s == STEP_OK && pgq_settle(t->db, &t->st, &e))
+        s = from_error(t, &e, "queue_settle");
+    if (s == STEP_OK && ledger_db_exec(t->db, "COMMIT", &e))
+        s = from_error(t, &e, "COMMIT");
+    if (s != STEP_OK && PQstatus(t->db) == CONNECTION_OK)
+        PQclear(ledger_db_exec_raw(t->db, "ROLLBACK"));
+    return s; /* rolled back: their leases run out, and they are taken again */
+}
+
+/* Drives the provider calls of leased rows for up to wait_ms and settles
+ * the rows decided; *did counts them. */
+static enum step lease_poll(struct pgq_thread *t, int wait_ms, int *did)
+{
+    struct pgq_lease_counts c;
+    struct ledger_db_error e;
+    enum classify_class fail;
+    idemq_err_t err;
+
+    *did = 0;
+    err = pgq_lease_poll(t->pl, t->db, wait_ms, &c, &fail, t->why, sizeof t->why, &e);
+    atomic_fetch_add(&t->applied, c.applied);
+    atomic_fetch_add(&t->duplicates, c.duplicates);
+    atomic_fetch_add(&t->retried, c.retried);
+    atomic_fetch_add(&t->parked, c.parked);
+    *did = (int)(c.applied + c.duplicates + c.retried + c.parked);
+    if (err)
+        return err == IDEMQ_ERR_NOMEM ? (snprintf(t->why, sizeof t->why, "%s", e.message),
+                                         STEP_BACKOFF)
+                                      : from_error(t, &e, "queue_lease_settle");
+    return fail == CLASS_FATAL ? STEP_FATAL : fail == CLASS_INFRA ? STEP_INFRA : STEP_OK;
+}
+
 /* One batch of input i: *took rows committed. */
 static enum step batch(struct pgq_thread *t, int i, int *took)
 {
@@ -336,6 +414,8 @@ static enum step batch(struct pgq_thread *t, int i, int *took)
     enum step s = STEP_OK;
     int n = 0, ng = 0;
 
+    if (CONF_INPUT_PROVIDER(in))
+        return lease_batch(t, i, took);
     *took = 0;
     pgq_settle_reset(&t->st);
     if (ledger_db_exec(t->db, "BEGIN", &e))
@@ -436,6 +516,26 @@ static bool new_reason(struct pgq_thread *t)
     return true;
 }
 
+/* A stop: nothing new is sent; the calls in flight are recorded and their
+ * rows settled (within the longest lease), then the leases of rows never
+ * started are given back. */
+static void lease_stop(struct pgq_thread *t)
+{
+    long long until;
+    if (!t->pl)
+        return;
+    until = now_ms() + pgq_lease_ms(t->pl);
+    pgq_lease_drain(t->pl);
+    while (pgq_lease_in_flow(t->pl) > 0 && now_ms() < until && t->db &&
+           PQstatus(t->db) == CONNECTION_OK) {
+        int settled;
+        if (lease_poll(t, 100, &settled) != STEP_OK)
+            break;
+    }
+    if (pgq_lease_in_flow(t->pl) == 0)
+        pgq_lease_release(t->pl, t->db);
+}
+
 static void *run(void *arg)
 {
     struct pgq_thread *t = arg;
@@ -451,6 +551,11 @@ static void *run(void *arg)
             int took;
             s = batch(t, i, &took);
             did += took;
+        }
+        if (s == STEP_OK && pgq_lease_pending(t->pl) > 0) {
+            int settled;
+            s = lease_poll(t, did ? 0 : 100, &settled);
+            did += settled;
         }
         if (s != STEP_OK) {
             if (new_reason(t))
@@ -472,6 +577,8 @@ static void *run(void *arg)
             last_work = now_ms();
             continue;
         }
+        if (pgq_lease_in_flow(t->pl) > 0) /* calls in flight: lease_poll waits */
+            continue;
         if (t->until_idle_ms > 0 && now_ms() - last_work >= t->until_idle_ms)
             break;
         {
@@ -481,6 +588,7 @@ static void *run(void *arg)
                 pgq_wait(t->db, wait);
         }
     }
+    lease_stop(t);
     drop_db(t);
     return NULL;
 }
@@ -521,6 +629,8 @@ idemq_err_t pgq_worker_start(const struct conf *c, long until_idle_ms, struct pg
         }
         for (int k = 0; k < cap; k++)
             job_init(&t->jobs[k]);
+        if (pgq_lease_new(&t->view, i, &t->pl, errbuf, errlen) != IDEMQ_OK)
+            goto fail;
     }
     for (int i = 0; i < w->n; i++) {
         if (pthread_create(&w->t[i].thread, NULL, run, &w->t[i]) != 0) {
@@ -566,6 +676,7 @@ void pgq_worker_join(struct pgq_workers *w, struct pgq_worker_totals *tot)
         free(t->pos);
         free(t->head_at);
         pgq_settle_free(&t->st);
+        pgq_lease_free(t->pl);
     }
     free(w->t);
     free(w);

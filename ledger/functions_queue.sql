@@ -259,16 +259,26 @@ BEGIN
 END
 $fn$;
 
--- Depth and oldest ready age of each queue (metrics, `queue` status).
+-- Depth and oldest ready age of each queue (metrics, `queue` status), the
+-- rows leased now (a provider call in flight) and the leases that ran out
+-- and were taken again since the queue's first (a counter).
+DROP FUNCTION IF EXISTS idemq.queue_gauges(); -- its result gained the leases
 CREATE OR REPLACE FUNCTION idemq.queue_gauges()
 RETURNS TABLE (r_queue text, r_depth bigint, r_ready bigint, r_oldest_ready_s double precision,
-               r_retrying bigint)
+               r_retrying bigint, r_leased bigint, r_leases_expired bigint)
 LANGUAGE sql SECURITY DEFINER AS $fn$
-    SELECT q.queue, count(*), count(*) FILTER (WHERE q.run_after <= clock_timestamp()),
-           coalesce(extract(epoch FROM clock_timestamp()
-                    - min(q.run_after) FILTER (WHERE q.run_after <= clock_timestamp())), 0),
-           count(*) FILTER (WHERE q.attempts > 0)
-      FROM idemq.queue_jobs q GROUP BY q.queue ORDER BY q.queue;
+    SELECT g.queue, coalesce(g.depth, 0), coalesce(g.ready, 0), coalesce(g.oldest, 0),
+           coalesce(g.retrying, 0), coalesce(g.leased, 0), coalesce(x.expired, 0)
+      FROM (SELECT q.queue, count(*) AS depth,
+                   count(*) FILTER (WHERE q.run_after <= clock_timestamp()) AS ready,
+                   extract(epoch FROM clock_timestamp()
+                       - min(q.run_after) FILTER (WHERE q.run_after <= clock_timestamp()))
+                       AS oldest,
+                   count(*) FILTER (WHERE q.attempts > 0) AS retrying,
+                   count(*) FILTER (WHERE q.lease_until > clock_timestamp()) AS leased
+              FROM idemq.queue_jobs q GROUP BY q.queue) g
+      FULL JOIN idemq.queue_lease_expiries x ON x.queue = g.queue
+     ORDER BY coalesce(g.queue, x.queue);
 $fn$;
 
 -- Milliseconds until the earliest row of these queues is due (0: one is
@@ -282,6 +292,146 @@ RETURNS bigint LANGUAGE sql SECURITY DEFINER AS $fn$
       FROM idemq.queue_jobs q WHERE q.queue = ANY (p_queues);
 $fn$;
 
+-- Provider inputs (effects that outlive a transaction): takes up to
+-- p_limit ready rows of p_queue as queue_take does, and leases them to
+-- p_holder for p_lease_ms in the same statement: leased_by, lease_until,
+-- and run_after set to the lease's end, so no take sees them while the
+-- lease lasts. The statement is its own transaction: it commits before
+-- the worker calls the provider, and no transaction stays open during the
+-- call. A row whose lease ran out (its holder died or hung: nothing
+-- extended it) is ready again by itself, like any row whose run_after
+-- passed; r_expired_holder names that holder, and each such take counts in
+-- idemq.queue_lease_expiries.
+DROP FUNCTION IF EXISTS idemq.queue_lease(text, integer, text, integer);
+CREATE OR REPLACE FUNCTION idemq.queue_lease(p_queue text, p_limit integer, p_holder text,
+                                             p_lease_ms integer)
+RETURNS TABLE (r_id bigint, r_key text, r_order_key text, r_payload bytea,
+               r_attempts integer, r_redrive_gen integer, r_park_id bigint,
+               r_enqueued_at timestamptz, r_traceparent text, r_tracestate text,
+               r_expired_holder text)
+LANGUAGE sql SECURITY DEFINER AS $fn$
+    WITH taken AS (
+        SELECT q.id, q.leased_by AS was
+          FROM idemq.queue_jobs q
+         WHERE q.queue = p_queue AND q.run_after <= clock_timestamp()
+           AND (q.order_key IS NULL OR NOT EXISTS (
+                   SELECT 1 FROM idemq.queue_jobs h
+                    WHERE h.queue = q.queue AND h.order_key = q.order_key AND h.id < q.id))
+         ORDER BY q.run_after, q.priority, q.id
+         LIMIT greatest(1, least(p_limit, 1000))
+           FOR UPDATE OF q SKIP LOCKED),
+    leased AS (
+        UPDATE idemq.queue_jobs q
+           SET leased_by = left(p_holder, 200),
+               lease_until = clock_timestamp()
+                             + make_interval(secs => greatest(p_lease_ms, 1000) / 1000.0),
+               run_after = clock_timestamp()
+                           + make_interval(secs => greatest(p_lease_ms, 1000) / 1000.0)
+          FROM taken t
+         WHERE q.id = t.id
+        RETURNING q.id, q.key, q.order_key, q.payload, q.attempts, q.redrive_gen, q.park_id,
+                  q.enqueued_at, q.traceparent, q.tracestate, t.was),
+    counted AS (
+        INSERT INTO idemq.queue_lease_expiries AS x (queue, expired)
+        SELECT p_queue, count(*) FROM taken t WHERE t.was IS NOT NULL HAVING count(*) > 0
+        ON CONFLICT (queue) DO UPDATE SET expired = x.expired + excluded.expired)
+    SELECT l.id, l.key, l.order_key, l.payload, l.attempts, l.redrive_gen, l.park_id,
+           l.enqueued_at, l.traceparent, l.tracestate, l.was
+      FROM leased l ORDER BY l.id;
+$fn$;
+
+-- The holder extends the leases of its rows p_ids (a call in flight) to
+-- p_lease_ms from now; returns the ids it still held (a row whose lease ran
+-- out and that another worker took is not extended, nor returned).
+CREATE OR REPLACE FUNCTION idemq.queue_lease_extend(p_ids bigint[], p_holder text,
+                                                    p_lease_ms integer)
+RETURNS SETOF bigint LANGUAGE sql SECURITY DEFINER AS $fn$
+    UPDATE idemq.queue_jobs q
+       SET lease_until = clock_timestamp()
+                         + make_interval(secs => greatest(p_lease_ms, 1000) / 1000.0),
+           run_after = clock_timestamp()
+                       + make_interval(secs => greatest(p_lease_ms, 1000) / 1000.0)
+     WHERE q.id = ANY (p_ids) AND q.leased_by = left(p_holder, 200)
+    RETURNING q.id;
+$fn$;
+
+-- The end of a leased row, in its own transaction after the provider
+-- flow recorded its decision: 'done' deletes it (applied, a duplicate;
+-- with p_park_id, parked: the park holds the payload and is noted as
+-- dead-lettered), 'retry' and 'wait' give it back ready after p_delay_ms
+-- ('retry' counts an attempt and keeps p_error), the lease cleared. Only
+-- while p_holder still holds it: false (nothing done) when its lease ran
+-- out and another worker took it, or the row is gone; that worker's take
+-- goes through the ledger, which holds what this one recorded.
+CREATE OR REPLACE FUNCTION idemq.queue_lease_settle(p_id bigint, p_holder text, p_action text,
+                                                    p_delay_ms integer, p_error text,
+                                                    p_park_id bigint)
+RETURNS boolean LANGUAGE plpgsql SECURITY DEFINER AS $fn$
+DECLARE
+    v_key text;
+BEGIN
+    IF p_action NOT IN ('done', 'retry', 'wait') THEN
+        RAISE EXCEPTION 'idemq.queue_lease_settle: action must be done, retry or wait, not %',
+              p_action USING ERRCODE = '22023';
+    END IF;
+    IF p_action = 'done' THEN
+        DELETE FROM idemq.queue_jobs q WHERE q.id = p_id AND q.leased_by = left(p_holder, 200)
+        RETURNING q.key INTO v_key;
+        IF NOT FOUND THEN
+            RETURN false;
+        END IF;
+        IF p_park_id IS NOT NULL THEN
+            PERFORM idemq.mark_dead_lettered(ARRAY[p_park_id]);
+        END IF;
+        RETURN true;
+    END IF;
+    UPDATE idemq.queue_jobs q
+       SET run_after = clock_timestamp()
+                       + make_interval(secs => greatest(coalesce(p_delay_ms, 0), 0) / 1000.0),
+           attempts = q.attempts + CASE WHEN p_action = 'retry' THEN 1 ELSE 0 END,
+           last_error = CASE WHEN p_action = 'retry' THEN left(p_error, 1024)
+                             ELSE q.last_error END,
+           leased_by = NULL, lease_until = NULL, redrive_gen = NULL, park_id = NULL
+     WHERE q.id = p_id AND q.leased_by = left(p_holder, 200);
+    RETURN FOUND;
+END
+$fn$;
+
+-- A stopping holder gives back the leases of rows it took and never
+-- started (ready at once, nothing counted).
+CREATE OR REPLACE FUNCTION idemq.queue_lease_release(p_ids bigint[], p_holder text)
+RETURNS integer LANGUAGE plpgsql SECURITY DEFINER AS $fn$
+DECLARE
+    v_n integer;
+BEGIN
+    UPDATE idemq.queue_jobs q
+       SET run_after = clock_timestamp(), leased_by = NULL, lease_until = NULL
+     WHERE q.id = ANY (p_ids) AND q.leased_by = left(p_holder, 200);
+    GET DIAGNOSTICS v_n = ROW_COUNT;
+    RETURN v_n;
+END
+$fn$;
+
+-- The leased rows of a business key (`idemq jobs show`, the console's job
+-- page): the row its provider intent came from, or rows enqueued with the
+-- key as their key argument, while a lease is written in them; r_expired
+-- when the lease ran out (its holder died or hung) and no worker took the
+-- row again yet.
+CREATE OR REPLACE FUNCTION idemq.queue_lease_of(p_key text)
+RETURNS TABLE (r_queue text, r_id bigint, r_leased_by text, r_lease_until timestamptz,
+               r_expired boolean)
+LANGUAGE sql STABLE SECURITY DEFINER AS $fn$
+    SELECT q.queue, q.id, q.leased_by, q.lease_until, q.lease_until <= clock_timestamp()
+      FROM idemq.queue_jobs q
+     WHERE q.leased_by IS NOT NULL
+       AND (q.key = p_key
+            OR q.id = (SELECT CASE WHEN i.properties->>'queue_row' ~ '^[0-9]{1,18}$'
+                                   THEN (i.properties->>'queue_row')::bigint END
+                         FROM idemq.intents i
+                        WHERE i.key = p_key AND i.properties->>'transport' = 'postgres'))
+     ORDER BY q.id;
+$fn$;
+
 DO $queue_privileges$
 DECLARE
     f regprocedure;
@@ -290,7 +440,8 @@ BEGIN
               WHERE p.pronamespace = 'idemq'::regnamespace
                 AND p.proname IN ('enqueue', 'enqueue_raw', 'queue_take', 'queue_take_after',
                                   'queue_take_row',
-                                  'queue_settle',
+                                  'queue_settle', 'queue_lease', 'queue_lease_extend',
+                                  'queue_lease_settle', 'queue_lease_release', 'queue_lease_of',
                                   'queue_redrive', 'queue_gauges', 'queue_next_due')
     LOOP
         EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);

@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "itest.h"
+#include "tprov.h"
 
 /* 1 when every pgq worker session of the cluster is connected and idle
  * (waiting for a NOTIFY or its next look), at least one of them. */
@@ -762,6 +763,154 @@ START_TEST(test_killed_replica)
 }
 END_TEST
 
+
+/* Provider inputs over a postgres queue (the rows under a visible lease,
+ * consumer/pgq_lease.h), at the test provider. */
+static struct tprov P;
+
+/* A postgres provider input at the test provider, timeout_ms as given;
+ * t->cfg_path is the config (for itest_idemq). */
+static void setup_provider_pg(struct itest *t, const char *tag, char *cfg, size_t len,
+                              int timeout_ms, const char *extra_consumer)
+{
+    char input[1024];
+    tprov_start(&P, NULL);
+    snprintf(input, sizeof input,
+             "provider: { url = \"%s\"; path = \"/charges\"; timeout_ms = %d; "
+             "lookup_key_path = \"/charges/by-idempotency-key/{key}\"; "
+             "reconcile_after_s = 15; retry_after_max_ms = 2000; };",
+             P.url, timeout_ms);
+    setup(t, tag, cfg, len, extra_consumer, input);
+    snprintf(t->cfg_path, sizeof t->cfg_path, "%s", cfg);
+}
+
+static void teardown_provider_pg(struct itest *t)
+{
+    qexec(t, "DELETE FROM idemq.queue_jobs WHERE queue = '%s'", t->name);
+    qexec(t, "DELETE FROM idemq.queue_lease_expiries WHERE queue = '%s'", t->name);
+    itest_teardown(t);
+    tprov_stop(&P);
+}
+
+/* Two keys, one of them enqueued twice: one charge per key at the
+ * provider, each key applied once with its reference, a duplicate, the
+ * queue empty. */
+START_TEST(test_provider_job_applied_once)
+{
+    struct itest t;
+    char cfg[300], k1[128], k2[128];
+    setup_provider_pg(&t, "pgq_prov", cfg, sizeof cfg, 3000, "");
+    snprintf(k1, sizeof k1, "%s:a", t.name);
+    snprintf(k2, sizeof k2, "%s:b", t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', jsonb_build_object('job_id', k, 'amount_minor', 500)) "
+              "FROM unnest(ARRAY['%s', '%s', '%s']) k", t.name, k1, k2, k1);
+    /* the second row of k1 waits out the first one's lease (8 s), then
+     * finds it applied */
+    run_pg(cfg, 10);
+    ck_assert_int_eq(tprov_stat(&P, k1, "key_charges"), 1);
+    ck_assert_int_eq(tprov_stat(&P, k2, "key_charges"), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.jobs WHERE key IN ('%s', '%s') "
+                               "AND state = 'applied'", k1, k2), 2);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.intents WHERE key IN ('%s', '%s') "
+                               "AND provider_ref IS NOT NULL", k1, k2), 2);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key IN "
+                               "('%s', '%s')", k1, k2), 2);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    ck_assert_int_eq(qlong(&t, "SELECT requests FROM idemq.intents WHERE key = '%s'", k1), 1);
+    teardown_provider_pg(&t);
+}
+END_TEST
+
+/* The holder of a lease is SIGKILLed while its provider call is in flight
+ * (the provider applies the charge and holds its answer): the row, `jobs
+ * show`, the console's job page and /metrics show the lease while it is
+ * held; the row stays out of every take until
+ * the lease ends, then a second replica takes it (a lease expiry counted),
+ * the ledger finds the call's outcome uncertain and sends the job to a
+ * lookup of the key, and the provider charged the key exactly once. */
+START_TEST(test_provider_lease_holder_crash)
+{
+    struct itest t;
+    char cfg[300], key[128], out[8192], want[128], top[256], url[256], body[65536];
+    int port = itest_free_port(), cport = itest_free_port();
+    pid_t a, b;
+    int st;
+    snprintf(top, sizeof top,
+             "metrics: { listen = \"127.0.0.1:%d\"; };\n"
+             "console: { listen = \"127.0.0.1:%d\"; };",
+             port, cport);
+    pg_extra_top = top;
+    setup_provider_pg(&t, "pgq_lease", cfg, sizeof cfg, 10000, "");
+    pg_extra_top = NULL;
+    snprintf(key, sizeof key, "%s:c", t.name);
+    /* the first request: charged, its answer held past the kill */
+    tprov_control(&P, "{\"fault\":\"hold=11000\",\"count\":1}");
+    qexec(&t, "SELECT idemq.enqueue('%s', jsonb_build_object('job_id', '%s', "
+              "'amount_minor', 500))", t.name, key);
+    a = itest_spawn(&t, cfg, 30, NULL);
+    /* the call is in flight: the provider holds the charge's answer */
+    for (long long end = itest_mono_ms() + itest_ms(15000);
+         tprov_stat(&P, key, "key_charges") < 1 && itest_mono_ms() < end;)
+        usleep(20 * 1000);
+    ck_assert_int_eq(tprov_stat(&P, key, "key_charges"), 1);
+    /* the lease is visible in the row, in `jobs show` and on /metrics */
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s' AND "
+                               "leased_by LIKE '%%:%d:w%%' AND lease_until > now() + "
+                               "interval '5 seconds'", t.name, (int)a), 1);
+    {
+        char args[256];
+        snprintf(args, sizeof args, "jobs show '%s'", key);
+        ck_assert_int_eq(itest_idemq(&t, args, out, sizeof out), 0);
+    }
+    snprintf(want, sizeof want, ":%d:w0 until ", (int)a);
+    ck_assert_msg(strstr(out, "leased by ") && strstr(out, want), "%s", out);
+    ck_assert_msg(strstr(out, "may be in flight"), "%s", out);
+    /* the console's job page */
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/key?k=%s", cport, key);
+    for (long long end = itest_mono_ms() + itest_ms(5000);
+         itest_http_get(url, body, sizeof body) != 200 && itest_mono_ms() < end;)
+        usleep(100 * 1000);
+    snprintf(want, sizeof want, ":%d:w0</td>", (int)a);
+    ck_assert_msg(strstr(body, "Queue lease") && strstr(body, want), "%s", body);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", port);
+    snprintf(want, sizeof want, "idemq_queue_leased_rows{input=\"%s\"} 1\n", t.name);
+    for (long long end = itest_mono_ms() + itest_ms(15000);
+         (itest_http_get(url, body, sizeof body) != 200 || !strstr(body, want)) &&
+         itest_mono_ms() < end;)
+        usleep(100 * 1000);
+    ck_assert_msg(strstr(body, want) != NULL, "%s", body);
+    ck_assert_int_eq(kill(a, SIGKILL), 0);
+    waitpid(a, NULL, 0);
+    /* nobody takes the row while the lease lasts */
+    run_pg(cfg, 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s' AND "
+                               "leased_by IS NOT NULL", t.name), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.jobs WHERE key = '%s' AND "
+                               "state = 'applied'", key), 0);
+    /* once it ends, another replica takes the row and looks the key up */
+    for (long long end = itest_mono_ms() + itest_ms(20000);
+         qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s' AND "
+                   "lease_until > now()", t.name) > 0 && itest_mono_ms() < end;)
+        usleep(100 * 1000);
+    b = itest_spawn(&t, cfg, 3, NULL);
+    st = itest_wait(b, itest_ms(60000));
+    ck_assert(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    ck_assert_int_eq(tprov_stat(&P, key, "key_charges"), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.jobs WHERE key = '%s' AND "
+                               "state = 'applied'", key), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key = '%s'", key),
+                     1);
+    ck_assert_int_ge(qlong(&t, "SELECT lookups FROM idemq.intents WHERE key = '%s'", key), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT requests FROM idemq.intents WHERE key = '%s'", key), 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    ck_assert_int_eq(qlong(&t, "SELECT expired FROM idemq.queue_lease_expiries WHERE "
+                               "queue = '%s'", t.name), 1);
+    teardown_provider_pg(&t);
+}
+END_TEST
+
 /* The DSN of the test database with another user. */
 static void dsn_as(const char *role, char *dsn, size_t len)
 {
@@ -866,7 +1015,7 @@ END_TEST
 START_TEST(test_config_refuses)
 {
     static const char *const bad[] = {
-        /* a postgres input has no exchange, partitions, provider, observe mode */
+        /* a postgres input has no exchange, partitions, observe mode */
         "inputs = ({ name = \"a\"; transport = \"postgres\"; queue = \"a\"; exchange = \"x\"; "
         "effect_function = \"f\"; });",
         "inputs = ({ name = \"a\"; transport = \"postgres\"; queue = \"a\"; partitions = 2; "
@@ -941,6 +1090,8 @@ int main(void)
     tcase_add_test(tc, test_notify_wakes_idle_worker);
     tcase_add_test(tc, test_two_replicas_exactly_once);
     tcase_add_test(tc, test_killed_replica);
+    tcase_add_test(tc, test_provider_job_applied_once);
+    tcase_add_test(tc, test_provider_lease_holder_crash);
     tcase_add_test(tc, test_least_privilege_roles);
     suite_add_tcase(s, tc);
     return check_run(s);
