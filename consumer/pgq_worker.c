@@ -56,6 +56,8 @@ struct pgq_thread {
     char why[512];
     char logged[512];       /* the NOT READY reason last logged */
     atomic_long taken, applied, duplicates, retried, parked;
+    struct pgq_count pend;  /* the open transaction's counts: published at its COMMIT */
+    bool unready;           /* counted in g.unready */
     bool failed;
 };
 
@@ -63,6 +65,40 @@ struct pgq_workers {
     int n;
     struct pgq_thread *t;
 };
+
+/* The process's counts by input, for /metrics (a scrape may outlive the
+ * threads). Set up by the first pgq_worker_start, kept for the process. */
+struct pgq_in_count {
+    char *input;
+    atomic_long admitted, applied, duplicates, retried, parked;
+};
+
+static struct {
+    atomic_bool on;
+    atomic_int unready; /* threads backing off now */
+    atomic_long not_ready;
+    int n;
+    struct pgq_in_count *in;
+} g;
+
+/* After a COMMIT: the transaction's counts become the thread's and input i's. */
+static void publish(struct pgq_thread *t, int i)
+{
+    struct pgq_count *p = &t->pend;
+    atomic_fetch_add(&t->taken, p->admitted);
+    atomic_fetch_add(&t->applied, p->applied);
+    atomic_fetch_add(&t->duplicates, p->duplicates);
+    atomic_fetch_add(&t->retried, p->retried);
+    atomic_fetch_add(&t->parked, p->parked);
+    if (g.in && i < g.n) {
+        atomic_fetch_add(&g.in[i].admitted, p->admitted);
+        atomic_fetch_add(&g.in[i].applied, p->applied);
+        atomic_fetch_add(&g.in[i].duplicates, p->duplicates);
+        atomic_fetch_add(&g.in[i].retried, p->retried);
+        atomic_fetch_add(&g.in[i].parked, p->parked);
+    }
+    memset(p, 0, sizeof *p);
+}
 
 static long long now_ms(void)
 {
@@ -190,7 +226,7 @@ static enum step failure(struct pgq_thread *t, struct job *j, struct ledger_resu
     if (park) {
         json_int_t pid = json_integer_value(json_object_get(r->park, "park_id"));
         pgq_settle_done(&t->st, (long long)j->tag, (long long)pid);
-        atomic_fetch_add(&t->parked, 1);
+        t->pend.parked++;
         note_fate(t, j, TRACE_PARKED, r->attempt);
     } else {
         char err[600];
@@ -199,7 +235,7 @@ static enum step failure(struct pgq_thread *t, struct job *j, struct ledger_resu
             snprintf(t->why, sizeof t->why, "out of memory");
             return STEP_BACKOFF;
         }
-        atomic_fetch_add(&t->retried, 1);
+        t->pend.retried++;
         note_fate(t, j, TRACE_RETRY, r->attempt);
     }
     log_job(park ? LOG_LVL_WARN : LOG_LVL_INFO, j->key, j->tag, r->attempt,
@@ -220,7 +256,7 @@ static enum step park_undecoded(struct pgq_thread *t, struct job *j, const char 
     pid = json_integer_value(json_object_get(park, "park_id"));
     json_decref(park);
     pgq_settle_done(&t->st, (long long)j->tag, (long long)pid);
-    atomic_fetch_add(&t->parked, 1);
+    t->pend.parked++;
     note_fate(t, j, TRACE_PARKED, 1);
     log_job(LOG_LVL_WARN, j->has_key ? j->key : NULL, j->tag, 1, "parked %s: %s", code, reason);
     return STEP_OK;
@@ -233,18 +269,18 @@ static enum step settle_one(struct pgq_thread *t, struct job *j, struct ledger_r
     switch (r->outcome) {
     case LEDGER_APPLIED:
         pgq_settle_done(&t->st, (long long)j->tag, 0);
-        atomic_fetch_add(&t->applied, 1);
+        t->pend.applied++;
         note_fate(t, j, TRACE_APPLIED, r->attempt);
         return STEP_OK;
     case LEDGER_DUPLICATE:
         pgq_settle_done(&t->st, (long long)j->tag, 0);
-        atomic_fetch_add(&t->duplicates, 1);
+        t->pend.duplicates++;
         note_fate(t, j, TRACE_DUPLICATE, 0);
         return STEP_OK;
     case LEDGER_REPARK: /* parked before: the park row is its dead letter */
         pid = json_integer_value(json_object_get(r->park, "park_id"));
         pgq_settle_done(&t->st, (long long)j->tag, (long long)pid);
-        atomic_fetch_add(&t->duplicates, 1);
+        t->pend.duplicates++;
         note_fate(t, j, TRACE_DUPLICATE, 0);
         return STEP_OK;
     case LEDGER_EARLY:   /* its key waits for a retry: this row waits as long, no attempt */
@@ -286,6 +322,7 @@ static enum step record_call_failure(struct pgq_thread *t, int i, long long id,
     bool found = false;
 
     pgq_settle_reset(&t->st);
+    memset(&t->pend, 0, sizeof t->pend);
     if (ledger_db_exec(t->db, "BEGIN", &e))
         return from_error(t, &e, "BEGIN");
     if (pgq_take_row(t->db, in, i, id, j, &found, &e)) {
@@ -305,7 +342,7 @@ static enum step record_call_failure(struct pgq_thread *t, int i, long long id,
         s = failure(t, j, r, IDEMQ_OK);
     } else { /* settled meanwhile: nothing to run */
         pgq_settle_done(&t->st, (long long)j->tag, 0);
-        atomic_fetch_add(&t->duplicates, 1);
+        t->pend.duplicates++;
         note_fate(t, j, TRACE_DUPLICATE, 0);
     }
     if (s != STEP_OK)
@@ -318,6 +355,8 @@ static enum step record_call_failure(struct pgq_thread *t, int i, long long id,
         s = from_error(t, &e, "COMMIT");
         goto rollback;
     }
+    t->pend.admitted = 1;
+    publish(t, i);
     export_spans(t, in, 1);
     ledger_txn_result_clear(r);
     return STEP_OK;
@@ -338,6 +377,7 @@ static enum step batch(struct pgq_thread *t, int i, int *took)
 
     *took = 0;
     pgq_settle_reset(&t->st);
+    memset(&t->pend, 0, sizeof t->pend);
     if (ledger_db_exec(t->db, "BEGIN", &e))
         return from_error(t, &e, "BEGIN");
     /* While a backlog drains (the last take was full), from where the
@@ -412,7 +452,8 @@ static enum step batch(struct pgq_thread *t, int i, int *took)
     }
     t->solo = false;
     *took = n;
-    atomic_fetch_add(&t->taken, n);
+    t->pend.admitted = n;
+    publish(t, i);
     export_spans(t, in, n);
     for (int k = 0; k < ng; k++)
         ledger_txn_result_clear(&t->res[k]);
@@ -453,6 +494,11 @@ static void *run(void *arg)
             did += took;
         }
         if (s != STEP_OK) {
+            if (!t->unready) {
+                t->unready = true;
+                atomic_fetch_add(&g.unready, 1);
+                atomic_fetch_add(&g.not_ready, 1);
+            }
             if (new_reason(t))
                 log_warn("pgq worker %d: NOT READY: %s (trying again with backoff)", t->id,
                          t->why);
@@ -462,6 +508,10 @@ static void *run(void *arg)
             backoff_ms = backoff_ms * 2 > t->c->reconnect_max_ms ? t->c->reconnect_max_ms
                                                                   : backoff_ms * 2;
             continue;
+        }
+        if (t->unready) {
+            t->unready = false;
+            atomic_fetch_sub(&g.unready, 1);
         }
         if (t->logged[0]) {
             log_info("pgq worker %d: ready", t->id);
@@ -481,6 +531,8 @@ static void *run(void *arg)
                 pgq_wait(t->db, wait);
         }
     }
+    if (t->unready)
+        atomic_fetch_sub(&g.unready, 1);
     drop_db(t);
     return NULL;
 }
@@ -500,6 +552,19 @@ idemq_err_t pgq_worker_start(const struct conf *c, long until_idle_ms, struct pg
         return IDEMQ_ERR_NOMEM;
     }
     w->n = c->workers;
+    if (!g.in) { /* the first start: the inputs /metrics shows */
+        struct conf v = conf_pg_view(c);
+        if (!(g.in = calloc((size_t)v.n_inputs, sizeof *g.in))) {
+            free(w->t);
+            free(w);
+            snprintf(errbuf, errlen, "out of memory");
+            return IDEMQ_ERR_NOMEM;
+        }
+        for (int i = 0; i < v.n_inputs; i++)
+            g.in[i].input = v.inputs[i].name;
+        g.n = v.n_inputs;
+        atomic_store(&g.on, true);
+    }
     for (int i = 0; i < w->n; i++) {
         struct pgq_thread *t = &w->t[i];
         t->id = i;
@@ -569,4 +634,26 @@ void pgq_worker_join(struct pgq_workers *w, struct pgq_worker_totals *tot)
     }
     free(w->t);
     free(w);
+}
+
+int pgq_worker_unready(void) { return atomic_load(&g.unready); }
+
+int pgq_worker_counts(struct pgq_input_counts *out, int max, long *not_ready)
+{
+    int n;
+    *not_ready = atomic_load(&g.not_ready);
+    if (!atomic_load(&g.on))
+        return 0;
+    n = g.n < max ? g.n : max;
+    for (int i = 0; i < n; i++) {
+        struct pgq_input_counts *o = &out[i];
+        o->input = g.in[i].input;
+        o->admitted = atomic_load(&g.in[i].admitted);
+        o->applied = atomic_load(&g.in[i].applied);
+        o->duplicates = atomic_load(&g.in[i].duplicates);
+        o->retried = atomic_load(&g.in[i].retried);
+        o->parked = atomic_load(&g.in[i].parked);
+        o->completed = o->applied + o->duplicates + o->parked;
+    }
+    return n;
 }

@@ -255,6 +255,116 @@ START_TEST(test_queue_gauges)
 }
 END_TEST
 
+/* A metric's value in a /metrics page: the line that begins with
+ * line_start (-1 when absent; never a HELP or TYPE line). */
+static long metric_of(const char *body, const char *line_start)
+{
+    size_t n = strlen(line_start);
+    for (const char *p = body; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
+        if (strncmp(p, line_start, n) == 0)
+            return strtol(p + n, NULL, 10);
+    return -1;
+}
+
+/* The workers' counts on /metrics, by input, match the ledger: admitted
+ * (rows taken) vs completed, applied, duplicates, retried, parked. /ready
+ * answers 200 while the workers take rows. */
+START_TEST(test_worker_metrics_and_ready)
+{
+    struct itest t;
+    char cfg[300], top[128], url[128], rurl[128], body[65536], want[256];
+    int port = itest_free_port();
+    long applied, parked, retried, admitted;
+    pid_t pid;
+    int st;
+    snprintf(top, sizeof top, "metrics: { listen = \"127.0.0.1:%d\"; };", port);
+    pg_extra_top = top;
+    setup(&t, "pgq_wmet", cfg, sizeof cfg, "", "");
+    pg_extra_top = NULL;
+    /* 5 applied, one of them enqueued twice (a duplicate), one retried
+     * once then applied, one parked */
+    qexec(&t, "SELECT idemq.enqueue('%s', jsonb_build_object('job_id', '%s:' || g)) "
+              "FROM generate_series(1, 5) g", t.name, t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:1\"}')", t.name, t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:r\",\"raise\":\"40001\","
+              "\"raise_until\":1}')", t.name, t.name);
+    qexec(&t, "INSERT INTO idemq_test.failing VALUES ('%s:p', '22012')", t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:p\"}')", t.name, t.name);
+    pid = itest_spawn(&t, cfg, 30, NULL);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", port);
+    snprintf(rurl, sizeof rurl, "http://127.0.0.1:%d/ready", port);
+    snprintf(want, sizeof want, "idemq_pgq_rows_total{input=\"%s\",outcome=\"completed\"} 8\n",
+             t.name);
+    for (long long end = itest_mono_ms() + itest_ms(20000);
+         (itest_http_get(url, body, sizeof body) != 200 || !strstr(body, want)) &&
+         itest_mono_ms() < end;)
+        usleep(100 * 1000);
+    ck_assert_msg(strstr(body, want) != NULL, "%s", body);
+    applied = qlong(&t, "SELECT count(*) FROM idemq.jobs WHERE key LIKE '%s:%%' AND state = "
+                        "'applied'", t.name);
+    parked = qlong(&t, "SELECT count(*) FROM idemq.parked WHERE key LIKE '%s:%%'", t.name);
+    retried = qlong(&t, "SELECT count(*) FROM idemq.attempts WHERE key LIKE '%s:%%' AND "
+                        "outcome = 'transient_error'", t.name);
+    ck_assert_int_eq(applied, 6);
+    ck_assert_int_eq(parked, 1);
+    ck_assert_int_eq(retried, 1);
+#define PGQ_METRIC(outcome)                                                                  \
+    (snprintf(want, sizeof want, "idemq_pgq_rows_total{input=\"%s\",outcome=\"%s\"} ",       \
+              t.name, outcome),                                                              \
+     metric_of(body, want))
+    ck_assert_int_eq(PGQ_METRIC("applied"), applied);
+    ck_assert_int_eq(PGQ_METRIC("duplicate"), 1);
+    ck_assert_int_eq(PGQ_METRIC("retried"), retried);
+    ck_assert_int_eq(PGQ_METRIC("parked"), parked);
+    /* every row taken: 8 enqueued, the retried one taken twice */
+    admitted = PGQ_METRIC("admitted");
+    ck_assert_int_eq(admitted, 9);
+#undef PGQ_METRIC
+    ck_assert_int_eq(metric_of(body, "idemq_pgq_not_ready_total "), 0);
+    ck_assert_int_eq(itest_http_get(rurl, body, sizeof body), 200);
+    ck_assert_int_eq(kill(pid, SIGTERM), 0);
+    st = itest_wait(pid, itest_ms(30000));
+    ck_assert(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* A worker that cannot take rows (its effect function is missing): /ready
+ * answers 503 and /metrics counts the back-off. */
+START_TEST(test_not_ready_worker_fails_ready)
+{
+    struct itest t;
+    char cfg[300], top[128], url[128], body[65536];
+    int port = itest_free_port(), code = 0;
+    pid_t pid;
+    int st;
+    snprintf(top, sizeof top, "metrics: { listen = \"127.0.0.1:%d\"; };", port);
+    pg_extra_top = top;
+    pg_effect = "idemq_test.no_such_effect";
+    setup(&t, "pgq_nready", cfg, sizeof cfg, "", "");
+    pg_extra_top = NULL;
+    pg_effect = NULL;
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:1\"}')", t.name, t.name);
+    pid = itest_spawn(&t, cfg, 30, NULL);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/ready", port);
+    for (long long end = itest_mono_ms() + itest_ms(15000);
+         (code = itest_http_get(url, body, sizeof body)) != 503 && itest_mono_ms() < end;)
+        usleep(100 * 1000);
+    ck_assert_int_eq(code, 503);
+    ck_assert_msg(strstr(body, "not ready: a PostgreSQL queue worker backs off"), "%s", body);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", port);
+    ck_assert_int_eq(itest_http_get(url, body, sizeof body), 200);
+    ck_assert_int_ge(metric_of(body, "idemq_pgq_not_ready_total "), 1);
+    ck_assert_int_eq(kill(pid, SIGTERM), 0);
+    st = itest_wait(pid, itest_ms(30000));
+    ck_assert(st != -1 && WIFEXITED(st));
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 1);
+    qexec(&t, "DELETE FROM idemq.queue_jobs WHERE queue = '%s'", t.name);
+    itest_teardown(&t);
+}
+END_TEST
+
 START_TEST(test_retry_then_success_with_history)
 {
     struct itest t;
@@ -931,6 +1041,8 @@ int main(void)
     tcase_add_test(tc, test_order_per_key);
     tcase_add_test(tc, test_due_time_and_priority);
     tcase_add_test(tc, test_queue_gauges);
+    tcase_add_test(tc, test_worker_metrics_and_ready);
+    tcase_add_test(tc, test_not_ready_worker_fails_ready);
     tcase_add_test(tc, test_retry_then_success_with_history);
     tcase_add_test(tc, test_plain_path_and_its_fallback);
     tcase_add_test(tc, test_key_and_error_with_quotes);
