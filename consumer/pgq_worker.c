@@ -20,6 +20,7 @@
 #include "ledger_txn.h"
 #include "log.h"
 #include "pgq.h"
+#include "rate_gate.h"
 #include "sig.h"
 #include "trace_export.h"
 
@@ -79,7 +80,38 @@ static struct {
     atomic_long not_ready;
     int n;
     struct pgq_in_count *in;
+    struct rate_gate *gate; /* consumer.max_rate, shared with the broker workers; NULL: none */
 } g;
+
+void pgq_worker_set_gate(struct rate_gate *gate) { g.gate = gate; }
+
+/* Rows per take: batch_max, or about 50 ms worth under consumer.max_rate
+ * (as a broker worker's batch), one after a whole-call failure. */
+static int take_limit(const struct pgq_thread *t)
+{
+    int lim = t->c->max_rate > 0 ? t->c->max_rate / 20 : t->cap;
+    if (t->solo)
+        return 1;
+    return lim < 1 ? 1 : lim > t->cap ? t->cap : lim;
+}
+
+/* Waits until the shared rate gate grants n jobs (a stop request ends the
+ * wait: the batch then runs, as a broker worker's drains). */
+static void gate_wait(int n)
+{
+    struct timespec ts;
+    int64_t wait_ns;
+    if (!g.gate || n == 0)
+        return;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    wait_ns = rate_gate_reserve(g.gate, n, (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec);
+    while (wait_ns > 0 && !sig_stop_requested()) {
+        int64_t s = wait_ns > 100000000LL ? 100000000LL : wait_ns;
+        struct timespec d = {(time_t)(s / 1000000000LL), (long)(s % 1000000000LL)};
+        nanosleep(&d, NULL);
+        wait_ns -= s;
+    }
+}
 
 /* After a COMMIT: the transaction's counts become the thread's and input i's. */
 static void publish(struct pgq_thread *t, int i)
@@ -392,7 +424,7 @@ static enum step batch(struct pgq_thread *t, int i, int *took)
         bool from_head = !t->pos[i].set;
         if (from_head)
             t->head_at[i] = now_ms();
-        if (pgq_take_from(t->db, in, i, &t->pos[i], t->jobs, t->solo ? 1 : t->cap, &n, &e)) {
+        if (pgq_take_from(t->db, in, i, &t->pos[i], t->jobs, take_limit(t), &n, &e)) {
             t->pos[i].set = false;
             s = from_error(t, &e, "queue_take");
             goto rollback;
@@ -401,13 +433,14 @@ static enum step batch(struct pgq_thread *t, int i, int *took)
             break;
         t->pos[i].set = false;
     }
-    if (n < (t->solo ? 1 : t->cap))
+    if (n < take_limit(t))
         t->pos[i].set = false; /* caught up: the next take looks from the head */
     if (n == 0) {
         if (ledger_db_exec(t->db, "COMMIT", &e))
             return from_error(t, &e, "COMMIT");
         return STEP_OK;
     }
+    gate_wait(n); /* the rows stay locked by this transaction meanwhile */
     for (int k = 0; k < n; k++) {
         note_fate(t, &t->jobs[k], TRACE_HELD, 0);
         if (t->jobs[k].decode_err == IDEMQ_OK)

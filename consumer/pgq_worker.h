@@ -56,6 +56,14 @@ idemq_err_t pgq_worker_start(const struct conf *c, long until_idle_ms, struct pg
  * fills *t and frees w. NULL is fine (zero totals). Main thread. */
 void pgq_worker_join(struct pgq_workers *w, struct pgq_worker_totals *t);
 
+struct rate_gate;
+
+/* The token bucket of consumer.max_rate the broker workers share (NULL:
+ * no limit), for the threads pgq_worker_start starts next: each reserves
+ * one token per row taken before it applies them. Main thread, before
+ * pgq_worker_start. */
+void pgq_worker_set_gate(struct rate_gate *gate);
+
 /* Fills out[0..] with up to max inputs' counts so far (committed
  * transactions only); returns how many (0 when no PostgreSQL queue worker
  * ever started). *not_ready: times a worker became NOT READY.

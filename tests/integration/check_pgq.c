@@ -365,6 +365,29 @@ START_TEST(test_not_ready_worker_fails_ready)
 }
 END_TEST
 
+/* consumer.max_rate holds a postgres input's workers as a broker input's:
+ * 40 rows at 20 per second over two workers take about 2 s (one token
+ * each, a burst of 2), not the few milliseconds of a free drain. */
+START_TEST(test_max_rate_paces_the_drain)
+{
+    struct itest t;
+    char cfg[300];
+    long span_ms;
+    setup(&t, "pgq_rate", cfg, sizeof cfg, "workers = 2; max_rate = 20;", "");
+    qexec(&t, "SELECT idemq.enqueue('%s', jsonb_build_object('job_id', '%s:' || g)) "
+              "FROM generate_series(1, 40) g", t.name, t.name);
+    run_pg(cfg, 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE '%s:%%'",
+                           t.name), 40);
+    span_ms = qlong(&t, "SELECT (extract(epoch FROM max(created_at) - min(created_at)) * 1000)"
+                        "::bigint FROM idemq_test.effects WHERE key LIKE '%s:%%'", t.name);
+    /* 38 tokens after the burst at 50 ms each: 1.9 s; a little slack */
+    ck_assert_msg(span_ms >= 1700, "40 rows at max_rate 20 took %ld ms", span_ms);
+    ck_assert_msg(span_ms <= 6000, "40 rows at max_rate 20 took %ld ms", span_ms);
+    itest_teardown(&t);
+}
+END_TEST
+
 START_TEST(test_retry_then_success_with_history)
 {
     struct itest t;
@@ -1043,6 +1066,7 @@ int main(void)
     tcase_add_test(tc, test_queue_gauges);
     tcase_add_test(tc, test_worker_metrics_and_ready);
     tcase_add_test(tc, test_not_ready_worker_fails_ready);
+    tcase_add_test(tc, test_max_rate_paces_the_drain);
     tcase_add_test(tc, test_retry_then_success_with_history);
     tcase_add_test(tc, test_plain_path_and_its_fallback);
     tcase_add_test(tc, test_key_and_error_with_quotes);
