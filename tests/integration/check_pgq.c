@@ -1021,6 +1021,11 @@ START_TEST(test_config_refuses)
                       "accepted: %s", bad[i]);
         ck_assert_ptr_null(c);
     }
+    /* observe mode: refused with the reason and what to do instead */
+    ck_assert(conf_load_string("inputs = ({ name = \"a\"; transport = \"postgres\"; queue = "
+                               "\"a\"; mode = \"observe\"; effect_function = \"f\"; });",
+                               &c, err, sizeof err) == IDEMQ_ERR_CONFIG);
+    ck_assert_msg(strstr(err, "no copy to take") && strstr(err, "on a broker input"), "%s", err);
     /* both kinds in one file: the postgres one apart from the broker's */
     ck_assert_msg(conf_load_string("inputs = ({ name = \"b\"; queue = \"b\"; effect_function = "
                                    "\"f\"; }, { name = \"p\"; transport = \"postgres\"; queue "
