@@ -895,6 +895,67 @@ START_TEST(test_killed_replica)
 }
 END_TEST
 
+/* Three replicas, SIGKILLed in turn mid-batch (each time the others and it
+ * applied 50 more), each restarted at once: every key applied exactly
+ * once (effects and ledger), order keys in enqueue order, the queue
+ * drained. */
+START_TEST(test_three_replicas_kill_loop)
+{
+    struct itest t;
+    char cfg[300];
+    pid_t r[3];
+    long done = 0;
+    int kills = 0;
+    setup(&t, "pgq_kill3", cfg, sizeof cfg, "workers = 2; batch_max = 5;", "");
+    /* 600 jobs of 10 ms each, a third of them in 7 order keys */
+    qexec(&t,
+          "SELECT idemq.enqueue('%s', jsonb_build_object('job_id', '%s:' || g, 'sleep_ms', 10), "
+          "NULL, CASE WHEN g %% 3 = 0 THEN 'o' || (g %% 7) END) FROM generate_series(0, 599) g",
+          t.name, t.name);
+    for (int i = 0; i < 3; i++)
+        r[i] = itest_spawn(&t, cfg, 2, NULL);
+    for (long long end = itest_mono_ms() + itest_ms(25000); kills < 6 && itest_mono_ms() < end;) {
+        long n = qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE '%s:%%'",
+                       t.name);
+        if (n >= 540)
+            break; /* keep a tail for the last ones to drain */
+        if (n < done + 50) {
+            usleep(10 * 1000);
+            continue;
+        }
+        done = n;
+        ck_assert_int_eq(kill(r[kills % 3], SIGKILL), 0); /* mid-transaction, most likely */
+        waitpid(r[kills % 3], NULL, 0);
+        r[kills % 3] = itest_spawn(&t, cfg, 2, NULL);
+        kills++;
+    }
+    ck_assert_int_ge(kills, 3);
+    for (int i = 0; i < 3; i++) {
+        int st = itest_wait(r[i], itest_ms(60000));
+        ck_assert(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    }
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE '%s:%%'",
+                           t.name), 600);
+    ck_assert_int_eq(qlong(&t, "SELECT count(DISTINCT key) FROM idemq_test.effects WHERE key "
+                               "LIKE '%s:%%'", t.name), 600);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.jobs WHERE key LIKE '%s:%%' AND "
+                               "state = 'applied'", t.name), 600);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.parked WHERE key LIKE '%s:%%'",
+                           t.name), 0);
+    /* per order key, in enqueue order */
+    ck_assert_int_eq(qlong(&t,
+                           "SELECT count(*) FROM (SELECT split_part(key, ':', 2)::int AS i, "
+                           "lag(split_part(key, ':', 2)::int) OVER (PARTITION BY "
+                           "split_part(key, ':', 2)::int %% 7 ORDER BY id) AS prev "
+                           "FROM idemq_test.effects WHERE key LIKE '%s:%%' AND "
+                           "split_part(key, ':', 2)::int %% 3 = 0) x "
+                           "WHERE prev IS NOT NULL AND prev > i", t.name), 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* The DSN of the test database with another user. */
 static void dsn_as(const char *role, char *dsn, size_t len)
 {
@@ -1082,6 +1143,7 @@ int main(void)
     tcase_add_test(tc, test_notify_wakes_idle_worker);
     tcase_add_test(tc, test_two_replicas_exactly_once);
     tcase_add_test(tc, test_killed_replica);
+    tcase_add_test(tc, test_three_replicas_kill_loop);
     tcase_add_test(tc, test_least_privilege_roles);
     suite_add_tcase(s, tc);
     return check_run(s);
