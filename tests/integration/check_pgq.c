@@ -524,9 +524,12 @@ static int idemq_no_broker(const char *cfg, const char *args, char *out, size_t 
     size_t n = 0;
     FILE *p;
     int st;
+    char as[1024];
+    /* in least-privilege mode as the command's role; the broker unreachable
+     * either way (the last IDEMQ_AMQP_URL wins) */
     snprintf(cmd, sizeof cmd,
-             "IDEMQ_AMQP_URL='amqp://guest:guest@127.0.0.1:1/%%2F' %s %s -c %s 2>&1",
-             IDEMQ_BINARY, args, cfg);
+             "%sIDEMQ_AMQP_URL='amqp://guest:guest@127.0.0.1:1/%%2F' %s %s -c %s 2>&1",
+             itest_lp_env_prefix(args, as, sizeof as), IDEMQ_BINARY, args, cfg);
     p = popen(cmd, "r");
     ck_assert_ptr_nonnull(p);
     while (n + 1 < outlen && fgets(out + n, (int)(outlen - n), p))
@@ -1145,6 +1148,9 @@ int main(void)
     tcase_add_test(tc, test_killed_replica);
     tcase_add_test(tc, test_three_replicas_kill_loop);
     tcase_add_test(tc, test_least_privilege_roles);
+    /* apply, retry, park and redrive as the roles of migrate --grant */
+    itest_lp_tcase(s, (const TTest *const[]){test_retry_then_success_with_history,
+                                              test_park_and_redrive, test_cli_redrive, NULL});
     suite_add_tcase(s, tc);
     return check_run(s);
 }
