@@ -956,13 +956,22 @@ static idemq_err_t validate_transport(const struct conf_input *in, int line, con
              "\"sqs\", not \"%s\"", file, line, in->name, in->transport);
         return IDEMQ_ERR_CONFIG;
     }
+    if (in->observe) {
+        errf(errbuf, errlen, "%s:%d: input %s: a postgres input cannot take mode = \"observe\": "
+             "observe mode consumes a copy of live traffic from a queue of its own bound beside "
+             "the existing consumer, and a postgres input's rows are idemq's own table, with "
+             "no copy to take (every row is taken once). Check a new effect with observe "
+             "mode on a broker input, or on a staging database fed the same enqueues",
+             file, line, in->name);
+        return IDEMQ_ERR_CONFIG;
+    }
     if (in->key_kind == CONF_KEY_HEADER || in->exchange[0] || in->routing_key[0] ||
-        CONF_INPUT_ORDERED(in) || in->celery || in->observe ||
+        CONF_INPUT_ORDERED(in) || in->celery ||
         in->emits || strcmp(in->queue_type, "classic")) {
         errf(errbuf, errlen, "%s:%d: input %s: a postgres input takes key_source json:<field> or "
              "key (the enqueue's key), and no exchange, routing_key, queue_type, partitions "
              "(rows with an order key run in order by themselves), protocol = "
-             "\"celery\", mode = \"observe\" or emits (not yet)", file, line, in->name);
+             "\"celery\" or emits (not yet)", file, line, in->name);
         return IDEMQ_ERR_CONFIG;
     }
     return IDEMQ_OK;

@@ -771,6 +771,7 @@ static int cmd_run(const struct conf *c, long until_idle_s)
     pthread_attr_destroy(&attr);
     {
         char err[256];
+        pgq_worker_set_gate(gate); /* consumer.max_rate over every worker */
         if (pgq_worker_start(c, until_idle_s * 1000, &pgq, err, sizeof err)) {
             log_error("%s", err);
             rc = EXIT_RUNTIME; /* the broker workers see the stop request */

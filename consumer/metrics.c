@@ -14,6 +14,7 @@
 #include "reconcile.h"
 #include "liveness.h"
 #include "observe.h"
+#include "pgq_worker.h"
 #include "sqs_worker.h"
 #include "trace_export.h"
 
@@ -160,6 +161,31 @@ size_t metrics_render(struct worker *ws, int n, char *buf, size_t len)
                 q.received, q.applied, q.duplicates, q.retried, q.parked, q.delete_failed,
                 q.extended, nr);
     }
+    {
+        struct pgq_input_counts q[64];
+        long nr;
+        int nq = pgq_worker_counts(q, (int)(sizeof q / sizeof q[0]), &nr);
+        if (off < len && nq > 0) { /* PostgreSQL queue inputs */
+            static const char *const outcome[] = {"admitted", "completed", "applied",
+                                                  "duplicate", "retried", "parked"};
+            ADD("%s", "# HELP idemq_pgq_rows_total rows of PostgreSQL queue inputs by what "
+                      "became of them (committed only): admitted (taken), completed (applied, "
+                      "duplicate or parked: gone from the queue), applied, duplicate, retried "
+                      "(held in the row), parked\n"
+                      "# TYPE idemq_pgq_rows_total counter\n");
+            for (int i = 0; i < nq; i++) {
+                long v[] = {q[i].admitted, q[i].completed, q[i].applied,
+                            q[i].duplicates, q[i].retried, q[i].parked};
+                for (size_t k = 0; k < sizeof v / sizeof v[0]; k++)
+                    ADD("idemq_pgq_rows_total{input=\"%s\",outcome=\"%s\"} %ld\n",
+                        q[i].input, outcome[k], v[k]);
+            }
+            ADD("# HELP idemq_pgq_not_ready_total times a PostgreSQL queue worker backed off "
+                "(the database failed)\n"
+                "# TYPE idemq_pgq_not_ready_total counter\nidemq_pgq_not_ready_total %ld\n",
+                nr);
+        }
+    }
     if (off < len) /* provider intents, refreshed by the reconciler's sweep */
         off += reconcile_metrics_render(buf + off, len - off);
     return off < len ? off : len - 1;
@@ -201,6 +227,11 @@ static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char
                 status = MHD_HTTP_SERVICE_UNAVAILABLE;
                 break;
             }
+        }
+        if (status == MHD_HTTP_OK && pgq_worker_unready() > 0) { /* reasons in the log */
+            len = (size_t)snprintf(buf, sizeof buf,
+                                   "not ready: a PostgreSQL queue worker backs off\n");
+            status = MHD_HTTP_SERVICE_UNAVAILABLE;
         }
         if (status == MHD_HTTP_OK && sqs_worker_unready() > 0) { /* reasons in the log */
             len = (size_t)snprintf(buf, sizeof buf, "not ready: an SQS worker backs off\n");

@@ -139,6 +139,15 @@ static bool hold(struct pgq_lease *pl, long long id, int input)
     return true;
 }
 
+/* The input of held row id, or -1. */
+static int held_input(const struct pgq_lease *pl, long long id)
+{
+    for (int k = 0; k < pl->n_held; k++)
+        if (pl->held[k].id == id)
+            return pl->held[k].input;
+    return -1;
+}
+
 void pgq_lease_forget(struct pgq_lease *pl, long long id)
 {
     for (int k = 0; k < pl->n_held; k++) {
@@ -279,8 +288,11 @@ static idemq_err_t extend(struct pgq_lease *pl, PGconn *db, struct ledger_db_err
 
 /* Settles the row of one decision. */
 static idemq_err_t settle(struct pgq_lease *pl, PGconn *db, const struct provider_decision *d,
-                          long long id, struct pgq_lease_counts *c, struct ledger_db_error *e)
+                          long long id, int input, struct pgq_lease_counts *c,
+                          struct ledger_db_error *e)
 {
+    struct pgq_lease_tally none, *by = c->by && input >= 0 && input < c->n_by ? &c->by[input]
+                                                                               : &none;
     char sid[32], delay[24], park[32];
     const char *params[6];
     const char *action;
@@ -335,14 +347,19 @@ static idemq_err_t settle(struct pgq_lease *pl, PGconn *db, const struct provide
     else
         log_job(LOG_LVL_DEBUG, d->key, id, d->attempt, "queue row %lld settled: %s (%s)", id,
                 provider_flow_kind_name(d->kind), d->outcome);
-    if (d->kind == PROVIDER_FLOW_ACK && strcmp(d->outcome, "applied") == 0)
+    if (d->kind == PROVIDER_FLOW_ACK && strcmp(d->outcome, "applied") == 0) {
         c->applied++;
-    else if (d->kind == PROVIDER_FLOW_ACK)
+        by->applied++;
+    } else if (d->kind == PROVIDER_FLOW_ACK) {
         c->duplicates++;
-    else if (d->kind == PROVIDER_FLOW_PARK)
+        by->duplicates++;
+    } else if (d->kind == PROVIDER_FLOW_PARK) {
         c->parked++;
-    else if (d->kind == PROVIDER_FLOW_RETRY)
+        by->parked++;
+    } else if (d->kind == PROVIDER_FLOW_RETRY) {
         c->retried++;
+        by->retried++;
+    }
     return IDEMQ_OK;
 }
 
@@ -354,7 +371,9 @@ idemq_err_t pgq_lease_poll(struct pgq_lease *pl, PGconn *db, int wait_ms,
     idemq_err_t err = IDEMQ_OK;
     int n;
 
-    memset(c, 0, sizeof *c);
+    c->applied = c->duplicates = c->retried = c->parked = 0;
+    if (c->by && c->n_by > 0)
+        memset(c->by, 0, sizeof *c->by * (size_t)c->n_by);
     *fail = CLASS_NONE;
     if (!pl || (pl->n_held == 0 && provider_flow_pending(pl->flow) == 0))
         return IDEMQ_OK;
@@ -363,6 +382,7 @@ idemq_err_t pgq_lease_poll(struct pgq_lease *pl, PGconn *db, int wait_ms,
     n = provider_flow_poll(pl->flow, db, wait_ms, ds, PGQ_LEASE_POLL_MAX);
     for (int k = 0; k < n; k++) {
         long long id = (long long)(intptr_t)ds[k].cookie;
+        int input = held_input(pl, id);
         pgq_lease_forget(pl, id);
         if (ds[k].kind == PROVIDER_FLOW_FAIL) {
             /* the row is left to its lease; the next take finds what the
@@ -370,7 +390,7 @@ idemq_err_t pgq_lease_poll(struct pgq_lease *pl, PGconn *db, int wait_ms,
             *fail = ds[k].fail_class == CLASS_FATAL ? CLASS_FATAL : CLASS_INFRA;
             snprintf(why, whylen, "provider job %s: %s", ds[k].key, ds[k].reason);
         } else if (!err) {
-            err = settle(pl, db, &ds[k], id, c, e);
+            err = settle(pl, db, &ds[k], id, input, c, e);
         }
         provider_flow_decision_clear(&ds[k]);
     }

@@ -35,8 +35,15 @@
 struct pgq_lease;
 
 /* What the decisions of one poll came to. */
+struct pgq_lease_tally {
+    long applied, duplicates, retried, parked;
+};
 struct pgq_lease_counts {
     long applied, duplicates, retried, parked;
+    /* the same by input (the view's index), when the caller sets by to an
+     * array of n_by (pgq_lease_poll keeps both fields, zeroes the array) */
+    struct pgq_lease_tally *by;
+    int n_by;
 };
 
 /*

@@ -21,6 +21,7 @@
 #include "log.h"
 #include "pgq.h"
 #include "pgq_lease.h"
+#include "rate_gate.h"
 #include "sig.h"
 #include "trace_export.h"
 
@@ -57,14 +58,82 @@ struct pgq_thread {
     char why[512];
     char logged[512];       /* the NOT READY reason last logged */
     atomic_long taken, applied, duplicates, retried, parked;
+    struct pgq_count pend;  /* the open transaction's counts: published at its COMMIT */
+    bool unready;           /* counted in g.unready */
     bool failed;
     struct pgq_lease *pl;   /* provider inputs: rows under a visible lease (pgq_lease.h) */
+    struct pgq_lease_tally *lease_by; /* by input: a lease poll's settles */
 };
 
 struct pgq_workers {
     int n;
     struct pgq_thread *t;
 };
+
+/* The process's counts by input, for /metrics (a scrape may outlive the
+ * threads). Set up by the first pgq_worker_start, kept for the process. */
+struct pgq_in_count {
+    char *input;
+    atomic_long admitted, applied, duplicates, retried, parked;
+};
+
+static struct {
+    atomic_bool on;
+    atomic_int unready; /* threads backing off now */
+    atomic_long not_ready;
+    int n;
+    struct pgq_in_count *in;
+    struct rate_gate *gate; /* consumer.max_rate, shared with the broker workers; NULL: none */
+} g;
+
+void pgq_worker_set_gate(struct rate_gate *gate) { g.gate = gate; }
+
+/* Rows per take: batch_max, or about 50 ms worth under consumer.max_rate
+ * (as a broker worker's batch), one after a whole-call failure. */
+static int take_limit(const struct pgq_thread *t)
+{
+    int lim = t->c->max_rate > 0 ? t->c->max_rate / 20 : t->cap;
+    if (t->solo)
+        return 1;
+    return lim < 1 ? 1 : lim > t->cap ? t->cap : lim;
+}
+
+/* Waits until the shared rate gate grants n jobs (a stop request ends the
+ * wait: the batch then runs, as a broker worker's drains). */
+static void gate_wait(int n)
+{
+    struct timespec ts;
+    int64_t wait_ns;
+    if (!g.gate || n == 0)
+        return;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    wait_ns = rate_gate_reserve(g.gate, n, (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec);
+    while (wait_ns > 0 && !sig_stop_requested()) {
+        int64_t s = wait_ns > 100000000LL ? 100000000LL : wait_ns;
+        struct timespec d = {(time_t)(s / 1000000000LL), (long)(s % 1000000000LL)};
+        nanosleep(&d, NULL);
+        wait_ns -= s;
+    }
+}
+
+/* After a COMMIT: the transaction's counts become the thread's and input i's. */
+static void publish(struct pgq_thread *t, int i)
+{
+    struct pgq_count *p = &t->pend;
+    atomic_fetch_add(&t->taken, p->admitted);
+    atomic_fetch_add(&t->applied, p->applied);
+    atomic_fetch_add(&t->duplicates, p->duplicates);
+    atomic_fetch_add(&t->retried, p->retried);
+    atomic_fetch_add(&t->parked, p->parked);
+    if (g.in && i < g.n) {
+        atomic_fetch_add(&g.in[i].admitted, p->admitted);
+        atomic_fetch_add(&g.in[i].applied, p->applied);
+        atomic_fetch_add(&g.in[i].duplicates, p->duplicates);
+        atomic_fetch_add(&g.in[i].retried, p->retried);
+        atomic_fetch_add(&g.in[i].parked, p->parked);
+    }
+    memset(p, 0, sizeof *p);
+}
 
 static long long now_ms(void)
 {
@@ -192,7 +261,7 @@ static enum step failure(struct pgq_thread *t, struct job *j, struct ledger_resu
     if (park) {
         json_int_t pid = json_integer_value(json_object_get(r->park, "park_id"));
         pgq_settle_done(&t->st, (long long)j->tag, (long long)pid);
-        atomic_fetch_add(&t->parked, 1);
+        t->pend.parked++;
         note_fate(t, j, TRACE_PARKED, r->attempt);
     } else {
         char err[600];
@@ -201,7 +270,7 @@ static enum step failure(struct pgq_thread *t, struct job *j, struct ledger_resu
             snprintf(t->why, sizeof t->why, "out of memory");
             return STEP_BACKOFF;
         }
-        atomic_fetch_add(&t->retried, 1);
+        t->pend.retried++;
         note_fate(t, j, TRACE_RETRY, r->attempt);
     }
     log_job(park ? LOG_LVL_WARN : LOG_LVL_INFO, j->key, j->tag, r->attempt,
@@ -222,7 +291,7 @@ static enum step park_undecoded(struct pgq_thread *t, struct job *j, const char 
     pid = json_integer_value(json_object_get(park, "park_id"));
     json_decref(park);
     pgq_settle_done(&t->st, (long long)j->tag, (long long)pid);
-    atomic_fetch_add(&t->parked, 1);
+    t->pend.parked++;
     note_fate(t, j, TRACE_PARKED, 1);
     log_job(LOG_LVL_WARN, j->has_key ? j->key : NULL, j->tag, 1, "parked %s: %s", code, reason);
     return STEP_OK;
@@ -235,18 +304,18 @@ static enum step settle_one(struct pgq_thread *t, struct job *j, struct ledger_r
     switch (r->outcome) {
     case LEDGER_APPLIED:
         pgq_settle_done(&t->st, (long long)j->tag, 0);
-        atomic_fetch_add(&t->applied, 1);
+        t->pend.applied++;
         note_fate(t, j, TRACE_APPLIED, r->attempt);
         return STEP_OK;
     case LEDGER_DUPLICATE:
         pgq_settle_done(&t->st, (long long)j->tag, 0);
-        atomic_fetch_add(&t->duplicates, 1);
+        t->pend.duplicates++;
         note_fate(t, j, TRACE_DUPLICATE, 0);
         return STEP_OK;
     case LEDGER_REPARK: /* parked before: the park row is its dead letter */
         pid = json_integer_value(json_object_get(r->park, "park_id"));
         pgq_settle_done(&t->st, (long long)j->tag, (long long)pid);
-        atomic_fetch_add(&t->duplicates, 1);
+        t->pend.duplicates++;
         note_fate(t, j, TRACE_DUPLICATE, 0);
         return STEP_OK;
     case LEDGER_EARLY:   /* its key waits for a retry: this row waits as long, no attempt */
@@ -288,6 +357,7 @@ static enum step record_call_failure(struct pgq_thread *t, int i, long long id,
     bool found = false;
 
     pgq_settle_reset(&t->st);
+    memset(&t->pend, 0, sizeof t->pend);
     if (ledger_db_exec(t->db, "BEGIN", &e))
         return from_error(t, &e, "BEGIN");
     if (pgq_take_row(t->db, in, i, id, j, &found, &e)) {
@@ -307,7 +377,7 @@ static enum step record_call_failure(struct pgq_thread *t, int i, long long id,
         s = failure(t, j, r, IDEMQ_OK);
     } else { /* settled meanwhile: nothing to run */
         pgq_settle_done(&t->st, (long long)j->tag, 0);
-        atomic_fetch_add(&t->duplicates, 1);
+        t->pend.duplicates++;
         note_fate(t, j, TRACE_DUPLICATE, 0);
     }
     if (s != STEP_OK)
@@ -320,6 +390,8 @@ static enum step record_call_failure(struct pgq_thread *t, int i, long long id,
         s = from_error(t, &e, "COMMIT");
         goto rollback;
     }
+    t->pend.admitted = 1;
+    publish(t, i);
     export_spans(t, in, 1);
     ledger_txn_result_clear(r);
     return STEP_OK;
@@ -347,11 +419,12 @@ static enum step lease_batch(struct pgq_thread *t, int i, int *took)
     *took = 0;
     if (room <= 0)
         return STEP_OK;
-    if ((err = pgq_lease_take(t->pl, t->db, in, i, t->jobs, room < t->cap ? room : t->cap, &n,
-                              &expired, &e)))
+    if ((err = pgq_lease_take(t->pl, t->db, in, i, t->jobs,
+                              room < take_limit(t) ? room : take_limit(t), &n, &expired, &e)))
         return err == IDEMQ_ERR_NOMEM ? (snprintf(t->why, sizeof t->why, "%s", e.message),
                                          STEP_BACKOFF)
                                       : from_error(t, &e, "queue_lease");
+    gate_wait(n); /* consumer.max_rate: before the calls (the leases run meanwhile) */
     for (int k = 0; k < n; k++) {
         struct job *j = &t->jobs[k];
         note_fate(t, j, TRACE_HELD, 0);
@@ -364,7 +437,9 @@ static enum step lease_batch(struct pgq_thread *t, int i, int *took)
         }
     }
     *took = n;
-    atomic_fetch_add(&t->taken, n);
+    memset(&t->pend, 0, sizeof t->pend);
+    t->pend.admitted = n; /* the lease's statement committed */
+    publish(t, i);
     if (!bad)
         return STEP_OK;
     pgq_settle_reset(&t->st);
@@ -378,6 +453,9 @@ static enum step lease_batch(struct pgq_thread *t, int i, int *took)
         s = from_error(t, &e, "queue_settle");
     if (s == STEP_OK && ledger_db_exec(t->db, "COMMIT", &e))
         s = from_error(t, &e, "COMMIT");
+    if (s == STEP_OK)
+        publish(t, i); /* the undecodable rows' parks */
+    memset(&t->pend, 0, sizeof t->pend);
     if (s != STEP_OK && PQstatus(t->db) == CONNECTION_OK)
         PQclear(ledger_db_exec_raw(t->db, "ROLLBACK"));
     return s; /* rolled back: their leases run out, and they are taken again */
@@ -393,11 +471,21 @@ static enum step lease_poll(struct pgq_thread *t, int wait_ms, int *did)
     idemq_err_t err;
 
     *did = 0;
+    c.by = t->lease_by;
+    c.n_by = t->view.n_inputs;
     err = pgq_lease_poll(t->pl, t->db, wait_ms, &c, &fail, t->why, sizeof t->why, &e);
-    atomic_fetch_add(&t->applied, c.applied);
-    atomic_fetch_add(&t->duplicates, c.duplicates);
-    atomic_fetch_add(&t->retried, c.retried);
-    atomic_fetch_add(&t->parked, c.parked);
+    /* each settle committed on its own: published by input */
+    for (int i = 0; i < t->view.n_inputs; i++) {
+        const struct pgq_lease_tally *b = &t->lease_by[i];
+        if (!(b->applied | b->duplicates | b->retried | b->parked))
+            continue;
+        memset(&t->pend, 0, sizeof t->pend);
+        t->pend.applied = b->applied;
+        t->pend.duplicates = b->duplicates;
+        t->pend.retried = b->retried;
+        t->pend.parked = b->parked;
+        publish(t, i);
+    }
     *did = (int)(c.applied + c.duplicates + c.retried + c.parked);
     if (err)
         return err == IDEMQ_ERR_NOMEM ? (snprintf(t->why, sizeof t->why, "%s", e.message),
@@ -418,6 +506,7 @@ static enum step batch(struct pgq_thread *t, int i, int *took)
         return lease_batch(t, i, took);
     *took = 0;
     pgq_settle_reset(&t->st);
+    memset(&t->pend, 0, sizeof t->pend);
     if (ledger_db_exec(t->db, "BEGIN", &e))
         return from_error(t, &e, "BEGIN");
     /* While a backlog drains (the last take was full), from where the
@@ -432,7 +521,7 @@ static enum step batch(struct pgq_thread *t, int i, int *took)
         bool from_head = !t->pos[i].set;
         if (from_head)
             t->head_at[i] = now_ms();
-        if (pgq_take_from(t->db, in, i, &t->pos[i], t->jobs, t->solo ? 1 : t->cap, &n, &e)) {
+        if (pgq_take_from(t->db, in, i, &t->pos[i], t->jobs, take_limit(t), &n, &e)) {
             t->pos[i].set = false;
             s = from_error(t, &e, "queue_take");
             goto rollback;
@@ -441,13 +530,14 @@ static enum step batch(struct pgq_thread *t, int i, int *took)
             break;
         t->pos[i].set = false;
     }
-    if (n < (t->solo ? 1 : t->cap))
+    if (n < take_limit(t))
         t->pos[i].set = false; /* caught up: the next take looks from the head */
     if (n == 0) {
         if (ledger_db_exec(t->db, "COMMIT", &e))
             return from_error(t, &e, "COMMIT");
         return STEP_OK;
     }
+    gate_wait(n); /* the rows stay locked by this transaction meanwhile */
     for (int k = 0; k < n; k++) {
         note_fate(t, &t->jobs[k], TRACE_HELD, 0);
         if (t->jobs[k].decode_err == IDEMQ_OK)
@@ -492,7 +582,8 @@ static enum step batch(struct pgq_thread *t, int i, int *took)
     }
     t->solo = false;
     *took = n;
-    atomic_fetch_add(&t->taken, n);
+    t->pend.admitted = n;
+    publish(t, i);
     export_spans(t, in, n);
     for (int k = 0; k < ng; k++)
         ledger_txn_result_clear(&t->res[k]);
@@ -558,6 +649,11 @@ static void *run(void *arg)
             did += settled;
         }
         if (s != STEP_OK) {
+            if (!t->unready) {
+                t->unready = true;
+                atomic_fetch_add(&g.unready, 1);
+                atomic_fetch_add(&g.not_ready, 1);
+            }
             if (new_reason(t))
                 log_warn("pgq worker %d: NOT READY: %s (trying again with backoff)", t->id,
                          t->why);
@@ -567,6 +663,10 @@ static void *run(void *arg)
             backoff_ms = backoff_ms * 2 > t->c->reconnect_max_ms ? t->c->reconnect_max_ms
                                                                   : backoff_ms * 2;
             continue;
+        }
+        if (t->unready) {
+            t->unready = false;
+            atomic_fetch_sub(&g.unready, 1);
         }
         if (t->logged[0]) {
             log_info("pgq worker %d: ready", t->id);
@@ -589,6 +689,8 @@ static void *run(void *arg)
         }
     }
     lease_stop(t);
+    if (t->unready)
+        atomic_fetch_sub(&g.unready, 1);
     drop_db(t);
     return NULL;
 }
@@ -608,6 +710,19 @@ idemq_err_t pgq_worker_start(const struct conf *c, long until_idle_ms, struct pg
         return IDEMQ_ERR_NOMEM;
     }
     w->n = c->workers;
+    if (!g.in) { /* the first start: the inputs /metrics shows */
+        struct conf v = conf_pg_view(c);
+        if (!(g.in = calloc((size_t)v.n_inputs, sizeof *g.in))) {
+            free(w->t);
+            free(w);
+            snprintf(errbuf, errlen, "out of memory");
+            return IDEMQ_ERR_NOMEM;
+        }
+        for (int i = 0; i < v.n_inputs; i++)
+            g.in[i].input = v.inputs[i].name;
+        g.n = v.n_inputs;
+        atomic_store(&g.on, true);
+    }
     for (int i = 0; i < w->n; i++) {
         struct pgq_thread *t = &w->t[i];
         t->id = i;
@@ -623,6 +738,7 @@ idemq_err_t pgq_worker_start(const struct conf *c, long until_idle_ms, struct pg
             !(t->attempt = calloc((size_t)cap, sizeof *t->attempt)) ||
             !(t->pos = calloc((size_t)t->view.n_inputs, sizeof *t->pos)) ||
             !(t->head_at = calloc((size_t)t->view.n_inputs, sizeof *t->head_at)) ||
+            !(t->lease_by = calloc((size_t)t->view.n_inputs, sizeof *t->lease_by)) ||
             !pgq_settle_init(&t->st, cap)) {
             snprintf(errbuf, errlen, "out of memory");
             goto fail;
@@ -675,9 +791,32 @@ void pgq_worker_join(struct pgq_workers *w, struct pgq_worker_totals *tot)
         free(t->attempt);
         free(t->pos);
         free(t->head_at);
+        free(t->lease_by);
         pgq_settle_free(&t->st);
         pgq_lease_free(t->pl);
     }
     free(w->t);
     free(w);
+}
+
+int pgq_worker_unready(void) { return atomic_load(&g.unready); }
+
+int pgq_worker_counts(struct pgq_input_counts *out, int max, long *not_ready)
+{
+    int n;
+    *not_ready = atomic_load(&g.not_ready);
+    if (!atomic_load(&g.on))
+        return 0;
+    n = g.n < max ? g.n : max;
+    for (int i = 0; i < n; i++) {
+        struct pgq_input_counts *o = &out[i];
+        o->input = g.in[i].input;
+        o->admitted = atomic_load(&g.in[i].admitted);
+        o->applied = atomic_load(&g.in[i].applied);
+        o->duplicates = atomic_load(&g.in[i].duplicates);
+        o->retried = atomic_load(&g.in[i].retried);
+        o->parked = atomic_load(&g.in[i].parked);
+        o->completed = o->applied + o->duplicates + o->parked;
+    }
+    return n;
 }

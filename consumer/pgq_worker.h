@@ -27,6 +27,21 @@ struct pgq_worker_totals {
     int failed; /* threads that ended with an error */
 };
 
+/* One transaction's or one input's counts: rows taken (admitted), and what
+ * became of them: applied, duplicates, retried (held in the row), parked.
+ * Rows whose key waits (taken, put back without an attempt) are admitted
+ * and nothing else. */
+struct pgq_count {
+    long admitted, applied, duplicates, retried, parked;
+};
+
+/* An input's counts for /metrics: completed = applied + duplicates + parked
+ * (the rows that left the queue). */
+struct pgq_input_counts {
+    const char *input;
+    long admitted, completed, applied, duplicates, retried, parked;
+};
+
 /*
  * Starts conf.workers threads over c's PostgreSQL queue inputs (none: *out
  * is NULL and IDEMQ_OK). until_idle_ms > 0: each thread returns once no row
@@ -40,5 +55,23 @@ idemq_err_t pgq_worker_start(const struct conf *c, long until_idle_ms, struct pg
 /* Waits for every thread (they stop on sig_stop_requested or when idle),
  * fills *t and frees w. NULL is fine (zero totals). Main thread. */
 void pgq_worker_join(struct pgq_workers *w, struct pgq_worker_totals *t);
+
+struct rate_gate;
+
+/* The token bucket of consumer.max_rate the broker workers share (NULL:
+ * no limit), for the threads pgq_worker_start starts next: each reserves
+ * one token per row taken before it applies them. Main thread, before
+ * pgq_worker_start. */
+void pgq_worker_set_gate(struct rate_gate *gate);
+
+/* Fills out[0..] with up to max inputs' counts so far (committed
+ * transactions only); returns how many (0 when no PostgreSQL queue worker
+ * ever started). *not_ready: times a worker became NOT READY.
+ * Thread-safe: for /metrics. */
+int pgq_worker_counts(struct pgq_input_counts *out, int max, long *not_ready);
+
+/* How many PostgreSQL queue worker threads are NOT READY now (backing off:
+ * the database down, an effect check failing). For /ready. */
+int pgq_worker_unready(void);
 
 #endif

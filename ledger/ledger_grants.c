@@ -40,7 +40,8 @@ static const char *ident(const char *s, char *buf, size_t len)
 
 /* The functions an operator's commands and the console call (jobs show,
  * parked list/groups/redrive/discard/archive, redrive, resolve, reconcile,
- * maintain, archive export, observe report); every overload of each. */
+ * maintain, archive export, observe report, the redrive of a postgres
+ * input's park into its queue); every overload of each. */
 static const char operator_functions[] =
     "'job_info', 'key_history', 'key_batches', 'key_attempts', 'key_outbox', 'park_group', "
     "'mask_reason', "
@@ -48,7 +49,7 @@ static const char operator_functions[] =
     "'ops_action_finish', 'erase_key', "
     "'provider_answer_text', 'provider_resolve', 'provider_sweep', 'provider_result', "
     "'provider_confirmed', 'provider_effect_failed', 'provider_gauges', 'provider_latency', "
-    "'archive_exported', 'ledger_settings', 'maintain', 'observe_report'";
+    "'archive_exported', 'ledger_settings', 'maintain', 'observe_report', 'queue_redrive'";
 
 /* Calls emit(stmt, arg) for each statement of the run role; stops at the
  * first non-zero return and passes it on. */

@@ -256,6 +256,139 @@ START_TEST(test_queue_gauges)
 }
 END_TEST
 
+/* A metric's value in a /metrics page: the line that begins with
+ * line_start (-1 when absent; never a HELP or TYPE line). */
+static long metric_of(const char *body, const char *line_start)
+{
+    size_t n = strlen(line_start);
+    for (const char *p = body; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
+        if (strncmp(p, line_start, n) == 0)
+            return strtol(p + n, NULL, 10);
+    return -1;
+}
+
+/* The workers' counts on /metrics, by input, match the ledger: admitted
+ * (rows taken) vs completed, applied, duplicates, retried, parked. /ready
+ * answers 200 while the workers take rows. */
+START_TEST(test_worker_metrics_and_ready)
+{
+    struct itest t;
+    char cfg[300], top[128], url[128], rurl[128], body[65536], want[256];
+    int port = itest_free_port();
+    long applied, parked, retried, admitted;
+    pid_t pid;
+    int st;
+    snprintf(top, sizeof top, "metrics: { listen = \"127.0.0.1:%d\"; };", port);
+    pg_extra_top = top;
+    setup(&t, "pgq_wmet", cfg, sizeof cfg, "", "");
+    pg_extra_top = NULL;
+    /* 5 applied, one of them enqueued twice (a duplicate), one retried
+     * once then applied, one parked */
+    qexec(&t, "SELECT idemq.enqueue('%s', jsonb_build_object('job_id', '%s:' || g)) "
+              "FROM generate_series(1, 5) g", t.name, t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:1\"}')", t.name, t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:r\",\"raise\":\"40001\","
+              "\"raise_until\":1}')", t.name, t.name);
+    qexec(&t, "INSERT INTO idemq_test.failing VALUES ('%s:p', '22012')", t.name);
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:p\"}')", t.name, t.name);
+    pid = itest_spawn(&t, cfg, 30, NULL);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", port);
+    snprintf(rurl, sizeof rurl, "http://127.0.0.1:%d/ready", port);
+    snprintf(want, sizeof want, "idemq_pgq_rows_total{input=\"%s\",outcome=\"completed\"} 8\n",
+             t.name);
+    for (long long end = itest_mono_ms() + itest_ms(20000);
+         (itest_http_get(url, body, sizeof body) != 200 || !strstr(body, want)) &&
+         itest_mono_ms() < end;)
+        usleep(100 * 1000);
+    ck_assert_msg(strstr(body, want) != NULL, "%s", body);
+    applied = qlong(&t, "SELECT count(*) FROM idemq.jobs WHERE key LIKE '%s:%%' AND state = "
+                        "'applied'", t.name);
+    parked = qlong(&t, "SELECT count(*) FROM idemq.parked WHERE key LIKE '%s:%%'", t.name);
+    retried = qlong(&t, "SELECT count(*) FROM idemq.attempts WHERE key LIKE '%s:%%' AND "
+                        "outcome = 'transient_error'", t.name);
+    ck_assert_int_eq(applied, 6);
+    ck_assert_int_eq(parked, 1);
+    ck_assert_int_eq(retried, 1);
+#define PGQ_METRIC(outcome)                                                                  \
+    (snprintf(want, sizeof want, "idemq_pgq_rows_total{input=\"%s\",outcome=\"%s\"} ",       \
+              t.name, outcome),                                                              \
+     metric_of(body, want))
+    ck_assert_int_eq(PGQ_METRIC("applied"), applied);
+    ck_assert_int_eq(PGQ_METRIC("duplicate"), 1);
+    ck_assert_int_eq(PGQ_METRIC("retried"), retried);
+    ck_assert_int_eq(PGQ_METRIC("parked"), parked);
+    /* every row taken: 8 enqueued, the retried one taken twice */
+    admitted = PGQ_METRIC("admitted");
+    ck_assert_int_eq(admitted, 9);
+#undef PGQ_METRIC
+    ck_assert_int_eq(metric_of(body, "idemq_pgq_not_ready_total "), 0);
+    ck_assert_int_eq(itest_http_get(rurl, body, sizeof body), 200);
+    ck_assert_int_eq(kill(pid, SIGTERM), 0);
+    st = itest_wait(pid, itest_ms(30000));
+    ck_assert(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* A worker that cannot take rows (its effect function is missing): /ready
+ * answers 503 and /metrics counts the back-off. */
+START_TEST(test_not_ready_worker_fails_ready)
+{
+    struct itest t;
+    char cfg[300], top[128], url[128], body[65536];
+    int port = itest_free_port(), code = 0;
+    pid_t pid;
+    int st;
+    snprintf(top, sizeof top, "metrics: { listen = \"127.0.0.1:%d\"; };", port);
+    pg_extra_top = top;
+    pg_effect = "idemq_test.no_such_effect";
+    setup(&t, "pgq_nready", cfg, sizeof cfg, "", "");
+    pg_extra_top = NULL;
+    pg_effect = NULL;
+    qexec(&t, "SELECT idemq.enqueue('%s', '{\"job_id\":\"%s:1\"}')", t.name, t.name);
+    pid = itest_spawn(&t, cfg, 30, NULL);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/ready", port);
+    for (long long end = itest_mono_ms() + itest_ms(15000);
+         (code = itest_http_get(url, body, sizeof body)) != 503 && itest_mono_ms() < end;)
+        usleep(100 * 1000);
+    ck_assert_int_eq(code, 503);
+    ck_assert_msg(strstr(body, "not ready: a PostgreSQL queue worker backs off"), "%s", body);
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/metrics", port);
+    ck_assert_int_eq(itest_http_get(url, body, sizeof body), 200);
+    ck_assert_int_ge(metric_of(body, "idemq_pgq_not_ready_total "), 1);
+    ck_assert_int_eq(kill(pid, SIGTERM), 0);
+    st = itest_wait(pid, itest_ms(30000));
+    ck_assert(st != -1 && WIFEXITED(st));
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 1);
+    qexec(&t, "DELETE FROM idemq.queue_jobs WHERE queue = '%s'", t.name);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* consumer.max_rate holds a postgres input's workers as a broker input's:
+ * 40 rows at 20 per second over two workers take about 2 s (one token
+ * each, a burst of 2), not the few milliseconds of a free drain. */
+START_TEST(test_max_rate_paces_the_drain)
+{
+    struct itest t;
+    char cfg[300];
+    long span_ms;
+    setup(&t, "pgq_rate", cfg, sizeof cfg, "workers = 2; max_rate = 20;", "");
+    qexec(&t, "SELECT idemq.enqueue('%s', jsonb_build_object('job_id', '%s:' || g)) "
+              "FROM generate_series(1, 40) g", t.name, t.name);
+    run_pg(cfg, 1);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE '%s:%%'",
+                           t.name), 40);
+    span_ms = qlong(&t, "SELECT (extract(epoch FROM max(created_at) - min(created_at)) * 1000)"
+                        "::bigint FROM idemq_test.effects WHERE key LIKE '%s:%%'", t.name);
+    /* 38 tokens after the burst at 50 ms each: 1.9 s; a little slack */
+    ck_assert_msg(span_ms >= 1700, "40 rows at max_rate 20 took %ld ms", span_ms);
+    ck_assert_msg(span_ms <= 6000, "40 rows at max_rate 20 took %ld ms", span_ms);
+    itest_teardown(&t);
+}
+END_TEST
+
 START_TEST(test_retry_then_success_with_history)
 {
     struct itest t;
@@ -392,9 +525,12 @@ static int idemq_no_broker(const char *cfg, const char *args, char *out, size_t 
     size_t n = 0;
     FILE *p;
     int st;
+    char as[1024];
+    /* in least-privilege mode as the command's role; the broker unreachable
+     * either way (the last IDEMQ_AMQP_URL wins) */
     snprintf(cmd, sizeof cmd,
-             "IDEMQ_AMQP_URL='amqp://guest:guest@127.0.0.1:1/%%2F' %s %s -c %s 2>&1",
-             IDEMQ_BINARY, args, cfg);
+             "%sIDEMQ_AMQP_URL='amqp://guest:guest@127.0.0.1:1/%%2F' %s %s -c %s 2>&1",
+             itest_lp_env_prefix(args, as, sizeof as), IDEMQ_BINARY, args, cfg);
     p = popen(cmd, "r");
     ck_assert_ptr_nonnull(p);
     while (n + 1 < outlen && fgets(out + n, (int)(outlen - n), p))
@@ -911,6 +1047,67 @@ START_TEST(test_provider_lease_holder_crash)
 }
 END_TEST
 
+/* Three replicas, SIGKILLed in turn mid-batch (each time the others and it
+ * applied 50 more), each restarted at once: every key applied exactly
+ * once (effects and ledger), order keys in enqueue order, the queue
+ * drained. */
+START_TEST(test_three_replicas_kill_loop)
+{
+    struct itest t;
+    char cfg[300];
+    pid_t r[3];
+    long done = 0;
+    int kills = 0;
+    setup(&t, "pgq_kill3", cfg, sizeof cfg, "workers = 2; batch_max = 5;", "");
+    /* 600 jobs of 10 ms each, a third of them in 7 order keys */
+    qexec(&t,
+          "SELECT idemq.enqueue('%s', jsonb_build_object('job_id', '%s:' || g, 'sleep_ms', 10), "
+          "NULL, CASE WHEN g %% 3 = 0 THEN 'o' || (g %% 7) END) FROM generate_series(0, 599) g",
+          t.name, t.name);
+    for (int i = 0; i < 3; i++)
+        r[i] = itest_spawn(&t, cfg, 2, NULL);
+    for (long long end = itest_mono_ms() + itest_ms(25000); kills < 6 && itest_mono_ms() < end;) {
+        long n = qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE '%s:%%'",
+                       t.name);
+        if (n >= 540)
+            break; /* keep a tail for the last ones to drain */
+        if (n < done + 50) {
+            usleep(10 * 1000);
+            continue;
+        }
+        done = n;
+        ck_assert_int_eq(kill(r[kills % 3], SIGKILL), 0); /* mid-transaction, most likely */
+        waitpid(r[kills % 3], NULL, 0);
+        r[kills % 3] = itest_spawn(&t, cfg, 2, NULL);
+        kills++;
+    }
+    ck_assert_int_ge(kills, 3);
+    for (int i = 0; i < 3; i++) {
+        int st = itest_wait(r[i], itest_ms(60000));
+        ck_assert(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    }
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq_test.effects WHERE key LIKE '%s:%%'",
+                           t.name), 600);
+    ck_assert_int_eq(qlong(&t, "SELECT count(DISTINCT key) FROM idemq_test.effects WHERE key "
+                               "LIKE '%s:%%'", t.name), 600);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.jobs WHERE key LIKE '%s:%%' AND "
+                               "state = 'applied'", t.name), 600);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.parked WHERE key LIKE '%s:%%'",
+                           t.name), 0);
+    /* per order key, in enqueue order */
+    ck_assert_int_eq(qlong(&t,
+                           "SELECT count(*) FROM (SELECT split_part(key, ':', 2)::int AS i, "
+                           "lag(split_part(key, ':', 2)::int) OVER (PARTITION BY "
+                           "split_part(key, ':', 2)::int %% 7 ORDER BY id) AS prev "
+                           "FROM idemq_test.effects WHERE key LIKE '%s:%%' AND "
+                           "split_part(key, ':', 2)::int %% 3 = 0) x "
+                           "WHERE prev IS NOT NULL AND prev > i", t.name), 0);
+    ck_assert_int_eq(qlong(&t, "SELECT count(*) FROM idemq.queue_jobs WHERE queue = '%s'",
+                           t.name), 0);
+    itest_teardown(&t);
+}
+END_TEST
+
 /* The DSN of the test database with another user. */
 static void dsn_as(const char *role, char *dsn, size_t len)
 {
@@ -1037,6 +1234,11 @@ START_TEST(test_config_refuses)
                       "accepted: %s", bad[i]);
         ck_assert_ptr_null(c);
     }
+    /* observe mode: refused with the reason and what to do instead */
+    ck_assert(conf_load_string("inputs = ({ name = \"a\"; transport = \"postgres\"; queue = "
+                               "\"a\"; mode = \"observe\"; effect_function = \"f\"; });",
+                               &c, err, sizeof err) == IDEMQ_ERR_CONFIG);
+    ck_assert_msg(strstr(err, "no copy to take") && strstr(err, "on a broker input"), "%s", err);
     /* both kinds in one file: the postgres one apart from the broker's */
     ck_assert_msg(conf_load_string("inputs = ({ name = \"b\"; queue = \"b\"; effect_function = "
                                    "\"f\"; }, { name = \"p\"; transport = \"postgres\"; queue "
@@ -1080,6 +1282,9 @@ int main(void)
     tcase_add_test(tc, test_order_per_key);
     tcase_add_test(tc, test_due_time_and_priority);
     tcase_add_test(tc, test_queue_gauges);
+    tcase_add_test(tc, test_worker_metrics_and_ready);
+    tcase_add_test(tc, test_not_ready_worker_fails_ready);
+    tcase_add_test(tc, test_max_rate_paces_the_drain);
     tcase_add_test(tc, test_retry_then_success_with_history);
     tcase_add_test(tc, test_plain_path_and_its_fallback);
     tcase_add_test(tc, test_key_and_error_with_quotes);
@@ -1092,7 +1297,11 @@ int main(void)
     tcase_add_test(tc, test_killed_replica);
     tcase_add_test(tc, test_provider_job_applied_once);
     tcase_add_test(tc, test_provider_lease_holder_crash);
+    tcase_add_test(tc, test_three_replicas_kill_loop);
     tcase_add_test(tc, test_least_privilege_roles);
+    /* apply, retry, park and redrive as the roles of migrate --grant */
+    itest_lp_tcase(s, (const TTest *const[]){test_retry_then_success_with_history,
+                                              test_park_and_redrive, test_cli_redrive, NULL});
     suite_add_tcase(s, tc);
     return check_run(s);
 }
