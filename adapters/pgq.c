@@ -119,9 +119,8 @@ bool pgq_row_job(const struct pgq_row *row, const struct conf_input *in, int inp
     return true;
 }
 
-/* One result row into job j. false when out of memory. */
-static bool row_to_job(const PGresult *r, int i, const struct conf_input *in, int input_idx,
-                       struct job *j)
+bool pgq_result_row_job(const PGresult *r, int i, const struct conf_input *in, int input_idx,
+                        struct job *j)
 {
     struct pgq_row row;
     size_t len = 0;
@@ -168,7 +167,7 @@ static idemq_err_t take(PGconn *db, const char *sql, int np, const char *const *
     }
     rows = PQntuples(r);
     for (int i = 0; i < rows && i < cap; i++) {
-        if (!row_to_job(r, i, in, input_idx, &jobs[i])) {
+        if (!pgq_result_row_job(r, i, in, input_idx, &jobs[i])) {
             PQclear(r);
             snprintf(e->message, sizeof e->message, "out of memory taking queue rows");
             e->sqlstate[0] = '\0';

@@ -59,6 +59,13 @@ struct pgq_row {
 bool pgq_row_job(const struct pgq_row *row, const struct conf_input *in, int input_idx,
                  struct job *j);
 
+/* Row i of a take's result (its first ten columns in the order of
+ * idemq.queue_take: id, key, order key, payload, attempts, redrive
+ * generation, park id, enqueued at, traceparent, tracestate) into job j
+ * through pgq_row_job. false when out of memory. */
+bool pgq_result_row_job(const PGresult *r, int i, const struct conf_input *in, int input_idx,
+                        struct job *j);
+
 /*
  * Inside txn: claims up to cap ready rows of input in (index input_idx of
  * the worker's conf) and fills jobs[0..*n) (each job_init'ed by the caller;

@@ -189,38 +189,16 @@ idemq_err_t pgq_lease_take(struct pgq_lease *pl, PGconn *db, const struct conf_i
     }
     rows = PQntuples(r);
     for (int i = 0; i < rows && i < cap; i++) {
-        struct pgq_row row;
-        size_t len = 0;
-        unsigned char *body;
-        bool ok;
+        long long id = strtoll(PQgetvalue(r, i, 0), NULL, 10);
 
-        memset(&row, 0, sizeof row);
-        row.id = strtoll(PQgetvalue(r, i, 0), NULL, 10);
         /* Held from here: a row that cannot become a job is left to its
          * lease (nothing else touched it). */
-        if (!hold(pl, row.id, input))
-            goto nomem;
-        if (!(body = PQunescapeBytea((const unsigned char *)PQgetvalue(r, i, 3), &len)))
-            goto nomem;
-        row.key = PQgetisnull(r, i, 1) ? NULL : PQgetvalue(r, i, 1);
-        row.order_key = PQgetisnull(r, i, 2) ? NULL : PQgetvalue(r, i, 2);
-        row.payload = body;
-        row.payload_len = len;
-        row.attempts = atoi(PQgetvalue(r, i, 4));
-        row.has_redrive = !PQgetisnull(r, i, 5);
-        row.redrive_gen = row.has_redrive ? strtoll(PQgetvalue(r, i, 5), NULL, 10) : 0;
-        row.park_id = PQgetisnull(r, i, 6) ? 0 : strtoll(PQgetvalue(r, i, 6), NULL, 10);
-        row.enqueued_at = PQgetvalue(r, i, 7);
-        row.traceparent = PQgetisnull(r, i, 8) ? NULL : PQgetvalue(r, i, 8);
-        row.tracestate = PQgetisnull(r, i, 9) ? NULL : PQgetvalue(r, i, 9);
-        ok = pgq_row_job(&row, in, input, &jobs[i]);
-        PQfreemem(body);
-        if (!ok)
+        if (!hold(pl, id, input) || !pgq_result_row_job(r, i, in, input, &jobs[i]))
             goto nomem;
         if (!PQgetisnull(r, i, 10)) {
             (*expired)++;
-            log_job(LOG_LVL_WARN, jobs[i].has_key ? jobs[i].key : NULL, row.id, 0,
-                    "queue row %lld taken again: the lease of %s ran out", row.id,
+            log_job(LOG_LVL_WARN, jobs[i].has_key ? jobs[i].key : NULL, (uint64_t)id, 0,
+                    "queue row %lld taken again: the lease of %s ran out", id,
                     PQgetvalue(r, i, 10));
         }
         (*n)++;
