@@ -1815,6 +1815,6 @@ int main(void)
     suite_add_tcase(s, tc);
     /* least-privilege mode (scripts/test): these again, as the deployment's roles */
     itest_lp_tcase(s, (const TTest *const[]){test_effect_emits_once, test_trace_context_continues,
-                                          test_application_emit, NULL});
+                                          test_application_emit, test_outbox_sealed, NULL});
     return check_run(s);
 }
