@@ -577,7 +577,8 @@ static void assert_sealed(struct itest *t, const char *key, const char *table)
  * active key, in idemq.outbox and then idemq.outbox_sent, and the consumer
  * downstream receives the exact bytes the effect emitted, whether the
  * worker publishes the row right after its commit or a relay claims it
- * later (here: after a SIGKILL between the commit and the publish). A row
+ * later (here: after a SIGKILL between the commit and the publish), and
+ * also when the replica that ran the effect does not relay. A row
  * whose key is not listed is never published (not empty, not garbled)
  * and never dropped: it is logged with its key id and row id and stays
  * pending. A row an application emits in its own transaction is stored as
@@ -624,6 +625,39 @@ START_TEST(test_outbox_sealed)
     ck_assert_str_eq(bodies[0], want);
     ck_assert_str_eq(keys[0], key);
     assert_sealed(&t, key, "idemq.outbox_sent");
+
+    /* sealed also by a replica that does not relay (outbox.relay = 0); a
+     * relay publishes it later */
+    {
+        static char text[1 << 16];
+        char cfg0[300], *at;
+        FILE *f;
+        size_t n;
+        ck_assert_ptr_nonnull(f = fopen(t.cfg_path, "r"));
+        n = fread(text, 1, sizeof text - 1, f);
+        text[n] = '\0';
+        fclose(f);
+        ck_assert_ptr_nonnull(at = strstr(text, "relay = 1;"));
+        at[8] = '0';
+        snprintf(cfg0, sizeof cfg0, "%s.norelay", t.cfg_path);
+        ck_assert_ptr_nonnull(f = fopen(cfg0, "w"));
+        fputs(text, f);
+        fclose(f);
+        snprintf(key, sizeof key, "%s:c", t.name);
+        snprintf(b, sizeof b, "{\"job_id\":\"%s\",\"rk\":\"%s\",\"ex\":\"%s\"}", key, q,
+                 out_ex);
+        itest_publish(&t, bs, 1);
+        st = itest_wait(itest_spawn(&t, cfg0, 1, NULL), itest_ms(30000));
+        ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "idemq: 0x%x", st);
+        unlink(cfg0);
+        assert_sealed(&t, key, "idemq.outbox");
+        ck_assert_int_eq(itest_queue_ready(&t, q), 0);
+        itest_run_until_idle(&t, 1);
+        ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 4), 1);
+        snprintf(want, sizeof want, "{\"key\": \"%s\"}", key);
+        ck_assert_str_eq(bodies[0], want);
+        assert_sealed(&t, key, "idemq.outbox_sent");
+    }
 
     /* an application's own emit is stored as sent; made to name a key no
      * replica lists, it is reported and left, never published */
