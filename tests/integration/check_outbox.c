@@ -579,8 +579,9 @@ static void assert_sealed(struct itest *t, const char *key, const char *table)
  * worker publishes the row right after its commit or a relay claims it
  * later (here: after a SIGKILL between the commit and the publish), and
  * also when the replica that ran the effect does not relay. A row
- * whose key is not listed is never published (not empty, not garbled)
- * and never dropped: it is logged with its key id and row id and stays
+ * whose key is not listed, or whose body is no copy its key sealed
+ * (altered), is never published (not empty, not garbled) and never
+ * dropped: it is logged with its key id and row id and stays
  * pending. A row an application emits in its own transaction is stored as
  * sent (no key in PostgreSQL). */
 START_TEST(test_outbox_sealed)
@@ -669,6 +670,12 @@ START_TEST(test_outbox_sealed)
                                     "body_key IS NULL AND body = 'app body'::bytea", key), 1);
     snprintf(sql, sizeof sql, "UPDATE idemq.outbox SET body_key = 'k9' WHERE key = '%s'", key);
     itest_sql(&t, sql);
+    /* and one that names the listed key but is no copy it sealed (altered) */
+    snprintf(sql, sizeof sql,
+             "SELECT idemq.emit('%s', '%s', 'altered body', NULL, NULL, '%s:v'); "
+             "UPDATE idemq.outbox SET body_key = 'k1' WHERE key = '%s:v'",
+             out_ex, q, t.name, t.name);
+    itest_sql(&t, sql);
     snprintf(log, sizeof log, "/tmp/%s.sealed.log", t.name);
     unlink(log);
     st = itest_wait(itest_spawn_log(t.cfg_path, 3, NULL, log), itest_ms(60000));
@@ -681,8 +688,17 @@ START_TEST(test_outbox_sealed)
                                     "state = 'pending' AND body_key = 'k9' AND attempts = 0",
                                 key),
                      1);
-    /* the row would stay pending for good: other tests count pending rows */
-    snprintf(sql, sizeof sql, "DELETE FROM idemq.outbox WHERE key = '%s'", key);
+    snprintf(sql, sizeof sql, "%s:v", t.name);
+    snprintf(want, sizeof want, "row %ld (key %s) is sealed with key \"k1\" and cannot be opened",
+             itest_long(&t, "SELECT id FROM idemq.outbox WHERE key = $1", sql), sql);
+    ck_assert_int_ge(itest_count_lines(log, want), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "state = 'pending' AND body_key = 'k1' AND attempts = 0",
+                                sql),
+                     1);
+    /* the rows would stay pending for good: other tests count pending rows */
+    snprintf(sql, sizeof sql, "DELETE FROM idemq.outbox WHERE key IN ('%s', '%s:v')", key,
+             t.name);
     itest_sql(&t, sql);
     unlink(log);
     unlink(k1);
