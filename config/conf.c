@@ -127,8 +127,9 @@ static const struct conf_key global_keys[] = {
      "name and the token); set it when a reverse proxy or tunnel on the same host makes every "
      "client loopback"},
     {"protection.keys", CT_STRLIST, G(protection_keys), 0, 32, "", 0, 0,
-     "keys that seal and open stored payload copies (parked bodies), as \"id=/path\": each "
-     "file holds 32 bytes (raw or 64 hex digits) and only its owner may read it; the key "
+     "keys that seal and open stored payload copies (parked bodies, retry copies, outbox "
+     "bodies), as \"id=/path\": each file holds 32 bytes (raw or 64 hex digits) and only "
+     "its owner may read it; the key "
      "bytes are never in this file; keep old keys listed to open copies sealed with them "
      "(see docs/data-protection.md)"},
     {"protection.active", CT_STR, G(protection_active), 0, 32, "", 0, 0,

@@ -17,6 +17,7 @@
 #include "ledger_lanes.h"
 #include "log.h"
 #include "outbox.h"
+#include "protect.h"
 #include "topology.h"
 
 #define CALL_RETRIES 3 /* whole-call transient failures retried in place */
@@ -266,16 +267,28 @@ static bool batch_emits(const struct batch *bt)
 
 /* leases the open transaction's publishable outbox rows to the
  * worker's relay (see struct batch). Rows beyond what bt->taken can keep
- * are left to a claim. */
+ * are left to a claim. With a key active the take also seals the bodies
+ * the transaction emitted (ledger_outbox_take), so it runs even when
+ * nothing is to be leased (relay off, or rows already taken by an earlier
+ * commit of this batch): it then leases nothing (limit 0). */
 static enum step take_outbox(struct batch *bt, struct outbox_rows *t)
 {
     struct ledger_db_error e;
     int emitted = 0;
+    bool seal = protect_active(protect_global()) != NULL;
 
-    if (!bt->outbox_holder || !batch_emits(bt))
+    if (!batch_emits(bt) || (!bt->outbox_holder && !seal))
         return STEP_OK;
-    if (bt->taken.res) { /* an earlier commit of this batch took rows */
-        bt->outbox_rest = true;
+    if (!bt->outbox_holder || bt->taken.res) {
+        struct outbox_rows none;
+        if (bt->taken.res) /* an earlier commit of this batch took rows */
+            bt->outbox_rest = true;
+        if (!seal)
+            return STEP_OK;
+        if (ledger_outbox_take(bt->db, bt->outbox_holder ? bt->outbox_holder : "", 0,
+                               bt->outbox_lease_ms, &none, &emitted, &e))
+            return call_failed(bt, &e, "outbox_take");
+        ledger_outbox_rows_free(&none);
         return STEP_OK;
     }
     if (ledger_outbox_take(bt->db, bt->outbox_holder, OUTBOX_CLAIM_MAX, bt->outbox_lease_ms, t,

@@ -347,9 +347,12 @@ void gauges_render(struct gauges *g, char *buf, size_t len, size_t *off)
             "# HELP idemq_outbox_parked_total outbox rows this process parked\n"
             "# TYPE idemq_outbox_parked_total counter\nidemq_outbox_parked_total %ld\n"
             "# HELP idemq_outbox_refused_total outbox publishes returned or nacked\n"
-            "# TYPE idemq_outbox_refused_total counter\nidemq_outbox_refused_total %ld\n",
+            "# TYPE idemq_outbox_refused_total counter\nidemq_outbox_refused_total %ld\n"
+            "# HELP idemq_outbox_unopened_total outbox rows left unpublished because their "
+            "sealed body cannot be opened (key not listed, or the copy altered)\n"
+            "# TYPE idemq_outbox_unopened_total counter\nidemq_outbox_unopened_total %ld\n",
             atomic_load(&outbox_stats.relayed), atomic_load(&outbox_stats.parked),
-            atomic_load(&outbox_stats.failed));
+            atomic_load(&outbox_stats.failed), atomic_load(&outbox_stats.unopened));
         PUT("# HELP idemq_outbox_commit_to_confirm_seconds time from emit to the broker's "
             "confirm of relayed rows\n# TYPE idemq_outbox_commit_to_confirm_seconds histogram\n");
         for (int i = 0; i < 6; i++)

@@ -188,7 +188,10 @@ static idemq_err_t one_by_one(const struct outbox *o, const struct conf *c, PGco
  * batch, and the next row of its key is claimed only once it is decided
  * (sent, parked, or pending again after NACK_RETRY_MS).
  *
- * Every outcome of a row: confirmed -> marked sent (in one statement);
+ * Every outcome of a row: its sealed body cannot be opened (its key is not
+ * listed, or the copy was altered) -> not published, logged and counted,
+ * left under its lease (claimed again once it passed: the order key's
+ * later rows wait behind it); confirmed -> marked sent (in one statement);
  * returned -> parked; nacked -> an attempt; one the client cannot encode
  * -> parked at once (it never could be sent); the side channel closed by
  * the broker (403, 404, 406, ...) -> the rows it did not confirm are
@@ -219,6 +222,15 @@ static idemq_err_t publish_rows(const struct outbox *o, const struct conf *c, PG
     }
     for (int i = 0; i < n; i++) {
         const struct outbox_row *r = &rows->row[i];
+        if (r->unopened) { /* never published empty or garbled, never dropped */
+            done[i] = true;
+            atomic_fetch_add(&outbox_stats.unopened, 1);
+            log_error("outbox: row %lld (key %s) is sealed with key \"%s\" and cannot be opened "
+                      "(%s): not published; it stays pending and is tried again once its lease "
+                      "passed; list the key in protection.keys",
+                      r->id, r->key ? r->key : "-", r->body_key, r->unopened);
+            continue;
+        }
         perr = publish_row(b, r);
         if (perr == IDEMQ_ERR_UNPUBLISHABLE) { /* nothing was written: the channel is fine */
             done[i] = true;

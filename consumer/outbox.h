@@ -55,6 +55,7 @@ struct outbox_stats {
     atomic_long relayed;         /* rows confirmed and marked sent */
     atomic_long parked;          /* rows parked (returned, or nacked too often) */
     atomic_long failed;          /* nacked or refused publishes (each attempt) */
+    atomic_long unopened;        /* rows not published: their sealed body cannot be opened */
     atomic_long latency_count;   /* commit-to-confirm samples */
     atomic_llong latency_us_sum; /* their sum, microseconds */
     atomic_long latency_le[6];   /* cumulative buckets: 5, 10, 25, 50, 100, 500 ms */

@@ -1,6 +1,6 @@
 /*
  * protect: encryption at rest of the payload copies idemq stores (parked
- * bodies): AES-256-GCM (OpenSSL EVP) under keys read from files named in
+ * bodies, retry copies, outbox bodies): AES-256-GCM (OpenSSL EVP) under keys read from files named in
  * the config (protection.keys, "id=/path"), each copy stored with the id
  * of the key that sealed it. The active key seals new copies; every listed
  * key opens old ones (rotation). Key bytes live only here: never logged,

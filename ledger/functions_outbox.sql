@@ -6,6 +6,11 @@
 -- ROLE` an application that emits (EXECUTE on idemq.emit only; what it
 -- emits is published with idemq's broker credentials).
 
+-- Result types changed (r_body_key) and outbox_take took the sealed bodies
+-- as parameters: the old signatures go first.
+DROP FUNCTION IF EXISTS idemq.outbox_take(text, integer, integer);
+DROP FUNCTION IF EXISTS idemq.outbox_claim(text, integer, integer);
+
 -- At COMMIT (deferred constraint trigger, once per row; the first one of a
 -- transaction does the work): locks the transaction's order keys in key
 -- order, then numbers its rows in id order. Two transactions emitting the
@@ -168,6 +173,19 @@ RETURNS boolean LANGUAGE sql VOLATILE AS $fn$
            OR (p_pid IS NOT NULL AND NOT EXISTS (SELECT 1 FROM pg_stat_get_activity(p_pid)));
 $fn$;
 
+-- The rows this transaction emitted that are stored as sent (body_key
+-- NULL) and not stamped yet: the worker seals their bodies with the active
+-- key and hands them to idemq.outbox_take (protection.active). Nothing when
+-- the transaction wrote nothing.
+CREATE OR REPLACE FUNCTION idemq.outbox_unsealed()
+RETURNS TABLE (r_id bigint, r_body bytea)
+LANGUAGE sql SECURITY DEFINER AS $fn$
+    SELECT o.id, o.body FROM idemq.outbox o
+     WHERE o.xact_id = pg_current_xact_id_if_assigned() AND o.commit_seq IS NULL
+       AND o.body_key IS NULL
+     ORDER BY o.id;
+$fn$;
+
 -- The last statement of a worker's batch transaction that may have
 -- emitted (relay right after commit: no claim transaction between the
 -- commit and the publish). Stamps commit_seq on the transaction's rows
@@ -180,9 +198,19 @@ $fn$;
 -- transaction stamped: the ones not returned wait for a claim
 -- (idemq.outbox_claim). When none is leased but some were stamped, one row
 -- with r_id NULL carries r_emitted.
-CREATE OR REPLACE FUNCTION idemq.outbox_take(p_holder text, p_limit integer, p_lease_ms integer)
+--
+-- Sealing (protection.active): p_sealed_ids[i] gets body p_sealed[i],
+-- sealed by the worker with key p_body_key from what
+-- idemq.outbox_unsealed returned, in the same UPDATE (one new row version);
+-- only rows of this transaction still stored as sent are replaced. The
+-- rows returned carry their body as stored and r_body_key.
+CREATE OR REPLACE FUNCTION idemq.outbox_take(p_holder text, p_limit integer, p_lease_ms integer,
+                                             p_sealed_ids bigint[] DEFAULT NULL,
+                                             p_sealed bytea[] DEFAULT NULL,
+                                             p_body_key text DEFAULT NULL)
 RETURNS TABLE (r_id bigint, r_key text, r_exchange text, r_routing_key text, r_body bytea,
-               r_headers jsonb, r_order_key text, r_message_id text, r_emitted integer)
+               r_headers jsonb, r_order_key text, r_message_id text, r_body_key text,
+               r_emitted integer)
 LANGUAGE plpgsql SECURITY DEFINER AS $fn$
 DECLARE
     v_x     xid8 := pg_current_xact_id_if_assigned();
@@ -231,19 +259,26 @@ BEGIN
           FROM u),
     n AS (
         SELECT h.id, nextval('idemq.outbox_commit_seq') AS seq,
-               h.head AND sum(h.head::integer) OVER (ORDER BY h.id) <= p_limit AS leased
-          FROM (SELECT * FROM h ORDER BY h.id) h),
+               h.head AND sum(h.head::integer) OVER (ORDER BY h.id) <= p_limit AS leased,
+               s.body AS sealed
+          FROM (SELECT * FROM h ORDER BY h.id) h
+          LEFT JOIN unnest(p_sealed_ids, p_sealed) AS s(id, body)
+                 ON s.id = h.id AND p_body_key IS NOT NULL AND s.body IS NOT NULL),
     w AS (
         UPDATE idemq.outbox o
            SET commit_seq = n.seq,
                lease_holder = CASE WHEN n.leased THEN p_holder ELSE o.lease_holder END,
                lease_until = CASE WHEN n.leased THEN v_until ELSE o.lease_until END,
-               lease_pid = CASE WHEN n.leased THEN pg_backend_pid() ELSE o.lease_pid END
+               lease_pid = CASE WHEN n.leased THEN pg_backend_pid() ELSE o.lease_pid END,
+               body = CASE WHEN n.sealed IS NOT NULL AND o.body_key IS NULL THEN n.sealed
+                           ELSE o.body END,
+               body_key = CASE WHEN n.sealed IS NOT NULL AND o.body_key IS NULL THEN p_body_key
+                               ELSE o.body_key END
           FROM n WHERE o.id = n.id AND o.id <= v_last
         RETURNING o.id, o.key, o.exchange, o.routing_key, o.body, o.headers, o.order_key,
-                  o.message_id, n.leased)
+                  o.message_id, o.body_key, n.leased)
     SELECT w.id, w.key, w.exchange, w.routing_key, w.body, w.headers, w.order_key,
-           w.message_id, v_all FROM w WHERE w.leased ORDER BY w.id;
+           w.message_id, w.body_key, v_all FROM w WHERE w.leased ORDER BY w.id;
     GET DIAGNOSTICS v_n = ROW_COUNT;
     IF v_n = 0 THEN
         r_emitted := v_all;
@@ -261,7 +296,7 @@ $fn$;
 CREATE OR REPLACE FUNCTION idemq.outbox_claim(p_holder text, p_limit integer, p_lease_ms integer)
 RETURNS TABLE (r_id bigint, r_key text, r_exchange text, r_routing_key text, r_body bytea,
                r_headers jsonb, r_order_key text, r_message_id text, r_attempts integer,
-               r_created_at timestamptz)
+               r_created_at timestamptz, r_body_key text)
 LANGUAGE sql SECURITY DEFINER AS $fn$
     WITH heads AS (
         SELECT DISTINCT ON (o.order_key) o.id, o.lease_until, o.lease_pid
@@ -289,7 +324,7 @@ LANGUAGE sql SECURITY DEFINER AS $fn$
       FROM locked l
      WHERE o.id = l.id
     RETURNING o.id, o.key, o.exchange, o.routing_key, o.body, o.headers, o.order_key,
-              o.message_id, o.attempts, o.created_at;
+              o.message_id, o.attempts, o.created_at, o.body_key;
 $fn$;
 
 -- Confirmed by the broker: sent. The row moves to idemq.outbox_sent (its
@@ -306,10 +341,10 @@ LANGUAGE sql SECURITY DEFINER AS $fn$
     i AS (
         INSERT INTO idemq.outbox_sent (id, key, exchange, routing_key, body, headers, order_key,
                                        message_id, created_at, commit_seq, attempts, sent_at,
-                                       last_error)
+                                       last_error, body_key)
         SELECT m.id, m.key, m.exchange, m.routing_key, m.body, m.headers, m.order_key,
                m.message_id, m.created_at, m.commit_seq, m.attempts + 1, clock_timestamp(),
-               m.last_error
+               m.last_error, m.body_key
           FROM m
         RETURNING id, created_at, sent_at)
     SELECT i.id, extract(epoch FROM (i.sent_at - i.created_at)) * 1000 FROM i;
@@ -396,6 +431,7 @@ BEGIN
     FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
               WHERE p.pronamespace = 'idemq'::regnamespace
                 AND p.proname IN ('emit', 'outbox_check', 'outbox_claim', 'outbox_take', 'outbox_sent',
+                                  'outbox_unsealed',
                                   'outbox_failed', 'outbox_lease_free',
                                   'outbox_release', 'outbox_gauges', 'outbox_stamp')
     LOOP

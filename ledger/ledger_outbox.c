@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "ops.h"
+#include "protect.h"
 
 static const char *opt(PGresult *res, int i, int col)
 {
@@ -17,16 +18,43 @@ static const char *opt(PGresult *res, int i, int col)
 
 void ledger_outbox_rows_free(struct outbox_rows *r)
 {
-    for (int i = 0; r->row && i < r->n; i++)
-        PQfreemem(r->row[i].body);
+    for (int i = 0; r->row && i < r->n; i++) {
+        if (r->row[i].body_malloced)
+            free(r->row[i].body);
+        else
+            PQfreemem(r->row[i].body);
+    }
     free(r->row);
     PQclear(r->res);
     memset(r, 0, sizeof *r);
 }
 
+/* Opens w's body, stored sealed with key w->body_key, in place. A body
+ * that cannot be opened leaves w->body NULL and w->unopened set;
+ * IDEMQ_ERR_NOMEM only when out of memory. */
+static idemq_err_t open_body(struct outbox_row *w)
+{
+    unsigned char *plain = NULL;
+    size_t n = 0;
+    enum protect_open_result o =
+        protect_open(protect_global(), w->body_key, w->body, w->body_len, &plain, &n);
+    PQfreemem(w->body);
+    w->body = NULL;
+    w->body_len = 0;
+    if (o == PROTECT_OPENED) {
+        w->body = plain;
+        w->body_len = n;
+        w->body_malloced = true;
+        return IDEMQ_OK;
+    }
+    w->unopened = protect_open_str(o);
+    return o == PROTECT_FAILED ? IDEMQ_ERR_NOMEM : IDEMQ_OK;
+}
+
 /* Fills r from r->res (columns id, key, exchange, routing key, body,
- * headers, order key, message_id; a row with a NULL id is skipped). */
-static idemq_err_t fill_rows(struct outbox_rows *r, struct ledger_db_error *e)
+ * headers, order key, message_id, and the body's key in column key_col; a
+ * row with a NULL id is skipped). */
+static idemq_err_t fill_rows(struct outbox_rows *r, int key_col, struct ledger_db_error *e)
 {
     int n = PQntuples(r->res);
     if (n == 0)
@@ -47,8 +75,10 @@ static idemq_err_t fill_rows(struct outbox_rows *r, struct ledger_db_error *e)
         w->headers = opt(r->res, i, 5);
         w->order_key = opt(r->res, i, 6);
         w->message_id = PQgetvalue(r->res, i, 7);
+        w->body_key = opt(r->res, i, key_col);
         w->body = PQunescapeBytea((const unsigned char *)PQgetvalue(r->res, i, 4), &w->body_len);
-        if (!w->body) {
+        if (!w->body || (w->body_key && open_body(w) != IDEMQ_OK)) {
+            r->n++; /* its body is freed with the others */
             ledger_outbox_rows_free(r);
             snprintf(e->message, sizeof e->message, "out of memory");
             return IDEMQ_ERR_NOMEM;
@@ -60,18 +90,23 @@ static idemq_err_t fill_rows(struct outbox_rows *r, struct ledger_db_error *e)
 
 /* Runs sql (one of the lease functions, params holder, limit, lease_ms)
  * into r. */
+/* Runs sql (one of the lease functions, params holder, limit, lease_ms,
+ * then the sealed[0..n_sealed) params of the take) into r. */
 static idemq_err_t lease_rows(PGconn *db, const char *sql, const char *holder, int limit,
-                              int lease_ms, struct outbox_rows *r, struct ledger_db_error *e)
+                              int lease_ms, const char *const *sealed, int n_sealed,
+                              struct outbox_rows *r, struct ledger_db_error *e)
 {
     char lim[16], lease[16];
-    const char *params[3] = {holder, lim, lease};
+    const char *params[6] = {holder, lim, lease, NULL, NULL, NULL};
 
     memset(r, 0, sizeof *r);
     snprintf(lim, sizeof lim, "%d", limit);
     snprintf(lease, sizeof lease, "%d", lease_ms);
-    if (!(r->res = ledger_db_query(db, sql, 3, params, e)))
+    for (int i = 0; i < n_sealed && i < 3; i++)
+        params[3 + i] = sealed[i];
+    if (!(r->res = ledger_db_query(db, sql, 3 + n_sealed, params, e)))
         return ledger_db_err(e);
-    return fill_rows(r, e);
+    return fill_rows(r, 8, e);
 }
 
 idemq_err_t ledger_outbox_claim(PGconn *db, const char *holder, int limit, int lease_ms,
@@ -79,20 +114,116 @@ idemq_err_t ledger_outbox_claim(PGconn *db, const char *holder, int limit, int l
 {
     return lease_rows(db,
                       "SELECT r_id, r_key, r_exchange, r_routing_key, r_body, r_headers,"
-                      " r_order_key, r_message_id FROM idemq.outbox_claim($1, $2, $3)"
-                      " ORDER BY r_id",
-                      holder, limit, lease_ms, r, e);
+                      " r_order_key, r_message_id, r_body_key"
+                      " FROM idemq.outbox_claim($1, $2, $3) ORDER BY r_id",
+                      holder, limit, lease_ms, NULL, 0, r, e);
+}
+
+static idemq_err_t nomem(struct ledger_db_error *e)
+{
+    snprintf(e->message, sizeof e->message, "out of memory");
+    e->sqlstate[0] = '\0';
+    e->conn_lost = false;
+    return IDEMQ_ERR_NOMEM;
+}
+
+/* Reads the open transaction's bodies stored as sent and seals each with
+ * the active key into *ids ("{1,2}") and *bodies (a bytea[] literal of
+ * hex bodies); both NULL when there is none. */
+static idemq_err_t seal_unsealed(PGconn *db, const struct protect *p, char **ids, char **bodies,
+                                 struct ledger_db_error *e)
+{
+    PGresult *res;
+    size_t icap = 3, bcap = 3, io = 0, bo = 0;
+    int n;
+    idemq_err_t err = IDEMQ_OK;
+
+    *ids = *bodies = NULL;
+    if (!(res = ledger_db_query(db, "SELECT r_id, r_body FROM idemq.outbox_unsealed()", 0, NULL,
+                                e)))
+        return ledger_db_err(e);
+    if ((n = PQntuples(res)) == 0) {
+        PQclear(res);
+        return IDEMQ_OK;
+    }
+    for (int i = 0; i < n; i++) { /* a hex body is at most 2 * (raw + overhead) */
+        icap += 22;
+        bcap += 8 + 2 * (size_t)PQgetlength(res, i, 1) + 2 * PROTECT_OVERHEAD;
+    }
+    *ids = malloc(icap);
+    *bodies = malloc(bcap);
+    if (!*ids || !*bodies)
+        err = nomem(e);
+    if (!err) {
+        (*ids)[io++] = '{';
+        (*bodies)[bo++] = '{';
+    }
+    for (int i = 0; i < n && !err; i++) {
+        size_t raw_len = 0, sealed_len = 0;
+        unsigned char *raw =
+            PQunescapeBytea((const unsigned char *)PQgetvalue(res, i, 1), &raw_len);
+        unsigned char *sealed = NULL;
+        if (!raw) {
+            err = nomem(e);
+            break;
+        }
+        err = protect_seal(p, raw, raw_len, &sealed, &sealed_len);
+        PQfreemem(raw);
+        if (err) {
+            snprintf(e->message, sizeof e->message, "cannot seal outbox row %s: %s",
+                     PQgetvalue(res, i, 0), idemq_err_str(err));
+            e->sqlstate[0] = '\0';
+            e->conn_lost = false;
+            break;
+        }
+        io += (size_t)snprintf(*ids + io, icap - io, "%s%s", i ? "," : "", PQgetvalue(res, i, 0));
+        bo += (size_t)snprintf(*bodies + bo, bcap - bo, "%s\"\\\\x", i ? "," : "");
+        for (size_t k = 0; k < sealed_len; k++)
+            bo += (size_t)snprintf(*bodies + bo, bcap - bo, "%02x", sealed[k]);
+        bo += (size_t)snprintf(*bodies + bo, bcap - bo, "\"");
+        free(sealed);
+    }
+    PQclear(res);
+    if (!err) {
+        snprintf(*ids + io, icap - io, "}");
+        snprintf(*bodies + bo, bcap - bo, "}");
+        return IDEMQ_OK;
+    }
+    free(*ids);
+    free(*bodies);
+    *ids = *bodies = NULL;
+    return err;
 }
 
 idemq_err_t ledger_outbox_take(PGconn *db, const char *holder, int limit, int lease_ms,
                                struct outbox_rows *r, int *emitted, struct ledger_db_error *e)
 {
-    idemq_err_t err = lease_rows(db,
-                                 "SELECT r_id, r_key, r_exchange, r_routing_key, r_body,"
-                                 " r_headers, r_order_key, r_message_id, r_emitted"
-                                 " FROM idemq.outbox_take($1, $2, $3)",
-                                 holder, limit, lease_ms, r, e);
-    *emitted = !err && PQntuples(r->res) > 0 ? atoi(PQgetvalue(r->res, 0, 8)) : 0;
+    const struct protect *p = protect_global();
+    const char *key = protect_active(p);
+    char *ids = NULL, *bodies = NULL;
+    idemq_err_t err;
+
+    *emitted = 0;
+    memset(r, 0, sizeof *r);
+    if (key && (err = seal_unsealed(db, p, &ids, &bodies, e)) != IDEMQ_OK)
+        return err;
+    if (ids) {
+        const char *sealed[3] = {ids, bodies, key};
+        err = lease_rows(db,
+                         "SELECT r_id, r_key, r_exchange, r_routing_key, r_body,"
+                         " r_headers, r_order_key, r_message_id, r_body_key, r_emitted"
+                         " FROM idemq.outbox_take($1, $2, $3, $4::bigint[], $5::bytea[], $6)",
+                         holder, limit, lease_ms, sealed, 3, r, e);
+    } else {
+        err = lease_rows(db,
+                         "SELECT r_id, r_key, r_exchange, r_routing_key, r_body,"
+                         " r_headers, r_order_key, r_message_id, r_body_key, r_emitted"
+                         " FROM idemq.outbox_take($1, $2, $3)",
+                         holder, limit, lease_ms, NULL, 0, r, e);
+    }
+    free(ids);
+    free(bodies);
+    *emitted = !err && PQntuples(r->res) > 0 ? atoi(PQgetvalue(r->res, 0, 9)) : 0;
     return err;
 }
 

@@ -30,11 +30,15 @@ struct outbox_row {
     const char *key;       /* emitting key, NULL if unknown */
     const char *exchange;
     const char *routing_key;
-    unsigned char *body;   /* PQunescapeBytea */
+    unsigned char *body;   /* the message body: opened when it was stored sealed */
     size_t body_len;
     const char *headers;   /* JSON object text, NULL = none */
     const char *order_key; /* NULL = none */
     const char *message_id;
+    const char *body_key;  /* key id the stored body was sealed with, NULL = stored as sent */
+    const char *unopened;  /* NULL, or why the sealed body could not be opened (body NULL):
+                            * never published (see outbox.c) */
+    bool body_malloced;    /* body from protect_open (free) or PQunescapeBytea (PQfreemem) */
 };
 
 struct outbox_rows {
@@ -44,7 +48,9 @@ struct outbox_rows {
 };
 
 /* Claims up to limit publishable rows for holder for lease_ms. IDEMQ_OK
- * with r filled (r->n may be 0), or an error with e filled. */
+ * with r filled (r->n may be 0), or an error with e filled. A sealed body
+ * is opened with the key its row names (claim and take alike); a row whose
+ * body cannot be opened comes back with body NULL and unopened set. */
 idemq_err_t ledger_outbox_claim(PGconn *db, const char *holder, int limit, int lease_ms,
                                 struct outbox_rows *r, struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
@@ -53,7 +59,11 @@ idemq_err_t ledger_outbox_claim(PGconn *db, const char *holder, int limit, int l
  * leases to holder, for lease_ms and this session, up to limit of them
  * that are publishable once it commits. *emitted gets how many rows the
  * transaction emitted (those not in r wait for a claim). The rows are
- * valid to publish only once the COMMIT succeeded. */
+ * valid to publish only once the COMMIT succeeded. With a key active
+ * (protection.active, protect_global) it first reads the transaction's
+ * bodies stored as sent (idemq.outbox_unsealed) and seals each, and the
+ * take stores them sealed: a body that cannot be sealed fails the call
+ * (the transaction is rolled back, never committed in the clear). */
 idemq_err_t ledger_outbox_take(PGconn *db, const char *holder, int limit, int lease_ms,
                                struct outbox_rows *r, int *emitted,
                                struct ledger_db_error *e) IDEMQ_MUSTCHECK;

@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -535,6 +536,172 @@ START_TEST(test_crash_after_confirm)
                                     "AND state = 'sent'",
                                 q),
                      1);
+    itest_teardown(&t);
+}
+END_TEST
+
+/* ---- sealed at rest ---- */
+
+/* A key file of 32 bytes (fill, fill+1, ...) as hex, mode 0600. */
+static void key_file(char *path, size_t len, const char *tag, unsigned char fill)
+{
+    FILE *f;
+    snprintf(path, len, "/tmp/idemq-outbox-key-%s-%d", tag, (int)getpid());
+    unlink(path);
+    ck_assert_ptr_nonnull(f = fopen(path, "w"));
+    for (int i = 0; i < 32; i++)
+        fprintf(f, "%02x", fill + i);
+    fputc('\n', f);
+    fclose(f);
+    ck_assert_int_eq(chmod(path, 0600), 0);
+}
+
+/* The stored copy of key's row (pending or sent) is sealed with k1: its
+ * body holds no byte run of the plaintext the effect emitted, is as long as
+ * it plus the nonce and tag, and names key k1. */
+static void assert_sealed(struct itest *t, const char *key, const char *table)
+{
+    char sql[600];
+    snprintf(sql, sizeof sql,
+             "SELECT count(*) FROM %s o WHERE o.key = $1 AND o.body_key = 'k1' "
+             "AND position(convert_to(jsonb_build_object('key', o.key)::text, 'UTF8') "
+             "IN o.body) = 0 AND position(convert_to(o.key, 'UTF8') IN o.body) = 0 "
+             "AND octet_length(o.body) = octet_length(jsonb_build_object('key', o.key)::text) "
+             "+ 28",
+             table);
+    ck_assert_int_eq(itest_long(t, sql, key), 1);
+}
+
+/* Outbox bodies sealed at rest: with protection.active the row an effect
+ * emits is stored sealed (before its transaction commits) under the
+ * active key, in idemq.outbox and then idemq.outbox_sent, and the consumer
+ * downstream receives the exact bytes the effect emitted, whether the
+ * worker publishes the row right after its commit or a relay claims it
+ * later (here: after a SIGKILL between the commit and the publish), and
+ * also when the replica that ran the effect does not relay. A row
+ * whose key is not listed, or whose body is no copy its key sealed
+ * (altered), is never published (not empty, not garbled) and never
+ * dropped: it is logged with its key id and row id and stays
+ * pending. A row an application emits in its own transaction is stored as
+ * sent (no key in PostgreSQL). */
+START_TEST(test_outbox_sealed)
+{
+    struct itest t;
+    char q[200], b[512], key[128], want[256], k1[128], extra[600], sql[600], log[300];
+    char bodies[4][256], ids[4][64], keys[4][128];
+    const char *bs[1] = {b};
+    const char *env[] = {"IDEMQ_TEST_CRASH=after_commit", NULL};
+    int st;
+
+    key_file(k1, sizeof k1, "k1", 0x30);
+    snprintf(extra, sizeof extra,
+             OUTBOX_CONF " protection: { keys = [ \"k1=%s\" ]; active = \"k1\"; };", k1);
+    itest_extra_conf = extra;
+    itest_setup(&t, "obseal", "idemq_test.emit_one", "", "emits = true;");
+    itest_extra_conf = NULL;
+    itest_sql(&t, EMIT_EFFECT);
+    declare_out(&t, q, sizeof q);
+
+    /* published by the worker right after its commit */
+    snprintf(key, sizeof key, "%s:a", t.name);
+    snprintf(b, sizeof b, "{\"job_id\":\"%s\",\"rk\":\"%s\",\"ex\":\"%s\"}", key, q, out_ex);
+    itest_publish(&t, bs, 1);
+    itest_run_until_idle(&t, 1);
+    ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 4), 1);
+    snprintf(want, sizeof want, "{\"key\": \"%s\"}", key);
+    ck_assert_str_eq(bodies[0], want);
+    assert_sealed(&t, key, "idemq.outbox_sent");
+
+    /* killed between the commit and the publish: a claim publishes it */
+    snprintf(key, sizeof key, "%s:b", t.name);
+    snprintf(b, sizeof b, "{\"job_id\":\"%s\",\"rk\":\"%s\",\"ex\":\"%s\"}", key, q, out_ex);
+    itest_publish(&t, bs, 1);
+    st = itest_wait(itest_spawn(&t, t.cfg_path, 5, env), itest_ms(30000));
+    ck_assert_msg(st != -1 && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "status 0x%x", st);
+    assert_sealed(&t, key, "idemq.outbox");
+    ck_assert_int_eq(itest_queue_ready(&t, q), 0);
+    itest_run_until_idle(&t, 1);
+    ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 4), 1);
+    snprintf(want, sizeof want, "{\"key\": \"%s\"}", key);
+    ck_assert_str_eq(bodies[0], want);
+    ck_assert_str_eq(keys[0], key);
+    assert_sealed(&t, key, "idemq.outbox_sent");
+
+    /* sealed also by a replica that does not relay (outbox.relay = 0); a
+     * relay publishes it later */
+    {
+        static char text[1 << 16];
+        char cfg0[300], *at;
+        FILE *f;
+        size_t n;
+        ck_assert_ptr_nonnull(f = fopen(t.cfg_path, "r"));
+        n = fread(text, 1, sizeof text - 1, f);
+        text[n] = '\0';
+        fclose(f);
+        ck_assert_ptr_nonnull(at = strstr(text, "relay = 1;"));
+        at[8] = '0';
+        snprintf(cfg0, sizeof cfg0, "%s.norelay", t.cfg_path);
+        ck_assert_ptr_nonnull(f = fopen(cfg0, "w"));
+        fputs(text, f);
+        fclose(f);
+        snprintf(key, sizeof key, "%s:c", t.name);
+        snprintf(b, sizeof b, "{\"job_id\":\"%s\",\"rk\":\"%s\",\"ex\":\"%s\"}", key, q,
+                 out_ex);
+        itest_publish(&t, bs, 1);
+        st = itest_wait(itest_spawn(&t, cfg0, 1, NULL), itest_ms(30000));
+        ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "idemq: 0x%x", st);
+        unlink(cfg0);
+        assert_sealed(&t, key, "idemq.outbox");
+        ck_assert_int_eq(itest_queue_ready(&t, q), 0);
+        itest_run_until_idle(&t, 1);
+        ck_assert_int_eq(drain(&t, q, bodies, ids, keys, 4), 1);
+        snprintf(want, sizeof want, "{\"key\": \"%s\"}", key);
+        ck_assert_str_eq(bodies[0], want);
+        assert_sealed(&t, key, "idemq.outbox_sent");
+    }
+
+    /* an application's own emit is stored as sent; made to name a key no
+     * replica lists, it is reported and left, never published */
+    snprintf(key, sizeof key, "%s:u", t.name);
+    snprintf(sql, sizeof sql, "SELECT idemq.emit('%s', '%s', 'app body', NULL, NULL, '%s')",
+             out_ex, q, key);
+    itest_sql(&t, sql);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "body_key IS NULL AND body = 'app body'::bytea", key), 1);
+    snprintf(sql, sizeof sql, "UPDATE idemq.outbox SET body_key = 'k9' WHERE key = '%s'", key);
+    itest_sql(&t, sql);
+    /* and one that names the listed key but is no copy it sealed (altered) */
+    snprintf(sql, sizeof sql,
+             "SELECT idemq.emit('%s', '%s', 'altered body', NULL, NULL, '%s:v'); "
+             "UPDATE idemq.outbox SET body_key = 'k1' WHERE key = '%s:v'",
+             out_ex, q, t.name, t.name);
+    itest_sql(&t, sql);
+    snprintf(log, sizeof log, "/tmp/%s.sealed.log", t.name);
+    unlink(log);
+    st = itest_wait(itest_spawn_log(t.cfg_path, 3, NULL, log), itest_ms(60000));
+    ck_assert_msg(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "idemq: 0x%x", st);
+    snprintf(want, sizeof want, "row %ld (key %s) is sealed with key \"k9\" and cannot be opened",
+             itest_long(&t, "SELECT id FROM idemq.outbox WHERE key = $1", key), key);
+    ck_assert_int_ge(itest_count_lines(log, want), 1);
+    ck_assert_int_eq(itest_queue_ready(&t, q), 0);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "state = 'pending' AND body_key = 'k9' AND attempts = 0",
+                                key),
+                     1);
+    snprintf(sql, sizeof sql, "%s:v", t.name);
+    snprintf(want, sizeof want, "row %ld (key %s) is sealed with key \"k1\" and cannot be opened",
+             itest_long(&t, "SELECT id FROM idemq.outbox WHERE key = $1", sql), sql);
+    ck_assert_int_ge(itest_count_lines(log, want), 1);
+    ck_assert_int_eq(itest_long(&t, "SELECT count(*) FROM idemq.outbox WHERE key = $1 AND "
+                                    "state = 'pending' AND body_key = 'k1' AND attempts = 0",
+                                sql),
+                     1);
+    /* the rows would stay pending for good: other tests count pending rows */
+    snprintf(sql, sizeof sql, "DELETE FROM idemq.outbox WHERE key IN ('%s', '%s:v')", key,
+             t.name);
+    itest_sql(&t, sql);
+    unlink(log);
+    unlink(k1);
     itest_teardown(&t);
 }
 END_TEST
@@ -1691,12 +1858,16 @@ int main(void)
     tcase_add_test(tc, test_isolation_pinned);
     tcase_add_test(tc, test_confirm_timeout);
     suite_add_tcase(s, tc);
+    tc = tcase_create("outbox_sealed"); /* bodies sealed at rest */
+    tcase_set_timeout(tc, itest_ms(120));
+    tcase_add_test(tc, test_outbox_sealed);
+    suite_add_tcase(s, tc);
     tc = tcase_create("outbox_show"); /* operator output */
     tcase_set_timeout(tc, itest_ms(120));
     tcase_add_test(tc, test_show_escaped);
     suite_add_tcase(s, tc);
     /* least-privilege mode (scripts/test): these again, as the deployment's roles */
     itest_lp_tcase(s, (const TTest *const[]){test_effect_emits_once, test_trace_context_continues,
-                                          test_application_emit, NULL});
+                                          test_application_emit, test_outbox_sealed, NULL});
     return check_run(s);
 }
