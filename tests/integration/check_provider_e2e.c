@@ -717,7 +717,7 @@ START_TEST(test15_sealed_request_unlisted_key)
 {
     char key[128], k1[128], k2[128], cfg2[300], log[300], b[256];
     int st;
-    retry_conf = "base_delay_ms = 200; max_delay_ms = 1000; jitter = \"none\"; "
+    retry_conf = "base_delay_ms = 200; max_delay_ms = 5000; jitter = \"none\"; "
                  "max_attempts = 100;";
     sealed_first_call("pe15", key, sizeof key, k1, k2, sizeof k1);
     config_without_k1(k1, k2, cfg2, sizeof cfg2);
