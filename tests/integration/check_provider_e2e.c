@@ -704,6 +704,15 @@ START_TEST(test14_sealed_request_resent)
     ck_assert_int_eq(itest_long(&T, "SELECT count(*) FROM idemq.attempts WHERE key = $1 AND "
                                     "error_code = 'conflict'", key), 0);
     ck_assert_int_eq(itest_long(&T, EFFECTS, key), 1);
+    /* erased: no request left, and no key named for it */
+    {
+        char cmd[300], out[4096];
+        snprintf(cmd, sizeof cmd, "erase '%s' --why 'sealed request test'", key);
+        ck_assert_msg(itest_idemq(&T, cmd, out, sizeof out) == 0, "%s", out);
+        ck_assert_int_eq(itest_long(&T, "SELECT count(*) FROM idemq.intents WHERE key = $1 AND "
+                                        "request_body = ''::bytea AND request_body_key IS NULL",
+                                    key), 1);
+    }
     unlink(k1);
     unlink(k2);
     teardown();
