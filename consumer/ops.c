@@ -18,6 +18,7 @@
 #include "ledger_outbox.h"
 #include "log.h"
 #include "observe.h"
+#include "protect.h"
 #include "textesc.h"
 #include "republish.h"
 #include "resolve.h"
@@ -564,8 +565,8 @@ void ops_who(char *buf, size_t len)
 static int adopt(const struct conf *c, PGconn **db, const struct conf_input *in, struct job *j,
                  const struct dead_view *v, const char *by)
 {
-    char reason[512], count[24], *hdrs, *props;
-    const char *params[12];
+    char reason[512], count[24], size[24], *hdrs, *props;
+    const char *params[14];
     json_t *keep;
     PGresult *r;
     const char *k;
@@ -580,11 +581,23 @@ static int adopt(const struct conf *c, PGconn **db, const struct conf_input *in,
              "before idemq parked it: a quorum delivery limit, or a dead-letter policy",
              v->origin ? v->origin : "?", v->code, v->count);
     snprintf(count, sizeof count, "%ld", v->count);
+    snprintf(size, sizeof size, "%zu", j->body_len);
     hdrs = json_dumps(j->headers, JSON_COMPACT);
     props = json_dumps(j->props, JSON_COMPACT);
     {
-        size_t n = 0;
-        unsigned char *body = PQescapeByteaConn(*db, j->body, j->body_len, &n);
+        size_t n = 0, sealed_len;
+        unsigned char *sealed, *body;
+        const char *key_id;
+        if (protect_seal_stored(j->body, j->body_len, &sealed, &sealed_len, &key_id)) {
+            log_error("cannot seal the body of the broker's dead letter %s: left in place",
+                      v->key ? v->key : "(no key)");
+            free(hdrs);
+            free(props);
+            return 1;
+        }
+        body = sealed ? PQescapeByteaConn(*db, sealed, sealed_len, &n)
+                      : PQescapeByteaConn(*db, j->body, j->body_len, &n);
+        free(sealed);
         params[0] = v->key;
         params[1] = v->origin ? v->origin : in->queue;
         params[2] = j->exchange;
@@ -597,12 +610,14 @@ static int adopt(const struct conf *c, PGconn **db, const struct conf_input *in,
         params[9] = reason;
         params[10] = count;
         params[11] = by;
+        params[12] = key_id;
+        params[13] = size;
         r = body && hdrs && props
                 ? PQexecParams(*db,
                                "SELECT r_park_id, r_generation FROM idemq.adopt_dead_letter("
                                "$1, $2, $3, $4, $5::bytea, $6::jsonb, $7::jsonb, $8, $9, $10, "
-                               "$11::integer, $12)",
-                               12, NULL, params, NULL, NULL, 0)
+                               "$11::integer, $12, $13, $14::bigint)",
+                               14, NULL, params, NULL, NULL, 0)
                 : NULL;
         PQfreemem(body);
     }

@@ -214,18 +214,40 @@ static void note_fate(struct pgq_thread *t, const struct job *j, enum trace_outc
     t->attempt[j - t->jobs] = attempt;
 }
 
-/* After the commit: the spans of jobs[0..n) (trace_export.h). */
-static void export_spans(struct pgq_thread *t, const struct conf_input *in, int n)
+static long long mono_ns(void)
 {
-    long long now;
     struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* After the commit: the spans of jobs[0..n) (trace_export.h), and the
+ * take's receive span and its settle span ("delete": the rows leave the
+ * table in the transaction that applied them, from settle_ns on), linked
+ * to each row's producer span as the broker inputs' batches are. */
+static void export_spans(struct pgq_thread *t, const struct conf_input *in, int n,
+                         long long settle_ns)
+{
+    const struct trace_job **tj;
+    long long now, first = 0, last = 0;
     if (!trace_export_on())
         return;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    now = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-    for (int k = 0; k < n; k++)
+    now = mono_ns();
+    tj = calloc((size_t)n, sizeof *tj); /* none: the job spans go without the batch's */
+    for (int k = 0; k < n; k++) {
         trace_export_job(&t->jobs[k].trace, in, t->jobs[k].received_ns, now, t->attempt[k],
                          t->fate[k]);
+        if (!tj)
+            continue;
+        tj[k] = &t->jobs[k].trace;
+        if (!first || t->jobs[k].received_ns < first)
+            first = t->jobs[k].received_ns;
+        if (t->jobs[k].received_ns > last)
+            last = t->jobs[k].received_ns;
+    }
+    if (tj)
+        trace_export_batch(in, tj, n, first, last, settle_ns, now, "delete");
+    free(tj);
 }
 
 /* A job's failed attempt, inside the transaction: a retry held in its row,
@@ -355,6 +377,7 @@ static enum step record_call_failure(struct pgq_thread *t, int i, long long id,
     struct ledger_db_error e;
     enum step s = STEP_OK;
     bool found = false;
+    long long settle_ns;
 
     pgq_settle_reset(&t->st);
     memset(&t->pend, 0, sizeof t->pend);
@@ -382,6 +405,7 @@ static enum step record_call_failure(struct pgq_thread *t, int i, long long id,
     }
     if (s != STEP_OK)
         goto rollback;
+    settle_ns = mono_ns();
     if (pgq_settle(t->db, &t->st, &e)) {
         s = from_error(t, &e, "queue_settle");
         goto rollback;
@@ -392,7 +416,7 @@ static enum step record_call_failure(struct pgq_thread *t, int i, long long id,
     }
     t->pend.admitted = 1;
     publish(t, i);
-    export_spans(t, in, 1);
+    export_spans(t, in, 1, settle_ns);
     ledger_txn_result_clear(r);
     return STEP_OK;
 rollback:
@@ -501,6 +525,7 @@ static enum step batch(struct pgq_thread *t, int i, int *took)
     struct ledger_db_error e;
     enum step s = STEP_OK;
     int n = 0, ng = 0;
+    long long settle_ns;
 
     if (CONF_INPUT_PROVIDER(in))
         return lease_batch(t, i, took);
@@ -571,6 +596,7 @@ static enum step batch(struct pgq_thread *t, int i, int *took)
             (s = park_undecoded(t, &t->jobs[k], idemq_err_name(t->jobs[k].decode_err),
                                 t->jobs[k].reason)) != STEP_OK)
             goto rollback;
+    settle_ns = mono_ns();
     if (pgq_settle(t->db, &t->st, &e)) {
         s = from_error(t, &e, "queue_settle");
         goto rollback;
@@ -584,7 +610,7 @@ static enum step batch(struct pgq_thread *t, int i, int *took)
     *took = n;
     t->pend.admitted = n;
     publish(t, i);
-    export_spans(t, in, n);
+    export_spans(t, in, n, settle_ns);
     for (int k = 0; k < ng; k++)
         ledger_txn_result_clear(&t->res[k]);
     return STEP_OK;

@@ -185,6 +185,22 @@ out:
     return err;
 }
 
+idemq_err_t protect_seal_stored(const unsigned char *in, size_t n, unsigned char **out,
+                                size_t *outlen, const char **key_id)
+{
+    const struct protect *p = protect_global();
+    idemq_err_t err;
+    *out = NULL;
+    *outlen = 0;
+    *key_id = NULL;
+    if (!protect_active(p))
+        return IDEMQ_OK;
+    if ((err = protect_seal(p, in ? in : (const unsigned char *)"", in ? n : 0, out, outlen)))
+        return err;
+    *key_id = protect_active(p);
+    return IDEMQ_OK;
+}
+
 enum protect_open_result protect_open(const struct protect *p, const char *key_id,
                                       const unsigned char *in, size_t n, unsigned char **out,
                                       size_t *outlen)

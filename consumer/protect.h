@@ -58,6 +58,16 @@ const char *protect_active(const struct protect *p);
 idemq_err_t protect_seal(const struct protect *p, const unsigned char *in, size_t n,
                          unsigned char **out, size_t *outlen) IDEMQ_MUSTCHECK;
 
+/*
+ * For a copy about to be stored: seals in[0..n) with the process's active
+ * key (protect_global) into *out (the caller frees) and sets *key_id to
+ * that key's id; with no active key, *out and *key_id are NULL and the copy
+ * is stored as sent. A copy that cannot be sealed must not be stored: the
+ * error is protect_seal's.
+ */
+idemq_err_t protect_seal_stored(const unsigned char *in, size_t n, unsigned char **out,
+                                size_t *outlen, const char **key_id) IDEMQ_MUSTCHECK;
+
 /* What opening a copy gave. */
 enum protect_open_result {
     PROTECT_OPENED,   /* *out holds the plaintext */

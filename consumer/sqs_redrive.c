@@ -10,6 +10,7 @@
 
 #include "job.h"
 #include "log.h"
+#include "protect.h"
 #include "sqs.h"
 
 /* What a redriven copy carries (at most SQS's 10 attributes): idemq's
@@ -73,17 +74,28 @@ static bool since_ok(PGconn *db, const char *parked_at, const char *since)
 static int adopt(PGconn *db, const struct conf_input *in, struct job *j, const char *key,
                  long receives, const char *by)
 {
-    char reason[300], count[24], *hdrs = json_dumps(j->headers, JSON_COMPACT);
+    char reason[300], count[24], size[24], *hdrs = json_dumps(j->headers, JSON_COMPACT);
     char *props = json_dumps(j->props, JSON_COMPACT);
-    size_t n = 0;
-    unsigned char *body = PQescapeByteaConn(db, j->body, j->body_len, &n);
-    const char *params[12];
+    size_t n = 0, sealed_len;
+    unsigned char *sealed, *body;
+    const char *params[14], *key_id;
     PGresult *r = NULL;
     int rc = 0;
+    if (protect_seal_stored(j->body, j->body_len, &sealed, &sealed_len, &key_id)) {
+        log_error("cannot seal the body of SQS's dead letter %s: left in place",
+                  key ? key : "(no key)");
+        free(hdrs);
+        free(props);
+        return 1;
+    }
+    body = sealed ? PQescapeByteaConn(db, sealed, sealed_len, &n)
+                  : PQescapeByteaConn(db, j->body, j->body_len, &n);
+    free(sealed);
     snprintf(reason, sizeof reason,
              "moved to the dead-letter queue by SQS (its redrive policy: maxReceiveCount) "
              "after %ld receive(s), before idemq parked it", receives);
     snprintf(count, sizeof count, "%ld", receives);
+    snprintf(size, sizeof size, "%zu", j->body_len);
     params[0] = key;
     params[1] = in->queue;
     params[2] = "";
@@ -96,12 +108,14 @@ static int adopt(PGconn *db, const struct conf_input *in, struct job *j, const c
     params[9] = reason;
     params[10] = count;
     params[11] = by;
+    params[12] = key_id;
+    params[13] = size;
     if (body && hdrs && props)
         r = PQexecParams(db,
                          "SELECT r_park_id, r_generation FROM idemq.adopt_dead_letter($1, $2, "
                          "$3, $4, $5::bytea, $6::jsonb, $7::jsonb, $8, $9, $10, $11::integer, "
-                         "$12)",
-                         12, NULL, params, NULL, NULL, 0);
+                         "$12, $13, $14::bigint)",
+                         14, NULL, params, NULL, NULL, 0);
     if (PQresultStatus(r) != PGRES_TUPLES_OK || PQntuples(r) != 1) {
         log_error("cannot record SQS's dead letter %s in the ledger: %s (left in place)",
                   key ? key : "(no key)", PQerrorMessage(db));

@@ -10,10 +10,12 @@
 -- is run again finds the same row. Returns the park id and the key's
 -- current generation (0 without a job row), which the redriven copy
 -- carries like any redrive (x-idemq-park-id, x-idemq-generation).
+DROP FUNCTION IF EXISTS idemq.adopt_dead_letter(text, text, text, text, bytea, jsonb, jsonb,
+    text, text, text, integer, text);
 CREATE OR REPLACE FUNCTION idemq.adopt_dead_letter(
     p_key text, p_queue text, p_exchange text, p_routing_key text, p_body bytea,
     p_headers jsonb, p_properties jsonb, p_sha text, p_code text, p_reason text,
-    p_deliveries integer, p_by text)
+    p_deliveries integer, p_by text, p_body_key text, p_body_size bigint)
 RETURNS TABLE (r_park_id bigint, r_generation integer) LANGUAGE plpgsql AS $fn$
 BEGIN
     r_generation := coalesce((SELECT j.generation FROM idemq.jobs j WHERE j.key = p_key), 0);
@@ -25,12 +27,14 @@ BEGIN
      ORDER BY p.id DESC
      LIMIT 1;
     IF r_park_id IS NULL THEN
-        INSERT INTO idemq.parked (key, source_queue, exchange, routing_key, body, headers,
-                                  properties, payload_sha256, error_class, error_code, reason,
-                                  attempts, dlq_published_at, consumer_id, generation)
-        VALUES (p_key, p_queue, p_exchange, p_routing_key, p_body, p_headers, p_properties,
-                p_sha, 'broker', p_code, p_reason, coalesce(p_deliveries, 0),
-                clock_timestamp(), p_by, r_generation)
+        INSERT INTO idemq.parked (key, source_queue, exchange, routing_key, body, body_key,
+                                  headers, properties, payload_sha256, error_class, error_code,
+                                  reason, attempts, dlq_published_at, consumer_id, generation,
+                                  body_size)
+        VALUES (p_key, p_queue, p_exchange, p_routing_key, p_body, p_body_key, p_headers,
+                p_properties, p_sha, 'broker', p_code, p_reason, coalesce(p_deliveries, 0),
+                clock_timestamp(), p_by, r_generation,
+                coalesce(p_body_size, octet_length(p_body)))
         RETURNING id INTO r_park_id;
     END IF;
     RETURN NEXT;

@@ -994,16 +994,22 @@ START_TEST(test_broker_cancel_gives_back_others)
 }
 END_TEST
 
-/* 5. The broker's delivery limit of a quorum input, set tiny by policy. */
+/* 5. The broker's delivery limit of a quorum input, set tiny by policy.
+ * With protection.active, the park recorded for it holds its body sealed. */
 START_TEST(test_quorum_delivery_limit)
 {
     struct itest t;
     char key[128], b[256], path[256], policy[512], dlq[TOPOLOGY_NAME_MAX], out[16384];
+    char k1[128], extra[300];
     const char *bodies[1] = {b};
     const char *crash[] = {"IDEMQ_TEST_CRASH=before_commit", NULL};
     int st;
 
+    itest_key_file(k1, sizeof k1, "qdl", 0x30);
+    snprintf(extra, sizeof extra, "protection: { keys = [ \"k1=%s\" ]; active = \"k1\"; };", k1);
+    itest_extra_conf = extra;
     itest_setup(&t, "qdl", "idemq_test.record", "", "queue_type = \"quorum\";");
+    itest_extra_conf = NULL;
     topology_dlq(&t.conf->inputs[0], dlq, sizeof dlq);
     snprintf(path, sizeof path, "policies/%%2F/%s", t.name);
     snprintf(policy, sizeof policy,
@@ -1049,6 +1055,13 @@ START_TEST(test_quorum_delivery_limit)
                                     "error_class = 'broker' AND error_code = 'delivery_limit'",
                                 key),
                      1);
+    /* sealed at rest: no byte of the key in the clear, the message's own size */
+    snprintf(policy, sizeof policy,
+             "SELECT count(*) FROM idemq.parked WHERE key = $1 AND body_key = 'k1' AND "
+             "position(convert_to($1, 'UTF8') IN body) = 0 AND body_size = %zu AND "
+             "octet_length(body) = %zu",
+             strlen(b), strlen(b) + 28);
+    ck_assert_int_eq(itest_long(&t, policy, key), 1);
     itest_run_until_idle(&t, 2);
     ck_assert_int_eq(itest_long(&t, EFFECTS_FOR, key), 1);
     /* audited */
@@ -1060,6 +1073,7 @@ START_TEST(test_quorum_delivery_limit)
     snprintf(path, sizeof path, "parked list --input %s", t.name);
     ck_assert_int_eq(itest_idemq(&t, path, out, sizeof out), 0);
     ck_assert_msg(strstr(out, "broker=1") && !strstr(out, "not yet recorded"), "%s", out);
+    unlink(k1);
     itest_teardown(&t);
 }
 END_TEST

@@ -180,19 +180,6 @@ START_TEST(test_rescue_lost_copy)
 END_TEST
 
 /* A key file of 32 hex-encoded bytes (0600) at path. */
-static void key_file(char *path, size_t len, const char *tag, unsigned char fill)
-{
-    FILE *f;
-    snprintf(path, len, "/tmp/idemq-rescue-key-%s-%d", tag, (int)getpid());
-    unlink(path);
-    ck_assert_ptr_nonnull(f = fopen(path, "w"));
-    for (int i = 0; i < 32; i++)
-        fprintf(f, "%02x", fill + i);
-    fputc('\n', f);
-    fclose(f);
-    ck_assert_int_eq(chmod(path, 0600), 0);
-}
-
 /* Retry copies sealed at rest: with protection.active the ledger's copy of
  * a retry holds no byte of the message in the clear. A process that lacks
  * its key reports the copy and leaves it (never publishes it empty, never
@@ -204,8 +191,8 @@ START_TEST(test_rescue_sealed_copy)
     char key[128], k1[128], k2[128], extra[600], cfg2[300], log[300];
     FILE *f;
     int st;
-    key_file(k1, sizeof k1, "k1", 0x20);
-    key_file(k2, sizeof k2, "k2", 0x50);
+    itest_key_file(k1, sizeof k1, "rescue-k1", 0x20);
+    itest_key_file(k2, sizeof k2, "rescue-k2", 0x50);
     snprintf(extra, sizeof extra, "protection: { keys = [ \"k1=%s\" ]; active = \"k1\"; };", k1);
     itest_extra_conf = extra;
     itest_retry_conf = "base_delay_ms = 3000; max_delay_ms = 3000; jitter = \"none\"; "

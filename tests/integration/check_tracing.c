@@ -360,6 +360,23 @@ START_TEST(test_trace_pg_queue)
     ck_assert_msg(b != NULL, "no span of the chained row under idemq's first span");
     ck_assert_str_eq(attr(b, "idemq.outcome"), "applied");
     {
+        /* the take: a receive span and a settle span ("delete": the row
+         * leaves the table), kind CLIENT, linked to the producer's span;
+         * the settle span is the receive span's child */
+        const char *ptid = json_string_value(json_object_get(prod, "traceId"));
+        const char *psid = json_string_value(json_object_get(prod, "spanId"));
+        json_t *rcv = linked(spans, "receive", ptid, psid);
+        json_t *stl = linked(spans, "settle", ptid, psid);
+        ck_assert_msg(rcv != NULL, "no receive span linked to the producer's");
+        ck_assert_msg(stl != NULL, "no settle span linked to the producer's");
+        ck_assert_int_eq(json_integer_value(json_object_get(rcv, "kind")), 3);
+        ck_assert_str_eq(attr(rcv, "messaging.system"), "postgresql");
+        ck_assert_str_eq(attr(rcv, "messaging.destination.name"), t.name);
+        ck_assert_str_eq(attr(stl, "messaging.operation.name"), "delete");
+        ck_assert_str_eq(json_string_value(json_object_get(stl, "parentSpanId")),
+                         json_string_value(json_object_get(rcv, "spanId")));
+    }
+    {
         /* jobs show names the key's trace (a plain apply: from its batch row) */
         char cmd[300], shown[16384], want_tr[64];
         snprintf(cmd, sizeof cmd, "jobs show '%s:a'", t.name);

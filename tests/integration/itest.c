@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -802,3 +803,16 @@ int itest_pg_signal(int sig)
     return n;
 }
 
+
+void itest_key_file(char *path, size_t len, const char *tag, unsigned char fill)
+{
+    FILE *f;
+    snprintf(path, len, "/tmp/idemq-key-%s-%d", tag, (int)getpid());
+    unlink(path);
+    ck_assert_ptr_nonnull(f = fopen(path, "w"));
+    for (int i = 0; i < 32; i++)
+        fprintf(f, "%02x", (unsigned char)(fill + i));
+    fputc('\n', f);
+    fclose(f);
+    ck_assert_int_eq(chmod(path, 0600), 0);
+}

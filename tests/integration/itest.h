@@ -29,6 +29,10 @@ struct itest {
 extern const char *itest_retry_conf;
 /* Extra top-level config lines (e.g. a metrics group), or NULL. */
 extern const char *itest_extra_conf;
+
+/* Writes a protection key file (32 bytes as hex, fill, fill+1, ...; mode
+ * 0600) named after tag into path, for protection.keys. */
+void itest_key_file(char *path, size_t len, const char *tag, unsigned char fill);
 /* Extra lines inside the broker group (e.g. a tls group), or NULL. */
 extern const char *itest_broker_conf;
 /* Extra lines inside the log group (e.g. format = "json";), or NULL. */
