@@ -10,7 +10,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -615,20 +614,6 @@ START_TEST(test13_lease_bounds_the_call)
 }
 END_TEST
 
-/* A key file of 32 hex-encoded bytes (0600) at path. */
-static void key_file(char *path, size_t len, const char *tag, unsigned char fill)
-{
-    FILE *f;
-    snprintf(path, len, "/tmp/idemq-pe-key-%s-%d", tag, (int)getpid());
-    unlink(path);
-    ck_assert_ptr_nonnull(f = fopen(path, "w"));
-    for (int i = 0; i < 32; i++)
-        fprintf(f, "%02x", fill + i);
-    fputc('\n', f);
-    fclose(f);
-    ck_assert_int_eq(chmod(path, 0600), 0);
-}
-
 /* cfg2: T's config with its protection block replaced by one that lists
  * only key k2 (active): what a process that lost key k1 runs with. */
 static void config_without_k1(const char *k1, const char *k2, char *cfg2, size_t len)
@@ -661,8 +646,8 @@ static void sealed_first_call(const char *tag, char *key, size_t klen, char *k1,
     const char *env[] = {"IDEMQ_TEST_CRASH=provider_after_call", NULL};
     char extra[600];
     int st;
-    key_file(k1, plen, "k1", 0x20);
-    key_file(k2, plen, "k2", 0x50);
+    itest_key_file(k1, plen, "pe-k1", 0x20);
+    itest_key_file(k2, plen, "pe-k2", 0x50);
     snprintf(extra, sizeof extra, "protection: { keys = [ \"k1=%s\" ]; active = \"k1\"; };", k1);
     itest_extra_conf = extra;
     setup_provider(tag, NULL, NULL); /* idempotent, no lookup: resent under its key */
