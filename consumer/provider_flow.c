@@ -368,6 +368,13 @@ static void submit_step(struct provider_flow *f, PGconn *db, struct pf_job *p,
     if (f->draining) {
         snprintf(err, sizeof err, "not sent: idemq is stopping");
         rc = IDEMQ_ERR_SHUTDOWN;
+    } else if (op == EFFECT_HTTP_CALL && s->unopened) {
+        /* Never sent empty or sealed: the ledger hears "not sent" and
+         * retries, then parks; listing the key again lets it through. */
+        snprintf(err, sizeof err, "not sent: the stored request body is sealed with key "
+                 "'%s' and cannot be opened (%s)", s->body_key, s->unopened);
+        log_error("worker %d: %s: %s", f->worker_id, p->key, err);
+        rc = IDEMQ_ERR_CONFIG;
     } else {
         rc = effect_http_submit_within(f->http, p->input, op, p->key, body, len, p,
                                        budget < 0 ? 0 : budget, err, sizeof err);

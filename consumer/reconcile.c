@@ -134,6 +134,15 @@ static void send_step(struct reconcile_sweep *s, int input, struct ledger_provid
     p->input = input;
     p->lease = st->lease;
     snprintf(p->key, sizeof p->key, "%s", st->key);
+    if (op == EFFECT_HTTP_CALL && st->unopened) {
+        /* never sent empty or sealed; its lease runs out, the next sweep
+         * tries again (list the key again to let it through) */
+        event(s, st->key, "not sent: the stored request body is sealed with key '%s' and "
+              "cannot be opened (%s): left for the next sweep", st->body_key, st->unopened);
+        free(p);
+        n->left++;
+        return;
+    }
     if (effect_http_submit(s->http, input, op, st->key, (const char *)st->body, st->body_len, p,
                            err, sizeof err) != IDEMQ_OK) {
         event(s, st->key, "not sent (%s): left for the next sweep", err);

@@ -82,7 +82,8 @@ BEGIN
     SELECT r_action, e.id, p_key, 'erased (resolved park)' FROM e
     ON CONFLICT DO NOTHING;
     GET DIAGNOSTICS r_history = ROW_COUNT;
-    UPDATE idemq.intents i SET request_body = ''::bytea, body = ''::bytea, headers = NULL
+    UPDATE idemq.intents i SET request_body = ''::bytea, request_body_key = NULL,
+           body = ''::bytea, headers = NULL
      WHERE i.key = p_key;
     GET DIAGNOSTICS r_intents = ROW_COUNT;
     IF r_intents > 0 THEN

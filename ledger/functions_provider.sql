@@ -14,7 +14,8 @@
 -- Every function that decides returns the same row: r_action is one of
 --   call      send the request (r_lease is its fencing token; r_body the
 --             request body to send when the stored one differs from the
---             caller's, or for the reconciler)
+--             caller's, or for the reconciler: as stored, so sealed with key
+--             r_body_key when that is not NULL; the caller opens it first)
 --   lookup    ask the provider (r_lookup: 'key' or 'reference')
 --   applied   the provider's reference and the local effect committed
 --   duplicate nothing to do for this copy
@@ -38,6 +39,10 @@ DROP FUNCTION IF EXISTS idemq.provider_sweep(text, jsonb, integer, text);
 DROP FUNCTION IF EXISTS idemq.provider_step(text, jsonb, jsonb, text, boolean);
 DROP FUNCTION IF EXISTS idemq.provider_apply(text, text, jsonb, text, jsonb, jsonb, text);
 DROP FUNCTION IF EXISTS idemq.provider_resolve(text, text, text, text, text, jsonb);
+-- The step row gained r_body_key (the key that sealed r_body), and
+-- provider_begin the key of its sealed request body.
+DROP FUNCTION IF EXISTS idemq.provider_confirmed(text, text, jsonb, jsonb, text);
+DROP FUNCTION IF EXISTS idemq.provider_sweep(jsonb, integer, integer, text);
 
 -- One attempt row of a provider key (never updated, like every attempt).
 CREATE OR REPLACE FUNCTION idemq.provider_note(
@@ -279,7 +284,8 @@ $fn$;
 CREATE OR REPLACE FUNCTION idemq.provider_confirmed(p_key text, p_how text, p_opts jsonb,
                                                     p_meta jsonb, p_consumer text)
 RETURNS TABLE (r_action text, r_attempt integer, r_lease integer, r_delay_ms integer,
-               r_park jsonb, r_message text, r_lookup text, r_sqlstate text, r_body bytea)
+               r_park jsonb, r_message text, r_lookup text, r_sqlstate text, r_body bytea,
+               r_body_key text)
 LANGUAGE plpgsql SET search_path = pg_catalog, idemq AS $fn$
 DECLARE
     v_int idemq.intents;
@@ -308,7 +314,8 @@ $fn$;
 CREATE OR REPLACE FUNCTION idemq.provider_step(p_key text, p_opts jsonb, p_meta jsonb,
                                                p_consumer text, p_sweep boolean)
 RETURNS TABLE (r_action text, r_attempt integer, r_lease integer, r_delay_ms integer,
-               r_park jsonb, r_message text, r_lookup text, r_sqlstate text, r_body bytea)
+               r_park jsonb, r_message text, r_lookup text, r_sqlstate text, r_body bytea,
+               r_body_key text)
 LANGUAGE plpgsql SET search_path = pg_catalog, idemq AS $fn$
 DECLARE
     v_now       timestamptz := clock_timestamp();
@@ -432,7 +439,7 @@ BEGIN
                v_int.lease_no, CASE WHEN p_sweep THEN ' - reconciler' ELSE '' END),
         NULL, p_meta, p_consumer);
     r_action := 'call'; r_lease := v_int.lease_no; r_attempt := v_att;
-    r_body := v_int.request_body;
+    r_body := v_int.request_body; r_body_key := v_int.request_body_key;
     RETURN NEXT;
 END
 $fn$;
@@ -441,13 +448,16 @@ $fn$;
 -- idemq.apply_batch reads it ({"k","i","q","h","m","p"}); p_opts holds the
 -- input's provider settings (see consumer/provider_flow.c); p_body and
 -- p_props the raw message (kept for parking); p_request_sha/p_request_body
--- what this copy would send. Claims the key, records the intent as pending
+-- what this copy would send (p_request_body sealed with key
+-- p_request_body_key when that is not NULL; p_request_sha is the hash of
+-- the request itself). Claims the key, records the intent as pending
 -- on first sight, and says what to do (see the top of this file).
 CREATE OR REPLACE FUNCTION idemq.provider_begin(
     p_job jsonb, p_opts jsonb, p_consumer text, p_body bytea, p_props jsonb,
-    p_request_sha text, p_request_body bytea)
+    p_request_sha text, p_request_body bytea, p_request_body_key text)
 RETURNS TABLE (r_action text, r_attempt integer, r_lease integer, r_delay_ms integer,
-               r_park jsonb, r_message text, r_lookup text, r_sqlstate text, r_body bytea)
+               r_park jsonb, r_message text, r_lookup text, r_sqlstate text, r_body bytea,
+               r_body_key text)
 LANGUAGE plpgsql SET search_path = pg_catalog, idemq AS $fn$
 DECLARE
     v_key   text := p_job->>'k';
@@ -468,10 +478,12 @@ BEGIN
     RETURNING true INTO v_new;
     IF v_new THEN
         INSERT INTO idemq.intents (key, input, provider, source_queue, idempotent, state,
-            request_sha256, request_body, lease_no, requests, first_request_at,
-            last_request_at, lease_until, body, exchange, routing_key, headers, properties)
+            request_sha256, request_body, request_body_key, lease_no, requests,
+            first_request_at, last_request_at, lease_until, body, exchange, routing_key,
+            headers, properties)
         VALUES (v_key, p_opts->>'input', p_opts->>'provider', v_q,
-            (p_opts->>'idempotent')::boolean, 'pending', p_request_sha, p_request_body, 1, 1,
+            (p_opts->>'idempotent')::boolean, 'pending', p_request_sha, p_request_body,
+            p_request_body_key, 1, 1,
             v_now, v_now, v_now + v_lease, p_body, v_meta->>'exchange', v_meta->>'routing_key',
             v_meta->'headers', p_props);
         PERFORM idemq.provider_note(v_key, 'provider_request', v_now, NULL, NULL,
@@ -496,7 +508,7 @@ BEGIN
     IF v_int.key IS NULL THEN
         IF v_job.state = 'parked' THEN
             RETURN QUERY SELECT c.r_action, v_job.attempts, NULL::integer, NULL::integer,
-                c.r_park, NULL::text, NULL::text, NULL::text, NULL::bytea
+                c.r_park, NULL::text, NULL::text, NULL::text, NULL::bytea, NULL::text
               FROM idemq.provider_parked_copy(v_key, v_meta, p_consumer,
                                               'not a provider job') c;
             RETURN;
@@ -517,7 +529,7 @@ BEGIN
         IF NOT coalesce(jsonb_typeof(v_hgen) = 'number'
                         AND v_hgen::text::integer = v_job.generation, false) THEN
             RETURN QUERY SELECT c.r_action, v_job.attempts, NULL::integer, NULL::integer,
-                c.r_park, NULL::text, NULL::text, NULL::text, NULL::bytea
+                c.r_park, NULL::text, NULL::text, NULL::text, NULL::bytea, NULL::text
               FROM idemq.provider_parked_copy(v_key, v_meta, p_consumer, v_int.state) c;
             RETURN;
         END IF;
@@ -535,7 +547,7 @@ BEGIN
             -- Uncertain and nothing can settle it: back to the dead letters.
             RETURN QUERY SELECT 'park'::text, v_job.attempts, NULL::integer, NULL::integer,
                 idemq.park_info(p.id), 'the outcome is unknown: settle it with idemq resolve '
-                'before a redrive'::text, NULL::text, NULL::text, NULL::bytea
+                'before a redrive'::text, NULL::text, NULL::text, NULL::bytea, NULL::text
               FROM idemq.parked p WHERE p.key = v_key AND p.generation = v_job.generation
              ORDER BY p.id DESC LIMIT 1;
             PERFORM idemq.provider_note(v_key, 'duplicate', v_now, NULL, NULL,
@@ -598,7 +610,8 @@ BEGIN
     END IF;
     RETURN QUERY SELECT s.r_action, s.r_attempt, s.r_lease, s.r_delay_ms, s.r_park,
         coalesce(s.r_message, v_note), s.r_lookup, s.r_sqlstate,
-        CASE WHEN v_int.request_sha256 <> p_request_sha THEN s.r_body END
+        CASE WHEN v_int.request_sha256 <> p_request_sha THEN s.r_body END,
+        CASE WHEN v_int.request_sha256 <> p_request_sha THEN s.r_body_key END
       FROM idemq.provider_step(v_key, p_opts, v_meta, p_consumer, false) s;
 END
 $fn$;
@@ -614,7 +627,8 @@ CREATE OR REPLACE FUNCTION idemq.provider_result(
     p_ref text, p_retry_after_ms integer, p_detail text, p_opts jsonb, p_meta jsonb,
     p_consumer text, p_sweep boolean)
 RETURNS TABLE (r_action text, r_attempt integer, r_lease integer, r_delay_ms integer,
-               r_park jsonb, r_message text, r_lookup text, r_sqlstate text, r_body bytea)
+               r_park jsonb, r_message text, r_lookup text, r_sqlstate text, r_body bytea,
+               r_body_key text)
 LANGUAGE plpgsql SET search_path = pg_catalog, idemq AS $fn$
 DECLARE
     v_now       timestamptz := clock_timestamp();
@@ -676,7 +690,7 @@ BEGIN
             UPDATE idemq.intents i SET provider_ref = coalesce(i.provider_ref, p_ref),
                    last_response = p_answer, updated_at = v_now WHERE i.key = p_key;
             RETURN QUERY SELECT c.r_action, v_job.attempts, NULL::integer, NULL::integer,
-                c.r_park, NULL::text, NULL::text, NULL::text, NULL::bytea
+                c.r_park, NULL::text, NULL::text, NULL::text, NULL::bytea, NULL::text
               FROM idemq.provider_parked_copy(p_key, p_meta, p_consumer,
                 format('late success: provider reference %s; settle with idemq resolve %s '
                        '--applied %s', p_ref, p_key, p_ref)) c;
@@ -708,7 +722,7 @@ BEGIN
                    v_int.state, v_int.lease_no, v_text), NULL, p_meta, p_consumer);
         IF v_job.state = 'parked' THEN
             RETURN QUERY SELECT c.r_action, v_job.attempts, NULL::integer, NULL::integer,
-                c.r_park, NULL::text, NULL::text, NULL::text, NULL::bytea
+                c.r_park, NULL::text, NULL::text, NULL::text, NULL::bytea, NULL::text
               FROM idemq.provider_parked_copy(p_key, p_meta, p_consumer, v_int.state) c;
             RETURN;
         END IF;
@@ -913,7 +927,8 @@ CREATE OR REPLACE FUNCTION idemq.provider_effect_failed(
     p_key text, p_class text, p_code text, p_sqlstate text, p_message text, p_opts jsonb,
     p_meta jsonb, p_consumer text)
 RETURNS TABLE (r_action text, r_attempt integer, r_lease integer, r_delay_ms integer,
-               r_park jsonb, r_message text, r_lookup text, r_sqlstate text, r_body bytea)
+               r_park jsonb, r_message text, r_lookup text, r_sqlstate text, r_body bytea,
+               r_body_key text)
 LANGUAGE plpgsql SET search_path = pg_catalog, idemq AS $fn$
 DECLARE
     v_now timestamptz := clock_timestamp();
@@ -974,7 +989,7 @@ CREATE OR REPLACE FUNCTION idemq.provider_sweep(p_opts jsonb, p_age_s integer, p
                                                 p_consumer text)
 RETURNS TABLE (r_key text, r_action text, r_attempt integer, r_lease integer,
                r_delay_ms integer, r_park jsonb, r_message text, r_lookup text,
-               r_sqlstate text, r_body bytea)
+               r_sqlstate text, r_body bytea, r_body_key text)
 LANGUAGE plpgsql SET search_path = pg_catalog, idemq AS $fn$
 DECLARE
     v_now  timestamptz := clock_timestamp();
@@ -1008,7 +1023,7 @@ BEGIN
                                      v_int.exchange, 'queue', v_int.source_queue,
                                      'reconciler', true);
         RETURN QUERY SELECT v_key, s.r_action, s.r_attempt, s.r_lease, s.r_delay_ms, s.r_park,
-            s.r_message, s.r_lookup, s.r_sqlstate, s.r_body
+            s.r_message, s.r_lookup, s.r_sqlstate, s.r_body, s.r_body_key
           FROM idemq.provider_step(v_key, p_opts, v_meta, p_consumer, true) s;
     END LOOP;
 END

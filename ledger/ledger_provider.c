@@ -10,9 +10,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "protect.h"
+
 #define STEP_COLUMNS                                                                        \
     "r_action, r_attempt, r_lease, r_delay_ms, r_park, r_message, r_lookup, r_sqlstate, "   \
-    "r_body"
+    "r_body, r_body_key"
 
 const char *ledger_provider_action_name(enum ledger_provider_action a)
 {
@@ -33,8 +35,12 @@ const char *ledger_provider_action_name(enum ledger_provider_action a)
 void ledger_provider_step_clear(struct ledger_provider_step *s)
 {
     json_decref(s->park);
-    if (s->body)
+    if (s->body && s->body_opened) {
+        explicit_bzero(s->body, s->body_len);
+        free(s->body);
+    } else if (s->body) {
         PQfreemem(s->body);
+    }
     memset(s, 0, sizeof *s);
 }
 
@@ -58,6 +64,47 @@ char *ledger_provider_opts(const struct conf *c, int i)
     char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     return s;
+}
+
+/* Reads row i's r_body into s (opened with the key r_body_key names when
+ * it was sealed at rest). A copy whose key is not listed, or that does
+ * not open, leaves s->body NULL and s->unopened set: it is never sent.
+ * False (e filled) when memory runs out. */
+static bool take_body(PGresult *r, int i, int off, struct ledger_provider_step *s,
+                      struct ledger_db_error *e)
+{
+    unsigned char *stored, *plain = NULL;
+    size_t stored_len = 0, plain_len = 0;
+    enum protect_open_result o;
+
+    stored = PQunescapeBytea((const unsigned char *)PQgetvalue(r, i, off + 8), &stored_len);
+    if (!stored)
+        goto nomem;
+    if (PQgetisnull(r, i, off + 9)) { /* stored as sent */
+        s->body = stored;
+        s->body_len = stored_len;
+        return true;
+    }
+    snprintf(s->body_key, sizeof s->body_key, "%s", PQgetvalue(r, i, off + 9));
+    o = protect_open(protect_global(), s->body_key, stored, stored_len, &plain, &plain_len);
+    PQfreemem(stored);
+    if (o == PROTECT_FAILED)
+        goto nomem;
+    if (o != PROTECT_OPENED) {
+        s->unopened = protect_open_str(o);
+        return true;
+    }
+    /* protect's buffer (malloc'd): ledger_provider_step_clear wipes and
+     * frees it, not PQfreemem */
+    s->body = plain;
+    s->body_len = plain_len;
+    s->body_opened = true;
+    return true;
+nomem:
+    snprintf(e->sqlstate, sizeof e->sqlstate, "XX000");
+    snprintf(e->message, sizeof e->message, "out of memory reading a request body");
+    e->conn_lost = false;
+    return false;
 }
 
 /* Runs sql with params (formats: 1 = binary for bytea) and reads the step
@@ -107,9 +154,10 @@ static idemq_err_t run_steps(PGconn *db, const char *sql, int n, const char *con
         snprintf(s->message, sizeof s->message, "%s", PQgetvalue(r, i, off + 5));
         s->by_reference = strcmp(PQgetvalue(r, i, off + 6), "reference") == 0;
         snprintf(s->sqlstate, sizeof s->sqlstate, "%s", PQgetvalue(r, i, off + 7));
-        if (!PQgetisnull(r, i, off + 8))
-            s->body = PQunescapeBytea((const unsigned char *)PQgetvalue(r, i, off + 8),
-                                      &s->body_len);
+        if (!PQgetisnull(r, i, off + 8) && !take_body(r, i, off, s, e)) {
+            PQclear(r);
+            return IDEMQ_ERR_SQL;
+        }
         if (s->action == LEDGER_PROVIDER_PARK && !s->park) {
             snprintf(e->sqlstate, sizeof e->sqlstate, "XX000");
             snprintf(e->message, sizeof e->message, "the ledger parked %s without park facts",
@@ -146,13 +194,33 @@ idemq_err_t ledger_provider_begin(PGconn *db, const char *doc, const char *opts,
                                   const void *req_body, size_t req_len,
                                   struct ledger_provider_step *s, struct ledger_db_error *e)
 {
-    const char *vals[7] = {doc, opts, consumer, body, props, request_sha, req_body};
-    int lens[7] = {0, 0, 0, (int)body_len, 0, 0, (int)req_len};
-    int fmts[7] = {0, 0, 0, 1, 0, 0, 1};
-    return run_step(db,
-                    "SELECT " STEP_COLUMNS " FROM idemq.provider_begin(($1::jsonb)->0, "
-                    "$2::jsonb, $3, $4::bytea, $5::jsonb, $6, $7::bytea)",
-                    7, vals, lens, fmts, s, e);
+    const struct protect *p = protect_global();
+    const char *key = protect_active(p);
+    unsigned char *sealed = NULL;
+    size_t sealed_len = 0;
+    const char *vals[8] = {doc, opts, consumer, body, props, request_sha, req_body, key};
+    int lens[8] = {0, 0, 0, (int)body_len, 0, 0, (int)req_len, 0};
+    int fmts[8] = {0, 0, 0, 1, 0, 0, 1, 0};
+    idemq_err_t err;
+
+    if (key) { /* sealed at rest, never stored in the clear */
+        if ((err = protect_seal(p, req_body ? req_body : (const void *)"",
+                                req_body ? req_len : 0, &sealed, &sealed_len)) != IDEMQ_OK) {
+            snprintf(e->sqlstate, sizeof e->sqlstate, "XX000");
+            snprintf(e->message, sizeof e->message, "cannot seal the request body: %s",
+                     idemq_err_str(err));
+            e->conn_lost = false;
+            return IDEMQ_ERR_SQL;
+        }
+        vals[6] = (const char *)sealed;
+        lens[6] = (int)sealed_len;
+    }
+    err = run_step(db,
+                   "SELECT " STEP_COLUMNS " FROM idemq.provider_begin(($1::jsonb)->0, "
+                   "$2::jsonb, $3, $4::bytea, $5::jsonb, $6, $7::bytea, $8)",
+                   8, vals, lens, fmts, s, e);
+    free(sealed);
+    return err;
 }
 
 /* Whether s[0..len) is well-formed UTF-8 (no overlongs, no surrogates). */

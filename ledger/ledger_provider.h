@@ -45,8 +45,13 @@ struct ledger_provider_step {
     char message[512];
     char sqlstate[6];     /* EFFECT_ERROR */
     unsigned char *body;  /* CALL: the request body to send when the ledger's differs
-                           * from the caller's (or for the sweep); owned, may be NULL */
+                           * from the caller's (or for the sweep), opened when it was
+                           * sealed at rest; owned, may be NULL */
     size_t body_len;
+    bool body_opened;     /* body is an opened copy (wiped and freed on clear) */
+    char body_key[64];    /* the key the stored body was sealed with ("": as sent) */
+    const char *unopened; /* non-NULL: the stored body is sealed with body_key and could
+                           * not be opened (protect_open_str); body is NULL: never send */
 };
 
 /* Name of an action ("call", "lookup", ...). */
@@ -62,9 +67,11 @@ char *ledger_provider_opts(const struct conf *c, int i);
 /*
  * Transaction 1 for one delivery. doc is the one-job array ledger_doc wrote
  * for it; body/body_len the raw message and props its properties (JSON
- * text); request_sha/req_body what this copy would send. Fills *s. Returns
- * IDEMQ_OK, or IDEMQ_ERR_DB_CONN / IDEMQ_ERR_SQL with e filled (nothing
- * committed).
+ * text); request_sha/req_body what this copy would send (stored sealed with
+ * the process's active key, if any: request_sha stays the hash of the
+ * request itself). Fills *s. Returns IDEMQ_OK, or IDEMQ_ERR_DB_CONN /
+ * IDEMQ_ERR_SQL with e filled (nothing committed; also when the request
+ * cannot be sealed: it is never stored in the clear).
  */
 idemq_err_t ledger_provider_begin(PGconn *db, const char *doc, const char *opts,
                                   const char *consumer, const void *body, size_t body_len,

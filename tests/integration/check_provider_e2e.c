@@ -614,6 +614,183 @@ START_TEST(test13_lease_bounds_the_call)
 }
 END_TEST
 
+/* cfg2: T's config with its protection block replaced by one that lists
+ * only key k2 (active): what a process that lost key k1 runs with. */
+static void config_without_k1(const char *k1, const char *k2, char *cfg2, size_t len)
+{
+    static char text[1 << 16];
+    char *at, find[300];
+    size_t n;
+    FILE *f;
+    ck_assert_ptr_nonnull(f = fopen(T.cfg_path, "r"));
+    n = fread(text, 1, sizeof text - 1, f);
+    text[n] = '\0';
+    fclose(f);
+    snprintf(find, sizeof find, "\"k1=%s\" ]; active = \"k1\"", k1);
+    ck_assert_ptr_nonnull(at = strstr(text, find));
+    snprintf(cfg2, len, "%s.k2", T.cfg_path);
+    ck_assert_ptr_nonnull(f = fopen(cfg2, "w"));
+    fprintf(f, "%.*s\"k2=%s\" ]; active = \"k2\"%s", (int)(at - text), text, k2,
+            at + strlen(find));
+    fclose(f);
+}
+
+/* Runs the first copy of key under protection (k1 active) until the test
+ * hook kills idemq right after the provider's call: the intent is pending
+ * and the request is stored sealed. Then the copy is purged and another
+ * copy of the key with a different body is published, so the next
+ * delivery must send the stored request (it differs from its own). */
+static void sealed_first_call(const char *tag, char *key, size_t klen, char *k1, char *k2,
+                              size_t plen)
+{
+    const char *env[] = {"IDEMQ_TEST_CRASH=provider_after_call", NULL};
+    char extra[600];
+    int st;
+    itest_key_file(k1, plen, "pe-k1", 0x20);
+    itest_key_file(k2, plen, "pe-k2", 0x50);
+    snprintf(extra, sizeof extra, "protection: { keys = [ \"k1=%s\" ]; active = \"k1\"; };", k1);
+    itest_extra_conf = extra;
+    setup_provider(tag, NULL, NULL); /* idempotent, no lookup: resent under its key */
+    itest_extra_conf = NULL;
+    snprintf(key, klen, "%s-ks", T.name);
+    publish_payout(key, NULL);
+    st = itest_wait(itest_spawn(&T, T.cfg_path, 30, env), itest_ms(30000));
+    ck_assert_msg(st != -1 && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL,
+                  "idemq was not killed by the hook (status 0x%x)", st);
+    ck_assert_int_eq(tprov_stat(&P, key, "key_charges"), 1);
+    /* sealed at rest: the key named, not a byte of the request in the clear */
+    ck_assert_int_eq(itest_long(&T, "SELECT count(*) FROM idemq.intents WHERE key = $1 AND "
+                                    "request_body_key = 'k1' AND position(convert_to(key, "
+                                    "'UTF8') IN request_body) = 0 AND position('amount_minor' "
+                                    "::bytea IN request_body) = 0 AND octet_length(request_body) "
+                                    "> 28", key), 1);
+    {
+        struct broker *br;
+        char err[256];
+        ck_assert(broker_open(T.conf, "sealed purge", false, &br, err, sizeof err) == IDEMQ_OK);
+        ck_assert(broker_admin_purge(br, T.conf->inputs[0].queue) == IDEMQ_OK);
+        broker_close(br);
+    }
+    publish_payout(key, "\"memo\":\"another copy\"");
+}
+
+/* 14. The request body of a provider call is sealed at rest under
+ * protection.active; a resend opens it: the provider gets the exact bytes
+ * of the first request (any other bytes under the key answer 422 and
+ * park), and the effect runs once. */
+START_TEST(test14_sealed_request_resent)
+{
+    char key[128], k1[128], k2[128], b[256];
+    sealed_first_call("pe14", key, sizeof key, k1, k2, sizeof k1);
+    itest_run_until_idle(&T, 12); /* waits out the lease, then resends */
+    ck_assert_str_eq(itest_text(&T, STATE, key, b, sizeof b), "applied");
+    ck_assert_int_eq(tprov_stat(&P, key, "key_charges"), 1);
+    ck_assert_int_eq(tprov_stat(&P, NULL, "requests"), 2);
+    ck_assert_int_eq(itest_long(&T, "SELECT count(*) FROM idemq.attempts WHERE key = $1 AND "
+                                    "error_code = 'conflict'", key), 0);
+    ck_assert_int_eq(itest_long(&T, EFFECTS, key), 1);
+    /* erased: no request left, and no key named for it */
+    {
+        char cmd[300], out[4096];
+        snprintf(cmd, sizeof cmd, "erase '%s' --why 'sealed request test'", key);
+        ck_assert_msg(itest_idemq(&T, cmd, out, sizeof out) == 0, "%s", out);
+        ck_assert_int_eq(itest_long(&T, "SELECT count(*) FROM idemq.intents WHERE key = $1 AND "
+                                        "request_body = ''::bytea AND request_body_key IS NULL",
+                                    key), 1);
+    }
+    unlink(k1);
+    unlink(k2);
+    teardown();
+}
+END_TEST
+
+/* 15. A stored request sealed with a key that is no longer listed is never
+ * sent (neither empty nor sealed): each attempt is recorded as not sent,
+ * naming the key; listed again, the same request goes out and applies. */
+START_TEST(test15_sealed_request_unlisted_key)
+{
+    char key[128], k1[128], k2[128], cfg2[300], log[300], b[256];
+    int st;
+    retry_conf = "base_delay_ms = 200; max_delay_ms = 5000; jitter = \"none\"; "
+                 "max_attempts = 100;";
+    sealed_first_call("pe15", key, sizeof key, k1, k2, sizeof k1);
+    config_without_k1(k1, k2, cfg2, sizeof cfg2);
+    snprintf(log, sizeof log, "/tmp/%s.k2.log", T.name);
+    unlink(log);
+    /* runs until the lease has run out and a few attempts were refused */
+    {
+        pid_t pid = itest_spawn_log(cfg2, 30, NULL, log);
+        for (int i = 0; i < 600; i++) {
+            if (itest_long(&T, "SELECT count(*) FROM idemq.attempts WHERE key = $1 AND "
+                               "error_code = 'provider_not_sent'", key) >= 2)
+                break;
+            usleep(50000);
+        }
+        kill(pid, SIGTERM);
+        st = itest_wait(pid, itest_ms(30000));
+        ck_assert_msg(st != -1, "idemq did not stop");
+    }
+    ck_assert_int_ge(itest_count_lines(log, "sealed with key 'k1' and cannot be opened"), 1);
+    ck_assert_int_ge(itest_long(&T, "SELECT count(*) FROM idemq.attempts WHERE key = $1 AND "
+                                    "error_code = 'provider_not_sent' AND message LIKE "
+                                    "'%sealed with key ''k1''%'", key), 2);
+    ck_assert_int_eq(tprov_stat(&P, NULL, "requests"), 1); /* nothing more was sent */
+    ck_assert_int_eq(itest_long(&T, EFFECTS, key), 0);
+    /* k1 listed again: the stored request is opened and sent */
+    itest_run_until_idle(&T, 8);
+    ck_assert_str_eq(itest_text(&T, STATE, key, b, sizeof b), "applied");
+    ck_assert_int_eq(tprov_stat(&P, key, "key_charges"), 1);
+    ck_assert_int_eq(tprov_stat(&P, NULL, "requests"), 2);
+    ck_assert_int_eq(itest_long(&T, EFFECTS, key), 1);
+    unlink(log);
+    unlink(cfg2);
+    unlink(k1);
+    unlink(k2);
+    teardown();
+    retry_conf = "base_delay_ms = 200; max_delay_ms = 10000; jitter = \"none\";";
+}
+END_TEST
+
+/* 16. The reconciler resends a sealed request (no message at hand): it
+ * opens it first; a process without the key leaves it, naming the key. */
+START_TEST(test16_sealed_request_sweep)
+{
+    char key[128], k1[128], k2[128], cfg2[300], log[300], b[256];
+    int st;
+    sealed_first_call("pe16", key, sizeof key, k1, k2, sizeof k1);
+    {
+        struct broker *br;
+        char err[256];
+        ck_assert(broker_open(T.conf, "pe16 purge", false, &br, err, sizeof err) == IDEMQ_OK);
+        ck_assert(broker_admin_purge(br, T.conf->inputs[0].queue) == IDEMQ_OK);
+        broker_close(br);
+    }
+    itest_sql(&T, "UPDATE idemq.intents SET lease_until = now() - interval '1 s', "
+                  "last_request_at = now() - interval '1 hour', updated_at = now() - interval "
+                  "'1 hour' WHERE key LIKE 'it_pe16%'");
+    config_without_k1(k1, k2, cfg2, sizeof cfg2);
+    snprintf(log, sizeof log, "/tmp/%s.k2.log", T.name);
+    unlink(log);
+    st = itest_wait(itest_spawn_log(cfg2, 8, NULL, log), itest_ms(60000));
+    ck_assert_msg(st != -1 && WIFEXITED(st), "status 0x%x", st);
+    ck_assert_int_ge(itest_count_lines(log, "sealed with key 'k1' and cannot be opened"), 1);
+    ck_assert_int_eq(tprov_stat(&P, NULL, "requests"), 1);
+    itest_sql(&T, "UPDATE idemq.intents SET lease_until = now() - interval '1 s', "
+                  "last_request_at = now() - interval '1 hour', updated_at = now() - interval "
+                  "'1 hour', run_after = NULL WHERE key LIKE 'it_pe16%'");
+    itest_run_until_idle(&T, 8);
+    ck_assert_str_eq(itest_text(&T, STATE, key, b, sizeof b), "applied");
+    ck_assert_int_eq(tprov_stat(&P, key, "key_charges"), 1);
+    ck_assert_int_eq(tprov_stat(&P, NULL, "requests"), 2);
+    ck_assert_int_eq(itest_long(&T, EFFECTS, key), 1);
+    unlink(log);
+    unlink(cfg2);
+    unlink(k1);
+    unlink(k2);
+    teardown();
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("provider_e2e");
@@ -637,6 +814,13 @@ int main(void)
     tcase_add_test(tc, test11_broker_reconnect_keeps_calls);
     tcase_add_test(tc, test12_stop_drain_starts_nothing);
     tcase_add_test(tc, test13_lease_bounds_the_call);
+    suite_add_tcase(s, tc);
+    /* request bodies sealed at rest */
+    tc = tcase_create("sealed");
+    tcase_set_timeout(tc, itest_ms(240));
+    tcase_add_test(tc, test14_sealed_request_resent);
+    tcase_add_test(tc, test15_sealed_request_unlisted_key);
+    tcase_add_test(tc, test16_sealed_request_sweep);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
