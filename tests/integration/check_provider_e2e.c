@@ -59,6 +59,41 @@ static void publish_payout(const char *key, const char *extra)
 #define REF "SELECT provider_ref FROM idemq.intents WHERE key = $1"
 #define EFFECTS "SELECT count(*) FROM idemq_test.effects WHERE key = $1"
 
+/* Empties the input's queue: the message of a key is gone, only its
+ * intent is left (why names the broker connection). */
+static void purge_input(const char *why)
+{
+    struct broker *br;
+    char err[256];
+    ck_assert(broker_open(T.conf, why, false, &br, err, sizeof err) == IDEMQ_OK);
+    ck_assert(broker_admin_purge(br, T.conf->inputs[0].queue) == IDEMQ_OK);
+    broker_close(br);
+}
+
+/* Ages the intents of keys 'it_<tag>...' past their lease and the
+ * reconciler's wait, so that the next sweep takes them (due_now: and
+ * clears a retry's run_after). */
+static void age_intents(const char *tag, bool due_now)
+{
+    char sql[400];
+    snprintf(sql, sizeof sql,
+             "UPDATE idemq.intents SET lease_until = now() - interval '1 s', "
+             "last_request_at = now() - interval '1 hour', updated_at = now() - interval "
+             "'1 hour'%s WHERE key LIKE 'it_%s%%'",
+             due_now ? ", run_after = NULL" : "", tag);
+    itest_sql(&T, sql);
+}
+
+/* The stored request went out a second time and the key applied once. */
+static void applied_on_resend(const char *key)
+{
+    char b[256];
+    ck_assert_str_eq(itest_text(&T, STATE, key, b, sizeof b), "applied");
+    ck_assert_int_eq(tprov_stat(&P, key, "key_charges"), 1);
+    ck_assert_int_eq(tprov_stat(&P, NULL, "requests"), 2);
+    ck_assert_int_eq(itest_long(&T, EFFECTS, key), 1);
+}
+
 /* 1. The provider applies the charge but the answer is lost: retried with
  * the same key; one charge; the ledger holds its reference. */
 START_TEST(test1_lost_answer)
@@ -172,17 +207,8 @@ START_TEST(test6_sweep_in_run)
     publish_payout(key, NULL);
     pid = itest_spawn(&T, T.cfg_path, 30, env);
     itest_wait(pid, itest_ms(30000));
-    {
-        struct broker *br;
-        char err[256];
-        ck_assert(broker_open(T.conf, "pe6 purge", false, &br, err, sizeof err) == IDEMQ_OK);
-        ck_assert(broker_admin_purge(br, T.conf->inputs[0].queue) ==
-                  IDEMQ_OK); /* the message is gone */
-        broker_close(br);
-    }
-    itest_sql(&T, "UPDATE idemq.intents SET lease_until = now() - interval '1 s', "
-                  "last_request_at = now() - interval '1 hour', updated_at = now() - interval "
-                  "'1 hour' WHERE key LIKE 'it_pe6%'");
+    purge_input("pe6 purge"); /* the message is gone */
+    age_intents("pe6", false);
     itest_run_until_idle(&T, 8);
     ck_assert_str_eq(itest_text(&T, STATE, key, b, sizeof b), "applied");
     ck_assert_int_eq(tprov_stat(&P, key, "key_charges"), 1);
@@ -312,16 +338,8 @@ START_TEST(test11_sweep_in_run_grant_role)
     snprintf(key, sizeof key, "%s-k11", T.name);
     publish_payout(key, NULL);
     itest_wait(itest_spawn(&T, T.cfg_path, 30, env), itest_ms(30000));
-    {
-        struct broker *br;
-        char err[256];
-        ck_assert(broker_open(T.conf, "pe11 purge", false, &br, err, sizeof err) == IDEMQ_OK);
-        ck_assert(broker_admin_purge(br, T.conf->inputs[0].queue) == IDEMQ_OK);
-        broker_close(br);
-    }
-    itest_sql(&T, "UPDATE idemq.intents SET lease_until = now() - interval '1 s', "
-                  "last_request_at = now() - interval '1 hour', updated_at = now() - interval "
-                  "'1 hour' WHERE key LIKE 'it_pe11%'");
+    purge_input("pe11 purge");
+    age_intents("pe11", false);
     snprintf(log, sizeof log, "/tmp/%s.log", T.name);
     st = itest_wait(itest_spawn_log(T.cfg_path, 8, NULL, log), itest_ms(60000));
     setenv("IDEMQ_PG_DSN", owner, 1);
@@ -664,13 +682,7 @@ static void sealed_first_call(const char *tag, char *key, size_t klen, char *k1,
                                     "'UTF8') IN request_body) = 0 AND position('amount_minor' "
                                     "::bytea IN request_body) = 0 AND octet_length(request_body) "
                                     "> 28", key), 1);
-    {
-        struct broker *br;
-        char err[256];
-        ck_assert(broker_open(T.conf, "sealed purge", false, &br, err, sizeof err) == IDEMQ_OK);
-        ck_assert(broker_admin_purge(br, T.conf->inputs[0].queue) == IDEMQ_OK);
-        broker_close(br);
-    }
+    purge_input("sealed purge");
     publish_payout(key, "\"memo\":\"another copy\"");
 }
 
@@ -680,15 +692,12 @@ static void sealed_first_call(const char *tag, char *key, size_t klen, char *k1,
  * park), and the effect runs once. */
 START_TEST(test14_sealed_request_resent)
 {
-    char key[128], k1[128], k2[128], b[256];
+    char key[128], k1[128], k2[128];
     sealed_first_call("pe14", key, sizeof key, k1, k2, sizeof k1);
     itest_run_until_idle(&T, 12); /* waits out the lease, then resends */
-    ck_assert_str_eq(itest_text(&T, STATE, key, b, sizeof b), "applied");
-    ck_assert_int_eq(tprov_stat(&P, key, "key_charges"), 1);
-    ck_assert_int_eq(tprov_stat(&P, NULL, "requests"), 2);
+    applied_on_resend(key);
     ck_assert_int_eq(itest_long(&T, "SELECT count(*) FROM idemq.attempts WHERE key = $1 AND "
                                     "error_code = 'conflict'", key), 0);
-    ck_assert_int_eq(itest_long(&T, EFFECTS, key), 1);
     /* erased: no request left, and no key named for it */
     {
         char cmd[300], out[4096];
@@ -709,7 +718,7 @@ END_TEST
  * naming the key; listed again, the same request goes out and applies. */
 START_TEST(test15_sealed_request_unlisted_key)
 {
-    char key[128], k1[128], k2[128], cfg2[300], log[300], b[256];
+    char key[128], k1[128], k2[128], cfg2[300], log[300];
     int st;
     retry_conf = "base_delay_ms = 200; max_delay_ms = 5000; jitter = \"none\"; "
                  "max_attempts = 100;";
@@ -720,12 +729,11 @@ START_TEST(test15_sealed_request_unlisted_key)
     /* runs until the lease has run out and a few attempts were refused */
     {
         pid_t pid = itest_spawn_log(cfg2, 30, NULL, log);
-        for (int i = 0; i < 600; i++) {
-            if (itest_long(&T, "SELECT count(*) FROM idemq.attempts WHERE key = $1 AND "
-                               "error_code = 'provider_not_sent'", key) >= 2)
-                break;
-            usleep(50000);
-        }
+        for (long long end = itest_mono_ms() + itest_ms(30000);
+             itest_long(&T, "SELECT count(*) FROM idemq.attempts WHERE key = $1 AND "
+                            "error_code = 'provider_not_sent'", key) < 2 &&
+             itest_mono_ms() < end;)
+            usleep(50000); /* polled up to the deadline */
         kill(pid, SIGTERM);
         st = itest_wait(pid, itest_ms(30000));
         ck_assert_msg(st != -1, "idemq did not stop");
@@ -738,10 +746,7 @@ START_TEST(test15_sealed_request_unlisted_key)
     ck_assert_int_eq(itest_long(&T, EFFECTS, key), 0);
     /* k1 listed again: the stored request is opened and sent */
     itest_run_until_idle(&T, 8);
-    ck_assert_str_eq(itest_text(&T, STATE, key, b, sizeof b), "applied");
-    ck_assert_int_eq(tprov_stat(&P, key, "key_charges"), 1);
-    ck_assert_int_eq(tprov_stat(&P, NULL, "requests"), 2);
-    ck_assert_int_eq(itest_long(&T, EFFECTS, key), 1);
+    applied_on_resend(key);
     unlink(log);
     unlink(cfg2);
     unlink(k1);
@@ -755,19 +760,11 @@ END_TEST
  * opens it first; a process without the key leaves it, naming the key. */
 START_TEST(test16_sealed_request_sweep)
 {
-    char key[128], k1[128], k2[128], cfg2[300], log[300], b[256];
+    char key[128], k1[128], k2[128], cfg2[300], log[300];
     int st;
     sealed_first_call("pe16", key, sizeof key, k1, k2, sizeof k1);
-    {
-        struct broker *br;
-        char err[256];
-        ck_assert(broker_open(T.conf, "pe16 purge", false, &br, err, sizeof err) == IDEMQ_OK);
-        ck_assert(broker_admin_purge(br, T.conf->inputs[0].queue) == IDEMQ_OK);
-        broker_close(br);
-    }
-    itest_sql(&T, "UPDATE idemq.intents SET lease_until = now() - interval '1 s', "
-                  "last_request_at = now() - interval '1 hour', updated_at = now() - interval "
-                  "'1 hour' WHERE key LIKE 'it_pe16%'");
+    purge_input("pe16 purge");
+    age_intents("pe16", false);
     config_without_k1(k1, k2, cfg2, sizeof cfg2);
     snprintf(log, sizeof log, "/tmp/%s.k2.log", T.name);
     unlink(log);
@@ -775,14 +772,9 @@ START_TEST(test16_sealed_request_sweep)
     ck_assert_msg(st != -1 && WIFEXITED(st), "status 0x%x", st);
     ck_assert_int_ge(itest_count_lines(log, "sealed with key 'k1' and cannot be opened"), 1);
     ck_assert_int_eq(tprov_stat(&P, NULL, "requests"), 1);
-    itest_sql(&T, "UPDATE idemq.intents SET lease_until = now() - interval '1 s', "
-                  "last_request_at = now() - interval '1 hour', updated_at = now() - interval "
-                  "'1 hour', run_after = NULL WHERE key LIKE 'it_pe16%'");
+    age_intents("pe16", true);
     itest_run_until_idle(&T, 8);
-    ck_assert_str_eq(itest_text(&T, STATE, key, b, sizeof b), "applied");
-    ck_assert_int_eq(tprov_stat(&P, key, "key_charges"), 1);
-    ck_assert_int_eq(tprov_stat(&P, NULL, "requests"), 2);
-    ck_assert_int_eq(itest_long(&T, EFFECTS, key), 1);
+    applied_on_resend(key);
     unlink(log);
     unlink(cfg2);
     unlink(k1);
