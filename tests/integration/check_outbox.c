@@ -17,7 +17,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -542,20 +541,6 @@ END_TEST
 
 /* ---- sealed at rest ---- */
 
-/* A key file of 32 bytes (fill, fill+1, ...) as hex, mode 0600. */
-static void key_file(char *path, size_t len, const char *tag, unsigned char fill)
-{
-    FILE *f;
-    snprintf(path, len, "/tmp/idemq-outbox-key-%s-%d", tag, (int)getpid());
-    unlink(path);
-    ck_assert_ptr_nonnull(f = fopen(path, "w"));
-    for (int i = 0; i < 32; i++)
-        fprintf(f, "%02x", fill + i);
-    fputc('\n', f);
-    fclose(f);
-    ck_assert_int_eq(chmod(path, 0600), 0);
-}
-
 /* The stored copy of key's row (pending or sent) is sealed with k1: its
  * body holds no byte run of the plaintext the effect emitted, is as long as
  * it plus the nonce and tag, and names key k1. */
@@ -593,7 +578,7 @@ START_TEST(test_outbox_sealed)
     const char *env[] = {"IDEMQ_TEST_CRASH=after_commit", NULL};
     int st;
 
-    key_file(k1, sizeof k1, "k1", 0x30);
+    itest_key_file(k1, sizeof k1, "outbox-k1", 0x30);
     snprintf(extra, sizeof extra,
              OUTBOX_CONF " protection: { keys = [ \"k1=%s\" ]; active = \"k1\"; };", k1);
     itest_extra_conf = extra;
