@@ -88,8 +88,6 @@ static idemq_err_t fill_rows(struct outbox_rows *r, int key_col, struct ledger_d
     return IDEMQ_OK;
 }
 
-/* Runs sql (one of the lease functions, params holder, limit, lease_ms)
- * into r. */
 /* Runs sql (one of the lease functions, params holder, limit, lease_ms,
  * then the sealed[0..n_sealed) params of the take) into r. */
 static idemq_err_t lease_rows(PGconn *db, const char *sql, const char *holder, int limit,
@@ -178,9 +176,11 @@ static idemq_err_t seal_unsealed(PGconn *db, const struct protect *p, char **ids
         }
         io += (size_t)snprintf(*ids + io, icap - io, "%s%s", i ? "," : "", PQgetvalue(res, i, 0));
         bo += (size_t)snprintf(*bodies + bo, bcap - bo, "%s\"\\\\x", i ? "," : "");
-        for (size_t k = 0; k < sealed_len; k++)
-            bo += (size_t)snprintf(*bodies + bo, bcap - bo, "%02x", sealed[k]);
-        bo += (size_t)snprintf(*bodies + bo, bcap - bo, "\"");
+        for (size_t k = 0; k < sealed_len; k++) { /* up to 16 MiB: no call per byte */
+            (*bodies)[bo++] = "0123456789abcdef"[sealed[k] >> 4];
+            (*bodies)[bo++] = "0123456789abcdef"[sealed[k] & 15];
+        }
+        (*bodies)[bo++] = '"';
         free(sealed);
     }
     PQclear(res);

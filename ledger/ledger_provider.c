@@ -194,26 +194,26 @@ idemq_err_t ledger_provider_begin(PGconn *db, const char *doc, const char *opts,
                                   const void *req_body, size_t req_len,
                                   struct ledger_provider_step *s, struct ledger_db_error *e)
 {
-    const struct protect *p = protect_global();
-    const char *key = protect_active(p);
-    unsigned char *sealed = NULL;
-    size_t sealed_len = 0;
-    const char *vals[8] = {doc, opts, consumer, body, props, request_sha, req_body, key};
+    unsigned char *sealed;
+    size_t sealed_len;
+    const char *key;
+    const char *vals[8] = {doc, opts, consumer, body, props, request_sha, req_body, NULL};
     int lens[8] = {0, 0, 0, (int)body_len, 0, 0, (int)req_len, 0};
     int fmts[8] = {0, 0, 0, 1, 0, 0, 1, 0};
     idemq_err_t err;
 
-    if (key) { /* sealed at rest, never stored in the clear */
-        if ((err = protect_seal(p, req_body ? req_body : (const void *)"",
-                                req_body ? req_len : 0, &sealed, &sealed_len)) != IDEMQ_OK) {
-            snprintf(e->sqlstate, sizeof e->sqlstate, "XX000");
-            snprintf(e->message, sizeof e->message, "cannot seal the request body: %s",
-                     idemq_err_str(err));
-            e->conn_lost = false;
-            return IDEMQ_ERR_SQL;
-        }
+    /* sealed at rest with the active key, never stored in the clear */
+    if ((err = protect_seal_stored(req_body, req_len, &sealed, &sealed_len, &key)) != IDEMQ_OK) {
+        snprintf(e->sqlstate, sizeof e->sqlstate, "XX000");
+        snprintf(e->message, sizeof e->message, "cannot seal the request body: %s",
+                 idemq_err_str(err));
+        e->conn_lost = false;
+        return IDEMQ_ERR_SQL;
+    }
+    if (sealed) {
         vals[6] = (const char *)sealed;
         lens[6] = (int)sealed_len;
+        vals[7] = key;
     }
     err = run_step(db,
                    "SELECT " STEP_COLUMNS " FROM idemq.provider_begin(($1::jsonb)->0, "
