@@ -16,6 +16,7 @@
 #include "ledger_doc.h"
 #include "ledger_provider.h"
 #include "log.h"
+#include "protect.h"
 #include "trace_export.h"
 
 #define POLL_BATCH 16
@@ -41,6 +42,7 @@ struct pf_job {
     char *doc;   /* one-job ledger document (key, queue, sha, meta, payload) */
     unsigned char *body; /* the raw message */
     size_t body_len;
+    char body_sha[65];   /* its SHA-256, hex */
     char *props;         /* its properties, JSON */
     char *req;           /* the request body this copy would send */
     size_t req_len;
@@ -319,8 +321,24 @@ static void run_confirmed(struct provider_flow *f, PGconn *db, struct pf_job *p,
         log_job(LOG_LVL_WARN, p->key, (unsigned long long)p->redelivery_tag, s->attempt,
                 "provider: %s", s->message);
     memset(&next, 0, sizeof next);
+    if (s->unopened) {
+        /* never run on an empty or sealed message: a failed attempt of the
+         * effect, retried, then parked; listing the key again lets it run */
+        log_error("worker %d: %s: the message is sealed with key '%s' and cannot be opened "
+                  "(%s): the local effect did not run", f->worker_id, p->key, s->body_key,
+                  s->unopened);
+        p->step_ms = now_ms();
+        if (ledger_provider_unopened(db, p->key, s, f->opts[p->input], p->doc,
+                                     f->c->consumer_id, &next, &e) != IDEMQ_OK) {
+            db_failed(f, p, "provider_effect_failed", &e);
+            return;
+        }
+        act(f, db, p, &next);
+        ledger_provider_step_clear(&next);
+        return;
+    }
     if (ledger_provider_confirmed(db, p->key, p->how ? p->how : "local retry",
-                                  f->opts[p->input], p->doc, f->c->consumer_id, &next,
+                                  f->opts[p->input], p->doc, f->c->consumer_id, s, &next,
                                   &e) != IDEMQ_OK) {
         if (classify_sqlstate(e.sqlstate, e.conn_lost, &f->c->rules) == CLASS_INFRA) {
             db_failed(f, p, "provider_confirmed", &e);
@@ -467,33 +485,52 @@ static void park_refused(struct provider_flow *f, PGconn *db, struct pf_job *p,
                          idemq_err_t code, const char *reason)
 {
     struct ledger_db_error e;
-    json_t *meta = NULL, *doc = json_loads(p->doc, 0, NULL);
-    const char *vals[13];
-    int lens[13] = {0}, fmts[13] = {0};
-    char *headers = NULL;
+    json_t *meta = NULL, *doc;
+    const char *vals[14];
+    int lens[14] = {0}, fmts[14] = {0};
+    char *headers = NULL, size[24];
+    unsigned char *sealed = NULL;
+    size_t sealed_len = 0;
+    const char *key_id = NULL;
+    idemq_err_t err;
     PGresult *r;
 
+    /* sealed at rest like every park (protection.active), never stored in
+     * the clear */
+    if ((err = protect_seal_stored(p->body, p->body_len, &sealed, &sealed_len, &key_id)) !=
+        IDEMQ_OK) {
+        snprintf(e.sqlstate, sizeof e.sqlstate, "XX000");
+        snprintf(e.message, sizeof e.message, "cannot seal the message: %s",
+                 idemq_err_str(err));
+        e.conn_lost = false;
+        db_failed(f, p, "park_message", &e);
+        return;
+    }
+    doc = json_loads(p->doc, 0, NULL);
     meta = json_object_get(json_array_get(doc, 0), "m");
     headers = json_dumps(json_object_get(meta, "headers"), JSON_COMPACT | JSON_ENCODE_ANY);
     vals[0] = p->key;
     vals[1] = f->c->inputs[p->input].queue;
     vals[2] = json_string_value(json_object_get(meta, "exchange"));
     vals[3] = json_string_value(json_object_get(meta, "routing_key"));
-    vals[4] = (const char *)p->body;
-    lens[4] = (int)p->body_len;
+    vals[4] = sealed ? (const char *)sealed : (const char *)p->body;
+    lens[4] = sealed ? (int)sealed_len : (int)p->body_len;
     fmts[4] = 1;
     vals[5] = headers;
     vals[6] = p->props;
     vals[7] = idemq_err_name(code);
     vals[8] = reason;
     vals[9] = f->c->consumer_id;
-    vals[10] = NULL; /* SHA-256 of the body as held: the whole body */
-    vals[11] = NULL;
+    snprintf(size, sizeof size, "%zu", p->body_len);
+    vals[10] = p->body_sha; /* the whole message's, as held */
+    vals[11] = size;
     vals[12] = "true";
+    vals[13] = key_id; /* NULL: stored as sent */
     r = ledger_db_exec_params(db,
                               "SELECT idemq.park_message($1, $2, $3, $4, $5::bytea, $6::jsonb, "
-                              "$7::jsonb, $8, $9, $10, $11, $12, $13)",
-                              13, NULL, vals, lens, fmts, 0);
+                              "$7::jsonb, $8, $9, $10, $11, $12::bigint, $13::boolean, $14)",
+                              14, NULL, vals, lens, fmts, 0);
+    free(sealed);
     free(headers);
     json_decref(doc);
     if (PQresultStatus(r) != PGRES_TUPLES_OK) {
@@ -620,6 +657,7 @@ idemq_err_t provider_flow_start(struct provider_flow *f, PGconn *db, const struc
     }
     memcpy(p->body, j->body, j->body_len);
     p->body_len = j->body_len;
+    snprintf(p->body_sha, sizeof p->body_sha, "%s", j->sha256_hex);
     p->next = f->jobs;
     f->jobs = p;
     f->n_jobs++;

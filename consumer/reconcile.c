@@ -200,8 +200,19 @@ static idemq_err_t run_confirmed(struct reconcile_sweep *s, PGconn *db, int inpu
     if (st->message[0])
         event(s, st->key, "%s", st->message); /* a second reference: an alarm */
     memset(&next, 0, sizeof next);
+    if (st->unopened) { /* a failed attempt of the effect, as the worker records it */
+        event(s, st->key, "the message is sealed with key '%s' and cannot be opened (%s): the "
+              "local effect did not run", st->body_key, st->unopened);
+        err = ledger_provider_unopened(db, st->key, st, s->opts[input], NULL, s->who, &next, e);
+        if (err == IDEMQ_OK) {
+            snprintf(next.key, sizeof next.key, "%s", st->key);
+            err = act(s, db, input, &next, n, e);
+        }
+        ledger_provider_step_clear(&next);
+        return err;
+    }
     err = ledger_provider_confirmed(db, st->key, "reconciler", s->opts[input], NULL, s->who,
-                                    &next, e);
+                                    st, &next, e);
     if (err != IDEMQ_OK && classify_sqlstate(e->sqlstate, e->conn_lost, &s->c->rules) !=
                                CLASS_INFRA) {
         memset(&next, 0, sizeof next);

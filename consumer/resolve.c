@@ -12,6 +12,7 @@
 #include "ledger_provider.h"
 #include "log.h"
 #include "ops.h"
+#include "protect.h"
 
 bool resolve_shell_quote(const char *s, char *buf, size_t len)
 {
@@ -51,9 +52,55 @@ void resolve_who(char *buf, size_t len)
         snprintf(buf, len, "%s@%s", pw ? pw->pw_name : "?", host);
 }
 
+/* The intent's message for the local effect of `resolve --applied`: *msg
+ * NULL when it is stored as sent (the ledger reads it), else opened with
+ * the key it names (*msg malloc'd: the caller wipes and frees it). Returns
+ * 0, or an exit code with the reason on stderr (a copy that does not open
+ * is never passed on empty). */
+static int resolve_message(PGconn *db, const char *key, unsigned char **msg, size_t *msg_len,
+                           struct ops_strs *a)
+{
+    struct ledger_db_error e;
+    const char *params[1] = {key};
+    unsigned char *stored;
+    size_t stored_len = 0;
+    enum protect_open_result o;
+    char key_id[64];
+    PGresult *r = ledger_db_query(db, "SELECT body, body_key FROM idemq.intents WHERE key = $1",
+                                  1, params, &e);
+    *msg = NULL;
+    *msg_len = 0;
+    if (!r) {
+        log_error("cannot read the ledger: %s %s", e.sqlstate, e.message);
+        return e.conn_lost ? 4 : 1;
+    }
+    if (PQntuples(r) != 1 || PQgetisnull(r, 0, 1)) { /* stored as sent */
+        PQclear(r);
+        return 0;
+    }
+    snprintf(key_id, sizeof key_id, "%s", PQgetvalue(r, 0, 1));
+    stored = PQunescapeBytea((const unsigned char *)PQgetvalue(r, 0, 0), &stored_len);
+    PQclear(r);
+    if (!stored) {
+        log_error("out of memory");
+        return 1;
+    }
+    o = protect_open(protect_global(), key_id, stored, stored_len, msg, msg_len);
+    PQfreemem(stored);
+    if (o == PROTECT_OPENED)
+        return 0;
+    fprintf(stderr, "idemq: not resolved: the message of %s is sealed with key '%s', which "
+                    "cannot be opened (%s): its local effect cannot run. List that key in "
+                    "protection.keys and run this again.\n",
+            ops_text(a, key), ops_text(a, key_id), protect_open_str(o));
+    return 1;
+}
+
 int resolve_cmd(const struct conf *c, const char *key, const char *action, const char *ref,
                 const char *reason, FILE *out)
 {
+    unsigned char *msg = NULL;
+    size_t msg_len = 0;
     struct ledger_db_error e;
     const char *params[1] = {key};
     char err[512], who[300], prior[32], input[128];
@@ -103,8 +150,12 @@ int resolve_cmd(const struct conf *c, const char *key, const char *action, const
         goto out;
     }
     resolve_who(who, sizeof who);
+    if (strcmp(action, "applied") == 0 &&
+        (rc = resolve_message(db, key, &msg, &msg_len, &a)) != 0)
+        goto out;
     if (ledger_provider_resolve(db, key, action, strcmp(action, "applied") == 0 ? ref : NULL,
-                                who, reason, opts, prior, sizeof prior, &e) != IDEMQ_OK) {
+                                who, reason, opts, msg, msg_len, prior, sizeof prior,
+                                &e) != IDEMQ_OK) {
         fprintf(stderr, "idemq: not resolved: %s%s%s\n", ops_text(&a, e.message),
                 e.sqlstate[0] ? " SQLSTATE " : "", e.sqlstate);
         rc = e.conn_lost ? 4 : 1;
@@ -132,6 +183,10 @@ int resolve_cmd(const struct conf *c, const char *key, const char *action, const
                 ops_text(&a, who), ops_text(&a, reason));
     }
 out:
+    if (msg) {
+        explicit_bzero(msg, msg_len);
+        free(msg);
+    }
     ops_strs_free(&a);
     free(opts);
     PQfinish(db);

@@ -83,7 +83,7 @@ BEGIN
     ON CONFLICT DO NOTHING;
     GET DIAGNOSTICS r_history = ROW_COUNT;
     UPDATE idemq.intents i SET request_body = ''::bytea, request_body_key = NULL,
-           body = ''::bytea, headers = NULL
+           body = ''::bytea, body_key = NULL, headers = NULL
      WHERE i.key = p_key;
     GET DIAGNOSTICS r_intents = ROW_COUNT;
     IF r_intents > 0 THEN

@@ -25,7 +25,9 @@
 --   park      parked (r_park: the park's facts, as idemq.park_info)
 --   confirmed the provider's reference is recorded (committed): run the
 --             local effect next with idemq.provider_confirmed (r_message: a
---             second-reference alarm, if any)
+--             second-reference alarm, if any; r_body: the intent's message
+--             when it is sealed at rest, with the key r_body_key: the
+--             caller opens it and passes it in as p_body)
 --   effect_error  the local effect raised r_sqlstate: classify it, then
 --             call idemq.provider_effect_failed
 --   leave     (reconciler) nothing to do now
@@ -43,6 +45,8 @@ DROP FUNCTION IF EXISTS idemq.provider_resolve(text, text, text, text, text, jso
 -- provider_begin the key of its sealed request body.
 DROP FUNCTION IF EXISTS idemq.provider_confirmed(text, text, jsonb, jsonb, text);
 DROP FUNCTION IF EXISTS idemq.provider_sweep(jsonb, integer, integer, text);
+-- provider_begin gained the key of the sealed message and its size.
+DROP FUNCTION IF EXISTS idemq.provider_begin(jsonb, jsonb, text, bytea, jsonb, text, bytea, text);
 
 -- One attempt row of a provider key (never updated, like every attempt).
 CREATE OR REPLACE FUNCTION idemq.provider_note(
@@ -88,8 +92,9 @@ LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, idemq AS $fn$
 $fn$;
 
 -- Parks a provider job (locks held): the park row keeps the message the
--- intent stored, the job becomes parked, the intent p_state (NULL keeps
--- it). Returns the park's facts.
+-- intent stored (sealed as it is stored, with the message's own hash and
+-- size), the job becomes parked, the intent p_state (NULL keeps it).
+-- Returns the park's facts.
 CREATE OR REPLACE FUNCTION idemq.provider_park(
     p_key text, p_class text, p_code text, p_reason text, p_state text, p_consumer text,
     p_meta jsonb)
@@ -117,10 +122,12 @@ BEGIN
       FROM idemq.attempts a WHERE a.key = p_key;
     INSERT INTO idemq.parked (key, source_queue, exchange, routing_key, body, headers,
         properties, payload_sha256, error_class, error_code, reason, attempts,
-        first_attempt_at, last_attempt_at, consumer_id, generation, attempt_ids)
+        first_attempt_at, last_attempt_at, consumer_id, generation, attempt_ids, body_key,
+        body_size)
     SELECT i.key, i.source_queue, i.exchange, i.routing_key, i.body, i.headers, i.properties,
-           encode(sha256(i.body), 'hex'), p_class, p_code, left(p_reason, 2000), v_att,
-           coalesce(v_first, v_now), v_now, p_consumer, v_gen, coalesce(v_ids, '{}')
+           coalesce(i.body_sha256, encode(sha256(i.body), 'hex')), p_class, p_code,
+           left(p_reason, 2000), v_att, coalesce(v_first, v_now), v_now, p_consumer, v_gen,
+           coalesce(v_ids, '{}'), i.body_key, coalesce(i.body_size, octet_length(i.body))
       FROM idemq.intents i WHERE i.key = p_key
     RETURNING id INTO v_id;
     RETURN idemq.park_info(v_id);
@@ -146,7 +153,7 @@ BEGIN
                                 p_reason, NULL, p_meta, p_consumer);
     SELECT idemq.park_message(i.key, i.source_queue, i.exchange, i.routing_key, i.body,
                               i.headers, i.properties, 'key_conflict', left(p_reason, 2000),
-                              p_consumer, NULL, NULL, true)
+                              p_consumer, i.body_sha256, i.body_size, true, i.body_key)
       INTO v_park FROM idemq.intents i WHERE i.key = p_key;
     RETURN v_park;
 END
@@ -217,10 +224,13 @@ $fn$;
 -- WHEN OTHERS does not catch (57014, P0004) roll back the whole statement:
 -- the worker's answers therefore commit the reference first
 -- (provider_result) and run the effect in a statement of its own
--- (provider_confirmed); only idemq resolve runs both at once.
+-- (provider_confirmed); only idemq resolve runs both at once. p_body: the
+-- intent's message opened by the caller when it is sealed at rest (NULL:
+-- the stored one, as sent); an effect never gets one that does not match
+-- the message's hash (22023, an effect error).
 CREATE OR REPLACE FUNCTION idemq.provider_apply(
     p_key text, p_ref text, p_answer jsonb, p_how text, p_opts jsonb, p_meta jsonb,
-    p_consumer text)
+    p_consumer text, p_body bytea)
 RETURNS TABLE (r_ok boolean, r_sqlstate text, r_message text)
 LANGUAGE plpgsql SET search_path = pg_catalog, idemq AS $fn$
 DECLARE
@@ -253,9 +263,16 @@ BEGIN
          WHERE pr.oid = (p_opts->>'effect')::regprocedure;
     END IF;
     BEGIN
+        IF v_call IS NOT NULL AND v_int.body_key IS NOT NULL
+           AND (p_body IS NULL
+                OR encode(sha256(p_body), 'hex') IS DISTINCT FROM v_int.body_sha256) THEN
+            RAISE EXCEPTION 'the message of % is sealed with key % and was not opened for the '
+                            'local effect', p_key, v_int.body_key USING ERRCODE = '22023';
+        END IF;
         IF v_call IS NOT NULL THEN
             EXECUTE v_call INTO v_result
-              USING p_key, convert_from(v_int.body, 'UTF8')::jsonb, v_meta;
+              USING p_key, convert_from(CASE WHEN v_int.body_key IS NULL THEN v_int.body
+                                             ELSE p_body END, 'UTF8')::jsonb, v_meta;
         END IF;
         UPDATE idemq.jobs j SET state = 'applied', applied_at = v_now, last_attempt_at = v_now,
                run_after = NULL,
@@ -282,7 +299,8 @@ $fn$;
 -- fails as a whole (a statement timeout, an ASSERT), the reference stays
 -- recorded: the caller classifies that error as the effect's.
 CREATE OR REPLACE FUNCTION idemq.provider_confirmed(p_key text, p_how text, p_opts jsonb,
-                                                    p_meta jsonb, p_consumer text)
+                                                    p_meta jsonb, p_consumer text,
+                                                    p_body bytea DEFAULT NULL)
 RETURNS TABLE (r_action text, r_attempt integer, r_lease integer, r_delay_ms integer,
                r_park jsonb, r_message text, r_lookup text, r_sqlstate text, r_body bytea,
                r_body_key text)
@@ -301,7 +319,7 @@ BEGIN
     END IF;
     SELECT a.r_ok, a.r_sqlstate, a.r_message INTO v_ok, r_sqlstate, r_message
       FROM idemq.provider_apply(p_key, v_int.provider_ref, NULL, p_how, p_opts, p_meta,
-                                p_consumer) a;
+                                p_consumer, p_body) a;
     r_action := CASE WHEN v_ok THEN 'applied' ELSE 'effect_error' END;
     RETURN NEXT;
 END
@@ -358,8 +376,11 @@ BEGIN
     END IF;
     IF v_int.state = 'confirmed' THEN
         -- The provider confirmed, the local effect has not committed yet:
-        -- the caller runs it next (idemq.provider_confirmed).
+        -- the caller runs it next (idemq.provider_confirmed), with the
+        -- message opened when it is sealed.
         r_action := 'confirmed';
+        r_body := CASE WHEN v_int.body_key IS NOT NULL THEN v_int.body END;
+        r_body_key := v_int.body_key;
         RETURN NEXT;
         RETURN;
     END IF;
@@ -447,14 +468,17 @@ $fn$;
 -- Transaction 1 of a delivery of a provider input. p_job is the job as
 -- idemq.apply_batch reads it ({"k","i","q","h","m","p"}); p_opts holds the
 -- input's provider settings (see consumer/provider_flow.c); p_body and
--- p_props the raw message (kept for parking); p_request_sha/p_request_body
+-- p_props the raw message (kept for parking and the local effect; p_body
+-- sealed with key p_body_key when that is not NULL, p_body_size then the
+-- message's own size and p_job.h its hash); p_request_sha/p_request_body
 -- what this copy would send (p_request_body sealed with key
 -- p_request_body_key when that is not NULL; p_request_sha is the hash of
 -- the request itself). Claims the key, records the intent as pending
 -- on first sight, and says what to do (see the top of this file).
 CREATE OR REPLACE FUNCTION idemq.provider_begin(
     p_job jsonb, p_opts jsonb, p_consumer text, p_body bytea, p_props jsonb,
-    p_request_sha text, p_request_body bytea, p_request_body_key text)
+    p_request_sha text, p_request_body bytea, p_request_body_key text, p_body_key text,
+    p_body_size bigint)
 RETURNS TABLE (r_action text, r_attempt integer, r_lease integer, r_delay_ms integer,
                r_park jsonb, r_message text, r_lookup text, r_sqlstate text, r_body bytea,
                r_body_key text)
@@ -480,12 +504,14 @@ BEGIN
         INSERT INTO idemq.intents (key, input, provider, source_queue, idempotent, state,
             request_sha256, request_body, request_body_key, lease_no, requests,
             first_request_at, last_request_at, lease_until, body, exchange, routing_key,
-            headers, properties)
+            headers, properties, body_key, body_sha256, body_size)
         VALUES (v_key, p_opts->>'input', p_opts->>'provider', v_q,
             (p_opts->>'idempotent')::boolean, 'pending', p_request_sha, p_request_body,
             p_request_body_key, 1, 1,
             v_now, v_now, v_now + v_lease, p_body, v_meta->>'exchange', v_meta->>'routing_key',
-            v_meta->'headers', p_props);
+            v_meta->'headers', p_props, p_body_key,
+            CASE WHEN p_body_key IS NOT NULL THEN p_job->>'h' END,
+            CASE WHEN p_body_key IS NOT NULL THEN p_body_size END);
         PERFORM idemq.provider_note(v_key, 'provider_request', v_now, NULL, NULL,
             format('request 1 to %s (lease 1)', p_opts->>'provider'), NULL, v_meta, p_consumer);
         r_action := 'call'; r_attempt := 1; r_lease := 1;
@@ -518,7 +544,9 @@ BEGIN
         r_park := idemq.park_message(v_key, v_q, v_meta->>'exchange', v_meta->>'routing_key',
             p_body, v_meta->'headers', p_props, 'key_conflict',
             format('key %s belongs to a %s job of another (non-provider) input', v_key,
-                   v_job.state), p_consumer, NULL, NULL, true);
+                   v_job.state), p_consumer,
+            CASE WHEN p_body_key IS NOT NULL THEN p_job->>'h' END,
+            CASE WHEN p_body_key IS NOT NULL THEN p_body_size END, true, p_body_key);
         r_action := 'park';
         RETURN NEXT;
         RETURN;
@@ -610,8 +638,10 @@ BEGIN
     END IF;
     RETURN QUERY SELECT s.r_action, s.r_attempt, s.r_lease, s.r_delay_ms, s.r_park,
         coalesce(s.r_message, v_note), s.r_lookup, s.r_sqlstate,
-        CASE WHEN v_int.request_sha256 <> p_request_sha THEN s.r_body END,
-        CASE WHEN v_int.request_sha256 <> p_request_sha THEN s.r_body_key END
+        CASE WHEN v_int.request_sha256 <> p_request_sha OR s.r_action = 'confirmed'
+             THEN s.r_body END,
+        CASE WHEN v_int.request_sha256 <> p_request_sha OR s.r_action = 'confirmed'
+             THEN s.r_body_key END
       FROM idemq.provider_step(v_key, p_opts, v_meta, p_consumer, false) s;
 END
 $fn$;
@@ -709,6 +739,8 @@ BEGIN
                                                  ELSE 'lookup by ' || p_op END,
                                             p_meta, p_consumer);
         r_action := 'confirmed';
+        r_body := CASE WHEN v_int.body_key IS NOT NULL THEN v_int.body END;
+        r_body_key := v_int.body_key;
         RETURN NEXT;
         RETURN;
     END IF;
@@ -1033,9 +1065,12 @@ $fn$;
 -- records p_ref as the provider's reference and runs the input's effect
 -- (all or nothing); 'not_applied' makes the key redrivable (a redrive
 -- sends it again under the same key); 'discard' drops it for good (a
--- redrive is a duplicate). Records who and why. Returns the prior state.
+-- redrive is a duplicate). Records who and why. p_body: the intent's
+-- message, opened by the caller when it is sealed (provider_apply). Returns
+-- the prior state.
 CREATE OR REPLACE FUNCTION idemq.provider_resolve(p_key text, p_action text, p_ref text,
-                                                  p_by text, p_reason text, p_opts jsonb)
+                                                  p_by text, p_reason text, p_opts jsonb,
+                                                  p_body bytea DEFAULT NULL)
 RETURNS text
 LANGUAGE plpgsql SET search_path = pg_catalog, idemq AS $fn$
 DECLARE
@@ -1067,7 +1102,7 @@ BEGIN
         SELECT a.r_ok, a.r_message INTO v_ok, v_msg
           FROM idemq.provider_apply(p_key, p_ref,
                    jsonb_build_object('resolved_by', p_by, 'reason', p_reason),
-                   'resolved by ' || p_by, p_opts, v_meta, 'idemq resolve') a;
+                   'resolved by ' || p_by, p_opts, v_meta, 'idemq resolve', p_body) a;
         IF NOT v_ok THEN
             RAISE EXCEPTION 'the effect of % failed: %', p_key, v_msg USING ERRCODE = 'P0001';
         END IF;

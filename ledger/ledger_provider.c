@@ -194,18 +194,27 @@ idemq_err_t ledger_provider_begin(PGconn *db, const char *doc, const char *opts,
                                   const void *req_body, size_t req_len,
                                   struct ledger_provider_step *s, struct ledger_db_error *e)
 {
-    unsigned char *sealed;
-    size_t sealed_len;
-    const char *key;
-    const char *vals[8] = {doc, opts, consumer, body, props, request_sha, req_body, NULL};
-    int lens[8] = {0, 0, 0, (int)body_len, 0, 0, (int)req_len, 0};
-    int fmts[8] = {0, 0, 0, 1, 0, 0, 1, 0};
+    unsigned char *sealed = NULL, *msg = NULL;
+    size_t sealed_len = 0, msg_len = 0;
+    const char *key = NULL, *msg_key = NULL;
+    char size[24];
+    const char *vals[10] = {doc, opts, consumer, body, props, request_sha, req_body, NULL,
+                            NULL, NULL};
+    int lens[10] = {0, 0, 0, (int)body_len, 0, 0, (int)req_len, 0, 0, 0};
+    int fmts[10] = {0, 0, 0, 1, 0, 0, 1, 0, 0, 0};
+    const char *what = "request body";
     idemq_err_t err;
 
-    /* sealed at rest with the active key, never stored in the clear */
-    if ((err = protect_seal_stored(req_body, req_len, &sealed, &sealed_len, &key)) != IDEMQ_OK) {
+    /* both copies sealed at rest with the active key, never stored in the
+     * clear: the request, and the message (parks, the local effect) */
+    if ((err = protect_seal_stored(req_body, req_len, &sealed, &sealed_len, &key)) == IDEMQ_OK) {
+        what = "message";
+        err = protect_seal_stored(body, body_len, &msg, &msg_len, &msg_key);
+    }
+    if (err != IDEMQ_OK) {
+        free(sealed);
         snprintf(e->sqlstate, sizeof e->sqlstate, "XX000");
-        snprintf(e->message, sizeof e->message, "cannot seal the request body: %s",
+        snprintf(e->message, sizeof e->message, "cannot seal the %s: %s", what,
                  idemq_err_str(err));
         e->conn_lost = false;
         return IDEMQ_ERR_SQL;
@@ -215,11 +224,19 @@ idemq_err_t ledger_provider_begin(PGconn *db, const char *doc, const char *opts,
         lens[6] = (int)sealed_len;
         vals[7] = key;
     }
+    if (msg) {
+        snprintf(size, sizeof size, "%zu", body_len);
+        vals[3] = (const char *)msg;
+        lens[3] = (int)msg_len;
+        vals[8] = msg_key;
+        vals[9] = size;
+    }
     err = run_step(db,
                    "SELECT " STEP_COLUMNS " FROM idemq.provider_begin(($1::jsonb)->0, "
-                   "$2::jsonb, $3, $4::bytea, $5::jsonb, $6, $7::bytea, $8)",
-                   8, vals, lens, fmts, s, e);
+                   "$2::jsonb, $3, $4::bytea, $5::jsonb, $6, $7::bytea, $8, $9, $10::bigint)",
+                   10, vals, lens, fmts, s, e);
     free(sealed);
+    free(msg);
     return err;
 }
 
@@ -282,13 +299,28 @@ idemq_err_t ledger_provider_result(PGconn *db, const char *key, int lease, const
 
 idemq_err_t ledger_provider_confirmed(PGconn *db, const char *key, const char *how,
                                       const char *opts, const char *doc, const char *consumer,
+                                      const struct ledger_provider_step *confirmed,
                                       struct ledger_provider_step *s, struct ledger_db_error *e)
 {
-    const char *vals[5] = {key, how, opts, doc, consumer};
+    const char *vals[6] = {key, how, opts, doc, consumer, (const char *)confirmed->body};
+    int lens[6] = {0, 0, 0, 0, 0, (int)confirmed->body_len};
+    int fmts[6] = {0, 0, 0, 0, 0, 1};
     return run_step(db,
                     "SELECT " STEP_COLUMNS " FROM idemq.provider_confirmed($1, $2, $3::jsonb, "
-                    "coalesce(($4::jsonb)->0->'m', '{\"reconciler\": true}'), $5)",
-                    5, vals, NULL, NULL, s, e);
+                    "coalesce(($4::jsonb)->0->'m', '{\"reconciler\": true}'), $5, $6::bytea)",
+                    6, vals, lens, fmts, s, e);
+}
+
+idemq_err_t ledger_provider_unopened(PGconn *db, const char *key,
+                                     const struct ledger_provider_step *confirmed,
+                                     const char *opts, const char *doc, const char *consumer,
+                                     struct ledger_provider_step *s, struct ledger_db_error *e)
+{
+    char why[256];
+    snprintf(why, sizeof why, "the message is sealed with key '%s' and cannot be opened (%s): "
+             "the local effect did not run", confirmed->body_key, confirmed->unopened);
+    return ledger_provider_effect_failed(db, key, "transient", idemq_err_name(IDEMQ_ERR_CONFIG),
+                                         NULL, why, opts, doc, consumer, s, e);
 }
 
 idemq_err_t ledger_provider_effect_failed(PGconn *db, const char *key, const char *cls,
@@ -321,15 +353,21 @@ idemq_err_t ledger_provider_sweep(PGconn *db, const char *opts, int age_s, int m
 
 idemq_err_t ledger_provider_resolve(PGconn *db, const char *key, const char *action,
                                     const char *ref, const char *by, const char *reason,
-                                    const char *opts, char *prior, size_t priorlen,
-                                    struct ledger_db_error *e)
+                                    const char *opts, const void *msg, size_t msg_len,
+                                    char *prior, size_t priorlen, struct ledger_db_error *e)
 {
-    const char *vals[6] = {key, action, ref, by, reason, opts};
-    PGresult *r = ledger_db_query(db,
-                                  "SELECT idemq.provider_resolve($1, $2, $3, $4, $5, $6::jsonb)",
-                                  6, vals, e);
-    if (!r)
+    const char *vals[7] = {key, action, ref, by, reason, opts, msg};
+    int lens[7] = {0, 0, 0, 0, 0, 0, (int)msg_len};
+    int fmts[7] = {0, 0, 0, 0, 0, 0, 1};
+    PGresult *r = ledger_db_exec_params(db,
+                                        "SELECT idemq.provider_resolve($1, $2, $3, $4, $5, "
+                                        "$6::jsonb, $7::bytea)",
+                                        7, NULL, vals, lens, fmts, 0);
+    if (PQresultStatus(r) != PGRES_TUPLES_OK) {
+        ledger_db_error_from(db, r, e);
+        PQclear(r);
         return ledger_db_err(e);
+    }
     snprintf(prior, priorlen, "%s", PQgetvalue(r, 0, 0));
     PQclear(r);
     return IDEMQ_OK;

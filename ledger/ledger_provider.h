@@ -45,8 +45,9 @@ struct ledger_provider_step {
     char message[512];
     char sqlstate[6];     /* EFFECT_ERROR */
     unsigned char *body;  /* CALL: the request body to send when the ledger's differs
-                           * from the caller's (or for the sweep), opened when it was
-                           * sealed at rest; owned, may be NULL */
+                           * from the caller's (or for the sweep); CONFIRMED: the
+                           * intent's message when it is sealed at rest (NULL: stored
+                           * as sent). Opened when it was sealed; owned, may be NULL */
     size_t body_len;
     bool body_opened;     /* body is an opened copy (wiped and freed on clear) */
     char body_key[64];    /* the key the stored body was sealed with ("": as sent) */
@@ -67,11 +68,12 @@ char *ledger_provider_opts(const struct conf *c, int i);
 /*
  * Transaction 1 for one delivery. doc is the one-job array ledger_doc wrote
  * for it; body/body_len the raw message and props its properties (JSON
- * text); request_sha/req_body what this copy would send (stored sealed with
- * the process's active key, if any: request_sha stays the hash of the
- * request itself). Fills *s. Returns IDEMQ_OK, or IDEMQ_ERR_DB_CONN /
- * IDEMQ_ERR_SQL with e filled (nothing committed; also when the request
- * cannot be sealed: it is never stored in the clear).
+ * text); request_sha/req_body what this copy would send. The message and
+ * the request are stored sealed with the process's active key, if any (the
+ * hashes stay those of the message and the request themselves). Fills *s.
+ * Returns IDEMQ_OK, or IDEMQ_ERR_DB_CONN / IDEMQ_ERR_SQL with e filled
+ * (nothing committed; also when a copy cannot be sealed: it is never
+ * stored in the clear).
  */
 idemq_err_t ledger_provider_begin(PGconn *db, const char *doc, const char *opts,
                                   const char *consumer, const void *body, size_t body_len,
@@ -100,18 +102,34 @@ idemq_err_t ledger_provider_result(PGconn *db, const char *key, int lease, const
                                    struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
 /*
- * After LEDGER_PROVIDER_CONFIRMED: transaction 2b, the local effect of key,
- * whose reference is committed; how says how it was found ("answer",
- * "lookup by key", "local retry", "reconciler"). Fills *s (APPLIED,
- * EFFECT_ERROR or DUPLICATE). On IDEMQ_ERR_SQL the statement failed as a
- * whole (a statement timeout, an ASSERT, a deadlock in the effect): the
- * reference stays recorded; classify e->sqlstate as the effect's error.
- * doc as for ledger_provider_result.
+ * After LEDGER_PROVIDER_CONFIRMED (the step `confirmed`, whose body is the
+ * opened message when it is sealed at rest; when its `unopened` is set,
+ * call ledger_provider_unopened instead): transaction 2b, the local effect
+ * of key, whose reference is committed; how says how it was found
+ * ("answer", "lookup by key", "local retry", "reconciler"). Fills *s
+ * (APPLIED, EFFECT_ERROR or DUPLICATE). On IDEMQ_ERR_SQL the statement
+ * failed as a whole (a statement timeout, an ASSERT, a deadlock in the
+ * effect): the reference stays recorded; classify e->sqlstate as the
+ * effect's error. doc as for ledger_provider_result.
  */
 idemq_err_t ledger_provider_confirmed(PGconn *db, const char *key, const char *how,
                                       const char *opts, const char *doc, const char *consumer,
+                                      const struct ledger_provider_step *confirmed,
                                       struct ledger_provider_step *s,
                                       struct ledger_db_error *e) IDEMQ_MUSTCHECK;
+
+/*
+ * After LEDGER_PROVIDER_CONFIRMED whose sealed message does not open (its
+ * key is not listed, or the copy was altered): the local effect cannot run,
+ * which is recorded as a transient failure of it naming the key (code
+ * "config"); the reference stays recorded, retry.max_attempts of them park
+ * the key. Fills *s (RETRY or PARK) as ledger_provider_effect_failed.
+ */
+idemq_err_t ledger_provider_unopened(PGconn *db, const char *key,
+                                     const struct ledger_provider_step *confirmed,
+                                     const char *opts, const char *doc, const char *consumer,
+                                     struct ledger_provider_step *s,
+                                     struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
 /* After LEDGER_PROVIDER_EFFECT_ERROR: records the local effect's failure
  * with its class ("transient" or "permanent") and code; fills *s (RETRY or
@@ -135,13 +153,16 @@ idemq_err_t ledger_provider_sweep(PGconn *db, const char *opts, int age_s, int m
 
 /*
  * idemq resolve: action "applied" (with ref), "not_applied" or "discard";
- * by is the OS user, reason the operator's text. prior receives the
- * intent's state before. IDEMQ_ERR_SQL with e filled when the ledger
- * refuses (not a provider job, not parked, the effect failed).
+ * by is the OS user, reason the operator's text; msg/msg_len the intent's
+ * message opened when it is sealed at rest (NULL: the stored one is read as
+ * it is). prior receives the intent's state before. IDEMQ_ERR_SQL with e
+ * filled when the ledger refuses (not a provider job, not parked, the
+ * effect failed).
  */
 idemq_err_t ledger_provider_resolve(PGconn *db, const char *key, const char *action,
                                     const char *ref, const char *by, const char *reason,
-                                    const char *opts, char *prior, size_t priorlen,
+                                    const char *opts, const void *msg, size_t msg_len,
+                                    char *prior, size_t priorlen,
                                     struct ledger_db_error *e) IDEMQ_MUSTCHECK;
 
 #endif

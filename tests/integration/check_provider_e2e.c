@@ -682,6 +682,11 @@ static void sealed_first_call(const char *tag, char *key, size_t klen, char *k1,
                                     "'UTF8') IN request_body) = 0 AND position('amount_minor' "
                                     "::bytea IN request_body) = 0 AND octet_length(request_body) "
                                     "> 28", key), 1);
+    /* and so is the message the intent keeps (its parks, the local effect) */
+    ck_assert_int_eq(itest_long(&T, "SELECT count(*) FROM idemq.intents WHERE key = $1 AND "
+                                    "body_key = 'k1' AND position('amount_minor'::bytea IN body) "
+                                    "= 0 AND body_sha256 = (SELECT payload_sha256 FROM "
+                                    "idemq.jobs WHERE key = $1)", key), 1);
     purge_input("sealed purge");
     publish_payout(key, "\"memo\":\"another copy\"");
 }
@@ -698,13 +703,18 @@ START_TEST(test14_sealed_request_resent)
     applied_on_resend(key);
     ck_assert_int_eq(itest_long(&T, "SELECT count(*) FROM idemq.attempts WHERE key = $1 AND "
                                     "error_code = 'conflict'", key), 0);
+    /* the effect ran on the first copy's message, opened */
+    ck_assert_int_eq(itest_long(&T, "SELECT count(*) FROM idemq_test.effects WHERE key = $1 "
+                                    "AND payload->>'amount_minor' = '500' AND NOT payload ? "
+                                    "'memo'", key), 1);
     /* erased: no request left, and no key named for it */
     {
         char cmd[300], out[4096];
         snprintf(cmd, sizeof cmd, "erase '%s' --why 'sealed request test'", key);
         ck_assert_msg(itest_idemq(&T, cmd, out, sizeof out) == 0, "%s", out);
         ck_assert_int_eq(itest_long(&T, "SELECT count(*) FROM idemq.intents WHERE key = $1 AND "
-                                        "request_body = ''::bytea AND request_body_key IS NULL",
+                                        "request_body = ''::bytea AND request_body_key IS NULL "
+                                        "AND body = ''::bytea AND body_key IS NULL",
                                     key), 1);
     }
     unlink(k1);

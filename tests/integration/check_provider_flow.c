@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -21,6 +22,7 @@
 #include "ledger_migrate.h"
 #include "ledger_provider.h"
 #include "ledger_txn.h"
+#include "protect.h"
 #include "provider_flow.h"
 #include "reconcile.h"
 #include "seal.h"
@@ -95,6 +97,8 @@ static char *slurp(const char *path)
 /* (Re)loads T.c and a new flow for one provider input of the running
  * provider configured with the extra provider lines; effect = the SQL
  * effect or NULL. */
+static const char *top_conf = ""; /* top-level settings configure adds */
+
 static void configure(const char *extra, const char *effect)
 {
     char text[4096], err[1024];
@@ -102,13 +106,13 @@ static void configure(const char *extra, const char *effect)
     provider_flow_free(T.f);
     conf_free(T.c);
     snprintf(text, sizeof text,
-             "retry: { max_attempts = 4; base_delay_ms = 100; max_delay_ms = 2000; "
+             "%sretry: { max_attempts = 4; base_delay_ms = 100; max_delay_ms = 2000; "
              "jitter = \"none\"; };\n"
              "consumer: { id = \"%s\"; };\n"
              "inputs = ( { name = \"%s\"; queue = \"%s.q\"; %s%s%s\n"
              "  provider: { url = \"%s\"; path = \"/charges\"; timeout_ms = %d; "
              "retry_after_max_ms = 2000; %s %s }; } );\n",
-             T.prefix, T.prefix, T.prefix, effect ? "effect_function = \"" : "",
+             top_conf, T.prefix, T.prefix, T.prefix, effect ? "effect_function = \"" : "",
              effect ? effect : "",
              effect ? "\";" : "", T.p.url, 3000 * mult(),
              extra && strstr(extra, "reconcile_after_s") ? "" : "reconcile_after_s = 60;",
@@ -625,8 +629,8 @@ START_TEST(test_non_idempotent_parks_unknown)
     (void)opts_err;
     opts = ledger_provider_opts(T.c, 0);
     ck_assert_int_eq(ledger_provider_resolve(T.db, key, "applied", "ch_000001", "tester",
-                                             "found it in the provider dashboard", opts, prior,
-                                             sizeof prior, &e),
+                                             "found it in the provider dashboard", opts, NULL,
+                                             0, prior, sizeof prior, &e),
                      IDEMQ_OK);
     ck_assert_str_eq(prior, "parked");
     ck_assert_str_eq(val(JOB_STATE, key, b, sizeof b), "applied");
@@ -636,7 +640,7 @@ START_TEST(test_non_idempotent_parks_unknown)
                          "WHERE key = $1", key, b, sizeof b),
                      "tester: found it in the provider dashboard");
     ck_assert_int_eq(ledger_provider_resolve(T.db, key, "discard", NULL, "tester", "again",
-                                             opts, prior, sizeof prior, &e),
+                                             opts, NULL, 0, prior, sizeof prior, &e),
                      IDEMQ_ERR_SQL); /* applied: nothing to resolve */
     free(opts);
     provider_flow_decision_clear(&d);
@@ -1613,6 +1617,184 @@ START_TEST(test_cross_input_key_conflict)
 }
 END_TEST
 
+/* ---- the provider input's message sealed at rest (protection.active) ---- */
+
+static struct protect *sealed_keys;
+static char key_path[2][128];
+
+/* Writes key file i (32 bytes as hex, mode 0600). */
+static void write_key(int i, unsigned char fill)
+{
+    FILE *f;
+    snprintf(key_path[i], sizeof key_path[i], "/tmp/%s.k%d", T.prefix, i + 1);
+    ck_assert_ptr_nonnull(f = fopen(key_path[i], "w"));
+    for (int b = 0; b < 32; b++)
+        fprintf(f, "%02x", (unsigned char)(fill + b));
+    fclose(f);
+    ck_assert_int_eq(chmod(key_path[i], 0600), 0);
+}
+
+/* Reconfigures T with protection listing k1 and/or k2, active the last
+ * listed, and makes those the process's keys. */
+static void protect_with(bool k1, bool k2)
+{
+    static char top[700];
+    char err[512];
+    snprintf(top, sizeof top, "protection: { keys = [ %s%s%s%s%s%s%s ]; active = \"%s\"; };\n",
+             k1 ? "\"k1=" : "", k1 ? key_path[0] : "", k1 ? "\"" : "", k1 && k2 ? ", " : "",
+             k2 ? "\"k2=" : "", k2 ? key_path[1] : "", k2 ? "\"" : "", k2 ? "k2" : "k1");
+    top_conf = top;
+    configure(NULL, "idemq_test.record");
+    protect_set_global(NULL);
+    protect_free(sealed_keys);
+    sealed_keys = NULL;
+    ck_assert_msg(protect_load(T.c, &sealed_keys, err, sizeof err) == IDEMQ_OK, "%s", err);
+    protect_set_global(sealed_keys);
+}
+
+/* The newest park of j's key holds j's message sealed with k1: no byte of
+ * it in the clear, the message's own hash and size, and it opens to the
+ * exact bytes. */
+static void park_sealed(const struct job *j)
+{
+    char q[600], hex[8192];
+    unsigned char *stored, *plain = NULL;
+    size_t stored_len, plain_len = 0;
+    snprintf(q, sizeof q,
+             "SELECT count(*) FROM idemq.parked WHERE key = $1 AND body_key = 'k1' AND "
+             "position('amount_minor'::bytea IN body) = 0 AND payload_sha256 = '%s' AND "
+             "body_size = %zu AND octet_length(body) = %zu",
+             j->sha256_hex, j->body_len, j->body_len + PROTECT_OVERHEAD);
+    ck_assert_int_ge(num(q, j->key), 1);
+    val("SELECT body FROM idemq.parked WHERE key = $1 ORDER BY id DESC LIMIT 1", j->key, hex,
+        sizeof hex);
+    ck_assert_ptr_nonnull(stored = PQunescapeBytea((const unsigned char *)hex, &stored_len));
+    ck_assert_int_eq(protect_open(sealed_keys, "k1", stored, stored_len, &plain, &plain_len),
+                     PROTECT_OPENED);
+    ck_assert_int_eq(plain_len, j->body_len);
+    ck_assert_int_eq(memcmp(plain, j->body, plain_len), 0);
+    free(plain);
+    PQfreemem(stored);
+}
+
+#define INTENT_SEALED                                                                       \
+    "SELECT count(*) FROM idemq.intents WHERE key = $1 AND body_key = 'k1' AND "            \
+    "position('amount_minor'::bytea IN body) = 0"
+#define EFFECT_PAYLOAD                                                                      \
+    "SELECT count(*) FROM idemq_test.effects WHERE key = $1 AND payload->>'job_id' = $1 "   \
+    "AND payload->>'amount_minor' = '500'"
+
+/* With protection.active, the message a provider input keeps with its
+ * intent is sealed, and so is every park made from it (a 4xx, a key
+ * conflict, a key that cannot be a header): the message's own hash and
+ * size, opened for redrive. The local effect gets the opened message, from
+ * the worker, the reconciler and idemq resolve; a process without its key
+ * records the effect's attempt as failed, naming the key, and applies once
+ * the key is listed again. */
+START_TEST(test_sealed_message)
+{
+    struct job j, k, m, bad, c;
+    struct provider_decision d;
+    struct reconcile_counts n;
+    char key[300], key2[300], key3[300], key4[300], q[512], out[8192], b[128];
+    char body[400];
+    int rounds;
+
+    write_key(0, 0x31);
+    write_key(1, 0x61);
+    protect_with(true, false);
+
+    /* a 4xx parks the sealed message */
+    make_job(&j, "s-4xx", NULL, key, sizeof key);
+    tprov_control(&T.p, "{\"fault\":\"status=400\",\"count\":1}");
+    deliver(&j, &d);
+    ck_assert_msg(d.kind == PROVIDER_FLOW_PARK, "%s: %s", d.outcome, d.reason);
+    provider_flow_decision_clear(&d);
+    ck_assert_int_eq(num(INTENT_SEALED, key), 1);
+    park_sealed(&j);
+    /* idemq resolve --applied runs the effect with the opened message */
+    snprintf(q, sizeof q, "resolve '%s' --applied ch_manual --reason 'sealed test'", key);
+    ck_assert_msg(idemq_cmd(q, out, sizeof out) == 0, "%s", out);
+    ck_assert_int_eq(num(EFFECT_PAYLOAD, key), 1);
+
+    /* confirmed, then the effect runs without k1: failed, naming the key */
+    make_job(&k, "s-effect", NULL, key2, sizeof key2);
+    snprintf(q, sizeof q, "INSERT INTO idemq_test.failing VALUES ('%s', '40001')", key2);
+    sql(q);
+    deliver(&k, &d);
+    ck_assert_msg(d.kind == PROVIDER_FLOW_RETRY, "%s: %s", d.outcome, d.reason);
+    ck_assert_str_eq(val(INTENT_STATE, key2, b, sizeof b), "confirmed");
+    ck_assert_int_eq(num(INTENT_SEALED, key2), 1);
+    nap_ms(d.delay_ms);
+    provider_flow_decision_clear(&d);
+    snprintf(q, sizeof q, "DELETE FROM idemq_test.failing WHERE key = '%s'", key2);
+    sql(q);
+    protect_with(false, true);
+    deliver(&k, &d);
+    ck_assert_msg(d.kind == PROVIDER_FLOW_RETRY, "%s: %s", d.outcome, d.reason);
+    nap_ms(d.delay_ms);
+    provider_flow_decision_clear(&d);
+    ck_assert_int_eq(num(EFFECTS, key2), 0);
+    ck_assert_int_eq(num("SELECT count(*) FROM idemq.attempts WHERE key = $1 AND outcome = "
+                         "'transient_error' AND message LIKE '%sealed with key ''k1''%'", key2),
+                     1);
+    protect_with(true, true); /* k1 listed again (k2 active) */
+    settle(&k, &d, &rounds, 3000);
+    ck_assert_msg(d.kind == PROVIDER_FLOW_ACK, "%s: %s", d.outcome, d.reason);
+    provider_flow_decision_clear(&d);
+    ck_assert_int_eq(num(EFFECT_PAYLOAD, key2), 1);
+    ck_assert_int_eq(tprov_stat(&T.p, NULL, "requests"), 2);
+
+    /* the reconciler opens it too (no message at hand) */
+    protect_with(true, false);
+    make_job(&m, "s-sweep", NULL, key3, sizeof key3);
+    snprintf(q, sizeof q, "INSERT INTO idemq_test.failing VALUES ('%s', '40001')", key3);
+    sql(q);
+    deliver(&m, &d);
+    ck_assert_msg(d.kind == PROVIDER_FLOW_RETRY, "%s: %s", d.outcome, d.reason);
+    provider_flow_decision_clear(&d);
+    snprintf(q, sizeof q, "DELETE FROM idemq_test.failing WHERE key = '%s'", key3);
+    sql(q);
+    age_intent(key3);
+    n = sweep();
+    ck_assert_int_eq(n.applied, 1);
+    ck_assert_int_eq(num(EFFECT_PAYLOAD, key3), 1);
+
+    /* a key that cannot be a header parks its message sealed */
+    snprintf(body, sizeof body, "{\"job_id\":\"%s-bad\\r\\nX: 1\",\"amount_minor\":5}",
+             T.prefix);
+    job_init(&bad);
+    ck_assert_int_eq(job_set_body(&bad, body, strlen(body)), IDEMQ_OK);
+    bad.input = 0;
+    ck_assert_int_eq(job_decode(&bad, &T.c->inputs[0]), IDEMQ_OK);
+    deliver(&bad, &d);
+    ck_assert_str_eq(d.outcome, "key_invalid_header");
+    provider_flow_decision_clear(&d);
+    park_sealed(&bad);
+
+    /* a provider copy of a SQL input's key parks its message sealed */
+    make_job(&c, "s-conflict", NULL, key4, sizeof key4);
+    ck_assert_int_eq(sql_copy(key4, b, sizeof b), LEDGER_APPLIED);
+    on_key("UPDATE idemq.jobs SET state = 'retrying' WHERE key = $1", key4);
+    deliver(&c, &d);
+    ck_assert_str_eq(json_string_value(json_object_get(d.park, "error_code")), "key_conflict");
+    provider_flow_decision_clear(&d);
+    park_sealed(&c);
+
+    protect_set_global(NULL);
+    protect_free(sealed_keys);
+    sealed_keys = NULL;
+    top_conf = "";
+    unlink(key_path[0]);
+    unlink(key_path[1]);
+    job_destroy(&j);
+    job_destroy(&k);
+    job_destroy(&m);
+    job_destroy(&bad);
+    job_destroy(&c);
+}
+END_TEST
+
 /* The flow under the least-privileged role of idemq migrate --grant: the
  * reference and the local effect (transaction 2b, provider_confirmed) run
  * with the owner's rights, as every other provider function. */
@@ -1732,6 +1914,11 @@ int main(void)
     tcase_add_test(tc, test_effect_timeout_keeps_reference);
     tcase_add_test(tc, test_cross_input_key_conflict);
     tcase_add_test(tc, test_flow_under_grant_role);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("sealed");
+    tcase_set_timeout(tc, 120 * mult());
+    tcase_add_checked_fixture(tc, setup, teardown);
+    tcase_add_test(tc, test_sealed_message);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
