@@ -386,6 +386,21 @@ static int list_broker_dead(const struct conf *c, const struct ops_filter *f,
     return rc;
 }
 
+/* The ids of the keys c lists, as a PostgreSQL text[] literal. */
+static void listed_key_ids(const struct conf *c, char *ids, size_t len)
+{
+    size_t off = 0;
+    ids[off++] = '{';
+    for (int i = 0; i < c->protection_keys.n; i++) {
+        const char *e = c->protection_keys.v[i], *eq = strchr(e, '=');
+        if (eq && off + (size_t)(eq - e) + 2 < len) /* ids are [A-Za-z0-9_-] */
+            off += (size_t)snprintf(ids + off, len - off, "%s%.*s", off > 1 ? "," : "",
+                                    (int)(eq - e), e);
+    }
+    ids[off++] = '}';
+    ids[off] = '\0';
+}
+
 /* Parks matching the list's filters (params: key, class, since, queue), open
  * ones and resolved ones of the hot history, whose body is sealed with a
  * key c does not list: they cannot be opened until that key is listed
@@ -393,20 +408,11 @@ static int list_broker_dead(const struct conf *c, const struct ops_filter *f,
 static long unreadable_parks(PGconn *db, const struct conf *c, const char *const *filter)
 {
     char ids[32 * 40 + 3];
-    size_t off = 0;
     const char *params[5] = {filter[0], filter[1], filter[2], filter[3], ids};
     PGresult *r;
     long n = -1;
 
-    ids[off++] = '{';
-    for (int i = 0; i < c->protection_keys.n; i++) {
-        const char *e = c->protection_keys.v[i], *eq = strchr(e, '=');
-        if (eq && off + (size_t)(eq - e) + 2 < sizeof ids) /* ids are [A-Za-z0-9_-] */
-            off += (size_t)snprintf(ids + off, sizeof ids - off, "%s%.*s", off > 1 ? "," : "",
-                                    (int)(eq - e), e);
-    }
-    ids[off++] = '}';
-    ids[off] = '\0';
+    listed_key_ids(c, ids, sizeof ids);
     r = PQexecParams(db,
                      "SELECT count(*) FROM (SELECT key, error_class, parked_at, source_queue,"
                      " body_key FROM idemq.parked UNION ALL SELECT key, park->>'error_class',"
@@ -416,6 +422,30 @@ static long unreadable_parks(PGconn *db, const struct conf *c, const char *const
                      " error_class = $2) AND ($3::timestamptz IS NULL OR parked_at >= $3)"
                      " AND ($4::text IS NULL OR source_queue = $4)",
                      5, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1)
+        n = atol(PQgetvalue(r, 0, 0));
+    PQclear(r);
+    return n;
+}
+
+/* Outbox rows still pending (filters: key, since) whose body is sealed
+ * with a key c does not list: the relay cannot publish them until that key
+ * is listed again (it logs each and counts idemq_outbox_unopened_total).
+ * Returns the count, or -1 when the ledger did not answer. */
+static long unreadable_outbox(PGconn *db, const struct conf *c, const char *const *filter)
+{
+    char ids[32 * 40 + 3];
+    const char *params[3] = {filter[0], filter[2], ids};
+    PGresult *r;
+    long n = -1;
+
+    listed_key_ids(c, ids, sizeof ids);
+    r = PQexecParams(db,
+                     "SELECT count(*) FROM idemq.outbox WHERE state = 'pending'"
+                     " AND body_key IS NOT NULL AND NOT body_key = ANY ($3::text[])"
+                     " AND ($1::text IS NULL OR key = $1)"
+                     " AND ($2::timestamptz IS NULL OR created_at >= $2)",
+                     3, NULL, params, NULL, NULL, 0);
     if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1)
         n = atol(PQgetvalue(r, 0, 0));
     PQclear(r);
@@ -516,9 +546,13 @@ int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
         fprintf(out, "\n");
         {
             long sealed = unreadable_parks(db, c, params);
+            long held = unreadable_outbox(db, c, params);
             if (sealed > 0)
                 fprintf(out, "bodies sealed with a key protection.keys does not list "
                              "(cannot be opened): %ld\n", sealed);
+            if (held > 0)
+                fprintf(out, "outbox rows sealed with a key protection.keys does not list "
+                             "(not published until it is listed again): %ld\n", held);
         }
     }
 out:

@@ -673,6 +673,14 @@ START_TEST(test_outbox_sealed)
                                     "state = 'pending' AND body_key = 'k9' AND attempts = 0",
                                 key),
                      1);
+    { /* and idemq parked list counts it, by its key */
+        static char out[1 << 16];
+        snprintf(sql, sizeof sql, "parked list --key '%s'", key);
+        ck_assert_int_eq(itest_idemq(&t, sql, out, sizeof out), 0);
+        ck_assert_msg(strstr(out, "outbox rows sealed with a key protection.keys does not list "
+                                  "(not published until it is listed again): 1"),
+                      "%s", out);
+    }
     snprintf(sql, sizeof sql, "%s:v", t.name);
     snprintf(want, sizeof want, "row %ld (key %s) is sealed with key \"k1\" and cannot be opened",
              itest_long(&t, "SELECT id FROM idemq.outbox WHERE key = $1", sql), sql);
