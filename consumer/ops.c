@@ -401,6 +401,17 @@ static void listed_key_ids(const struct conf *c, char *ids, size_t len)
     ids[off] = '\0';
 }
 
+/* The count sql returns for params, or -1 when the ledger did not answer. */
+static long count_of(PGconn *db, const char *sql, int n, const char *const *params)
+{
+    PGresult *r = PQexecParams(db, sql, n, NULL, params, NULL, NULL, 0);
+    long count = -1;
+    if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1)
+        count = atol(PQgetvalue(r, 0, 0));
+    PQclear(r);
+    return count;
+}
+
 /* Parks matching the list's filters (params: key, class, since, queue), open
  * ones and resolved ones of the hot history, whose body is sealed with a
  * key c does not list: they cannot be opened until that key is listed
@@ -409,11 +420,9 @@ static long unreadable_parks(PGconn *db, const struct conf *c, const char *const
 {
     char ids[32 * 40 + 3];
     const char *params[5] = {filter[0], filter[1], filter[2], filter[3], ids};
-    PGresult *r;
-    long n = -1;
 
     listed_key_ids(c, ids, sizeof ids);
-    r = PQexecParams(db,
+    return count_of(db,
                      "SELECT count(*) FROM (SELECT key, error_class, parked_at, source_queue,"
                      " body_key FROM idemq.parked UNION ALL SELECT key, park->>'error_class',"
                      " parked_at, source_queue, park->>'body_key' FROM idemq.park_history) p"
@@ -421,11 +430,7 @@ static long unreadable_parks(PGconn *db, const struct conf *c, const char *const
                      " AND ($1::text IS NULL OR key = $1) AND ($2::text IS NULL OR"
                      " error_class = $2) AND ($3::timestamptz IS NULL OR parked_at >= $3)"
                      " AND ($4::text IS NULL OR source_queue = $4)",
-                     5, NULL, params, NULL, NULL, 0);
-    if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1)
-        n = atol(PQgetvalue(r, 0, 0));
-    PQclear(r);
-    return n;
+                     5, params);
 }
 
 /* Outbox rows still pending (filters: key, since) whose body is sealed
@@ -436,20 +441,14 @@ static long unreadable_outbox(PGconn *db, const struct conf *c, const char *cons
 {
     char ids[32 * 40 + 3];
     const char *params[3] = {filter[0], filter[2], ids};
-    PGresult *r;
-    long n = -1;
 
     listed_key_ids(c, ids, sizeof ids);
-    r = PQexecParams(db,
+    return count_of(db,
                      "SELECT count(*) FROM idemq.outbox WHERE state = 'pending'"
                      " AND body_key IS NOT NULL AND NOT body_key = ANY ($3::text[])"
                      " AND ($1::text IS NULL OR key = $1)"
                      " AND ($2::timestamptz IS NULL OR created_at >= $2)",
-                     3, NULL, params, NULL, NULL, 0);
-    if (PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1)
-        n = atol(PQgetvalue(r, 0, 0));
-    PQclear(r);
-    return n;
+                     3, params);
 }
 
 int ops_parked_list(const struct conf *c, const struct ops_filter *f, FILE *out)
